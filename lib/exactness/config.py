@@ -1,0 +1,94 @@
+"""Model configuration: one frozen dataclass and its named presets.
+
+The layout follows Qwen3-MoE (``Qwen3MoeConfig`` in Hugging Face transformers): token embedding, ``n_layers``
+decoder layers (RMSNorm -> grouped-query attention with RoPE and per-head q/k RMSNorm -> residual -> RMSNorm ->
+MoE with softmax router, top-k, renormalised weights, SwiGLU experts and an optional shared expert -> residual),
+a final RMSNorm and an untied ``lm_head``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Byte-level vocabulary of the synthetic presets: 256 byte ids, then BOS and EOS (see tokenizer.py).
+BYTE_VOCAB = 258
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of one MoE decoder.
+
+    Attributes (all counts are plain ints; ``rope_theta`` and ``rms_eps`` are floats):
+        name: preset name or the checkpoint folder it came from.
+        vocab_size: rows of the embedding and of ``lm_head`` (tokens).
+        hidden: model width H.
+        n_layers: decoder layers L.
+        n_heads, n_kv_heads, head_dim: query heads Hq, key/value heads Hkv (GQA: Hq % Hkv == 0) and head dim D.
+        n_experts, top_k, expert_inter: routed experts E, experts per token k, expert width I.
+        shared_expert_inter: width of the always-on shared expert (0 = none, as in Qwen3-MoE).
+        norm_topk_prob: renormalise the k routing weights to sum to 1 (Qwen3-MoE default: True).
+        max_positions: largest position + 1 the model accepts (tokens).
+        rope_theta: RoPE base (Su et al., RoFormer, arXiv 2104.09864, eq. 15).
+        rms_eps: RMSNorm epsilon (Zhang & Sennrich, arXiv 1910.07467).
+        seed: seed of the synthetic weights (weights.py).
+        bos_id, eos_id: special token ids.
+    """
+
+    name: str
+    vocab_size: int
+    hidden: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    expert_inter: int
+    shared_expert_inter: int = 0
+    norm_topk_prob: bool = True
+    max_positions: int = 32768
+    rope_theta: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    seed: int = 0
+    bos_id: int = 256
+    eos_id: int = 257
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts", "top_k",
+                  "expert_inter", "max_positions"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"ModelConfig.{f} must be a positive int, got {v!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads} (GQA)")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    def replace(self, **changes) -> "ModelConfig":
+        """Return a copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Fast on 2 CPU cores (CI): every class is exercised, two layers, 8 experts with top-2 and a shared expert.
+    "tiny": ModelConfig(name="tiny", vocab_size=BYTE_VOCAB, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                        head_dim=16, n_experts=8, top_k=2, expert_inter=32, shared_expert_inter=32, seed=0),
+    # Per-layer shapes of Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert width 768, 32 q / 4 kv heads,
+    # head dim 128) at reduced depth and a byte vocabulary; for the GPU.
+    "small": ModelConfig(name="small", vocab_size=BYTE_VOCAB, hidden=2048, n_layers=4, n_heads=32, n_kv_heads=4,
+                         head_dim=128, n_experts=128, top_k=8, expert_inter=768, shared_expert_inter=0, seed=0),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """Return the preset called ``name``.
+
+    Raises:
+        ValueError: ``name`` is not a preset; the message lists the known ones.
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None

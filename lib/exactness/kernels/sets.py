@@ -1,0 +1,64 @@
+"""The registered kernel sets.
+
+``fast``: plain torch ops on whatever block of rows the path hands over (matmul, scaled_dot_product_attention, ...).
+Its prompt rows are not expected to equal decode rows; it is kept so receipts show both sets side by side.
+
+``invariant``: every class computes each row with the same shapes and the same accumulation order whatever the
+chunk or segment length (fixed 64-row tiles, fixed 256-key attention blocks, a RoPE table, fp32 MoE combine in slot
+order, stable top-k with lower-id tie-break). Its prompt kernels claim the decode kernels' bytes for every row.
+"""
+from __future__ import annotations
+
+from . import attention, dense, experts, head, norm, rope, router
+from .registry import register_set
+
+FAST = register_set(
+    "fast",
+    decode={
+        "dense": (dense.linear_fast, "F.linear on the rows given"),
+        "router": (router.router_fast, "F.linear, softmax, torch.topk"),
+        "expert_gate_up": (experts.gate_up_fast, "two F.linear, SiLU * up"),
+        "expert_down": (experts.down_fast, "F.linear"),
+        "moe_combine": (experts.combine_fast, "einsum over k in storage dtype"),
+        "attention": (attention.attention_fast_decode, "scaled_dot_product_attention per row"),
+        "rmsnorm": (norm.rmsnorm_fast, "fp32 mean of squares, rsqrt"),
+        "rope": (rope.rope_fast, "cos/sin evaluated per call"),
+        "residual": (norm.residual_add, "a + b"),
+        "lm_head": (head.lm_head_fast, "F.linear"),
+        "argmax": (head.argmax_first, "torch.argmax"),
+    },
+    prompt={
+        "dense": (dense.linear_fast, "F.linear on the whole chunk/tile"),
+        "router": (router.router_fast, "F.linear, softmax, torch.topk"),
+        "expert_gate_up": (experts.gate_up_fast, "two F.linear on the expert's rows"),
+        "expert_down": (experts.down_fast, "F.linear on the expert's rows"),
+        "moe_combine": (experts.combine_fast, "einsum over k in storage dtype"),
+        "attention": (attention.attention_fast_prompt, "scaled_dot_product_attention, causal mask"),
+        "rmsnorm": (norm.rmsnorm_fast, "fp32 mean of squares, rsqrt"),
+        "rope": (rope.rope_fast, "cos/sin evaluated per call"),
+        "residual": (norm.residual_add, "a + b"),
+        "lm_head": (head.lm_head_fast, "F.linear"),
+        "argmax": (head.argmax_first, "torch.argmax"),
+    },
+    claims_exact=False,
+    description="plain torch ops; prompt rows may differ from decode rows",
+)
+
+_INVARIANT = {
+    "dense": (dense.tile_linear, "F.linear on fixed 64-row tiles"),
+    "router": (router.router_invariant, "64-row tiles; fp32 softmax; stable sort top-k, lower id wins ties"),
+    "expert_gate_up": (experts.gate_up_invariant, "64-row tiles for GEMMs and SiLU"),
+    "expert_down": (experts.down_invariant, "F.linear on fixed 64-row tiles"),
+    "moe_combine": (experts.combine_invariant, "fp32 sum over k in slot order"),
+    "attention": (attention.attention_invariant, "64-row query tiles, 256-key blocks, online softmax in order"),
+    "rmsnorm": (norm.rmsnorm_invariant, "64-row tiles"),
+    "rope": (rope.rope_invariant, "cos/sin gathered from a table"),
+    "residual": (norm.residual_add, "a + b"),
+    "lm_head": (head.lm_head_invariant, "F.linear on fixed 64-row tiles"),
+    "argmax": (head.argmax_first, "torch.argmax (first maximum)"),
+}
+
+INVARIANT = register_set(
+    "invariant", decode=dict(_INVARIANT), prompt=dict(_INVARIANT), claims_exact=True,
+    description="batch-invariant: fixed tiles and reduction orders; prompt rows claim decode bytes",
+)

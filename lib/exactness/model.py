@@ -1,0 +1,180 @@
+"""The one forward used by every path: (tokens, positions, slots, cache, kernel set, plan) -> logits.
+
+A *plan* says how the rows of this call are computed: ``decode`` rows (one per stream and step) use the set's
+decode kernels; ``batched`` and ``deep`` prompt rows use its prompt kernels. The deep plan additionally runs the dense
+projections on fixed ``tile_rows``-row tiles and each expert over its member rows in ``expert_tile``-member tiles
+(the seed's deep prefill); with an invariant kernel set none of this changes a byte.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KVCache
+from .kernels import KernelSet, get_set
+from .weights import LayerWeights, Weights
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one forward call computes its rows.
+
+    Attributes:
+        kind: ``"decode"``, ``"batched"`` or ``"deep"``.
+        tile_rows: rows per dense tile on the deep plan (the seed uses 64).
+        expert_tile: members per expert tile on the deep plan (64).
+    """
+
+    kind: str = "batched"
+    tile_rows: int = 64
+    expert_tile: int = 64
+
+    @property
+    def role(self) -> str:
+        return "decode" if self.kind == "decode" else "prompt"
+
+
+DECODE = Plan("decode")
+BATCHED = Plan("batched")
+DEEP = Plan("deep")
+
+
+@dataclass
+class ForwardOut:
+    """logits [M, V] fp32 and the final hidden rows [M, H] (before the final RMSNorm; the MTP head reads them)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+_TAPS: list = []  # active tap recorders; empty (the default) means kernels are called unwrapped, at no cost
+
+
+@contextmanager
+def tapping(recorder):
+    """Within the block, every kernel call of every forward is reported to ``recorder.record(**call)``.
+
+    ``call`` holds: cls (kernel class), role, plan (decode/batched/deep), kernels (set name), layer (-1 = head),
+    positions ([M] int64 of the forward's rows), args (the kernel's inputs as passed) and out (its output). The
+    recorder decides what to keep (analysis/fp64.py keeps sampled rows only). Restores the previous state on exit.
+    """
+    _TAPS.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _TAPS.remove(recorder)
+
+
+class Ops:
+    """The kernel callables of one (set, plan), with the deep plan's tiling applied where it belongs."""
+
+    def __init__(self, kernels: KernelSet, plan: Plan):
+        self.k, self.plan, role = kernels, plan, plan.role
+        self.layer, self.positions = -1, None
+        for cls in ("router", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope",
+                    "residual", "lm_head", "argmax"):
+            setattr(self, cls, self._tap(cls, kernels.fn(cls, role)))
+        self._dense = self._tap("dense", kernels.fn("dense", role))
+
+    def _tap(self, cls: str, fn):
+        if not _TAPS:
+            return fn
+
+        def tapped(*args):
+            out = fn(*args)
+            for rec in list(_TAPS):
+                rec.record(cls=cls, role=self.plan.role, plan=self.plan.kind, kernels=self.k.name,
+                           layer=self.layer, positions=self.positions, args=args, out=out)
+            return out
+        return tapped
+
+    def dense(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ w[N, K]^T; on the deep plan in tiles of ``tile_rows`` rows."""
+        return self._tiled(self._dense, self.plan.tile_rows, x, w)
+
+    def expert(self, x: torch.Tensor, wg, wu, wd) -> torch.Tensor:
+        """One expert's SwiGLU on its member rows x [n, H] -> [n, H]; deep plan: ``expert_tile``-member tiles."""
+        f = lambda t, *w: self.expert_down(self.expert_gate_up(t, w[0], w[1]), w[2])  # noqa: E731
+        return self._tiled(f, self.plan.expert_tile, x, wg, wu, wd)
+
+    def _tiled(self, fn, tile: int, x: torch.Tensor, *w) -> torch.Tensor:
+        if self.plan.kind != "deep" or x.shape[0] <= tile:
+            return fn(x, *w)
+        return torch.cat([fn(x[i:i + tile], *w) for i in range(0, x.shape[0], tile)], dim=0)
+
+
+def attention_block(ops: Ops, lw: LayerWeights, cfg, x, positions, slots, cache: KVCache, layer: int):
+    """Pre-norm GQA block with per-head q/k RMSNorm and RoPE; writes this call's keys/values to the cache."""
+    M = x.shape[0]
+    h = ops.rmsnorm(x, lw.attn_norm, cfg.rms_eps)                                   # [M, H]
+    q = ops.dense(h, lw.wq).view(M, cfg.n_heads, cfg.head_dim)                       # [M, Hq, D]
+    k = ops.dense(h, lw.wk).view(M, cfg.n_kv_heads, cfg.head_dim)                    # [M, Hkv, D]
+    v = ops.dense(h, lw.wv).view(M, cfg.n_kv_heads, cfg.head_dim)
+    q = ops.rope(ops.rmsnorm(q, lw.q_norm, cfg.rms_eps), positions, cfg.rope_theta)
+    k = ops.rope(ops.rmsnorm(k, lw.k_norm, cfg.rms_eps), positions, cfg.rope_theta)
+    cache.write(layer, slots, positions, k, v)
+    o = ops.attention(q, cache.k[layer], cache.v[layer], slots, positions)          # [M, Hq, D]
+    return ops.residual(x, ops.dense(o.reshape(M, -1), lw.wo))
+
+
+def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts=None, layer: int = 0):
+    """Router -> top-k -> experts grouped by expert (expert-parallel) -> combine in slot order -> residual.
+
+    ``experts`` (optional) maps (layer, expert id) to device weights (wg, wu, wd); default: the resident weights.
+    """
+    M, k = x.shape[0], cfg.top_k
+    h = ops.rmsnorm(x, lw.mlp_norm, cfg.rms_eps)                                     # [M, H]
+    weights, idx, _ = ops.router(h, lw.router, k, cfg.norm_topk_prob)               # [M, k], [M, k]
+    y = h.new_zeros(M, k, cfg.hidden)                                                # [M, k, H]
+    flat = idx.flatten()                                                             # [M*k], member = row*k + slot
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=cfg.n_experts).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        members = order[start:start + n]
+        start += n
+        wg, wu, wd = experts(layer, e) if experts else (lw.w_gate[e], lw.w_up[e], lw.w_down[e])
+        y.view(M * k, -1)[members] = ops.expert(h[members // k], wg, wu, wd)
+    shared = None
+    if lw.shared_gate is not None:
+        shared = ops.expert(h, lw.shared_gate, lw.shared_up, lw.shared_down)  # shared expert: expert kernels
+    return ops.residual(x, ops.moe_combine(y, weights, shared))
+
+
+def forward(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+            kernels: KernelSet | str, plan: Plan = BATCHED, slots: torch.Tensor | None = None,
+            experts=None) -> ForwardOut:
+    """Run rows through the model and return their logits.
+
+    Args:
+        w: weights (storage dtype bf16 or fp32; device = compute device).
+        tokens: [M] int64 token ids; positions: [M] int64 absolute positions (< cfg.max_positions).
+        cache: KV cache; rows' keys/values are written at (slots, positions) before attention reads them.
+        kernels: kernel set (or its name); plan: decode / batched / deep.
+        slots: [M] int64 cache slots (default all 0).
+        experts: optional expert provider (see moe_block), used by offloaded paths.
+    Returns:
+        ForwardOut(logits [M, V] fp32, hidden [M, H] storage dtype).
+    Raises:
+        ValueError: a position outside 0..min(cache capacity, max_positions)-1.
+    """
+    cfg = w.cfg
+    if positions.numel() and (int(positions.max()) >= cache.capacity or int(positions.min()) < 0):
+        raise ValueError(f"positions {int(positions.min())}..{int(positions.max())} outside the cache capacity "
+                         f"0..{cache.capacity - 1} (model max_positions {cfg.max_positions})")
+    slots = torch.zeros_like(positions) if slots is None else slots
+    ops = Ops(get_set(kernels), plan)
+    ops.positions = positions
+    x = w.embed[tokens]                                                              # [M, H]
+    for i, lw in enumerate(w.layers):
+        ops.layer = i
+        x = attention_block(ops, lw, cfg, x, positions, slots, cache, i)
+        x = moe_block(ops, lw, cfg, x, experts, i)
+    ops.layer = -1
+    cache.advance(slots, positions)
+    logits = ops.lm_head(ops.rmsnorm(x, w.final_norm, cfg.rms_eps), w.lm_head)      # [M, V] fp32
+    return ForwardOut(logits, x)

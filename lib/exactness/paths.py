@@ -1,0 +1,158 @@
+"""The inference paths as thin wrappers over model.forward (../shared/guide/paths.md).
+
+    decode   the serial oracle: every prompt token one row at a time through the decode kernels, then the reply
+    batched  prompt rows in chunks of the step size through the prompt kernels (step None = one chunk)
+    deep     prompt segments of the step size; segments of >= deep_threshold rows run the deep plan (64-row dense
+             tiles, expert-parallel MoE in 64-member tiles), shorter ones the batched plan
+
+Every run records how many segments and rows each plan actually served, so a deep run that never ran deep shows.
+Generation is greedy (the set's argmax kernel), end-of-sequence ignored.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import KVCache
+from .kernels import KernelSet, get_set
+from .model import BATCHED, DECODE, DEEP, forward
+from .weights import Weights
+
+PATHS = ("decode", "batched", "deep")
+
+
+def _served() -> dict:
+    return {p: {"segments": 0, "rows": 0} for p in PATHS}
+
+
+@dataclass
+class RunResult:
+    """One greedy run.
+
+    Attributes:
+        path, step, kernels, deep_threshold: what was asked for (step in tokens, None = unbounded).
+        prompt_ids [P] int64, gen_ids [N] int64 (cpu).
+        prompt_logits [P, V] fp32 (cpu): logits of every prompt row.
+        gen_logits [N, V] fp32 (cpu): the logits each generated token was chosen from (row 0 = last prompt row).
+        served: plan -> {"segments", "rows"} actually run during prefill.
+        ttft_s: seconds to the first generated token; decode_s: seconds of the N-1 decode steps;
+        token_times: perf_counter stamp of each generated token (seconds).
+        cache: the KV cache after the run (kept only when asked).
+    """
+
+    path: str
+    step: int | None
+    kernels: str
+    deep_threshold: int
+    prompt_ids: torch.Tensor
+    gen_ids: torch.Tensor
+    prompt_logits: torch.Tensor
+    gen_logits: torch.Tensor
+    served: dict = field(default_factory=_served)
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    token_times: list = field(default_factory=list)
+    cache: KVCache | None = None
+
+
+def check_run_args(w: Weights, n_prompt: int, gen_tokens: int, path: str, step: int | None,
+                   deep_threshold: int) -> None:
+    """Validate a run's arguments.
+
+    Raises:
+        ValueError: unknown path, step <= 0, deep_threshold <= 0, gen_tokens < 0, an empty prompt, or prompt +
+            generated tokens past the model's max_positions; each message names the value and what is allowed.
+    """
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}; known paths: {', '.join(PATHS)}")
+    if step is not None and (not isinstance(step, int) or step <= 0):
+        raise ValueError(f"step size must be a positive int or None (unbounded), got {step!r}")
+    if not isinstance(deep_threshold, int) or deep_threshold <= 0:
+        raise ValueError(f"deep_threshold must be a positive int (rows), got {deep_threshold!r}")
+    if gen_tokens < 0:
+        raise ValueError(f"gen_tokens must be >= 0, got {gen_tokens}")
+    if n_prompt < 1:
+        raise ValueError("the prompt is empty; at least one token is needed")
+    if n_prompt + gen_tokens > w.cfg.max_positions:
+        raise ValueError(f"prompt of {n_prompt} tokens + {gen_tokens} generated exceeds the model's "
+                         f"max_positions={w.cfg.max_positions}")
+
+
+def _sync(w: Weights) -> None:
+    if w.device.type == "cuda":
+        torch.cuda.synchronize(w.device)
+
+
+def prefill(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | str, path: str,
+            step: int | None = None, deep_threshold: int = 512, start: int = 0, slot: int = 0,
+            served: dict | None = None, experts=None) -> torch.Tensor:
+    """Write prompt rows ``ids`` [P] at positions start..start+P-1 of ``slot`` and return their logits [P, V] fp32.
+
+    ``served`` (plan -> counts) is updated in place when given.
+    """
+    served = _served() if served is None else served
+    dev = w.device
+    ids = ids.to(dev)
+    P = ids.numel()
+    seg = 1 if path == "decode" else (step or P)
+    out = []
+    for a in range(0, P, seg):
+        rows = ids[a:a + seg]
+        n = rows.numel()
+        plan = DECODE if path == "decode" else (DEEP if path == "deep" and n >= deep_threshold else BATCHED)
+        pos = torch.arange(start + a, start + a + n, device=dev)
+        slots = torch.full_like(pos, slot)
+        out.append(forward(w, rows, pos, cache, kernels, plan, slots, experts).logits)
+        served[plan.kind]["segments"] += 1
+        served[plan.kind]["rows"] += n
+    return torch.cat(out, dim=0)
+
+
+def decode_step(w: Weights, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                kernels: KernelSet | str, experts=None) -> torch.Tensor:
+    """One decode step for len(tokens) streams (one row each): logits [B, V] fp32."""
+    return forward(w, tokens, positions, cache, kernels, DECODE, slots, experts).logits
+
+
+def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",
+             path: str = "decode", step: int | None = None, deep_threshold: int = 512,
+             keep_cache: bool = False, experts=None) -> RunResult:
+    """Prefill ``prompt_ids`` [P] on ``path`` and greedily generate ``gen_tokens`` tokens.
+
+    Raises:
+        ValueError: see check_run_args.
+    """
+    ks = get_set(kernels)
+    P = int(prompt_ids.numel())
+    check_run_args(w, P, gen_tokens, path, step, deep_threshold)
+    cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, w.device)
+    served = _served()
+    t0 = time.perf_counter()
+    plog = prefill(w, cache, prompt_ids, ks, path, step, deep_threshold, 0, 0, served, experts)
+    role = "decode" if path == "decode" else "prompt"
+    gen, glog = [], []
+    last = plog[-1:]
+    times = []
+    if gen_tokens:
+        gen.append(ks.fn("argmax", role)(last))
+        glog.append(last)
+        _sync(w)
+        times.append(time.perf_counter())
+    slots = torch.zeros(1, dtype=torch.int64, device=w.device)
+    for i in range(1, gen_tokens):
+        pos = torch.tensor([P + i - 1], device=w.device)
+        last = decode_step(w, cache, gen[-1], pos, slots, ks, experts)
+        gen.append(ks.fn("argmax", "decode")(last))
+        glog.append(last)
+        _sync(w)
+        times.append(time.perf_counter())
+    V = w.cfg.vocab_size
+    return RunResult(
+        path=path, step=step, kernels=ks.name, deep_threshold=deep_threshold, prompt_ids=prompt_ids.cpu(),
+        gen_ids=torch.cat(gen).cpu() if gen else torch.zeros(0, dtype=torch.int64),
+        prompt_logits=plog.cpu(), gen_logits=torch.cat(glog).cpu() if glog else torch.zeros(0, V),
+        served=served, ttft_s=(times[0] - t0) if times else 0.0,
+        decode_s=(times[-1] - times[0]) if len(times) > 1 else 0.0, token_times=[t - t0 for t in times],
+        cache=cache if keep_cache else None)

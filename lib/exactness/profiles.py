@@ -1,0 +1,74 @@
+"""Run profiles: which preset, device, prompts, step sizes and kernel sets a receipt run uses.
+
+A profile holds literals only; ``make receipts PROFILE=<name>`` picks one and the receipt runner passes its fields
+to each notebook's papermill ``parameters`` cell (names are validated against the notebook first).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One receipt configuration.
+
+    Attributes:
+        name: profile name (``ci``, ``full``, ``gpu``).
+        preset: model preset (config.PRESETS).
+        device: ``"cpu"`` or ``"cuda"``.
+        dtype: storage dtype of weights and activations, ``"bfloat16"`` or ``"float32"`` (accumulation is fp32).
+        prompts: prompt names (prompts.PROMPTS).
+        prompt_max_tokens: cut every prompt to at most this many tokens (None = the full prompt).
+        steps: prefill step sizes (tokens per chunk / segment); at least one is not a multiple of 64.
+        gen_tokens: greedy tokens generated per run (end-of-sequence ignored).
+        deep_threshold: the deep path serves segments of at least this many rows; shorter ones go batched.
+        kernel_sets: kernel sets to run (kernels.registry.KERNEL_SETS).
+    """
+
+    name: str
+    preset: str
+    device: str
+    dtype: str
+    prompts: tuple[str, ...]
+    prompt_max_tokens: int | None
+    steps: tuple[int, ...]
+    gen_tokens: int
+    deep_threshold: int
+    kernel_sets: tuple[str, ...]
+
+    def parameters(self) -> dict:
+        """Notebook parameters: the fields as JSON-friendly literals (tuples become lists)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        out["profile"] = out.pop("name")
+        return out
+
+
+PROFILES: dict[str, Profile] = {
+    "ci": Profile(name="ci", preset="tiny", device="cpu", dtype="bfloat16", prompts=("short", "code", "docs"),
+                  prompt_max_tokens=300, steps=(128, 100), gen_tokens=32, deep_threshold=100,
+                  kernel_sets=("fast", "invariant")),
+    "full": Profile(name="full", preset="tiny", device="cpu", dtype="bfloat16", prompts=("short", "code", "docs"),
+                    prompt_max_tokens=None, steps=(1024, 1000), gen_tokens=192, deep_threshold=512,
+                    kernel_sets=("fast", "invariant")),
+    "gpu": Profile(name="gpu", preset="small", device="cuda", dtype="bfloat16", prompts=("short", "code", "docs"),
+                   prompt_max_tokens=None, steps=(2048, 1000), gen_tokens=192, deep_threshold=512,
+                   kernel_sets=("fast", "invariant")),
+}
+
+DEFAULT_PROFILE = "full"
+
+
+def get_profile(name: str) -> Profile:
+    """Return the profile called ``name``.
+
+    Raises:
+        ValueError: unknown name; the message lists the known profiles.
+    """
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown profile {name!r}; known profiles: {', '.join(sorted(PROFILES))}") from None

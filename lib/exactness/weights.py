@@ -1,0 +1,123 @@
+"""Model weights: the tensor layout, seeded synthetic weights, and moving/casting them.
+
+Layout (Hugging Face Qwen3-MoE names in brackets; every matrix is ``[out_features, in_features]`` like nn.Linear):
+
+    embed      [V, H]                 (model.embed_tokens.weight)
+    layers[i]:
+      attn_norm  [H]                  (input_layernorm.weight)
+      wq [Hq*D, H], wk [Hkv*D, H], wv [Hkv*D, H], wo [H, Hq*D]   (self_attn.{q,k,v,o}_proj.weight)
+      q_norm [D], k_norm [D]          (self_attn.{q,k}_norm.weight)
+      mlp_norm   [H]                  (post_attention_layernorm.weight)
+      router     [E, H]               (mlp.gate.weight)
+      w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]   (mlp.experts.{e}.{gate,up,down}_proj.weight, stacked)
+      shared_gate [Is, H], shared_up [Is, H], shared_down [H, Is]   (optional shared expert; None when Is == 0)
+    final_norm [H]                    (model.norm.weight)
+    lm_head    [V, H]                 (lm_head.weight)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from .config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's tensors (shapes in the module docstring)."""
+
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    router: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    shared_gate: torch.Tensor | None = None
+    shared_up: torch.Tensor | None = None
+    shared_down: torch.Tensor | None = None
+
+    def map(self, fn) -> "LayerWeights":
+        """Apply ``fn`` to every tensor (None stays None)."""
+        return replace(self, **{f.name: (None if getattr(self, f.name) is None else fn(getattr(self, f.name)))
+                                for f in fields(self)})
+
+
+@dataclass
+class Weights:
+    """All model tensors plus the config they belong to."""
+
+    cfg: ModelConfig
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+
+    def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> "Weights":
+        """Return a copy on ``device`` with floating tensors cast to ``dtype`` (round-to-nearest-even)."""
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype if (dtype is not None and t.is_floating_point()) else t.dtype)
+        return Weights(cfg=self.cfg, embed=fn(self.embed), layers=[lw.map(fn) for lw in self.layers],
+                       final_norm=fn(self.final_norm), lm_head=fn(self.lm_head))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def nbytes(self) -> int:
+        """Total bytes of all tensors."""
+        total = self.embed.nbytes + self.final_norm.nbytes + self.lm_head.nbytes
+        for lw in self.layers:
+            total += sum(getattr(lw, f.name).nbytes for f in fields(lw) if getattr(lw, f.name) is not None)
+        return total
+
+
+def _linear(g: torch.Generator, out_f: int, in_f: int, *lead: int) -> torch.Tensor:
+    # Kaiming-style N(0, 1/in_features): keeps activations O(1) through the layer, like nn.Linear's default scale.
+    return torch.randn(*lead, out_f, in_f, generator=g) / math.sqrt(in_f)
+
+
+def _norm(g: torch.Generator, n: int) -> torch.Tensor:
+    # Around 1 with a spread, so the norm weights are not all equal (equal weights would hide per-channel bugs).
+    return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+
+def synthetic_weights(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                      device: str | torch.device = "cpu") -> Weights:
+    """Seeded synthetic weights for ``cfg``, identical on every machine for a given torch CPU generator.
+
+    Initialisation (all drawn in fp32 on the CPU from ``torch.Generator().manual_seed(cfg.seed)`` in the order
+    below, then rounded to ``dtype``): embedding N(0, 1); every linear weight N(0, 1/in_features); norm weights
+    1 + 0.1·N(0, 1); router N(0, 1/H) scaled by 4 so that routing is decisive rather than near-uniform.
+
+    Returns:
+        Weights on ``device`` in ``dtype`` (bf16 or fp32).
+    """
+    g = torch.Generator().manual_seed(cfg.seed)
+    H, D, E, I, Is = cfg.hidden, cfg.head_dim, cfg.n_experts, cfg.expert_inter, cfg.shared_expert_inter
+    embed = torch.randn(cfg.vocab_size, H, generator=g)
+    layers = []
+    for _ in range(cfg.n_layers):
+        layers.append(LayerWeights(
+            attn_norm=_norm(g, H),
+            wq=_linear(g, cfg.n_heads * D, H), wk=_linear(g, cfg.n_kv_heads * D, H),
+            wv=_linear(g, cfg.n_kv_heads * D, H), wo=_linear(g, H, cfg.n_heads * D),
+            q_norm=_norm(g, D), k_norm=_norm(g, D), mlp_norm=_norm(g, H),
+            router=4.0 * _linear(g, E, H),
+            w_gate=_linear(g, I, H, E), w_up=_linear(g, I, H, E), w_down=_linear(g, H, I, E),
+            shared_gate=_linear(g, Is, H) if Is else None, shared_up=_linear(g, Is, H) if Is else None,
+            shared_down=_linear(g, H, Is) if Is else None,
+        ))
+    w = Weights(cfg=cfg, embed=embed, layers=layers, final_norm=_norm(g, H), lm_head=_linear(g, cfg.vocab_size, H))
+    return w.to(device=device, dtype=dtype)
