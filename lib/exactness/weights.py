@@ -17,7 +17,7 @@ Layout (Hugging Face Qwen3-MoE names in brackets; every matrix is ``[out_feature
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -59,13 +59,15 @@ class Weights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: torch.Tensor
+    extra: dict = field(default_factory=dict)  # tensors beside the decoder (a checkpoint's MTP head): name -> tensor
 
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> "Weights":
         """Return a copy on ``device`` with floating tensors cast to ``dtype`` (round-to-nearest-even)."""
         def fn(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=device, dtype=dtype if (dtype is not None and t.is_floating_point()) else t.dtype)
         return Weights(cfg=self.cfg, embed=fn(self.embed), layers=[lw.map(fn) for lw in self.layers],
-                       final_norm=fn(self.final_norm), lm_head=fn(self.lm_head))
+                       final_norm=fn(self.final_norm), lm_head=fn(self.lm_head),
+                       extra={k: fn(v) for k, v in self.extra.items()})
 
     @property
     def dtype(self) -> torch.dtype:

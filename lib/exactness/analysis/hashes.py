@@ -1,0 +1,253 @@
+"""Token hashes and the hash matrix: every prompt x path x step size x kernel set, each run against its oracle.
+
+The oracle of a kernel set is its serial ``decode`` path. For each other run the section records whether the
+generated tokens equal the oracle's (token hash), the first divergent generated index with the oracle's top-1/top-2
+logit margin there, whether every prompt row's logits and the KV cache are byte-identical, and per-position
+max |logit difference| of prompt rows (binned) for the plot.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+import torch
+
+from ..config import get_preset
+from ..paths import RunResult, generate
+from ..prompts import build_prompt
+from ..weights import synthetic_weights
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DIFF_BINS = 256  # the logit-difference curve keeps at most this many points per run
+
+
+def token_hash(ids) -> str:
+    """First 12 hex digits of SHA-256 over the token ids as little-endian int32 (../shared/guide/paths.md)."""
+    arr = np.asarray(torch.as_tensor(ids).cpu().numpy(), dtype="<i4")
+    return hashlib.sha256(arr.tobytes()).hexdigest()[:12]
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"cpu"`` or ``"cuda"``/``"cuda:N"`` -> torch.device.
+
+    Raises:
+        ValueError: unknown device string, or CUDA asked for where torch sees none.
+    """
+    if device == "cpu":
+        return torch.device("cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} sees no CUDA device; "
+                             f"allowed here: 'cpu'")
+        return torch.device(device)
+    raise ValueError(f"unknown device {device!r}; allowed: 'cpu', 'cuda', 'cuda:N'")
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """``"bfloat16"`` or ``"float32"`` -> torch dtype. Raises ValueError naming the allowed ones."""
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}") from None
+
+
+def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """First index where token sequences a, b [N] differ (None if equal)."""
+    n = min(a.numel(), b.numel())
+    diff = (a[:n] != b[:n]).nonzero()
+    if diff.numel():
+        return int(diff[0])
+    return None if a.numel() == b.numel() else n
+
+
+def margin(logits: torch.Tensor) -> float:
+    """top-1 minus top-2 logit of one row [V] (fp32)."""
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def _cache_equal(a, b) -> bool | None:
+    if a is None or b is None:
+        return None
+    n = a.lengths[0]
+    return all(_bytes_equal(x[:, :n], y[:, :n]) for x, y in zip(a.k + a.v, b.k + b.v))
+
+
+def _binned_max(diff: torch.Tensor) -> list[float]:
+    """Per-position values [P] -> at most DIFF_BINS maxima over equal-width position bins."""
+    P = diff.numel()
+    width = max(1, -(-P // DIFF_BINS))
+    pad = (-P) % width
+    d = torch.cat([diff, diff.new_zeros(pad)]) if pad else diff
+    return [float(v) for v in d.view(-1, width).amax(dim=1)]
+
+
+def compare(run: RunResult, oracle: RunResult) -> dict:
+    """Row fields comparing ``run`` with ``oracle`` (tokens, prompt-logit bytes, KV bytes, margins)."""
+    div = first_divergence(run.gen_ids, oracle.gen_ids)
+    row_diff = (run.prompt_logits - oracle.prompt_logits).abs().amax(dim=1)          # [P] fp32
+    differing = (run.prompt_logits.view(torch.int32) != oracle.prompt_logits.view(torch.int32)).any(dim=1)
+    return {
+        "equals_oracle": div is None,
+        "first_divergence": div,
+        "oracle_margin": margin(oracle.gen_logits[div]) if div is not None else None,
+        "prompt_logits_equal": not bool(differing.any()),
+        "prompt_rows_differing": int(differing.sum()),
+        "first_differing_prompt_row": int(differing.nonzero()[0]) if differing.any() else None,
+        "max_prompt_logit_diff": float(row_diff.max()),
+        "kv_equal": _cache_equal(run.cache, oracle.cache),
+        "_curve": _binned_max(row_diff),
+    }
+
+
+def load_model(preset: str, device: str, dtype: str, checkpoint: str = ""):
+    """Weights and tokenizer for a preset (synthetic, seeded) or a local checkpoint folder.
+
+    Returns:
+        (Weights on ``device`` in ``dtype``, tokenizer or None for the byte tokenizer).
+    Raises:
+        ValueError: unknown preset, dtype or device (see resolve_device / resolve_dtype).
+    """
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    if checkpoint:
+        from ..checkpoint import load_checkpoint
+        return load_checkpoint(checkpoint, dtype=dt, device=dev)
+    return synthetic_weights(get_preset(preset), dtype=dt, device=dev), None
+
+
+def run_configs(steps, kernel_sets) -> list[tuple[str, str, int | None]]:
+    """(kernel set, path, step) of one prompt's runs, each set's oracle first.
+
+    Raises:
+        ValueError: an empty step list or a step <= 0.
+    """
+    steps = list(steps)
+    if not steps or any(not isinstance(s, int) or s <= 0 for s in steps):
+        raise ValueError(f"steps must be a non-empty list of positive ints (tokens), got {steps!r}")
+    out = []
+    for ks in kernel_sets:
+        out.append((ks, "decode", None))
+        out += [(ks, p, s) for p in ("batched", "deep") for s in steps]
+    return out
+
+
+def _row(prompt, run: RunResult, seconds: float) -> dict:
+    return {
+        "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "prompt_sha256": prompt.sha256,
+        "prompt_pin_ok": prompt.pin_ok, "path": run.path, "step": run.step, "kernels": run.kernels,
+        "deep_threshold": run.deep_threshold if run.path == "deep" else None,
+        "gen_tokens": int(run.gen_ids.numel()), "hash": token_hash(run.gen_ids), "served": run.served,
+        "ttft_s": round(run.ttft_s, 4), "decode_s": round(run.decode_s, 4), "seconds": round(seconds, 3),
+    }
+
+
+def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress=None) -> list[dict]:
+    """All runs of one prompt; rows as documented in the module docstring (``_curve`` holds the plot data)."""
+    rows, oracle = [], {}
+    for ks, path, step in run_configs(steps, kernel_sets):
+        t0 = time.perf_counter()
+        run = generate(w, prompt.ids, gen_tokens, ks, path, step, deep_threshold, keep_cache=True)
+        row = _row(prompt, run, time.perf_counter() - t0)
+        if path == "decode":
+            oracle[ks] = run
+            row.update(equals_oracle=True, first_divergence=None, oracle_margin=None, prompt_logits_equal=True,
+                       prompt_rows_differing=0, first_differing_prompt_row=None, max_prompt_logit_diff=0.0,
+                       kv_equal=True, _curve=None)
+        else:
+            row.update(compare(run, oracle[ks]))
+            run.cache = None  # the oracle keeps its cache for the later runs' KV comparison
+        rows.append(row)
+        if progress is not None:
+            progress.update(1)
+    return rows
+
+
+def run_section(params: dict) -> dict:
+    """The ``hashes`` section from profile/notebook parameters.
+
+    params keys: preset, device, dtype, prompts, prompt_max_tokens (int|None), steps, gen_tokens, deep_threshold,
+    kernel_sets, optional checkpoint ("" = synthetic), allow_unpinned (False).
+    Returns:
+        {"section": "hashes", "rows": [...], "curves": [{prompt, kernels, path, step, bin_width, max_abs_diff}]}.
+    Raises:
+        ValueError: bad preset/device/dtype/steps/kernel set/prompt name; PromptPinError: prompt text unpinned.
+    """
+    from tqdm import tqdm
+    from ..kernels import get_set
+    for ks in params["kernel_sets"]:
+        get_set(ks)  # fail before any work on an unknown set
+    w, tok = load_model(params["preset"], params["device"], params["dtype"], params.get("checkpoint", ""))
+    prompts = [build_prompt(p, params.get("prompt_max_tokens"), params.get("allow_unpinned", False), tok)
+               for p in params["prompts"]]
+    for p in prompts:
+        if p.n_tokens + params["gen_tokens"] > w.cfg.max_positions:
+            raise ValueError(f"prompt {p.name!r} has {p.n_tokens} tokens; with {params['gen_tokens']} generated it "
+                             f"exceeds max_positions={w.cfg.max_positions}")
+    n_runs = len(prompts) * len(run_configs(params["steps"], params["kernel_sets"]))
+    rows = []
+    with tqdm(total=n_runs, desc="hash matrix", unit="run", disable=None) as bar:
+        for p in prompts:
+            rows += run_prompt(w, p, params["kernel_sets"], params["steps"], params["gen_tokens"],
+                               params["deep_threshold"], bar)
+    curves = [{"prompt": r["prompt"], "kernels": r["kernels"], "path": r["path"], "step": r["step"],
+               "bin_width": max(1, -(-r["prompt_tokens"] // DIFF_BINS)), "max_abs_diff": r.pop("_curve")}
+              for r in rows]
+    return {"section": "hashes", "rows": rows, "curves": [c for c in curves if c["max_abs_diff"] is not None]}
+
+
+def _col(path: str, step) -> str:
+    return path if step is None else f"{path}@{step}"
+
+
+def hash_matrix(rows: list[dict]):
+    """DataFrame: one row per (prompt, kernels), one column per path@step; a cell is the token hash, marked
+    with a trailing ' ≠' when it differs from that set's oracle (the decode column)."""
+    import pandas as pd
+    df = pd.DataFrame([{"prompt": r["prompt"], "kernels": r["kernels"], "run": _col(r["path"], r["step"]),
+                        "cell": r["hash"] + ("" if r["equals_oracle"] else " ≠")} for r in rows])
+    order = list(dict.fromkeys(df["run"]))
+    return df.pivot(index=["prompt", "kernels"], columns="run", values="cell")[order]
+
+
+def oracle_table(rows: list[dict]):
+    """DataFrame of every non-oracle run: tokens, prompt-logit bytes and KV bytes against the oracle, with the
+    first divergent generated index and the oracle's top-1/top-2 margin there, and the rows each plan served."""
+    import pandas as pd
+    out = []
+    for r in rows:
+        if r["path"] == "decode":
+            continue
+        served = ", ".join(f"{k} {v['rows']} rows/{v['segments']} seg" for k, v in r["served"].items() if v["rows"])
+        out.append({"prompt": r["prompt"], "kernels": r["kernels"], "run": _col(r["path"], r["step"]),
+                    "tokens equal": r["equals_oracle"], "first divergence": r["first_divergence"],
+                    "oracle margin": r["oracle_margin"], "prompt rows differing": r["prompt_rows_differing"],
+                    "of": r["prompt_tokens"], "max |Δlogit|": r["max_prompt_logit_diff"], "KV bytes equal": r["kv_equal"],
+                    "served": served})
+    return pd.DataFrame(out)
+
+
+def plot_curves(section: dict):
+    """Figure: per prompt, the per-position max |logit difference| of prompt rows against the oracle (binned
+    maxima), one line per run; exact runs (all zero) are listed in the legend as 'exact'."""
+    import matplotlib.pyplot as plt
+    prompts = list(dict.fromkeys(c["prompt"] for c in section["curves"]))
+    fig, axes = plt.subplots(len(prompts), 1, figsize=(9, 2.6 * len(prompts)), squeeze=False)
+    for ax, p in zip(axes[:, 0], prompts):
+        for c in (c for c in section["curves"] if c["prompt"] == p):
+            y = np.asarray(c["max_abs_diff"])
+            x = np.arange(len(y)) * c["bin_width"]
+            label = f"{c['kernels']} {_col(c['path'], c['step'])}" + (" (exact)" if not y.any() else "")
+            ax.plot(x, np.where(y > 0, y, np.nan), label=label, lw=1)
+        ax.set_yscale("log")
+        ax.set_title(f"{p}: max |logit − oracle logit| per prompt position", fontsize=9)
+        ax.set_xlabel("prompt position (tokens)")
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
