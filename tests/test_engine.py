@@ -1,0 +1,149 @@
+"""Config, prompts, tokenizer, paths: shapes, served-row accounting and the errors bad input gets."""
+import hashlib
+
+import pytest
+import torch
+
+from exactness import prompts as P
+from exactness.analysis.hashes import first_divergence, hash_matrix, resolve_device, resolve_dtype, token_hash
+from exactness.config import ModelConfig, get_preset
+from exactness.model import tapping
+from exactness.paths import generate
+from exactness.profiles import get_profile
+from exactness.tokenizer import ByteTokenizer
+
+
+def test_unknown_names_are_errors_that_list_the_known_ones():
+    with pytest.raises(ValueError, match="known presets: small, tiny"):
+        get_preset("huge")
+    with pytest.raises(ValueError, match="known profiles"):
+        get_profile("nightly")
+    with pytest.raises(ValueError, match="known prompts"):
+        P.build_prompt("poem")
+    with pytest.raises(ValueError, match="allowed: bfloat16, float32"):
+        resolve_dtype("float8")
+
+
+def test_config_validation_names_the_bad_field():
+    with pytest.raises(ValueError, match="n_heads=6 is not a multiple of n_kv_heads=4"):
+        get_preset("tiny").replace(n_heads=6, n_kv_heads=4)
+    with pytest.raises(ValueError, match="hidden"):
+        ModelConfig(name="x", vocab_size=10, hidden=0, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2,
+                    n_experts=1, top_k=1, expert_inter=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_where_there_is_none_is_a_clear_error():
+    with pytest.raises(ValueError, match="sees no CUDA device"):
+        resolve_device("cuda")
+
+
+def test_prompts_match_their_pins_and_sizes():
+    sizes = {"short": 40, "code": 16022, "docs": 12780}
+    for name, n in sizes.items():
+        p = P.build_prompt(name)
+        assert p.pin_ok and p.n_tokens == n and p.sha256 == P.PROMPTS[name].sha256
+        assert hashlib.sha256(p.text).hexdigest() == p.sha256
+        assert p.ids[0] == ByteTokenizer.bos_id and bytes(p.ids[1:].tolist()) == p.text
+
+
+def test_a_changed_prompt_text_fails_unless_allowed(monkeypatch):
+    real = P.prompt_text
+    monkeypatch.setattr(P, "prompt_text", lambda spec: real(spec)[:-1] + b"!")
+    with pytest.raises(P.PromptPinError, match="differs from the pin"):
+        P.build_prompt("short")
+    p = P.build_prompt("short", allow_unpinned=True)
+    assert not p.pin_ok and p.sha256 != P.PROMPTS["short"].sha256
+
+
+def test_cut_prompt_is_a_prefix_with_its_own_hash():
+    full, cut = P.build_prompt("docs"), P.build_prompt("docs", max_tokens=100)
+    assert cut.n_tokens == 100 and torch.equal(cut.ids, full.ids[:100]) and cut.pin_ok
+    assert cut.sha256 == hashlib.sha256(full.text[:99]).hexdigest()
+
+
+def test_token_hash_is_sha256_of_little_endian_int32():
+    ids = [1, 256, 65537]
+    raw = b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
+    assert token_hash(torch.tensor(ids)) == hashlib.sha256(raw).hexdigest()[:12]
+    assert token_hash(torch.tensor([1, 2])) != token_hash(torch.tensor([2, 1]))
+
+
+def test_first_divergence():
+    a = torch.tensor([1, 2, 3, 4])
+    assert first_divergence(a, a.clone()) is None
+    assert first_divergence(a, torch.tensor([1, 2, 9, 4])) == 2
+    assert first_divergence(a, a[:3]) == 3
+
+
+@pytest.mark.parametrize("step,threshold,expect", [
+    (64, 64, {"deep": (2, 128), "batched": (1, 32)}),     # 160 = 64 + 64 + 32: the 32-row tail runs batched
+    (100, 200, {"deep": (0, 0), "batched": (2, 160)}),    # below the threshold deep never runs, and says so
+    (None, 100, {"deep": (1, 160), "batched": (0, 0)}),
+])
+def test_deep_path_records_what_it_served(tiny_weights, code_prompt, step, threshold, expect):
+    r = generate(tiny_weights, code_prompt.ids, 2, "fast", "deep", step, threshold)
+    for plan, (segs, rows) in expect.items():
+        assert (r.served[plan]["segments"], r.served[plan]["rows"]) == (segs, rows)
+    assert r.served["decode"]["rows"] == 0
+
+
+def test_generate_shapes_and_decode_oracle_accounting(tiny_weights, code_prompt):
+    r = generate(tiny_weights, code_prompt.ids, 5, "fast", "decode")
+    V = tiny_weights.cfg.vocab_size
+    assert r.gen_ids.shape == (5,) and r.gen_ids.dtype == torch.int64
+    assert r.prompt_logits.shape == (160, V) and r.prompt_logits.dtype == torch.float32
+    assert r.gen_logits.shape == (5, V)
+    assert torch.equal(r.gen_ids, r.gen_logits.argmax(dim=1))
+    assert r.served["decode"] == {"segments": 160, "rows": 160}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(path="decode", step=0), "step size must be a positive int"),
+    (dict(path="batched", step=-3), "step size must be a positive int"),
+    (dict(path="sideways"), "unknown path 'sideways'"),
+    (dict(path="deep", step=64, deep_threshold=0), "deep_threshold must be a positive int"),
+])
+def test_bad_run_arguments(tiny_weights, code_prompt, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        generate(tiny_weights, code_prompt.ids, 2, "fast", **kwargs)
+
+
+def test_prompt_longer_than_positions_is_refused(tiny_weights):
+    ids = torch.zeros(tiny_weights.cfg.max_positions, dtype=torch.int64)
+    with pytest.raises(ValueError, match="exceeds the model's max_positions=32768"):
+        generate(tiny_weights, ids, 1, "fast", "batched")
+
+
+def test_unknown_kernel_set_lists_known_ones(tiny_weights, code_prompt):
+    with pytest.raises(ValueError, match="known sets: fast, invariant"):
+        generate(tiny_weights, code_prompt.ids, 1, "exact-ish", "batched")
+
+
+def test_taps_see_every_class_and_are_off_by_default(tiny_weights, code_prompt):
+    class Rec:
+        def __init__(self):
+            self.seen = set()
+
+        def record(self, **call):
+            self.seen.add((call["cls"], call["plan"]))
+    rec = Rec()
+    with tapping(rec):
+        generate(tiny_weights, code_prompt.ids[:70], 2, "invariant", "deep", 64, 64)
+    classes = {c for c, _ in rec.seen}
+    assert classes == {"dense", "router", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm",
+                       "rope", "residual", "lm_head"}
+    assert {p for _, p in rec.seen} == {"deep", "batched", "decode"}
+    before = len(rec.seen)
+    generate(tiny_weights, code_prompt.ids[:10], 2, "fast", "batched")  # outside the block: nothing recorded
+    assert len(rec.seen) == before
+
+
+def test_hash_matrix_marks_runs_that_differ_from_their_oracle():
+    rows = [dict(prompt="p", kernels="fast", path="decode", step=None, hash="aaa", equals_oracle=True),
+            dict(prompt="p", kernels="fast", path="batched", step=8, hash="bbb", equals_oracle=False),
+            dict(prompt="p", kernels="invariant", path="decode", step=None, hash="aaa", equals_oracle=True),
+            dict(prompt="p", kernels="invariant", path="batched", step=8, hash="aaa", equals_oracle=True)]
+    m = hash_matrix(rows)
+    assert m.loc[("p", "fast"), "batched@8"] == "bbb ≠"
+    assert m.loc[("p", "invariant"), "batched@8"] == "aaa"
