@@ -1,0 +1,42 @@
+# Set-up and entry points. `make receipts` and `make test` run `setup` themselves when needed.
+#
+#   make receipts [PROFILE=ci|full|gpu] [OUT=dir] [PARAMS="gen_tokens=8 steps=[64,100]"]
+#   make test | make lab | make clean
+#
+# CUDA users: make setup TORCH_VERSION=<version> TORCH_INDEX=https://download.pytorch.org/whl/cu124
+# (the default pin takes the CPU wheel; an unpinned torch would pull a multi-GB CUDA build).
+
+PYTHON        ?= python3
+VENV          := .venv
+PY            := $(VENV)/bin/python
+STAMP         := $(VENV)/.setup-stamp
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX   ?=
+KERNEL_NAME   := exactness
+PROFILE       ?= full
+OUT           ?=
+PARAMS        ?=
+
+.PHONY: setup receipts test lab clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL_NAME) --display-name "Python (exactness)"
+	touch $(STAMP)
+
+receipts: setup
+	$(PY) -m exactness receipts --profile $(PROFILE) $(if $(OUT),--out $(OUT)) $(foreach p,$(PARAMS),--param '$(p)')
+
+test: setup
+	$(PY) -m pytest -q
+
+lab: setup
+	$(VENV)/bin/jupyter lab
+
+clean:
+	rm -rf $(VENV) build lib/*.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +

@@ -1,0 +1,155 @@
+"""Command line: ``python -m exactness <subcommand>``.
+
+    receipts --profile P [--out DIR] [--param key=value ...]   run the notebooks, write one receipt run folder
+    env                                                         print the environment record as JSON
+    profiles                                                    list the run profiles
+
+Exit codes: 0 ok; 1 a receipt was written but is marked failed; 2 bad input (nothing written).
+Every subcommand is one entry of ``SUBCOMMANDS``; analysis subcommands are registered with :func:`analysis_command`
+at the marked registration point below.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .profiles import DEFAULT_PROFILE, PROFILES, get_profile
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One subcommand: ``add_arguments(parser)`` declares its options, ``handler(args) -> exit code`` runs it."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    handler: Callable[[argparse.Namespace], int]
+
+
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"one of {', '.join(PROFILES)} (default %(default)s)")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one parameter; the value is read as YAML (steps=[64,100]); repeatable")
+
+
+# ------------------------------------------------------------------------------------------------------ receipts
+
+def _receipts_args(p: argparse.ArgumentParser) -> None:
+    _profile_args(p)
+    p.add_argument("--out", default=None, help="run folder (must not exist); default receipts/<UTC>-<sha>-<profile>")
+
+
+def _receipts(args: argparse.Namespace) -> int:
+    from .receipt import run_receipts
+
+    result = run_receipts(args.profile, args.out, args.param)
+    print(result.folder)
+    return 0 if result.status == "ok" else 1
+
+
+# ---------------------------------------------------------------------------------------------------- env, profiles
+
+def _env(args: argparse.Namespace) -> int:
+    from .receipt import environment
+
+    print(json.dumps(environment(), indent=2))
+    return 0
+
+
+def _profiles(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    rows = []
+    for name, prof in PROFILES.items():
+        params = prof.parameters()
+        params.pop("profile")
+        rows.append([name + (" (default)" if name == DEFAULT_PROFILE else "")] + [str(v) for v in params.values()])
+    heads = ["profile"] + [k for k in next(iter(PROFILES.values())).parameters() if k != "profile"]
+    print(tabulate(rows, headers=heads, disable_numparse=True))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ analysis
+
+def analysis_command(module: str, help: str, func: str = "run_section",
+                     extra_params: tuple[str, ...] = ()) -> Subcommand:
+    """A subcommand ``--profile P [--out file.json] [--param k=v ...]`` that calls ``<module>.<func>(params)``
+    with the profile's parameters updated by the overrides, and writes the returned dict as JSON (to stdout
+    without ``--out``; the file is replaced atomically).
+
+    Override names must be profile fields or ``extra_params``; otherwise exit 2 naming the allowed ones.
+    """
+    def add(p: argparse.ArgumentParser) -> None:
+        _profile_args(p)
+        p.add_argument("--out", default=None, help="JSON file to write (default: stdout)")
+
+    def run(args: argparse.Namespace) -> int:
+        from .receipt import ReceiptError, parse_overrides
+
+        params = get_profile(args.profile).parameters()
+        overrides = parse_overrides(args.param)
+        allowed = set(params) | set(extra_params)
+        for key in overrides:
+            if key not in allowed:
+                raise ReceiptError(f"unknown parameter {key!r}; allowed: {', '.join(sorted(allowed))}")
+        result = getattr(importlib.import_module(module), func)({**params, **overrides})
+        _write_json(result, args.out)
+        return 0
+
+    return Subcommand(help, add, run)
+
+
+def _write_json(obj, out: str | None) -> None:
+    text = json.dumps(obj, indent=1, default=str) + "\n"
+    if out is None:
+        sys.stdout.write(text)
+        return
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "receipts": Subcommand("run the notebooks of a profile into one receipt run folder", _receipts_args, _receipts),
+    "env": Subcommand("print the environment record (git, versions, device, numerics flags) as JSON",
+                      lambda p: None, _env),
+    "profiles": Subcommand("list the run profiles", lambda p: None, _profiles),
+    # ---- analysis subcommands (engine side), one line each
+    "hashes": analysis_command("exactness.analysis.hashes", "token hashes of every path -> section JSON",
+                               extra_params=("checkpoint", "allow_unpinned")),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with one subparser per ``SUBCOMMANDS`` entry."""
+    parser = argparse.ArgumentParser(prog="python -m exactness", description="Exactness receipts of LLM inference "
+                                     "paths.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name, cmd in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(_handler=cmd.handler)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 failed receipt, 2 bad input with a message on stderr)."""
+    from .receipt import ReceiptError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args._handler(args)
+    except (ReceiptError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

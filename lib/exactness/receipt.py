@@ -1,0 +1,386 @@
+"""Receipt runs: the environment record, atomic run folders, and running the notebooks into one receipt.
+
+A run executes each notebook of a profile with papermill into a hidden temporary folder beside the final one,
+collects the section JSON each notebook wrote (through the lib) to its ``out_json`` parameter, assembles
+``receipt.json``, renders ``receipt.md`` and ``receipt.html`` (see :mod:`exactness.render`), and renames the
+temporary folder into place. A notebook that fails still yields a receipt, marked ``"status": "failed"``.
+
+Section JSON contract (what a notebook writes to ``out_json``): an object with ``"section": <name>`` and either
+``"rows": [...]`` (list of dicts; goes to ``receipt[<name>]``), or ``"data": {...}`` (goes to ``receipt[<name>]``),
+or neither (every other key goes to ``receipt[<name>]`` as one object). With ``rows`` or ``data``, any further keys
+go to ``receipt["<name>_extra"]``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .profiles import get_profile
+
+SCHEMA = 1
+KERNEL_NAME = "exactness"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+DEFAULT_RECEIPTS_DIR = REPO_ROOT / "receipts"
+DEFAULT_NOTEBOOKS = ["10_output_hashes"]
+# Notebooks each profile runs, in order. Later issues add 20_kernel_contract, 30_fp64_per_class, 40_streams, 50_bench.
+RUN_NOTEBOOKS: dict[str, list[str]] = {
+    "ci": ["10_output_hashes"],
+    "full": ["10_output_hashes"],
+    "gpu": ["10_output_hashes"],
+}
+OUT_JSON = "out_json"  # the parameter through which the runner tells a notebook where to write its section
+RESERVED_KEYS = {"schema", "status", "profile", "parameters", "env", "errors", "notebooks"}
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class ReceiptError(Exception):
+    """Bad input to a receipt run (unknown parameter, existing folder, missing notebook or kernel, ...).
+
+    Raised before anything is written."""
+
+
+@dataclass
+class RunResult:
+    """Outcome of :func:`run_receipts`: the final run folder, ``"ok"`` or ``"failed"``, and the receipt dict."""
+
+    folder: Path
+    status: str
+    receipt: dict
+
+
+# --------------------------------------------------------------------------------------------------- environment
+
+def _git(args: list[str], cwd: Path) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
+
+
+def git_state(path: Path | str = REPO_ROOT) -> dict:
+    """Git state of the repository containing ``path``.
+
+    Returns:
+        ``{"sha": str|None, "short": str|None, "dirty": bool|None, "error": str (only when unknown)}``; ``dirty``
+        counts modified, staged and untracked (not ignored) files. Never raises: no git, no repo or no commit
+        yet give ``None`` values and an ``error`` message.
+    """
+    try:
+        sha = _git(["rev-parse", "HEAD"], Path(path))
+        dirty = bool(_git(["status", "--porcelain"], Path(path)))
+        return {"sha": sha, "short": sha[:7], "dirty": dirty}
+    except (OSError, subprocess.SubprocessError) as e:
+        msg = getattr(e, "stderr", None) or str(e)
+        return {"sha": None, "short": None, "dirty": None, "error": msg.strip().splitlines()[-1] if msg else "?"}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """Record of where a receipt was made.
+
+    Returns:
+        dict with ``git`` (see :func:`git_state`), ``python``, ``torch``, ``cuda`` (torch's CUDA version or None),
+        ``triton`` (None when not installed), ``device`` (GPU name, or the CPU name), ``compute_capability``
+        (``"9.0"`` or None), ``numerics`` (TF32 flags, deterministic algorithms, float32 matmul precision),
+        ``platform``, ``hostname`` and ``time_utc`` (ISO 8601). Raises nothing beyond torch's own import errors.
+    """
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {
+        "git": git_state(REPO_ROOT),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": cuda,
+        "triton": _version("triton"),
+        "device": torch.cuda.get_device_name(0) if cuda else _cpu_name(),
+        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if cuda else None,
+        "numerics": {
+            "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        },
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "time_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- parameters
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """Parse ``["key=value", ...]``; each value is read with ``yaml.safe_load`` (``steps=[64,100]`` is a list).
+
+    Raises:
+        ReceiptError: an item without ``=`` or whose key is not a Python identifier.
+    """
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ReceiptError(f"bad parameter {item!r}: expected key=value with key a Python identifier")
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ReceiptError(f"bad value in parameter {item!r}: {e}") from None
+    return out
+
+
+def declared_parameters(notebooks_dir: Path, notebooks: list[str]) -> dict[str, set[str]]:
+    """Parameter names each notebook's ``parameters`` cell declares (via ``papermill.inspect_notebook``).
+
+    Raises:
+        ReceiptError: a notebook file is missing, cannot be inspected (no kernelspec metadata), or does not
+            declare ``out_json``.
+    """
+    import papermill
+
+    declared = {}
+    for nb in notebooks:
+        path = Path(notebooks_dir) / f"{nb}.ipynb"
+        if not path.is_file():
+            raise ReceiptError(f"notebook {nb!r} not found: {path} does not exist")
+        try:
+            declared[nb] = set(papermill.inspect_notebook(str(path)))
+        except ValueError as e:  # e.g. no kernelspec in the notebook's metadata
+            raise ReceiptError(f"notebook {nb!r} cannot be inspected: {e}") from None
+        if OUT_JSON not in declared[nb]:
+            raise ReceiptError(f"notebook {nb!r} has no {OUT_JSON!r} in its parameters cell; "
+                               f"it declares: {', '.join(sorted(declared[nb])) or '(nothing)'}")
+    return declared
+
+
+def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) -> dict[str, dict]:
+    """Parameters per notebook: ``base`` (the profile's) updated by ``overrides``, each notebook getting only
+    the names it declares.
+
+    Raises:
+        ReceiptError: an override names a parameter no notebook of the run declares (the message lists the
+            allowed names), or overrides ``out_json`` (the runner sets it).
+    """
+    allowed = set().union(*declared.values()) - {OUT_JSON}
+    for key in overrides:
+        if key == OUT_JSON or key not in allowed:
+            raise ReceiptError(f"unknown parameter {key!r} for notebooks {', '.join(declared)}; "
+                               f"allowed: {', '.join(sorted(allowed))}")
+    merged = {**base, **overrides}
+    return {nb: {k: v for k, v in merged.items() if k in names} for nb, names in declared.items()}
+
+
+# ----------------------------------------------------------------------------------------------------- the folder
+
+def run_folder(profile: str, out: Path | str | None, env: dict, receipts_dir: Path | str | None = None) -> Path:
+    """The final run folder: ``out`` if given, else ``<receipts_dir>/<UTC %Y%m%dT%H%M%SZ>-<git short>-<profile>``.
+
+    Raises:
+        ReceiptError: the folder already exists (receipts are never overwritten).
+    """
+    if out is None:
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        short = env.get("git", {}).get("short") or "nogit"
+        out = Path(receipts_dir or DEFAULT_RECEIPTS_DIR) / f"{stamp}-{short}-{profile}"
+    final = Path(out).absolute()
+    if final.exists():
+        raise ReceiptError(f"run folder {final} already exists; receipts are never overwritten: pick another OUT")
+    return final
+
+
+def _check_kernel(kernel_name: str) -> None:
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        KernelSpecManager().get_kernel_spec(kernel_name)
+    except NoSuchKernel:
+        raise ReceiptError(f"Jupyter kernel {kernel_name!r} is not registered; run `make setup` (it runs "
+                           f"python -m ipykernel install --sys-prefix --name {kernel_name})") from None
+
+
+# ------------------------------------------------------------------------------------------------------- the run
+
+def _error_entry(nb: str, exc: BaseException) -> dict:
+    """An ``errors`` item for notebook ``nb``: notebook, cell, ename, evalue, traceback (last 40 lines)."""
+    tb = getattr(exc, "traceback", None)
+    lines = "\n".join(tb).splitlines() if tb else None
+    if lines is None:
+        import traceback
+
+        lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
+    return {
+        "notebook": nb,
+        "cell": getattr(exc, "cell_index", None),
+        "exec_count": getattr(exc, "exec_count", None),
+        "ename": getattr(exc, "ename", None) or type(exc).__name__,
+        "evalue": str(getattr(exc, "evalue", None) or exc),
+        "traceback": [_ANSI.sub("", line) for line in lines[-40:]],
+    }
+
+
+def _execute(nb: str, src: Path, tmp: Path, params: dict, kernel_name: str) -> dict:
+    """Run one notebook into ``tmp``; returns its ``notebooks`` entry (``error`` included when it failed)."""
+    import papermill
+
+    t0 = time.perf_counter()
+    entry = {"name": nb, "file": f"{nb}.ipynb", "parameters": sorted(params)}
+    print(f"[receipt] running {nb} ...", file=sys.stderr, flush=True)
+    try:
+        papermill.execute_notebook(str(src), str(tmp / f"{nb}.ipynb"), parameters=params, kernel_name=kernel_name,
+                                   cwd=str(src.parent), progress_bar=False)
+        entry["status"] = "ok"
+    except Exception as exc:  # noqa: BLE001 -- any failure becomes a visible receipt error
+        entry["status"], entry["error"] = "failed", _error_entry(nb, exc)
+    entry["seconds"] = round(time.perf_counter() - t0, 3)
+    print(f"[receipt] {nb}: {entry['status']} ({entry['seconds']:.1f} s)", file=sys.stderr, flush=True)
+    return entry
+
+
+def merge_section(receipt: dict, obj: dict, notebook: str) -> None:
+    """Put one section object (the contract in this module's docstring) into ``receipt`` in place.
+
+    Raises:
+        ValueError: no ``section`` name, a reserved or already present name.
+    """
+    name = obj.get("section") if isinstance(obj, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{notebook}: section JSON must be an object with a 'section' name")
+    if name in RESERVED_KEYS or name in receipt:
+        raise ValueError(f"{notebook}: section name {name!r} is reserved or already used")
+    rest = {k: v for k, v in obj.items() if k != "section"}
+    main = "rows" if "rows" in rest else "data" if "data" in rest else None
+    if main is None:
+        receipt[name] = rest
+        return
+    receipt[name] = rest.pop(main)
+    if rest:
+        receipt[f"{name}_extra"] = rest
+
+
+def _collect(tmp: Path, entries: list[dict], errors: list[dict]) -> dict:
+    """Sections from every section JSON the notebooks wrote; a missing or bad one is appended to ``errors``."""
+    sections: dict = {}
+    for entry in entries:
+        path = tmp / "sections" / f"{entry['name']}.json"
+        if not path.is_file():
+            if entry["status"] == "ok":
+                errors.append({"notebook": entry["name"], "ename": "MissingSection",
+                               "evalue": f"the notebook wrote no section JSON to sections/{path.name}"})
+            continue
+        try:
+            merge_section(sections, json.loads(path.read_text()), entry["name"])
+        except ValueError as e:  # includes json.JSONDecodeError
+            errors.append(_error_entry(entry["name"], e))
+    return sections
+
+
+def _write_outputs(receipt: dict, tmp: Path, notebook_files: list[Path]) -> None:
+    """Write receipt.md, receipt.html and receipt.json; a rendering failure marks the receipt failed."""
+    from . import render
+
+    for name, fn in (("receipt.md", lambda: render.render_markdown(receipt)),
+                     ("receipt.html", lambda: render.render_html(receipt, notebook_files))):
+        try:
+            text = fn()
+        except Exception as exc:  # noqa: BLE001 -- never lose the receipt to a renderer bug
+            receipt["errors"].append(_error_entry(name, exc))
+            receipt["status"] = "failed"
+            text = render.fallback_text(receipt, html=name.endswith(".html"))
+        (tmp / name).write_text(text, encoding="utf-8")
+    (tmp / "receipt.json").write_text(json.dumps(receipt, indent=1, default=str) + "\n", encoding="utf-8")
+
+
+def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | list[str] | None = None, *,
+                 notebooks_dir: Path | str | None = None, notebooks: list[str] | None = None,
+                 receipts_dir: Path | str | None = None, kernel_name: str = KERNEL_NAME) -> RunResult:
+    """Run the notebooks of ``profile`` and write one run folder atomically.
+
+    Args:
+        profile: profile name (``profiles.PROFILES``).
+        out: final run folder; default ``<receipts_dir>/<UTC time>-<git short sha>-<profile>``.
+        overrides: parameter overrides, a dict or ``["key=value", ...]`` strings (see :func:`parse_overrides`).
+        notebooks_dir: where the notebooks are (default: the repo's ``notebooks/``).
+        notebooks: notebook names without ``.ipynb`` (default: ``RUN_NOTEBOOKS[profile]``).
+        receipts_dir: parent of default run folders (default: the repo's ``receipts/``).
+        kernel_name: registered Jupyter kernel to run them with.
+
+    Returns:
+        :class:`RunResult`; ``status`` is ``"failed"`` when any notebook, section or rendering failed (the folder
+        is still written and renamed into place, marked failed).
+
+    Raises:
+        ValueError: unknown profile. ReceiptError: bad parameter, existing folder, missing notebook or kernel.
+        Both are raised before anything is written.
+    """
+    prof = get_profile(profile)
+    if not isinstance(overrides, dict):
+        overrides = parse_overrides(overrides)
+    nb_dir = Path(notebooks_dir or DEFAULT_NOTEBOOKS_DIR).absolute()
+    names = list(notebooks or RUN_NOTEBOOKS.get(profile, DEFAULT_NOTEBOOKS))
+    per_nb = plan_parameters(prof.parameters(), overrides, declared_parameters(nb_dir, names))
+    _check_kernel(kernel_name)
+    env = environment()
+    final = run_folder(profile, out, env, receipts_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+    (tmp / "sections").mkdir()
+    try:
+        receipt = _run_in(tmp, prof, overrides, env, nb_dir, per_nb, kernel_name)
+        if final.exists():  # os.rename would silently replace an empty directory
+            raise ReceiptError(f"run folder {final} appeared during the run; nothing was written")
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"[receipt] {receipt['status']}: {final}", file=sys.stderr, flush=True)
+    return RunResult(folder=final, status=receipt["status"], receipt=receipt)
+
+
+def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: dict[str, dict],
+            kernel_name: str) -> dict:
+    """Execute the notebooks into ``tmp``, assemble the receipt and write its files; returns the receipt."""
+    params = {**prof.parameters(), **overrides}
+    env = {**env, "kernel_sets": params.get("kernel_sets")}
+    entries = []
+    for nb, nb_params in per_nb.items():
+        nb_params = {**nb_params, OUT_JSON: str(tmp / "sections" / f"{nb}.json")}
+        entries.append(_execute(nb, nb_dir / f"{nb}.ipynb", tmp, nb_params, kernel_name))
+    errors = [e.pop("error") for e in entries if "error" in e]
+    sections = _collect(tmp, entries, errors)
+    receipt = {"schema": SCHEMA, "status": "failed" if errors else "ok", "profile": prof.name,
+               "parameters": params, "env": env, **sections, "errors": errors, "notebooks": entries}
+    files = [tmp / e["file"] for e in entries if (tmp / e["file"]).is_file()]
+    _write_outputs(receipt, tmp, files)
+    if receipt["status"] != "ok":
+        (tmp / "FAILED").write_text("".join(f"{e.get('notebook')}: {e.get('ename')}: {e.get('evalue')}\n"
+                                            for e in receipt["errors"]), encoding="utf-8")
+    return receipt

@@ -1,0 +1,302 @@
+"""Rendering a receipt: ``receipt.md`` (GitHub markdown tables) and ``receipt.html`` (self-contained page).
+
+Markdown: a header (status, profile, environment, errors), then one block per section found in the receipt, made
+by ``RENDERERS[name](section_data) -> str`` or, for a section with no renderer, by :func:`render_generic`.
+To add a renderer: write ``def render_x(data) -> str`` (use :func:`table` for tables) and register it with
+``RENDERERS["x"] = render_x`` (here or from the module that owns the section).
+"""
+from __future__ import annotations
+
+import html as _html
+import json
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from tabulate import tabulate
+
+MD_LIMIT = 65_536  # GitHub's cap on a comment
+MAX_ROWS = 200  # rows per table before truncation
+FLOAT_FMT = ".4g"
+RECEIPT_KEYS = ("schema", "status", "profile", "parameters", "env", "errors", "notebooks")
+DIFF_MARK = "✗"
+OPTIONAL_RUN_COLUMNS = ("prompt_logits_equal", "kv_equal", "max_prompt_logit_diff", "seconds")
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+def cell(v) -> str:
+    """One table cell as text: floats with ``FLOAT_FMT``, None as ``–``, containers as compact JSON;
+    pipes escaped and newlines flattened so the GitHub table stays intact."""
+    if v is None:
+        s = "–"
+    elif isinstance(v, bool):
+        s = "yes" if v else "no"
+    elif isinstance(v, float):
+        s = format(v, FLOAT_FMT)
+    elif isinstance(v, (dict, list, tuple)):
+        s = json.dumps(v, separators=(",", ":"), default=str)
+    else:
+        s = str(v)
+    s = s.replace("\r", "").replace("\n", " ").replace("|", "\\|")
+    return s if len(s) <= 160 else s[:157] + "..."
+
+
+def table(rows: list[list], headers: list[str], max_rows: int = MAX_ROWS) -> str:
+    """A GitHub markdown table (tabulate, numbers left as written); over ``max_rows`` rows it is cut with a note."""
+    note = ""
+    if len(rows) > max_rows:
+        note = f"\n\n_{len(rows) - max_rows} more rows not shown; see receipt.json._"
+        rows = rows[:max_rows]
+    body = [[cell(v) for v in r] for r in rows]
+    return tabulate(body, headers=[cell(h) for h in headers], tablefmt="github", disable_numparse=True,
+                    floatfmt=FLOAT_FMT) + note
+
+
+def truncate(text: str, limit: int = MD_LIMIT) -> str:
+    """``text`` cut at a line boundary so that it, with a closing note, stays under ``limit`` characters."""
+    if len(text) < limit:
+        return text
+    note = "\n\n_Receipt truncated to stay under GitHub's 65,536-character limit; see receipt.json._\n"
+    cut = text.rfind("\n", 0, limit - len(note) - 1)
+    return text[:max(cut, 0)] + note
+
+
+# ------------------------------------------------------------------------------------------------------ header
+
+def _env_rows(receipt: dict) -> list[list]:
+    env = receipt.get("env") or {}
+    git = env.get("git") or {}
+    sha = git.get("sha") or f"unknown ({git.get('error', 'no git')})"
+    dirty = {True: " (dirty)", False: ""}.get(git.get("dirty"), "")
+    num = env.get("numerics") or {}
+    return [["status", str(receipt.get("status", "?")).upper()], ["profile", receipt.get("profile")],
+            ["git", f"{sha}{dirty}"], ["python", env.get("python")],
+            ["torch", f"{env.get('torch')} (CUDA {env.get('cuda') or 'none'}, triton {env.get('triton') or 'none'})"],
+            ["device", env.get("device")], ["compute capability", env.get("compute_capability")],
+            ["kernel sets", ", ".join(env.get("kernel_sets") or []) or None],
+            ["numerics", ", ".join(f"{k}={v}" for k, v in num.items())],
+            ["host, time (UTC)", f"{env.get('hostname')}, {env.get('time_utc')}"]]
+
+
+def render_errors(errors: list[dict]) -> str:
+    """The errors block: a table of (notebook, cell, error, message) and each traceback's tail."""
+    if not errors:
+        return ""
+    rows = [[e.get("notebook"), e.get("cell"), e.get("ename"), e.get("evalue")] for e in errors]
+    out = ["## Errors", "", table(rows, ["notebook", "cell", "error", "message"])]
+    for e in errors:
+        if e.get("traceback"):
+            tail = "\n".join(e["traceback"][-15:]).replace("```", "'''")
+            out += ["", f"Traceback tail ({e.get('notebook')}):", "", "```", tail, "```"]
+    return "\n".join(out)
+
+
+def render_header(receipt: dict) -> str:
+    """Title, a FAILED banner when failed, the environment table, the errors and the parameters."""
+    failed = receipt.get("status") != "ok"
+    parts = [f"# Exactness receipt: {receipt.get('profile')} — {'FAILED' if failed else 'ok'}", ""]
+    if failed:
+        parts += ["**This run FAILED: the receipt is incomplete. The errors are listed below.**", ""]
+    parts += [table(_env_rows(receipt), ["field", "value"])]
+    if failed:
+        parts += ["", render_errors(receipt.get("errors") or [])]
+    params = receipt.get("parameters") or {}
+    if params:
+        parts += ["", "## Parameters", "", table([[k, v] for k, v in params.items()], ["parameter", "value"])]
+    nbs = receipt.get("notebooks") or []
+    if nbs:
+        rows = [[n.get("name"), n.get("status"), n.get("seconds")] for n in nbs]
+        parts += ["", "## Notebooks", "", table(rows, ["notebook", "status", "seconds"])]
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------------ hashes
+
+def _col(row: dict) -> str:
+    step = row.get("step")
+    return str(row.get("path")) if step is None else f"{row.get('path')}@{step}"
+
+
+def _differs(row: dict, oracle: dict[tuple, str]) -> bool:
+    if row.get("equals_oracle") is not None:
+        return not row["equals_oracle"]
+    ref = oracle.get((row.get("prompt"), row.get("kernels")))
+    return ref is not None and row.get("hash") != ref
+
+
+def _served(served) -> str | None:
+    if not isinstance(served, dict):
+        return None if served is None else str(served)
+    parts = []
+    for path, s in served.items():
+        s = s if isinstance(s, dict) else {"rows": s}
+        if s.get("rows") == 0:
+            continue  # a path that served nothing is left out
+        seg = f"{s['segments']} seg / " if "segments" in s and path != "decode" else ""
+        parts.append(f"{path} {seg}{s.get('rows', '?')} rows")
+    return "; ".join(parts) or "nothing"
+
+
+def _col_key(row: dict) -> tuple:
+    step = row.get("step")
+    return ({"decode": 0, "batched": 1, "deep": 2}.get(row.get("path"), 9), str(row.get("path")),
+            step is not None, step if isinstance(step, (int, float)) else 0, str(step))
+
+
+def _hash_matrix(rows: list[dict]) -> str:
+    cols = [_col(r) for r in sorted(rows, key=_col_key)]
+    cols = list(dict.fromkeys(cols))
+    oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows if r.get("path") == "decode"}
+    grid: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r.get("prompt"), r.get("kernels"))
+        sha = (r.get("prompt_sha256") or "")[:12] + (" ⚠ unpinned" if r.get("prompt_pin_ok") is False else "")
+        g = grid.setdefault(key, {"tokens": r.get("prompt_tokens"), "sha": sha})
+        g[_col(r)] = f"`{r.get('hash')}`" + (f" {DIFF_MARK}" if _differs(r, oracle) else "")
+    body = [[p, g["tokens"], g["sha"] or None, k, *[g.get(c, "") for c in cols]] for (p, k), g in grid.items()]
+    return table(body, ["prompt", "tokens", "prompt sha256", "kernels", *cols])
+
+
+def render_hashes(rows: list[dict]) -> str:
+    """The ``hashes`` section: the hash matrix (one row per prompt and kernel set, one column per path@step,
+    ``✗`` where a hash differs from that kernel set's decode oracle), the runs that differ from the oracle, and what
+    each path actually served."""
+    if not rows:
+        return "## Token hashes\n\n_No hash rows._"
+    legend = ("Hash: first 12 hex digits of SHA-256 over the generated ids (int32 LE). "
+              f"`{DIFF_MARK}`: differs from the decode (oracle) hash of the same prompt and kernels.")
+    parts = ["## Token hashes", "", legend, "", _hash_matrix(rows)]
+    oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows if r.get("path") == "decode"}
+    diff = [r for r in rows if _differs(r, oracle)]
+    parts += ["", "### Runs that differ from the oracle", ""]
+    if diff:
+        parts.append(table([[r.get("prompt"), r.get("kernels"), r.get("path"), r.get("step"),
+                             r.get("first_divergence"), r.get("oracle_margin"), _served(r.get("served"))]
+                            for r in diff],
+                           ["prompt", "kernels", "path", "step", "first divergence", "oracle margin", "served"]))
+    else:
+        parts.append("_Every run equals its oracle._")
+    return "\n".join(parts + ["", "### Runs", "", _runs_table(rows)])
+
+
+def _runs_table(rows: list[dict]) -> str:
+    heads = ["prompt", "kernels", "path", "step", "tokens", "gen", "equals oracle", "served"]
+    opt = [k for k in OPTIONAL_RUN_COLUMNS if any(k in r for r in rows)]
+    body = []
+    for r in rows:
+        served = _served(r.get("served"))
+        deep = r["served"].get("deep") if isinstance(r.get("served"), dict) else None
+        if r.get("path") == "deep" and isinstance(r.get("served"), dict) and not (deep or {}).get("rows"):
+            served = f"{served} ⚠ deep path served nothing"
+        body.append([r.get("prompt"), r.get("kernels"), r.get("path"), r.get("step"), r.get("prompt_tokens"),
+                     r.get("gen_tokens"), r.get("equals_oracle"), served, *[r.get(k) for k in opt]])
+    return table(body, heads + [k.replace("_", " ") for k in opt])
+
+
+# ----------------------------------------------------------------------------------------------------- generic
+
+def render_generic(data, title: str = "") -> str:
+    """Fallback for a section with no renderer: a list of dicts as one table (union of keys), a dict as a
+    key/value table, anything else as a one-cell table."""
+    head = [f"## {title}", ""] if title else []
+    if isinstance(data, list) and all(isinstance(r, dict) for r in data):
+        keys = list(dict.fromkeys(k for r in data for k in r))
+        return "\n".join(head + [table([[r.get(k) for k in keys] for r in data], keys)])
+    if isinstance(data, dict):
+        return "\n".join(head + [table([[k, v] for k, v in data.items()], ["key", "value"])])
+    return "\n".join(head + [table([[data]], ["value"])])
+
+
+RENDERERS: dict[str, Callable[[object], str]] = {
+    "hashes": render_hashes,
+}
+
+
+def sections(receipt: dict) -> Iterable[tuple[str, object]]:
+    """The (name, data) pairs of the receipt's sections, in order (``<name>_extra`` keys included)."""
+    return [(k, v) for k, v in receipt.items() if k not in RECEIPT_KEYS]
+
+
+def render_markdown(receipt: dict) -> str:
+    """``receipt.md``: header plus one block per section, under ``MD_LIMIT`` characters."""
+    parts = [render_header(receipt)]
+    for name, data in sections(receipt):
+        if name.endswith("_extra") and name[:-6] in receipt:
+            parts.append(render_extra(name, data))
+        elif name in RENDERERS:
+            parts.append(RENDERERS[name](data))
+        else:
+            parts.append(render_generic(data, title=name))
+    return truncate("\n\n".join(p for p in parts if p) + "\n")
+
+
+def render_extra(name: str, extra: dict) -> str:
+    """A section's extra keys: scalars as a key/value table; lists and dicts (plot data, ...) only named."""
+    scalars = {k: v for k, v in extra.items() if not isinstance(v, (list, dict))}
+    rest = [k for k in extra if k not in scalars]
+    parts = [f"## {name}", "", table([[k, v] for k, v in scalars.items()], ["key", "value"])] if scalars else []
+    if rest:
+        parts += ["", f"_{name}: {', '.join(rest)} (in receipt.json)._"]
+    return "\n".join(parts).strip()
+
+
+# -------------------------------------------------------------------------------------------------------- html
+
+# nbconvert's lab template, less everything that loads from a CDN (require.js, MathJax, mermaid, widgets).
+_TEMPLATE = """{%- extends 'index.html.j2' -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+{% block jupyter_widgets %}{% endblock jupyter_widgets %}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+"""
+_EXTERNAL = re.compile(r"<script[^>]*\bsrc=[\"']?(?:https?:)?//|import\(\s*[\"'](?:https?:)?//", re.IGNORECASE)
+
+
+def merge_notebooks(receipt: dict, notebook_files: list[Path]):
+    """One nbformat notebook: a header markdown cell (status, environment, errors), then for each executed
+    notebook a markdown title cell and its cells (cell ids renumbered to stay unique)."""
+    import nbformat
+
+    merged = nbformat.v4.new_notebook()
+    merged.cells.append(nbformat.v4.new_markdown_cell(render_header(receipt), id="receipt-header"))
+    for path in notebook_files:
+        nb = nbformat.read(str(path), as_version=4)
+        merged.metadata = merged.metadata or nb.metadata
+        merged.cells.append(nbformat.v4.new_markdown_cell(f"# Notebook `{Path(path).stem}`", id=f"{path.stem}-title"))
+        for i, c in enumerate(nb.cells):
+            c["id"] = f"{Path(path).stem}-{i}"[-64:]
+            merged.cells.append(c)
+    return merged
+
+
+def render_html(receipt: dict, notebook_files: list[Path]) -> str:
+    """``receipt.html``: the merged notebooks through nbconvert's ``HTMLExporter`` without code cells, MathJax and
+    other CDN scripts left out of the template, images inline as data URIs.
+
+    Raises:
+        RuntimeError: an external script is still present after removal (never a silently non-standalone page).
+    """
+    import jinja2
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"receipt.html.j2": _TEMPLATE})],
+                            template_file="receipt.html.j2", exclude_input=True, exclude_input_prompt=True,
+                            exclude_output_prompt=True, embed_images=True)
+    title = f"Exactness receipt {receipt.get('profile')} ({receipt.get('status')})"
+    body, _ = exporter.from_notebook_node(merge_notebooks(receipt, notebook_files),
+                                          resources={"metadata": {"name": title}})
+    if _EXTERNAL.search(body):
+        raise RuntimeError("receipt.html would load an external script; the template let one through")
+    return body
+
+
+def fallback_text(receipt: dict, html: bool = False) -> str:
+    """Minimal markdown or HTML used when a renderer itself failed: the header and errors, as plain text."""
+    try:
+        text = render_header(receipt)
+    except Exception:  # noqa: BLE001
+        text = json.dumps({k: receipt.get(k) for k in ("status", "profile", "errors")}, indent=1, default=str)
+    if not html:
+        return text + "\n"
+    return f"<!DOCTYPE html><html><body><pre>{_html.escape(text)}</pre></body></html>\n"

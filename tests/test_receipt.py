@@ -1,0 +1,260 @@
+"""The receipt runner: atomic run folders, failures, validation, markdown and HTML rendering.
+
+Runs the fixture notebooks in tests/fixtures/ through papermill with the registered ``exactness`` kernel
+(``make setup`` registers it), the same path ``make receipts`` takes.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from exactness import receipt, render
+from exactness.__main__ import main
+from exactness.receipt import ReceiptError, merge_section, parse_overrides, run_receipts
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def run(out: Path, notebooks: list[str], params: list[str] | None = None, **kw) -> receipt.RunResult:
+    return run_receipts("ci", out, params or [], notebooks_dir=FIXTURES, notebooks=notebooks, **kw)
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.fixture(scope="module")
+def ok_run(tmp_path_factory) -> receipt.RunResult:
+    return run(tmp_path_factory.mktemp("ok") / "run", ["ok"], ["gen_tokens=8", "n_prompts=2"])
+
+
+@pytest.fixture(scope="module")
+def failed_run(tmp_path_factory) -> receipt.RunResult:
+    return run(tmp_path_factory.mktemp("failed") / "run", ["ok", "boom"])
+
+
+# ----------------------------------------------------------------------------------------------- a complete run
+
+def test_ok_run_writes_complete_folder(ok_run):
+    folder = ok_run.folder
+    assert ok_run.status == "ok"
+    names = {p.name for p in folder.iterdir()}
+    assert {"receipt.json", "receipt.md", "receipt.html", "ok.ipynb", "sections"} <= names
+    assert "FAILED" not in names
+    assert leftovers(folder.parent) == []
+
+
+def test_receipt_json_schema(ok_run):
+    data = json.loads((ok_run.folder / "receipt.json").read_text())
+    assert data["schema"] == 1 and data["status"] == "ok" and data["profile"] == "ci"
+    assert data["errors"] == []
+    assert data["parameters"]["gen_tokens"] == 8 and data["parameters"]["n_prompts"] == 2
+    env = data["env"]
+    for key in ("git", "python", "torch", "cuda", "device", "compute_capability", "numerics", "kernel_sets"):
+        assert key in env
+    assert {"sha", "dirty"} <= set(env["git"])
+    rows = data["hashes"]
+    assert len(rows) == 2 * 2 * 5  # prompts x kernel sets x (decode + 2 batched + 2 deep)
+    assert {r["gen_tokens"] for r in rows} == {8}
+    assert data["hashes_extra"] == {"note": "fixture"}
+
+
+def test_notebook_gets_only_declared_parameters(ok_run):
+    (entry,) = ok_run.receipt["notebooks"]
+    assert "out_json" in entry["parameters"] and "steps" in entry["parameters"]
+    assert "preset" not in entry["parameters"]  # a profile field the fixture does not declare
+
+
+def test_markdown(ok_run):
+    md = (ok_run.folder / "receipt.md").read_text()
+    assert len(md) < 65_536
+    assert md.startswith("# Exactness receipt: ci — ok")
+    assert "| prompt " in md and "batched@100" in md and "deep@128" in md
+    assert "`bbbbbbbbbbbb` ✗" in md and "`aaaaaaaaaaaa` |" in md
+    assert "Runs that differ from the oracle" in md and "deep path served nothing" in md
+    assert "data:" not in md and "<img" not in md
+
+
+def test_html_is_self_contained_without_code(ok_run):
+    html = (ok_run.folder / "receipt.html").read_text()
+    assert not re.search(r"<script[^>]*src=[\"']?(https?:)?//", html, re.IGNORECASE)
+    assert "https://cdn" not in html
+    assert "data:image/png;base64," in html  # the fixture's plot, inlined
+    assert "json.dump" not in html  # code cells are excluded
+    assert "parameters:" in html  # outputs are kept
+
+
+def test_written_in_hidden_temporary_folder_then_renamed(tmp_path, monkeypatch):
+    out, seen = tmp_path / "run", []
+    real = receipt._execute
+
+    def spy(nb, src, tmp, params, kernel_name):
+        seen.append((out.exists(), tmp.parent == tmp_path, tmp.name.startswith(".run.tmp-"),
+                     Path(params["out_json"]).parent == tmp / "sections"))
+        return real(nb, src, tmp, params, kernel_name)
+
+    monkeypatch.setattr(receipt, "_execute", spy)
+    result = run(out, ["boom"])
+    assert seen == [(False, True, True, True)]
+    assert result.folder == out and (out / "receipt.json").is_file() and leftovers(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------------------ a failed run
+
+def test_failed_run_is_marked_and_shows_the_error(failed_run):
+    folder = failed_run.folder
+    assert failed_run.status == "failed"
+    data = json.loads((folder / "receipt.json").read_text())
+    assert data["status"] == "failed"
+    (err,) = data["errors"]
+    assert err["notebook"] == "boom" and err["ename"] == "ValueError" and "boom on purpose" in err["evalue"]
+    assert err["cell"] is not None and any("boom on purpose" in line for line in err["traceback"])
+    assert "hashes" in data  # the notebook that worked still reports
+    md = (folder / "receipt.md").read_text()
+    assert md.startswith("# Exactness receipt: ci — FAILED")
+    assert md.index("boom on purpose") < md.index("## Token hashes")
+    html = (folder / "receipt.html").read_text()
+    assert "FAILED" in html and "boom on purpose" in html
+    assert (folder / "FAILED").read_text().startswith("boom: ValueError")
+    assert leftovers(folder.parent) == []
+
+
+def test_failed_run_exit_code(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(receipt, "DEFAULT_NOTEBOOKS_DIR", FIXTURES)
+    monkeypatch.setitem(receipt.RUN_NOTEBOOKS, "ci", ["boom"])
+    out = tmp_path / "run"
+    assert main(["receipts", "--profile", "ci", "--out", str(out), "--param", "gen_tokens=3"]) == 1
+    assert json.loads((out / "receipt.json").read_text())["status"] == "failed"
+    assert capsys.readouterr().out.strip() == str(out)
+
+
+# ------------------------------------------------------------------------------------- bad input, nothing written
+
+def test_refuses_to_overwrite(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ReceiptError, match="already exists"):
+        run(out, ["ok"])
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert leftovers(tmp_path) == []
+
+
+def test_refuses_existing_empty_folder(tmp_path):
+    (tmp_path / "run").mkdir()
+    with pytest.raises(ReceiptError, match="never overwritten"):
+        run(tmp_path / "run", ["ok"])
+    assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_unknown_profile(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"unknown profile 'nope'.*ci.*full.*gpu"):
+        run_receipts("nope", tmp_path / "run")
+    assert main(["receipts", "--profile", "nope", "--out", str(tmp_path / "run")]) == 2
+    assert "unknown profile 'nope'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_parameter_fails_before_running(tmp_path, monkeypatch):
+    monkeypatch.setattr(receipt, "_execute", lambda *a, **k: pytest.fail("a notebook ran"))
+    with pytest.raises(ReceiptError, match=r"unknown parameter 'bogus'.*allowed: .*gen_tokens"):
+        run(tmp_path / "run", ["ok", "boom"], ["gen_tokens=2", "bogus=1"])
+    with pytest.raises(ReceiptError, match="unknown parameter 'out_json'"):
+        run(tmp_path / "run", ["ok"], ["out_json=/tmp/x.json"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_unknown_parameter(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(receipt, "DEFAULT_NOTEBOOKS_DIR", FIXTURES)
+    monkeypatch.setitem(receipt.RUN_NOTEBOOKS, "ci", ["ok"])
+    assert main(["receipts", "--profile", "ci", "--out", str(tmp_path / "r"), "--param", "gen_tokenz=2"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown parameter 'gen_tokenz'" in err and "gen_tokens" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_notebook_and_missing_out_json(tmp_path):
+    with pytest.raises(ReceiptError, match="notebook 'absent' not found"):
+        run(tmp_path / "run", ["absent"])
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["parameters"]})])
+    nbformat.write(nb, str(tmp_path / "nokernel.ipynb"))
+    with pytest.raises(ReceiptError, match="'nokernel' cannot be inspected"):
+        run_receipts("ci", tmp_path / "run", notebooks_dir=tmp_path, notebooks=["nokernel"])
+    nb.metadata["kernelspec"] = {"name": "exactness", "display_name": "exactness", "language": "python"}
+    nbformat.write(nb, str(tmp_path / "noout.ipynb"))
+    with pytest.raises(ReceiptError, match="no 'out_json'"):
+        run_receipts("ci", tmp_path / "run", notebooks_dir=tmp_path, notebooks=["noout"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_kernel(tmp_path):
+    with pytest.raises(ReceiptError, match="kernel 'no-such-kernel' is not registered"):
+        run(tmp_path / "run", ["ok"], kernel_name="no-such-kernel")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parse_overrides():
+    assert parse_overrides(["steps=[64, 100]", "prompt_max_tokens=null", "device=cpu", "gen_tokens=8"]) == {
+        "steps": [64, 100], "prompt_max_tokens": None, "device": "cpu", "gen_tokens": 8}
+    for bad in ("gen_tokens", "=3", "not a name=1"):
+        with pytest.raises(ReceiptError, match="bad parameter"):
+            parse_overrides([bad])
+
+
+# ------------------------------------------------------------------------------------------- sections, rendering
+
+def test_merge_section_contract():
+    r: dict = {}
+    merge_section(r, {"section": "hashes", "rows": [{"a": 1}], "note": "x"}, "nb")
+    merge_section(r, {"section": "streams", "data": {"k": [1, 2]}}, "nb")
+    merge_section(r, {"section": "bench", "seconds": 1.5}, "nb")
+    assert r == {"hashes": [{"a": 1}], "hashes_extra": {"note": "x"}, "streams": {"k": [1, 2]},
+                 "bench": {"seconds": 1.5}}
+    for bad in ({"rows": []}, {"section": "status", "rows": []}, {"section": "hashes", "rows": []}):
+        with pytest.raises(ValueError):
+            merge_section(r, bad, "nb")
+
+
+def _huge_receipt(n: int) -> dict:
+    rows = [{"prompt": f"prompt-{i}", "prompt_tokens": i, "prompt_sha256": "f" * 64, "path": path, "step": step,
+             "kernels": "fast", "gen_tokens": 192, "hash": f"{i:012x}", "equals_oracle": path == "decode",
+             "first_divergence": None if path == "decode" else 7, "oracle_margin": 0.5}
+            for i in range(n) for path, step in (("decode", None), ("batched", 100), ("deep", 1000))]
+    return {"schema": 1, "status": "ok", "profile": "ci", "parameters": {}, "env": {}, "hashes": rows,
+            "contract": [{"kernel": "k", "equal": True}] * 50, "errors": [], "notebooks": []}
+
+
+def test_markdown_stays_under_github_limit():
+    md = render.render_markdown(_huge_receipt(3000))
+    assert len(md) < 65_536
+    assert "not shown; see receipt.json" in md
+    text = render.truncate("| a | b |\n" * 20_000)
+    assert len(text) < 65_536 and text.endswith("see receipt.json._\n")
+    assert "\n| a | b |\n\n_Receipt truncated" in text  # cut at a line boundary
+
+
+def test_generic_renderer_and_registry(monkeypatch):
+    md = render.render_markdown(_huge_receipt(2))
+    assert "## contract" in md and "| kernel " in md
+    monkeypatch.setitem(render.RENDERERS, "contract", lambda data: f"## Contract: {len(data)} pairs")
+    assert "## Contract: 50 pairs" in render.render_markdown(_huge_receipt(2))
+
+
+def test_markdown_escapes_pipes_and_newlines():
+    md = render.render_generic([{"x": "a|b\nc"}])
+    assert "a\\|b c" in md
+
+
+def test_git_state_outside_a_repo(tmp_path):
+    state = receipt.git_state(tmp_path)
+    assert state["sha"] is None and state["dirty"] is None and state["error"]
+
+
+def test_environment_record():
+    env = receipt.environment()
+    assert set(env["numerics"]) == {"cuda_matmul_allow_tf32", "cudnn_allow_tf32", "deterministic_algorithms",
+                                    "float32_matmul_precision"}
+    assert env["device"] and env["time_utc"].endswith("Z")
