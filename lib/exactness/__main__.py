@@ -124,6 +124,14 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     # ---- analysis subcommands (engine side), one line each
     "hashes": analysis_command("exactness.analysis.hashes", "token hashes of every path -> section JSON",
                                extra_params=("checkpoint", "allow_unpinned")),
+    "streams": analysis_command("exactness.analysis.streams",
+                                "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON",
+                                extra_params=("mtp_k", "stream_counts", "prompt_cache_gib", "stream_offset",
+                                              "stream_prompt_tokens", "prefill_path", "drafts", "checkpoint",
+                                              "allow_unpinned")),
+    "bench": analysis_command("exactness.analysis.bench", "the seed's bench tables (timings, memory) -> section JSON",
+                              extra_params=("bench_path", "bench_step", "bench_reps", "bench_itl_reps",
+                                            "bench_cold_lengths", "offload", "checkpoint", "allow_unpinned")),
 }
 
 

@@ -131,6 +131,8 @@ def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts=None, layer: int = 0):
     flat = idx.flatten()                                                             # [M*k], member = row*k + slot
     order = torch.sort(flat, stable=True).indices
     counts = torch.bincount(flat, minlength=cfg.n_experts).tolist()
+    if experts is not None and hasattr(experts, "prepare"):  # offload.ExpertStore stages these through its ring
+        experts.prepare(layer, [e for e, n in enumerate(counts) if n], ops.plan.kind)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:

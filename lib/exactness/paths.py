@@ -17,7 +17,7 @@ import torch
 
 from .cache import KVCache
 from .kernels import KernelSet, get_set
-from .model import BATCHED, DECODE, DEEP, forward
+from .model import BATCHED, DECODE, DEEP, ForwardOut, forward
 from .weights import Weights
 
 PATHS = ("decode", "batched", "deep")
@@ -92,6 +92,18 @@ def prefill(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | 
 
     ``served`` (plan -> counts) is updated in place when given.
     """
+    return prefill_out(w, cache, ids, kernels, path, step, deep_threshold, start, slot, served, experts).logits
+
+
+def prefill_out(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | str, path: str,
+                step: int | None = None, deep_threshold: int = 512, start: int = 0, slot: int = 0,
+                served: dict | None = None, experts=None) -> ForwardOut:
+    """As ``prefill``, returning ForwardOut(logits [P, V] fp32, hidden [P, H]) (the MTP head reads the hidden rows).
+
+    Segments: one row each on the decode path, else chunks of ``step`` rows (None = all); on the deep path a
+    segment of >= deep_threshold rows runs the deep plan unless the expert provider could not reserve its buffers
+    (then the batched plan serves and ``served["fallback"]`` says so).
+    """
     served = _served() if served is None else served
     dev = w.device
     ids = ids.to(dev)
@@ -102,12 +114,17 @@ def prefill(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | 
         rows = ids[a:a + seg]
         n = rows.numel()
         plan = DECODE if path == "decode" else (DEEP if path == "deep" and n >= deep_threshold else BATCHED)
+        if plan is DEEP and experts is not None and not getattr(experts, "deep_ready", True):
+            plan = BATCHED  # the deep buffers (expert ring) could not be reserved: the batched pass serves
+            fb = served.setdefault("fallback", {"segments": 0, "rows": 0, "reason": experts.fallback_reason})
+            fb["segments"] += 1
+            fb["rows"] += n
         pos = torch.arange(start + a, start + a + n, device=dev)
         slots = torch.full_like(pos, slot)
-        out.append(forward(w, rows, pos, cache, kernels, plan, slots, experts).logits)
+        out.append(forward(w, rows, pos, cache, kernels, plan, slots, experts))
         served[plan.kind]["segments"] += 1
         served[plan.kind]["rows"] += n
-    return torch.cat(out, dim=0)
+    return ForwardOut(torch.cat([o.logits for o in out]), torch.cat([o.hidden for o in out]))
 
 
 def decode_step(w: Weights, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

@@ -24,6 +24,8 @@ class Profile:
         gen_tokens: greedy tokens generated per run (end-of-sequence ignored).
         deep_threshold: the deep path serves segments of at least this many rows; shorter ones go batched.
         kernel_sets: kernel sets to run (kernels.registry.KERNEL_SETS).
+        extra: further notebook parameters as (name, literal) pairs, e.g. the bench's cold-prefill lengths; each
+            notebook receives only the names it declares.
     """
 
     name: str
@@ -36,27 +38,37 @@ class Profile:
     gen_tokens: int
     deep_threshold: int
     kernel_sets: tuple[str, ...]
+    extra: tuple[tuple[str, object], ...] = ()
 
     def parameters(self) -> dict:
-        """Notebook parameters: the fields as JSON-friendly literals (tuples become lists)."""
+        """Notebook parameters: the fields and ``extra`` as JSON-friendly literals (tuples become lists)."""
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             out[f.name] = list(v) if isinstance(v, tuple) else v
         out["profile"] = out.pop("name")
+        for k, v in out.pop("extra"):
+            out[k] = list(v) if isinstance(v, tuple) else v
         return out
 
 
 PROFILES: dict[str, Profile] = {
     "ci": Profile(name="ci", preset="tiny", device="cpu", dtype="bfloat16", prompts=("short", "code", "docs"),
                   prompt_max_tokens=300, steps=(128, 100), gen_tokens=32, deep_threshold=100,
-                  kernel_sets=("fast", "invariant")),
+                  kernel_sets=("fast", "invariant"),
+                  extra=(("contract_sweep", "quick"), ("fp64_rows", 16), ("stream_counts", (1, 2, 4)),
+                         ("bench_step", 128), ("bench_reps", 2), ("bench_itl_reps", 2),
+                         ("bench_cold_lengths", (128, 256)))),
     "full": Profile(name="full", preset="tiny", device="cpu", dtype="bfloat16", prompts=("short", "code", "docs"),
                     prompt_max_tokens=None, steps=(1024, 1000), gen_tokens=192, deep_threshold=512,
-                    kernel_sets=("fast", "invariant")),
+                    kernel_sets=("fast", "invariant"),
+                    extra=(("contract_sweep", "full"), ("stream_prompt_tokens", 512), ("bench_step", 2048),
+                           ("bench_cold_lengths", (2048, 8192, 30000)))),
     "gpu": Profile(name="gpu", preset="small", device="cuda", dtype="bfloat16", prompts=("short", "code", "docs"),
                    prompt_max_tokens=None, steps=(2048, 1000), gen_tokens=192, deep_threshold=512,
-                   kernel_sets=("fast", "invariant")),
+                   kernel_sets=("fast", "invariant"),
+                   extra=(("contract_sweep", "full"), ("stream_prompt_tokens", 2048), ("bench_step", 2048),
+                          ("bench_cold_lengths", (2048, 8192, 30000)))),
 }
 
 DEFAULT_PROFILE = "full"

@@ -38,11 +38,9 @@ DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 DEFAULT_RECEIPTS_DIR = REPO_ROOT / "receipts"
 DEFAULT_NOTEBOOKS = ["10_output_hashes"]
 # Notebooks each profile runs, in order. Later issues add 20_kernel_contract, 30_fp64_per_class, 40_streams, 50_bench.
-RUN_NOTEBOOKS: dict[str, list[str]] = {
-    "ci": ["10_output_hashes"],
-    "full": ["10_output_hashes"],
-    "gpu": ["10_output_hashes"],
-}
+_ALL_NOTEBOOKS = ["10_output_hashes", "20_kernel_contract", "30_fp64_per_class", "40_streams", "50_bench"]
+RUN_NOTEBOOKS: dict[str, list[str]] = {"ci": list(_ALL_NOTEBOOKS), "full": list(_ALL_NOTEBOOKS),
+                                       "gpu": list(_ALL_NOTEBOOKS)}
 OUT_JSON = "out_json"  # the parameter through which the runner tells a notebook where to write its section
 RESERVED_KEYS = {"schema", "status", "profile", "parameters", "env", "errors", "notebooks"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html as _html
 import json
+import importlib
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -212,6 +213,22 @@ RENDERERS: dict[str, Callable[[object], str]] = {
     "hashes": render_hashes,
 }
 
+# Sections whose analysis module renders them: ``module.render_md(section_object)`` gets the section as the module
+# wrote it (main rows/data plus its extra keys), so the module's own tables are used here and in its notebook.
+SECTION_MODULES: dict[str, str] = {
+    "contract": "exactness.analysis.contract",
+    "fp64": "exactness.analysis.fp64",
+    "streams": "exactness.analysis.streams",
+    "bench": "exactness.analysis.bench",
+}
+
+
+def section_object(receipt: dict, name: str) -> dict:
+    """Rebuild the section object ``{"section", "rows"|"data", **extra}`` that receipt.merge_section split."""
+    data = receipt[name]
+    key = "rows" if isinstance(data, list) else "data"
+    return {"section": name, key: data, **receipt.get(f"{name}_extra", {})}
+
 
 def sections(receipt: dict) -> Iterable[tuple[str, object]]:
     """The (name, data) pairs of the receipt's sections, in order (``<name>_extra`` keys included)."""
@@ -222,7 +239,11 @@ def render_markdown(receipt: dict) -> str:
     """``receipt.md``: header plus one block per section, under ``MD_LIMIT`` characters."""
     parts = [render_header(receipt)]
     for name, data in sections(receipt):
-        if name.endswith("_extra") and name[:-6] in receipt:
+        if name.endswith("_extra") and name[:-6] in SECTION_MODULES:
+            continue  # rendered with its section
+        if name in SECTION_MODULES:
+            parts.append(importlib.import_module(SECTION_MODULES[name]).render_md(section_object(receipt, name)))
+        elif name.endswith("_extra") and name[:-6] in receipt:
             parts.append(render_extra(name, data))
         elif name in RENDERERS:
             parts.append(RENDERERS[name](data))

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .tiles import TILE_ROWS, pad_rows
+from .tiles import pad_rows
 
 KV_BLOCK = 256  # keys per online-softmax block, shared by the invariant prompt and decode kernels
 
@@ -48,42 +48,50 @@ def attention_fast_prompt(q, k_cache, v_cache, slots, positions):
     return out
 
 
-def _attend_tile(q, k, v, pos):
-    """Online softmax (Milakov & Gimelshein 2018, arXiv 1805.02867) over KV_BLOCK-key blocks in ascending order.
+ATT_ROWS = 8  # query rows per invariant attention tile (a decode row is padded to this many)
 
-    q [t <= 64, Hq, D] storage dtype; k, v [T, Hkv, D]; pos [t]. Every call sees a [Hq, 64, D] x [Hq, D, KV_BLOCK]
-    problem, so a row's bytes depend on neither its tile mates nor its place in the tile.
+
+def _blocks(x: torch.Tensor, nblk: int, g: int) -> torch.Tensor:
+    """Cache rows x [T, Hkv, D] -> fp32 [nblk, Hq, KV_BLOCK, D] (zero-padded, kv heads repeated for GQA)."""
+    xb = pad_rows(x[:nblk * KV_BLOCK], KV_BLOCK)[:nblk * KV_BLOCK].float().repeat_interleave(g, dim=1)
+    return xb.view(nblk, KV_BLOCK, xb.shape[1], xb.shape[2]).transpose(1, 2).contiguous()
+
+
+def _attend_tile(q, kb, vb, pos):
+    """Softmax attention of t <= ATT_ROWS query rows over KV_BLOCK-key blocks, with every reduction fixed.
+
+    q [t, Hq, D] storage dtype; kb, vb [nblk, Hq, B, D] fp32 (see _blocks); pos [t]. Per block, scores and values
+    are batched GEMMs of fixed item shape [8, D] x [D, B] and [8, B] x [B, D]; the row max is exact; the per-block
+    partial sums (fixed length B) are combined across blocks by a sequential cumulative sum in block order. Blocks
+    past a row's position contribute exact zeros, so a row's bytes depend on neither the tile mates, the place in
+    the tile, nor how many blocks the tile spans. Scale 1/sqrt(D).
     """
     t, Hq, D = q.shape
-    g = Hq // k.shape[1]
-    qh = pad_rows(q).float().transpose(0, 1)                   # [Hq, 64, D] fp32
-    pos_p = torch.cat([pos, pos.new_full((TILE_ROWS - t,), -1)])  # padded rows attend to nothing
-    m = torch.full((Hq, TILE_ROWS, 1), -math.inf, device=q.device)
-    l = torch.zeros(Hq, TILE_ROWS, 1, device=q.device)
-    acc = torch.zeros(Hq, TILE_ROWS, D, device=q.device)
-    scale = 1.0 / math.sqrt(D)
-    for b0 in range(0, int(pos.max()) + 1, KV_BLOCK):
-        kb = pad_rows(k[b0:b0 + KV_BLOCK], KV_BLOCK).float().repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq,B,D]
-        vb = pad_rows(v[b0:b0 + KV_BLOCK], KV_BLOCK).float().repeat_interleave(g, dim=1).transpose(0, 1)
-        keys = b0 + torch.arange(KV_BLOCK, device=q.device)
-        valid = keys[None, :] <= pos_p[:, None]               # [64, B] bool
-        s = torch.bmm(qh, kb.transpose(1, 2)) * scale          # [Hq, 64, B] fp32
-        s = s.masked_fill(~valid[None], -math.inf)
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new)
-        l_new = l * alpha + p.sum(dim=-1, keepdim=True)
-        acc_new = acc * alpha + torch.bmm(p, vb)
-        active = (pos_p >= b0)[None, :, None]                  # rows with a key in this block
-        m, l, acc = torch.where(active, m_new, m), torch.where(active, l_new, l), torch.where(active, acc_new, acc)
-    return (acc / l).transpose(0, 1)[:t].to(q.dtype)          # [t, Hq, D]
+    nblk, B = kb.shape[0], KV_BLOCK
+    qh = pad_rows(q, ATT_ROWS).float().transpose(0, 1)                               # [Hq, 8, D] fp32
+    pos_p = torch.cat([pos, pos.new_zeros(ATT_ROWS - t)])                            # padded rows attend to key 0
+    qx = qh[None].expand(nblk, Hq, ATT_ROWS, D).reshape(-1, ATT_ROWS, D)             # [nblk*Hq, 8, D]
+    s = torch.bmm(qx, kb.view(-1, B, D).transpose(1, 2))                             # [nblk*Hq, 8, B]
+    s = s.view(nblk, Hq, ATT_ROWS, B).permute(1, 2, 0, 3).reshape(Hq, ATT_ROWS, nblk * B) * (1.0 / math.sqrt(D))
+    valid = torch.arange(nblk * B, device=q.device)[None, :] <= pos_p[:, None]       # [8, nblk*B] bool
+    s = s.masked_fill(~valid[None], -math.inf)
+    p = torch.exp(s - s.amax(dim=-1, keepdim=True))                                  # [Hq, 8, nblk*B] fp32
+    pb = p.view(Hq, ATT_ROWS, nblk, B)
+    l = torch.cumsum(pb.sum(dim=-1), dim=-1)[..., -1]                                # [Hq, 8]
+    ob = torch.bmm(pb.permute(2, 0, 1, 3).reshape(-1, ATT_ROWS, B), vb.view(-1, B, D))  # [nblk*Hq, 8, D]
+    o = torch.cumsum(ob.view(nblk, Hq, ATT_ROWS, D), dim=0)[-1]                      # [Hq, 8, D]
+    return (o / l[..., None]).transpose(0, 1)[:t].to(q.dtype)                        # [t, Hq, D]
 
 
 def attention_invariant(q, k_cache, v_cache, slots, positions):
-    """Per slot, rows in 64-row tiles, keys in fixed KV_BLOCK blocks in ascending order (decode = one-row tile)."""
+    """Per slot, rows in ATT_ROWS-row tiles over fixed KV_BLOCK key blocks (decode = a one-row tile)."""
     out = torch.empty_like(q)
+    g = q.shape[1] // k_cache.shape[2]
     for s, rows in _groups(slots):
-        for i in range(0, rows.numel(), TILE_ROWS):
-            r = rows[i:i + TILE_ROWS]
-            out[r] = _attend_tile(q[r], k_cache[s], v_cache[s], positions[r])
+        nblk = int(positions[rows].max()) // KV_BLOCK + 1
+        kb, vb = _blocks(k_cache[s], nblk, g), _blocks(v_cache[s], nblk, g)          # [nblk, Hq, B, D] fp32
+        for i in range(0, rows.numel(), ATT_ROWS):
+            r = rows[i:i + ATT_ROWS]
+            tile_blocks = int(positions[r].max()) // KV_BLOCK + 1
+            out[r] = _attend_tile(q[r], kb[:tile_blocks], vb[:tile_blocks], positions[r])
     return out

@@ -1,0 +1,456 @@
+"""The ``bench`` section: the seed's bench receipts, with the definitions of ../shared/guide/paths.md.
+
+Runs, per kernel set (greedy, temperature 0, end-of-sequence ignored; prefill on ``bench_path`` at ``bench_step``):
+
+    plain       each prompt ``bench_reps`` times through paths.generate: rep 0 is *cold* (the first request of that
+                prompt since the model was loaded: first-touch, library initialisation), rep 1.. are *warm* (the
+                identical repeat, prefilled again from scratch: the engine holds no prompt cache)
+    drafted     the same through mtp.generate_drafted (MTP head, k = MTP_K drafts), the head loaded once up front
+    itl         each prompt ``bench_itl_reps`` more times (plain and drafted): decode tok/s median and ITL p50/p95
+                over the pooled per-token gaps of those repetitions
+    cold        exact token-id prompts of ``bench_cold_lengths`` tokens (code then docs ids, repeated as needed),
+                ``bench_reps`` fresh requests each; a run qualifies as cold only if its prefill served every prompt
+                row (nothing came from a cache), otherwise it is refused and not reported
+    streams     1 and 2 concurrent streams of each prompt (streams.run_streams, all joining at step 0), each stream
+                compared with the plain run alone
+    memory      peak device memory per run (torch.cuda.max_memory_allocated; None on CPU), and on CUDA the peak of
+                a batched and a ``bench_path`` prefill of the longest prompt; the ring's reserved bytes (offload)
+
+Metrics (paths.md): TTFT = seconds from the request to the first generated token; prefill tok/s = prompt tokens /
+TTFT; decode tok/s = (generated - 1) / (time of last token - time of first token); mean ITL = that span /
+(generated - 1); ITL p50/p95 = numpy.percentile (linear interpolation) of the gaps between consecutive tokens.
+Drafted runs stamp every token of a verify round with the round's end, so their ITL p50 can be 0, as in the seed.
+mtp.DraftedResult and streams.StreamsResult carry no timestamps, so the bench stamps them by wrapping the modules'
+prefill and round functions for the duration of a run (restored in ``finally``).
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from contextlib import ExitStack, contextmanager
+
+import numpy as np
+import torch
+
+from ..config import get_preset
+from ..kernels import get_set
+from ..offload import ExpertStore, prepare_hook
+from ..paths import PATHS, generate
+from ..prompts import build_prompt
+from .bench_tables import config_line, render_md, tables  # noqa: F401  (the section's renderer and tables)
+from .hashes import load_model, resolve_device, token_hash
+
+DEFAULTS = {"bench_path": "deep", "bench_step": 2048, "bench_reps": 2, "bench_itl_reps": 3,
+            "bench_cold_lengths": [2048, 8192, 30000], "offload": False, "checkpoint": "", "allow_unpinned": False}
+MTP_K = 2                # drafts per verify round
+STREAM_COUNTS = (1, 2)   # concurrent streams
+RING_SLOTS = 4           # expert ring slots when offload is on
+
+
+# ------------------------------------------------------------------------------------------------- parameters
+
+def _positive_int(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def bench_params(params: dict, max_positions: int | None = None) -> dict:
+    """``params`` with DEFAULTS filled in, validated.
+
+    Raises:
+        ValueError: bench_path not a path, bench_step not a positive int or None, bench_reps / bench_itl_reps
+            / gen_tokens < 1, offload not a bool, a cold length < 2, or a cold length + gen_tokens above
+            ``max_positions`` (the model's; names the length and the limit).
+    """
+    p = {**DEFAULTS, **params}
+    if p["bench_path"] not in PATHS:
+        raise ValueError(f"bench_path {p['bench_path']!r} is not a path; allowed: {', '.join(PATHS)}")
+    if p["bench_step"] is not None:
+        _positive_int("bench_step", p["bench_step"])
+    for name in ("bench_reps", "bench_itl_reps", "gen_tokens"):
+        _positive_int(name, p[name])
+    if not isinstance(p["offload"], bool):
+        raise ValueError(f"offload must be true or false, got {p['offload']!r}")
+    lengths = p["bench_cold_lengths"]
+    if not isinstance(lengths, (list, tuple)):
+        raise ValueError(f"bench_cold_lengths must be a list of ints (tokens), got {lengths!r}")
+    for n in lengths:
+        _positive_int("every bench_cold_lengths entry", n, 2)
+        if max_positions is not None and n + p["gen_tokens"] > max_positions:
+            raise ValueError(f"bench_cold_lengths entry {n} + gen_tokens {p['gen_tokens']} exceeds the model's "
+                             f"max_positions={max_positions}; allowed lengths: 2..{max_positions - p['gen_tokens']}")
+    return p
+
+
+def exact_length_ids(n: int, sources: list[torch.Tensor]) -> torch.Tensor:
+    """Token ids [n] int64 of exactly ``n`` tokens: the first source whole (BOS first), then the others without
+    their leading BOS, then all sources again without BOS, until n ids.
+
+    Raises:
+        ValueError: n < 1 or sources empty.
+    """
+    if n < 1 or not sources:
+        raise ValueError(f"need n >= 1 and at least one source, got n={n}, {len(sources)} sources")
+    parts, have, first = [], 0, True
+    while have < n:
+        for s in sources:
+            part = s if first else s[1:]
+            first = False
+            parts.append(part)
+            have += part.numel()
+    return torch.cat(parts)[:n].to(torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------------- timing
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timing_metrics(n_prompt: int, ttft_s: float, token_times: list[float]) -> dict:
+    """Metrics of one stream (paths.md definitions).
+
+    Args:
+        n_prompt: prompt tokens; ttft_s: seconds to the first token; token_times: seconds since the request of
+            every generated token (non-decreasing).
+    Returns:
+        ttft_s, prefill_tps, decode_tps and itl_mean_ms (None for fewer than 2 tokens or a zero span),
+        itl_p50_ms / itl_p95_ms (None for fewer than 2 tokens), generated.
+    """
+    n = len(token_times)
+    span = token_times[-1] - token_times[0] if n > 1 else 0.0
+    gaps = np.diff(np.asarray(token_times, dtype=np.float64)) * 1e3                   # ms
+    return {"ttft_s": ttft_s, "prefill_tps": n_prompt / ttft_s if ttft_s > 0 else None,
+            "decode_tps": (n - 1) / span if span > 0 else None,
+            "itl_mean_ms": span / (n - 1) * 1e3 if n > 1 else None,
+            "itl_p50_ms": float(np.percentile(gaps, 50)) if n > 1 else None,
+            "itl_p95_ms": float(np.percentile(gaps, 95)) if n > 1 else None, "generated": n}
+
+
+@contextmanager
+def after_calls(module, name: str, callback, device: torch.device):
+    """Within the block, ``module.<name>`` calls ``callback(bound_arguments, result)`` right after each call
+    (device synchronised first, so a timestamp taken there is the result's); restored on exit."""
+    original = getattr(module, name)
+    sig = inspect.signature(original)
+
+    def wrapped(*args, **kwargs):
+        out = original(*args, **kwargs)
+        _sync(device)
+        callback(sig.bind(*args, **kwargs).arguments, out)
+        return out
+
+    setattr(module, name, wrapped)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+@contextmanager
+def peak_memory(device: torch.device):
+    """Yields a dict whose ``peak_bytes`` is set on exit to torch.cuda.max_memory_allocated over the block
+    (None on CPU)."""
+    out = {"peak_bytes": None}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        yield out
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            out["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
+
+
+def _served_rows(served: dict) -> int:
+    return sum(served[p]["rows"] for p in PATHS)
+
+
+def _path_served(served: dict) -> str:
+    """e.g. "deep 2048 rows/1 seg, batched 40 rows/1 seg (fallback: ...)"."""
+    parts = [f"{p} {served[p]['rows']} rows/{served[p]['segments']} seg" for p in PATHS if served[p]["rows"]]
+    if served.get("fallback", {}).get("rows"):
+        parts.append(f"fallback {served['fallback']['rows']} rows: {served['fallback'].get('reason')}")
+    return ", ".join(parts)
+
+
+def _record(kind: str, ids: torch.Tensor, gen_ids, served: dict, ttft: float, times: list, peak) -> dict:
+    P = int(ids.numel())
+    rows = _served_rows(served)
+    return {"kind": kind, "prompt_tokens": P, "hash": token_hash(gen_ids), "_gen_ids": gen_ids.cpu(),
+            "served": served, "path_served": _path_served(served), "prefilled_rows": rows,
+            "cache_state": "cold" if rows == P else f"hit ({P - rows} rows not prefilled)",
+            "peak_mem_bytes": peak, "last_token_s": times[-1] if times else None,
+            "_gaps_ms": np.diff(np.asarray(times, dtype=np.float64)) * 1e3, **timing_metrics(P, ttft, times)}
+
+
+# ------------------------------------------------------------------------------------------------------ runner
+
+class Runner:
+    """Timed greedy requests on one model (weights, optional expert store) with the bench's prefill path.
+
+    Each method returns a record (``_record``): kind, prompt_tokens, hash, path_served, prefilled_rows,
+    cache_state, peak_mem_bytes, the timing_metrics fields and ``_gen_ids`` (dropped before the JSON).
+    """
+
+    def __init__(self, w, experts, p: dict):
+        self.w, self.experts, self.device = w, experts, w.device
+        self.path, self.step, self.threshold = p["bench_path"], p["bench_step"], p["deep_threshold"]
+        self.mtp = None
+
+    def plain(self, ids: torch.Tensor, ks: str, gen: int, path: str | None = None) -> dict:
+        """One paths.generate request (``path`` overrides the bench path, e.g. for the memory comparison)."""
+        with peak_memory(self.device) as mem:
+            r = generate(self.w, ids, gen, ks, path or self.path, self.step, self.threshold, experts=self.experts)
+        return self._note(_record("plain", ids, r.gen_ids, r.served, r.ttft_s, list(r.token_times),
+                                  mem["peak_bytes"]))
+
+    def _note(self, rec: dict) -> dict:
+        """Say so in ``path_served`` when offloaded experts had no ring (deep rows then fetched synchronously)."""
+        if self.experts is not None and not self.experts.deep_ready:
+            rec["path_served"] += f"; expert ring not reserved ({self.experts.fallback_reason})"
+        return rec
+
+    def drafted(self, ids: torch.Tensor, ks: str, gen: int) -> dict:
+        """One mtp.generate_drafted request (MTP head, MTP_K drafts); tokens stamped at each round's end."""
+        from .. import mtp
+        if self.mtp is None:
+            self.mtp = mtp.resolve_mtp(self.w)  # the head is loaded once, before any timed request
+        stamps = []
+
+        def first(args, out):
+            stamps.append(time.perf_counter())
+
+        def round_done(args, out):
+            stamps.extend([time.perf_counter()] * (len(args["gen"]) - len(stamps)))
+
+        with ExitStack() as stack, peak_memory(self.device) as mem:
+            stack.enter_context(after_calls(mtp, "prefill_hidden", first, self.device))
+            stack.enter_context(after_calls(mtp, "_round", round_done, self.device))
+            t0 = time.perf_counter()
+            r = mtp.generate_drafted(self.w, ids, gen, MTP_K, ks, self.path, self.step, self.threshold,
+                                     "mtp", self.mtp, experts=self.experts)
+        times = [t - t0 for t in stamps[:gen]]
+        rec = _record("drafted", ids, r.gen_ids, r.served, times[0], times, mem["peak_bytes"])
+        rec["acceptance"] = r.stats.acceptance_rate
+        return self._note(rec)
+
+    def streams(self, ids: torch.Tensor, n: int, ks: str, gen: int) -> list[dict]:
+        """``n`` concurrent streams of the same prompt joining at step 0 (streams.run_streams); one record per
+        stream (TTFT counted from the start of the whole run)."""
+        from .. import streams
+        stamps: list[list[float]] = [[] for _ in range(n)]
+
+        def prefilled(args, out):
+            stamps[args.get("slot", 0)].append(time.perf_counter())
+
+        def stepped(args, out):
+            now = time.perf_counter()
+            for j in args["active"]:
+                stamps[j].append(now)
+
+        with ExitStack() as stack, peak_memory(self.device) as mem:
+            stack.enter_context(after_calls(streams, "prefill", prefilled, self.device))
+            stack.enter_context(after_calls(streams, "_batched_step", stepped, self.device))
+            t0 = time.perf_counter()
+            res = streams.run_streams(self.w, [ids] * n, gen, ks, self.path, self.step, self.threshold, offset=0,
+                                      experts=self.experts)
+        out = []
+        for j, s in enumerate(res.streams):
+            times = [t - t0 for t in stamps[j]]
+            served = {p: {"segments": 0, "rows": 0} for p in PATHS}  # run_streams does not report it
+            rec = _record("stream", ids, s.gen_ids, served, times[0], times, mem["peak_bytes"])
+            rec.update(prefilled_rows=None, cache_state="cold (fresh cache per run)", path_served=None)
+            out.append(rec)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------- section
+
+def _available(module: str) -> str | None:
+    """None when ``exactness.<module>`` imports, else the "not run" reason."""
+    try:
+        __import__(f"exactness.{module}")
+    except ImportError as e:
+        return f"not run: {module} missing ({e})"
+    return None
+
+
+def _reps(runner_fn, n: int, bar) -> list[dict]:
+    out = []
+    for _ in range(n):
+        out.append(runner_fn())
+        bar.update(1)
+    return out
+
+
+def _prompt_rows(runner: Runner, prompts, ks: str, p: dict, kind: str, bar) -> list[dict]:
+    """One row per prompt: ``bench_reps`` requests (cold, then warm repeats) of ``kind`` (plain / drafted)."""
+    fn = runner.plain if kind == "plain" else runner.drafted
+    return [{"kernels": ks, "prompt": pr.name, "runs": _reps(lambda: fn(pr.ids, ks, p["gen_tokens"]),
+                                                             p["bench_reps"], bar)} for pr in prompts]
+
+
+def _itl_rows(runner: Runner, prompts, ks: str, p: dict, kinds, bar) -> list[dict]:
+    rows = []
+    for kind in kinds:
+        fn = runner.plain if kind == "plain" else runner.drafted
+        for pr in prompts:
+            runs = _reps(lambda: fn(pr.ids, ks, p["gen_tokens"]), p["bench_itl_reps"], bar)
+            rows.append({"kernels": ks, "mode": kind, "prompt": pr.name, "runs": runs, **_pooled_itl(runs)})
+    return rows
+
+
+def _pooled_itl(runs: list[dict]) -> dict:
+    """ITL p50/p95 (ms, numpy.percentile linear) over the gaps of all ``runs`` together; None without gaps."""
+    gaps = np.concatenate([r["_gaps_ms"] for r in runs]) if runs else np.zeros(0)
+    if not gaps.size:
+        return {"itl_p50_ms": None, "itl_p95_ms": None}
+    return {"itl_p50_ms": float(np.percentile(gaps, 50)), "itl_p95_ms": float(np.percentile(gaps, 95))}
+
+
+def _stream_summary(streams: list[dict]) -> dict:
+    """One concurrent run: aggregate tok/s = sum of the streams' decode tok/s, per-stream = their mean, max TTFT,
+    mean ITL (mean over streams), ITL p95 over all streams' gaps, end-to-end tok/s = all generated tokens / the
+    last token's time since the run started."""
+    rates = [s["decode_tps"] for s in streams if s["decode_tps"] is not None]
+    itls = [s["itl_mean_ms"] for s in streams if s["itl_mean_ms"] is not None]
+    last = max(s["last_token_s"] for s in streams)
+    return {"aggregate_tps": sum(rates) if rates else None, "per_stream_tps": float(np.mean(rates)) if rates else None,
+            "ttft_max_s": max(s["ttft_s"] for s in streams), "itl_mean_ms": float(np.mean(itls)) if itls else None,
+            "itl_p95_ms": _pooled_itl(streams)["itl_p95_ms"],
+            "end_to_end_tps": sum(s["generated"] for s in streams) / last if last else None}
+
+
+def _cold_rows(runner: Runner, sources, ks: str, p: dict, bar) -> list[dict]:
+    """Exact-length prompts; runs whose prefill did not serve every row are refused (kept as refused)."""
+    rows = []
+    for n in p["bench_cold_lengths"]:
+        ids = exact_length_ids(n, sources)
+        runs = _reps(lambda: runner.plain(ids, ks, p["gen_tokens"]), p["bench_reps"], bar)
+        refused = [i for i, r in enumerate(runs) if r["cache_state"] != "cold"]
+        rows.append({"kernels": ks, "requested": n, "runs": runs, "qualified": not refused, "refused_reps": refused})
+    return rows
+
+
+def _stream_rows(runner: Runner, prompts, ks: str, p: dict, alone: dict, bar) -> list[dict]:
+    rows = []
+    for pr in prompts:
+        for n in STREAM_COUNTS:
+            reps, errors = [], []
+            for _ in range(p["bench_reps"]):
+                try:
+                    streams = runner.streams(pr.ids, n, ks, p["gen_tokens"])
+                    reps.append({"streams": streams, **_stream_summary(streams)})
+                except RuntimeError as e:  # a failed run is reported, not hidden
+                    errors.append(f"{type(e).__name__}: {e}")
+                bar.update(1)
+            ref = alone[(ks, pr.name)]
+            eq = [bool(torch.equal(s["_gen_ids"], ref)) for rep in reps for s in rep["streams"]]
+            rows.append({"kernels": ks, "prompt": pr.name, "streams": n, "reps": reps, "failed": len(errors),
+                         "errors": errors, "equal_to_alone": sum(eq), "not_equal_to_alone": len(eq) - sum(eq)})
+    return rows
+
+
+def _memory(runner: Runner, prompts, ks: str, p: dict, bar) -> dict:
+    """Peak of a batched and a bench-path prefill (1 token) of the longest prompt; None on CPU."""
+    if runner.device.type != "cuda":
+        return {"kernels": ks, "batched_peak_bytes": None, "path_peak_bytes": None, "extra_bytes": None}
+    longest = max(prompts, key=lambda pr: pr.n_tokens)
+    b = runner.plain(longest.ids, ks, 1, "batched")["peak_mem_bytes"]
+    d = runner.plain(longest.ids, ks, 1)["peak_mem_bytes"]
+    bar.update(2)
+    return {"kernels": ks, "prompt": longest.name, "batched_peak_bytes": b, "path_peak_bytes": d,
+            "extra_bytes": d - b}
+
+
+def _n_runs(p: dict, n_prompts: int, drafted: bool, streams: bool, cuda: bool) -> int:
+    kinds = 2 if drafted else 1
+    per_set = (kinds * n_prompts * (p["bench_reps"] + p["bench_itl_reps"]) + len(p["bench_cold_lengths"])
+               * p["bench_reps"] + (n_prompts * len(STREAM_COUNTS) * p["bench_reps"] if streams else 0)
+               + (2 if cuda else 0))
+    return per_set * len(p["kernel_sets"])
+
+
+def _load(p: dict):
+    """(weights for forward, expert store or None, tokenizer) as the ``offload`` parameter asks."""
+    if not p["offload"]:
+        w, tok = load_model(p["preset"], p["device"], p["dtype"], p["checkpoint"])
+        return w, None, tok
+    device = resolve_device(p["device"])
+    w_host, tok = load_model(p["preset"], "cpu", p["dtype"], p["checkpoint"])
+    store = ExpertStore(w_host, "offload", RING_SLOTS, device)
+    return store.weights, store, tok
+
+
+def _strip(obj):
+    """Drop the in-memory ``_gen_ids`` fields before JSON."""
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if not k.startswith("_")}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+def run_section(params: dict) -> dict:
+    """The ``bench`` section from profile/notebook parameters.
+
+    params keys: preset, device, dtype, prompts, prompt_max_tokens, gen_tokens, deep_threshold, kernel_sets,
+    and (DEFAULTS) bench_path, bench_step, bench_reps, bench_itl_reps, bench_cold_lengths, offload, checkpoint,
+    allow_unpinned.
+    Returns:
+        {"section": "bench", "data": {"config", "not_run", "plain", "drafted", "itl", "cold", "streams",
+        "memory", "offload"}}; every run record as in Runner; times in seconds, rates in tokens/s, ITL in ms,
+        memory in bytes.
+    Raises:
+        ValueError: see bench_params (checked before the model loads for presets), unknown kernel set, prompt,
+            preset, device or dtype; PromptPinError: prompt text unpinned.
+    """
+    from tqdm import tqdm
+    p = bench_params(params, None if params.get("checkpoint") else get_preset(params["preset"]).max_positions)
+    for ks in p["kernel_sets"]:
+        get_set(ks)
+    w, store, tok = _load(p)
+    p = bench_params(p, w.cfg.max_positions)
+    prompts = [build_prompt(n, p.get("prompt_max_tokens"), p["allow_unpinned"], tok) for n in p["prompts"]]
+    sources = [build_prompt(n, None, p["allow_unpinned"], tok).ids for n in ("code", "docs")]
+    not_run = {k: r for k, r in (("drafted", _available("mtp")), ("streams", _available("streams"))) if r}
+    runner = Runner(w, store, p)
+    data = {k: [] for k in ("plain", "drafted", "itl", "cold", "streams", "memory")}
+    total = _n_runs(p, len(prompts), "drafted" not in not_run, "streams" not in not_run, runner.device.type == "cuda")
+    with ExitStack() as stack:
+        if store is not None:
+            stack.enter_context(prepare_hook())
+        bar = stack.enter_context(tqdm(total=total, desc="bench", unit="run", disable=None))
+        for ks in p["kernel_sets"]:
+            _bench_set(runner, prompts, sources, ks, p, not_run, data, bar)
+    data.update(config=_config(p, w, store), not_run=not_run, offload=store.info() if store else None)
+    return {"section": "bench", "data": _strip(data)}
+
+
+def _bench_set(runner: Runner, prompts, sources, ks: str, p: dict, not_run: dict, data: dict, bar) -> None:
+    """Every table's runs for kernel set ``ks``, appended to ``data`` in place (order: plain, drafted, ITL
+    repetitions, cold-cache lengths, streams, memory pair)."""
+    kinds = ["plain"] + ([] if "drafted" in not_run else ["drafted"])
+    for kind in kinds:
+        data[kind] += _prompt_rows(runner, prompts, ks, p, kind, bar)
+    data["itl"] += _itl_rows(runner, prompts, ks, p, kinds, bar)
+    data["cold"] += _cold_rows(runner, sources, ks, p, bar)
+    if "streams" not in not_run:
+        alone = {(r["kernels"], r["prompt"]): r["runs"][0]["_gen_ids"] for r in data["plain"]}
+        data["streams"] += _stream_rows(runner, prompts, ks, p, alone, bar)
+    data["memory"].append(_memory(runner, prompts, ks, p, bar))
+
+
+def _config(p: dict, w, store) -> dict:
+    return {"preset": p["preset"], "device": str(w.device), "dtype": p["dtype"], "kernel_sets": list(p["kernel_sets"]),
+            "path": p["bench_path"], "step": p["bench_step"], "deep_threshold": p["deep_threshold"],
+            "gen_tokens": p["gen_tokens"], "reps": p["bench_reps"], "itl_reps": p["bench_itl_reps"],
+            "cold_lengths": list(p["bench_cold_lengths"]), "offload": p["offload"], "mtp_k": MTP_K,
+            "stream_counts": list(STREAM_COUNTS), "prompt_cache": "off (paths.generate holds no prompt cache)",
+            "temperature": 0, "eos": "ignored", "weights_device_bytes": w.nbytes(),
+            "ring_bytes": store.ring_bytes if store else 0,
+            "device_name": torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu"}

@@ -1,0 +1,194 @@
+"""Tables of the ``bench`` section (analysis/bench.py), laid out like the seed's bench receipts.
+
+Every table function takes the section's ``data`` and returns a pandas DataFrame of display strings (numbers
+formatted here: seconds to 2 decimals, tok/s to 1 (decode tok/s 2), milliseconds to 2, memory in MiB); the notebook
+displays them and ``render_md`` prints them as GitHub markdown. "cold" = rep 0, "warm" = the median of reps 1.. .
+"""
+from __future__ import annotations
+
+import statistics
+
+import pandas as pd
+from tabulate import tabulate
+
+MIB = 2 ** 20
+
+
+def _f(v, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def _warm(runs: list[dict], key: str):
+    vals = [r[key] for r in runs[1:] if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _hash(runs: list[dict]) -> str:
+    hashes = list(dict.fromkeys(r["hash"] for r in runs))
+    return hashes[0] if len(hashes) == 1 else " / ".join(hashes) + " (reps differ)"
+
+
+def decode_table(data: dict, kind: str = "plain") -> pd.DataFrame:
+    """Plain or drafted decode: per kernel set and prompt, TTFT / prefill tok/s / decode tok/s / mean ITL, cold
+    and warm, the text hash, and what served the prefill (drafted adds the draft acceptance rate)."""
+    out = []
+    for row in data.get(kind, []):
+        runs, c = row["runs"], row["runs"][0]
+        rec = {"kernels": row["kernels"], "prompt": row["prompt"], "prompt tok": c["prompt_tokens"],
+               "gen tok": c["generated"], "TTFT cold s": _f(c["ttft_s"], ".2f"),
+               "TTFT warm s": _f(_warm(runs, "ttft_s"), ".2f"), "prefill cold tok/s": _f(c["prefill_tps"], ".1f"),
+               "prefill warm tok/s": _f(_warm(runs, "prefill_tps"), ".1f"),
+               "decode cold tok/s": _f(c["decode_tps"], ".2f"),
+               "decode warm tok/s": _f(_warm(runs, "decode_tps"), ".2f"),
+               "mean ITL cold ms": _f(c["itl_mean_ms"], ".2f"),
+               "mean ITL warm ms": _f(_warm(runs, "itl_mean_ms"), ".2f"),
+               "text hash": _hash(runs)}
+        if kind == "drafted":
+            rec["acceptance"] = _f(c.get("acceptance"), ".2f")
+        rec["prefill served"] = c["path_served"]
+        out.append(rec)
+    return pd.DataFrame(out)
+
+
+def drafted_vs_plain_table(data: dict) -> pd.DataFrame:
+    """drafted == plain: hashes of both, equality over all repetitions, decode tok/s and mean ITL side by side."""
+    plain = {(r["kernels"], r["prompt"]): r["runs"] for r in data.get("plain", [])}
+    out = []
+    for row in data.get("drafted", []):
+        d, p = row["runs"], plain.get((row["kernels"], row["prompt"]))
+        if p is None:
+            continue
+        same = {r["hash"] for r in d} == {r["hash"] for r in p} and len({r["hash"] for r in p}) == 1
+        pc, dc = p[0]["decode_tps"], d[0]["decode_tps"]
+        out.append({"kernels": row["kernels"], "prompt": row["prompt"], "plain hash": _hash(p),
+                    "drafted hash": _hash(d), "drafted == plain (all reps)": "yes" if same else "NO",
+                    "plain decode cold": _f(pc, ".2f"), "drafted decode cold": _f(dc, ".2f"),
+                    "ratio": _f(dc / pc if pc and dc else None, ".2f") + ("x" if pc and dc else ""),
+                    "plain ITL": _f(p[0]["itl_mean_ms"], ".2f"), "drafted ITL": _f(d[0]["itl_mean_ms"], ".2f"),
+                    "plain decode warm": _f(_warm(p, "decode_tps"), ".2f"),
+                    "drafted decode warm": _f(_warm(d, "decode_tps"), ".2f")})
+    return pd.DataFrame(out)
+
+
+def itl_table(data: dict) -> pd.DataFrame:
+    """Decode over the ITL repetitions: median decode tok/s and each rep's, median TTFT and prefill tok/s, median
+    mean ITL, ITL p50/p95 over the pooled gaps, token hash."""
+    out = []
+    for row in data.get("itl", []):
+        runs = row["runs"]
+
+        def med(k):
+            return statistics.median([r[k] for r in runs]) if all(r[k] is not None for r in runs) else None
+        out.append({"mode": row["mode"], "kernels": row["kernels"], "prompt": row["prompt"],
+                    "decode tok/s median": _f(med("decode_tps"), ".2f"),
+                    f"{len(runs)} reps": "/".join(_f(r["decode_tps"], ".2f") for r in runs),
+                    "TTFT s": _f(med("ttft_s"), ".3f"), "prefill tok/s": _f(med("prefill_tps"), ".1f"),
+                    "mean ITL ms": _f(med("itl_mean_ms"), ".2f"), "ITL p50": _f(row["itl_p50_ms"], ".1f"),
+                    "ITL p95": _f(row["itl_p95_ms"], ".1f"), "token sha": _hash(runs)})
+    return pd.DataFrame(out)
+
+
+def cold_table(data: dict) -> pd.DataFrame:
+    """Cold-cache prefill at exact token-id lengths; a length with a run that hit a cache is refused (no numbers)."""
+    out = []
+    for row in data.get("cold", []):
+        runs, c = row["runs"], row["runs"][0]
+        ok = row["qualified"]
+        verdict = (f"qualified=True; repeats cold TTFT {'/'.join(_f(r['ttft_s'], '.2f') for r in runs[1:]) or '–'}"
+                   if ok else f"refused: reps {row['refused_reps']} hit a cache ({c['cache_state']})")
+        out.append({"kernels": row["kernels"], "requested tok": row["requested"], "prompt tok": c["prompt_tokens"],
+                    "cold prefill TTFT s": _f(c["ttft_s"] if ok else None, ".2f"),
+                    "prefill tok/s": _f(c["prefill_tps"] if ok else None, ".1f"),
+                    "decode tok/s": _f(c["decode_tps"] if ok else None, ".2f"), "cache state": c["cache_state"],
+                    "verdict": verdict, "prefill served": c["path_served"]})
+    return pd.DataFrame(out)
+
+
+def streams_table(data: dict) -> pd.DataFrame:
+    """1 and 2 concurrent streams (first repetition's timings) and equality of every stream with its run alone."""
+    out = []
+    for row in data.get("streams", []):
+        r = row["reps"][0] if row["reps"] else {}
+        g = lambda k, spec: _f(r.get(k), spec)  # noqa: E731
+        out.append({"kernels": row["kernels"], "prompt": row["prompt"], "streams": row["streams"],
+                    "aggregate tok/s": g("aggregate_tps", ".1f"), "per-stream tok/s": g("per_stream_tps", ".1f"),
+                    "TTFT max s": g("ttft_max_s", ".2f"), "mean ITL ms": g("itl_mean_ms", ".2f"),
+                    "ITL p95 ms": g("itl_p95_ms", ".1f"), "end-to-end tok/s": g("end_to_end_tps", ".1f"),
+                    "failed": row["failed"],
+                    "equal-to-alone": f"{row['equal_to_alone']} eq / {row['not_equal_to_alone']} neq / "
+                                      f"{row['failed']} fail"})
+    return pd.DataFrame(out)
+
+
+def _mib(v) -> str:
+    return _f(v / MIB if v is not None else None, ".1f")
+
+
+def memory_table(data: dict) -> pd.DataFrame:
+    """Peak device memory per kernel set (max over its runs), the measured peak of a batched and a bench-path
+    prefill of the longest prompt and their difference, the ring's reserved bytes, weights on the device.
+
+    The ring is reserved when the store is built, so both measured peaks include it: the deep path's extra memory
+    over the batched path is the ring's bytes plus the measured difference."""
+    cfg, off = data.get("config", {}), data.get("offload") or {}
+    out = []
+    for m in data.get("memory", []):
+        ks = m["kernels"]
+        peaks = [r["peak_mem_bytes"] for key in ("plain", "drafted", "itl", "cold") for row in data.get(key, [])
+                 if row["kernels"] == ks for r in row["runs"] if r.get("peak_mem_bytes") is not None]
+        out.append({"kernels": ks, "peak device MiB": _mib(max(peaks) if peaks else None),
+                    "batched prefill peak MiB": _mib(m.get("batched_peak_bytes")),
+                    f"{cfg.get('path', 'path')} prefill peak MiB": _mib(m.get("path_peak_bytes")),
+                    "extra MiB (measured)": _mib(m.get("extra_bytes")),
+                    "ring reserved bytes": cfg.get("ring_bytes", 0),
+                    "weights on device MiB": _mib(cfg.get("weights_device_bytes")),
+                    "experts off device MiB": _mib(off.get("device_bytes_saved"))})
+    return pd.DataFrame(out)
+
+
+TABLES = (("Plain decode (no drafts)", lambda d: decode_table(d, "plain")),
+          ("Drafted decode (MTP head, drafts enabled)", lambda d: decode_table(d, "drafted")),
+          ("drafted == plain", drafted_vs_plain_table),
+          ("Decode, ITL over repetitions", itl_table),
+          ("Cold-cache prefill, exact token-id prompts", cold_table),
+          ("Concurrent streams", streams_table),
+          ("Memory", memory_table))
+
+
+def tables(data: dict) -> dict[str, pd.DataFrame]:
+    """Title -> DataFrame of every table (empty DataFrames for tables that were not run)."""
+    return {title: fn(data) for title, fn in TABLES}
+
+
+def config_line(data: dict) -> str:
+    """One line: preset, device, dtype, prefill path, gen tokens, reps, offload, prompt cache, not-run notes."""
+    c = data["config"]
+    off = data.get("offload")
+    offload = "off" if not c["offload"] else (
+        f"on (ring {c['ring_bytes']} bytes" + ("" if off["deep_ready"] else f"; NO RING: {off['fallback_reason']}")
+        + ")")
+    return (f"{c['preset']} on {c['device_name']} ({c['dtype']}); prefill {c['path']}@{c['step']} (deep threshold "
+            f"{c['deep_threshold']}); {c['gen_tokens']} new tokens, temperature 0, EOS ignored; {c['reps']} reps "
+            f"(cold = rep 0, warm = repeat), ITL over {c['itl_reps']} reps; MTP k={c['mtp_k']}; expert offload "
+            f"{offload}; prompt cache {c['prompt_cache']}")
+
+
+def render_md(section: dict) -> str:
+    """GitHub markdown of the bench section (the full section or its ``data``): the config line, then each
+    table (tabulate github, numbers already formatted), a table that was not run replaced by its reason."""
+    data = section.get("data", section) if "section" in section else section
+    parts = ["## Bench", config_line(data)]
+    not_run = data.get("not_run", {})
+    skip = {"Drafted decode (MTP head, drafts enabled)": "drafted", "drafted == plain": "drafted",
+            "Concurrent streams": "streams"}
+    for title, df in tables(data).items():
+        parts.append(f"### {title}")
+        reason = not_run.get(skip.get(title, ""))
+        if reason:
+            parts.append(f"_{reason}_")
+        elif df.empty:
+            parts.append("_no rows_")
+        else:
+            parts.append(tabulate(df.values.tolist(), headers=list(df.columns), tablefmt="github",
+                                  disable_numparse=True, floatfmt=".4g"))
+    return "\n\n".join(parts) + "\n"

@@ -1,0 +1,437 @@
+"""The ``streams`` section: drafted == plain, resumed == fresh, and concurrent == alone == serial, per kernel set.
+
+Every configuration runs twice (``REPS``); ``reruns_equal`` says whether the repetitions are byte-identical, and
+``equal`` is true only when every compared quantity matched in every repetition:
+
+    drafted     tokens of the drafted run (mtp.generate_drafted) against the plain run (paths.generate) on the same
+                prefill path and step; logits bytes of the generated rows and KV bytes are reported beside it
+    resumed     tokens, logits bytes of the prefilled tail rows and of the generated rows, and KV bytes of a request
+                resumed from the prompt cache against a fresh request; one row per mode (grid: resume on the step
+                grid; any: resume off it)
+    concurrent  tokens and logits bytes (prompt and generated rows) of each of N concurrent streams against its run
+                alone (same prefill path) and against the serial no-draft oracle (paths.generate on ``decode``)
+
+Choices stated in the receipt (``data["settings"]``): the prefill step is the profile's first step, or P // 3 for a
+prompt of P <= step tokens (so that short prompts still have a grid); the grid resume point is the largest multiple
+of the step below P (an earlier request of P - 1 tokens left it), the off-grid one is about P / 2 (an earlier request
+of exactly that prefix); stream j's prompt is the profile's prompt j mod n cut to ``stream_prompt_tokens`` (default
+a quarter of prompt_max_tokens, at most 256) minus 5·j tokens, and it joins after j·offset steps.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from tabulate import tabulate
+
+from ..kernels import get_set
+from ..mtp import check_k, generate_drafted, resolve_mtp
+from ..paths import generate
+from ..prompt_cache import PromptCache, generate_cached
+from ..prompts import build_prompt
+from ..streams import BATCH_LIMIT, check_streams, run_streams
+from .hashes import first_divergence, load_model, token_hash
+
+REPS = 2
+DEFAULTS = {"mtp_k": 2, "stream_counts": [1, 2, 4], "prompt_cache_gib": 1.0, "stream_offset": 2,
+            "stream_prompt_tokens": None, "prefill_path": "batched", "drafts": ["mtp", "self"], "checkpoint": "",
+            "allow_unpinned": False}
+STREAM_CUT = 5  # stream j's prompt is STREAM_CUT * j tokens shorter, so the streams' lengths differ
+
+
+# --------------------------------------------------------------------------------------------------- comparisons
+
+def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bytes (compared as uint8)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def first_row_diff(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """First row index where fp32 rows a [n, V], b [m, V] differ in bytes (None if equal; min(n, m) on a length
+    mismatch with an equal common part)."""
+    n = min(a.shape[0], b.shape[0])
+    diff = (a[:n].view(torch.int32) != b[:n].view(torch.int32)).any(dim=1).nonzero()
+    if diff.numel():
+        return int(diff[0])
+    return None if a.shape[0] == b.shape[0] else n
+
+
+def first_kv_diff(a, b) -> int | None:
+    """First position where two KV caches' slot-0 keys/values differ in bytes over the written positions
+    (None if equal; -1 when the written lengths differ)."""
+    if a.lengths[0] != b.lengths[0]:
+        return -1
+    n, first = a.lengths[0], None
+    for x, y in zip(a.k + a.v, b.k + b.v):
+        d = (x[0, :n].view(torch.int16) != y[0, :n].view(torch.int16)).flatten(1).any(dim=1).nonzero()
+        if d.numel():
+            first = int(d[0]) if first is None else min(first, int(d[0]))
+    return first
+
+
+def run_equal(a_ids, a_logits, b_ids, b_logits) -> bool:
+    """Tokens and logits bytes equal."""
+    return bool(torch.equal(a_ids, b_ids)) and bytes_equal(a_logits, b_logits)
+
+
+# --------------------------------------------------------------------------------------------------- parameters
+
+def section_params(params: dict) -> dict:
+    """``params`` with this section's defaults filled in and validated.
+
+    Raises:
+        ValueError: mtp_k outside 1..4, a stream count outside 1..BATCH_LIMIT, a negative prompt cache budget,
+            an unknown draft source, or an empty steps list.
+    """
+    p = {**DEFAULTS, **params}
+    check_k(p["mtp_k"])
+    for n in p["stream_counts"]:
+        check_streams(n, p["stream_offset"], BATCH_LIMIT)
+    PromptCache(p["prompt_cache_gib"], "any")  # validates the budget
+    bad = [d for d in p["drafts"] if d not in ("mtp", "self")]
+    if bad:
+        raise ValueError(f"unknown draft sources {bad}; allowed: mtp, self")
+    if not p["steps"]:
+        raise ValueError("steps must hold at least one step size (tokens)")
+    if p["stream_prompt_tokens"] is None:
+        pm = p.get("prompt_max_tokens")
+        p["stream_prompt_tokens"] = min(256, max(8, pm // 4)) if pm else 256
+    return p
+
+
+def prompt_step(step: int, n_prompt: int) -> int:
+    """The prefill step for a prompt: ``step``, or n_prompt // 3 (at least 1) when the prompt is not longer."""
+    return step if n_prompt > step else max(1, n_prompt // 3)
+
+
+def resume_points(n_prompt: int, step: int) -> dict[str, int]:
+    """mode -> resume position: grid = largest multiple of ``step`` below n_prompt (0 if none); any = about
+    n_prompt / 2, moved off the grid when it falls on it (and below n_prompt)."""
+    off = max(1, n_prompt // 2)
+    if off % step == 0 and off + 1 < n_prompt:
+        off += 1
+    return {"grid": (n_prompt - 1) // step * step, "any": off}
+
+
+# ------------------------------------------------------------------------------------------------------ drafted
+
+def drafted_rows(w, prompt, ks: str, plain: list, p: dict, step: int) -> list[dict]:
+    """One row per draft source: drafted (REPS runs) against ``plain`` (REPS paths.generate runs, cache kept)."""
+    rows = []
+    for draft in p["drafts"]:
+        t0 = time.perf_counter()
+        runs = [generate_drafted(w, prompt.ids, p["gen_tokens"], p["mtp_k"], ks, p["prefill_path"], step,
+                                 p["deep_threshold"], draft, keep_cache=True) for _ in range(REPS)]
+        ref, pairs = plain[0], list(zip(runs, plain))  # repetition i against plain repetition i
+        div = next((first_divergence(r.gen_ids, q.gen_ids) for r, q in pairs if not torch.equal(r.gen_ids,
+                                                                                                q.gen_ids)), None)
+        s = runs[0].stats
+        rows.append({
+            "set": ks, "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "gen_tokens": p["gen_tokens"],
+            "path": p["prefill_path"], "step": step, "draft": draft if draft == "mtp" else "self (sanity)",
+            "mtp_source": runs[0].mtp_source, "k": p["mtp_k"], "plain_hash": token_hash(ref.gen_ids),
+            "drafted_hash": token_hash(runs[0].gen_ids), "drafted_hashes": [token_hash(r.gen_ids) for r in runs],
+            "equal": all(torch.equal(r.gen_ids, q.gen_ids) for r, q in pairs), "first_divergence": div,
+            "logits_bytes_equal": all(bytes_equal(r.gen_logits, q.gen_logits) for r, q in pairs),
+            "first_logits_row_diff": first_row_diff(runs[0].gen_logits, ref.gen_logits),
+            "kv_bytes_equal": all(first_kv_diff(r.cache, q.cache) is None for r, q in pairs),
+            "proposed": s.proposed, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
+            "rounds": s.rounds, **_reruns(_drafted_reruns(runs, plain)),
+            "seconds": round(time.perf_counter() - t0, 3),
+        })
+    return rows
+
+
+def _reruns(detail: dict) -> dict:
+    """Row fields: ``reruns`` (which runs repeated byte-identically) and ``reruns_equal`` (all of them did)."""
+    return {"reruns": detail, "reruns_equal": all(detail.values())}
+
+
+def _drafted_reruns(runs, plain) -> dict:
+    same = all(run_equal(r.gen_ids, r.gen_logits, runs[0].gen_ids, runs[0].gen_logits) for r in runs)
+    same &= all(r.stats == runs[0].stats for r in runs)
+    return {"plain": all(run_equal(r.gen_ids, r.gen_logits, plain[0].gen_ids, plain[0].gen_logits) for r in plain),
+            "drafted": same}
+
+
+# ------------------------------------------------------------------------------------------------------ resumed
+
+def resumed_rows(w, prompt, ks: str, fresh: list, p: dict, step: int) -> list[dict]:
+    """One row per prompt-cache mode: a request resumed from the cache (REPS runs) against ``fresh``."""
+    P, rows = prompt.n_tokens, []
+    for mode, split in resume_points(P, step).items():
+        t0 = time.perf_counter()
+        pc = PromptCache(p["prompt_cache_gib"], mode, step)
+        earlier = P - 1 if mode == "grid" else split
+        if split > 0:
+            generate_cached(w, pc, prompt.ids[:earlier], 1, ks, p["prefill_path"], step, p["deep_threshold"])
+        runs = [generate_cached(w, pc, prompt.ids, p["gen_tokens"], ks, p["prefill_path"], step,
+                                p["deep_threshold"], keep_cache=True) for _ in range(REPS)]
+        rows.append(_resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p))
+        rows[-1]["seconds"] = round(time.perf_counter() - t0, 3)
+    return rows
+
+
+def _resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p) -> dict:
+    ref, r0, pairs = fresh[0], runs[0], list(zip(runs, fresh))  # repetition i against fresh repetition i
+    tail = [f.prompt_logits[r.resumed_from:] for r, f in pairs]
+    tok = all(torch.equal(r.gen_ids, f.gen_ids) for r, f in pairs)
+    tail_eq = all(bytes_equal(r.tail_logits, t) for r, t in zip(runs, tail))
+    gen_eq = all(bytes_equal(r.gen_logits, f.gen_logits) for r, f in pairs)
+    kv = [first_kv_diff(r.cache, f.cache) for r, f in pairs]
+    row_diff = first_row_diff(r0.tail_logits, tail[0])
+    reruns = {"fresh": all(run_equal(f.gen_ids, f.gen_logits, ref.gen_ids, ref.gen_logits) for f in fresh),
+              "resumed": all(run_equal(r.gen_ids, r.gen_logits, r0.gen_ids, r0.gen_logits) and r.resumed_from ==
+                             r0.resumed_from and bytes_equal(r.tail_logits, r0.tail_logits) for r in runs)}
+    return {
+        "set": ks, "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "gen_tokens": p["gen_tokens"],
+        "mode": mode, "step": step, "split": split, "on_grid": split > 0 and split % step == 0,
+        "earlier_request_tokens": earlier if split > 0 else None,
+        "resumed_from": [r.resumed_from for r in runs], "tail_rows": prompt.n_tokens - r0.resumed_from,
+        "fresh_hash": token_hash(ref.gen_ids), "resumed_hash": token_hash(r0.gen_ids),
+        "tokens_equal": tok, "tail_logits_equal": tail_eq, "gen_logits_equal": gen_eq,
+        "kv_bytes_equal": all(d is None for d in kv),
+        "equal": tok and tail_eq and gen_eq and all(d is None for d in kv) and all(r.resumed_from == split
+                                                                                  for r in runs),
+        "first_divergence": first_divergence(r0.gen_ids, ref.gen_ids),
+        "first_tail_row_diff": None if row_diff is None else r0.resumed_from + row_diff,
+        "first_kv_position_diff": kv[0], **_reruns(reruns),
+        "resumed_as_planned": all(r.resumed_from == split for r in runs), "state_bytes": pc.nbytes,
+        "cache_stats": dict(pc.stats), "budget_gib": p["prompt_cache_gib"],
+    }
+
+
+# --------------------------------------------------------------------------------------------------- concurrent
+
+def stream_prompts(prompts: list, n: int, cap: int) -> list[tuple[str, torch.Tensor]]:
+    """(name, ids) of streams 0..n-1: prompt j mod len(prompts), cut to min(P, cap) - STREAM_CUT·j (>= 2)."""
+    out = []
+    for j in range(n):
+        pr = prompts[j % len(prompts)]
+        m = max(2, min(pr.n_tokens, cap) - STREAM_CUT * j)
+        out.append((pr.name, pr.ids[:m]))
+    return out
+
+
+def concurrent_rows(w, prompts: list, ks: str, p: dict) -> list[dict]:
+    """One row per stream count N: N concurrent streams (REPS runs) against each stream alone and serial."""
+    N_max = max(p["stream_counts"])
+    sp = stream_prompts(prompts, N_max, p["stream_prompt_tokens"])
+    step = p["steps"][0]
+    alone = [[generate(w, ids, p["gen_tokens"], ks, p["prefill_path"], step, p["deep_threshold"])
+              for _ in range(REPS)] for _, ids in sp]
+    serial = [[generate(w, ids, p["gen_tokens"], ks, "decode") for _ in range(REPS)] for _, ids in sp]
+    rows = []
+    for N in p["stream_counts"]:
+        t0 = time.perf_counter()
+        runs, errors = [], []
+        for _ in range(REPS):
+            try:
+                runs.append(run_streams(w, [ids for _, ids in sp[:N]], p["gen_tokens"], ks, p["prefill_path"],
+                                        step, p["deep_threshold"], p["stream_offset"]))
+            except RuntimeError as e:  # a run that fails is reported, not hidden (bad input still raises)
+                errors.append(f"{type(e).__name__}: {e}")
+        rows.append(_concurrent_row(ks, N, sp[:N], step, runs, errors, alone, serial, p))
+        rows[-1]["seconds"] = round(time.perf_counter() - t0, 3)
+    return rows
+
+
+def _same(s, ref) -> bool:
+    return run_equal(s.gen_ids, s.gen_logits, ref.gen_ids, ref.gen_logits) and bytes_equal(s.prompt_logits,
+                                                                                          ref.prompt_logits)
+
+
+def _counts(runs, refs, N, n_fail) -> dict:
+    """eq / neq / fail over streams x repetitions; repetition i against the reference's repetition i."""
+    eq = sum(_same(r.streams[j], refs[j][i]) for i, r in enumerate(runs) for j in range(N))
+    return {"eq": eq, "neq": len(runs) * N - eq, "fail": n_fail * N}
+
+
+def _first_divs(r0, refs, N) -> list | None:
+    """Per stream: first generated index where repetition 0 differs from the reference's repetition 0."""
+    return [first_divergence(r0.streams[j].gen_ids, refs[j][0].gen_ids) for j in range(N)] if r0 else None
+
+
+def _concurrent_row(ks, N, sp, step, runs, errors, alone, serial, p) -> dict:
+    a, s = _counts(runs, alone, N, len(errors)), _counts(runs, serial, N, len(errors))
+    r0 = runs[0] if runs else None
+    reruns = {"concurrent": bool(runs) and not errors and all(_same(r.streams[j], r0.streams[j]) for r in runs
+                                                               for j in range(N)),
+              "alone": all(_same(x, refs[0]) for refs in alone[:N] for x in refs),
+              "serial": all(_same(x, refs[0]) for refs in serial[:N] for x in refs)}
+    return {
+        "set": ks, "streams": N, "offset": p["stream_offset"], "step": step, "gen_tokens": p["gen_tokens"],
+        "stream_prompts": [{"prompt": name, "tokens": int(ids.numel()), "join_step": j * p["stream_offset"]}
+                           for j, (name, ids) in enumerate(sp)],
+        "hashes": [token_hash(x.gen_ids) for x in r0.streams] if r0 else None,
+        "alone_hashes": [token_hash(alone[j][0].gen_ids) for j in range(N)],
+        "serial_hashes": [token_hash(serial[j][0].gen_ids) for j in range(N)],
+        "equal_to_alone": a, "equal_to_serial": s, "failures": len(errors) * N, "errors": errors,
+        "alone_equal": a["eq"] == REPS * N, "serial_equal": s["eq"] == REPS * N,
+        "equal": a["eq"] == REPS * N and s["eq"] == REPS * N,
+        "first_divergence_alone": _first_divs(r0, alone, N), "first_divergence_serial": _first_divs(r0, serial, N),
+        **_reruns(reruns),
+        "steps": r0.steps if r0 else None, "max_batch_rows": r0.max_batch_rows if r0 else None,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ section
+
+def run_section(params: dict) -> dict:
+    """The ``streams`` section from profile/notebook parameters.
+
+    params: preset, device, dtype, prompts, prompt_max_tokens, steps, gen_tokens, deep_threshold, kernel_sets, and
+    optionally mtp_k (2), stream_counts ([1, 2, 4]), prompt_cache_gib (1.0), stream_offset (2 steps),
+    stream_prompt_tokens (None = a quarter of prompt_max_tokens, at most 256), prefill_path ("batched"), drafts
+    (["mtp", "self"]), checkpoint (""), allow_unpinned (False).
+    Returns:
+        {"section": "streams", "data": {"drafted": [...], "resumed": [...], "concurrent": [...], "settings": {...}}}
+    Raises:
+        ValueError: see section_params; unknown kernel set, preset, dtype or device.
+    """
+    from tqdm import tqdm
+    p = section_params(params)
+    for ks in p["kernel_sets"]:
+        get_set(ks)
+    w, tok = load_model(p["preset"], p["device"], p["dtype"], p.get("checkpoint", ""))
+    prompts = [build_prompt(n, p.get("prompt_max_tokens"), p.get("allow_unpinned", False), tok)
+               for n in p["prompts"]]
+    data = {"drafted": [], "resumed": [], "concurrent": []}
+    with tqdm(total=len(p["kernel_sets"]) * (len(prompts) + 1), desc="streams", unit="cfg", disable=None) as bar:
+        for ks in p["kernel_sets"]:
+            for pr in prompts:
+                step = prompt_step(p["steps"][0], pr.n_tokens)
+                plain = [generate(w, pr.ids, p["gen_tokens"], ks, p["prefill_path"], step, p["deep_threshold"],
+                                  keep_cache=True) for _ in range(REPS)]
+                data["drafted"] += drafted_rows(w, pr, ks, plain, p, step)
+                if p["prompt_cache_gib"] > 0:  # 0 GiB disables the cache: nothing to resume, no rows
+                    data["resumed"] += resumed_rows(w, pr, ks, plain, p, step)
+                bar.update(1)
+            data["concurrent"] += concurrent_rows(w, prompts, ks, p)
+            bar.update(1)
+    data["settings"] = _settings(w, p)
+    return {"section": "streams", "data": data}
+
+
+def _settings(w, p) -> dict:
+    mtp_source = resolve_mtp(w).source if "mtp" in p["drafts"] else None
+    return {"reps": REPS, "prefill_path": p["prefill_path"], "steps": p["steps"], "gen_tokens": p["gen_tokens"],
+            "mtp_k": p["mtp_k"], "mtp_source": mtp_source, "drafts": p["drafts"],
+            "prompt_cache_gib": p["prompt_cache_gib"], "eviction": "LRU by bytes",
+            "stream_counts": p["stream_counts"], "stream_offset": p["stream_offset"],
+            "stream_prompt_tokens": p["stream_prompt_tokens"], "batch_limit": BATCH_LIMIT,
+            "verify_plan": "batched (prompt kernels), k+1 rows per verify forward"}
+
+
+# ------------------------------------------------------------------------------------------------------ render
+
+def _rerun_cell(r: dict) -> str:
+    """``yes``, or ``**no**`` naming the runs whose repetitions differed."""
+    bad = [k for k, v in (r.get("reruns") or {}).items() if not v]
+    return "yes" if r["reruns_equal"] else "**no**" + (f" ({', '.join(bad)})" if bad else "")
+
+
+def _yn(v) -> str:
+    return "–" if v is None else ("yes" if v else "**no**")
+
+
+def _rate(v) -> str:
+    return "–" if v is None else f"{100 * v:.1f}%"
+
+
+def _opt(v) -> str:
+    return "–" if v is None else str(v)
+
+
+def _divs(v) -> str:
+    """Per-stream first divergent token index; ``=`` where the tokens are equal."""
+    return "–" if v is None else ", ".join("=" if d is None else str(d) for d in v)
+
+
+def _counts_cell(c: dict) -> str:
+    return f"{c['eq']} eq / {c['neq']} neq / {c['fail']} fail"
+
+
+def _md(body: list[list], heads: list[str]) -> str:
+    return tabulate(body, headers=heads, tablefmt="github", disable_numparse=True, floatfmt=".4g")
+
+
+def drafted_table(rows: list[dict]) -> str:
+    """GitHub table of the drafted rows (the seed's "drafted == plain")."""
+    body = [[r["set"], f"{r['prompt']} ({r['prompt_tokens']})", f"{r['draft']}, k={r['k']}", r["plain_hash"],
+             r["drafted_hash"], _yn(r["equal"]), _opt(r["first_divergence"]), _yn(r["logits_bytes_equal"]),
+             _yn(r["kv_bytes_equal"]), f"{r['accepted']}/{r['proposed']}", _rate(r["acceptance_rate"]),
+             _rerun_cell(r)] for r in rows]
+    return _md(body, ["set", "prompt (tok)", "draft", "plain hash", "drafted hash", "drafted == plain (all reps)",
+                      "1st div", "logits bytes", "KV bytes", "accepted", "acceptance", "reruns equal"])
+
+
+def resumed_table(rows: list[dict]) -> str:
+    """GitHub table of the resumed rows (resumed vs fresh)."""
+    body = [[r["set"], f"{r['prompt']} ({r['prompt_tokens']})", r["mode"],
+             f"{r['split']} ({'on' if r['on_grid'] else 'off'} grid {r['step']})", r["fresh_hash"],
+             r["resumed_hash"], _yn(r["tokens_equal"]), _yn(r["tail_logits_equal"] and r["gen_logits_equal"]),
+             _yn(r["kv_bytes_equal"]), _yn(r["equal"]),
+             f"{_opt(r['first_divergence'])} / {_opt(r['first_tail_row_diff'])} / {_opt(r['first_kv_position_diff'])}",
+             _rerun_cell(r)] for r in rows]
+    return _md(body, ["set", "prompt (tok)", "mode", "resume at", "fresh hash", "resumed hash", "tokens",
+                      "logits bytes", "KV bytes", "resumed == fresh", "1st diff tok / row / KV", "reruns equal"])
+
+
+def concurrent_table(rows: list[dict]) -> str:
+    """GitHub table of the concurrent rows (streams, equal-to-alone, equal-to-serial, failures)."""
+    body = [[r["set"], r["streams"], ", ".join(f"{s['prompt']}:{s['tokens']}@{s['join_step']}"
+                                                for s in r["stream_prompts"]),
+             _counts_cell(r["equal_to_alone"]), _counts_cell(r["equal_to_serial"]), r["failures"], _yn(r["equal"]),
+             _divs(r["first_divergence_alone"]), _divs(r["first_divergence_serial"]), _rerun_cell(r)]
+            for r in rows]
+    return _md(body, ["set", "N", "prompt:tok@join", "equal-to-alone", "equal-to-serial (no draft)", "failed",
+                      "all equal", "1st div alone", "1st div serial", "reruns equal"])
+
+
+def render_md(section: dict) -> str:
+    """Markdown of the section (accepts the section object or its ``data``): settings line and three tables."""
+    data = section.get("data", section)
+    st = data.get("settings", {})
+    head = (f"{st.get('reps', REPS)} repetitions per configuration; prefill {st.get('prefill_path')} at step "
+            f"{st.get('steps', ['?'])[0]} (P // 3 for shorter prompts); {st.get('gen_tokens')} generated tokens; "
+            f"MTP weights: {st.get('mtp_source')}; verify forward: {st.get('verify_plan')}. "
+            f"Equal = every compared quantity matched in every repetition.")
+    parts = ["## Drafted decode, prompt-cache resume, concurrent streams", "", head, "",
+             "### drafted == plain", "", "Compared: tokens; logits and KV bytes shown beside.", "",
+             drafted_table(data.get("drafted", [])), "",
+             "### resumed == fresh", "", f"Prompt cache {st.get('prompt_cache_gib')} GiB, {st.get('eviction')}; "
+             f"compared: tokens, logits bytes of the tail and generated rows, KV bytes; no rows when the budget is 0.",
+             "",
+             resumed_table(data.get("resumed", [])), "",
+             "### concurrent streams", "", f"Stream j joins after j·{st.get('stream_offset')} steps; prompts cut to "
+             f"{st.get('stream_prompt_tokens')} − 5·j tokens; compared: tokens and logits bytes; \"=\" marks equal "
+             f"tokens.", "",
+             concurrent_table(data.get("concurrent", [])), "", "### summary", "",
+             summary_table(data)]
+    return "\n".join(parts) + "\n"
+
+
+def summary_rows(data: dict) -> list[dict]:
+    """Per (part, kernel set): configurations, how many are equal, how many reruns are equal, and for drafted rows
+    the MTP acceptance rate over all prompts (accepted / proposed)."""
+    out = []
+    for part in ("drafted", "resumed", "concurrent"):
+        for ks in dict.fromkeys(r["set"] for r in data.get(part, [])):
+            rows = [r for r in data[part] if r["set"] == ks]
+            mtp = [r for r in rows if r.get("draft") == "mtp"]
+            prop = sum(r["proposed"] for r in mtp)
+            out.append({"part": part, "set": ks, "configurations": len(rows),
+                        "equal": sum(bool(r["equal"]) for r in rows),
+                        "reruns_equal": sum(bool(r["reruns_equal"]) for r in rows),
+                        "mtp_acceptance": sum(r["accepted"] for r in mtp) / prop if prop else None})
+    return out
+
+
+def summary_table(data: dict) -> str:
+    """GitHub table of summary_rows."""
+    body = [[r["part"], r["set"], r["configurations"], f"{r['equal']}/{r['configurations']}",
+             f"{r['reruns_equal']}/{r['configurations']}", _rate(r["mtp_acceptance"])] for r in summary_rows(data)]
+    return _md(body, ["part", "set", "configurations", "equal", "reruns equal", "MTP acceptance"])

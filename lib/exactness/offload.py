@@ -1,0 +1,366 @@
+"""Expert offload: routed experts kept in (pinned) host memory and staged through a ring of device buffers.
+
+An :class:`ExpertStore` is the expert provider that ``model.forward(..., experts=store)`` and ``model.moe_block``
+accept: ``store(layer, e) -> (w_gate [I, H], w_up [I, H], w_down [H, I])`` on the compute device.
+
+    resident  every expert stays on the device; the provider returns views of the stacked weights (no copy).
+    offload   the experts of every layer live in host memory (pinned when the device is CUDA) and the Weights
+              handed to forward (``store.weights``) hold only the non-expert tensors on the device (the expert
+              fields are empty ``[0, ...]`` placeholders: a forward without the provider raises IndexError).
+              Experts reach the device two ways:
+              * ring: for the deep plan, ``store.prepare(layer, expert_ids, plan)`` announces the experts that have
+                members in this MoE call (ascending ids, the order moe_block computes them). Up to ``ring_slots``
+                experts are copied host->device on a separate copy stream ahead of use, so that copying expert e'
+                overlaps computing expert e (the seed's "ring of staged expert lines"). CUDA events order each
+                compute after its copy and each copy after the previous use of its slot. When the announced
+                list runs out, the ring speculatively copies the next experts in (layer, id) order (the next
+                layer's first experts), so the copies also overlap attention.
+              * sync: batched/decode plans, calls that were not announced, and stores without a ring fetch the
+                expert synchronously into fresh device tensors (the batched pass "fetches each expert").
+              On CPU the "device" and the "host" are the same memory: copies are plain synchronous ``copy_`` and
+              no streams or events exist; every other line of the ring runs as on CUDA.
+
+Copies move bytes unchanged, so offload cannot change a result: tests/test_offload.py compares prompt logits,
+tokens and KV bytes of offload against resident runs (and catches a one-ulp perturbation of the host copy).
+
+If the ring cannot be reserved (``torch.cuda.OutOfMemoryError``, or ``max_ring_bytes`` below what it needs), the
+store records why in ``fallback_reason`` and sets ``deep_ready = False``; paths.prefill then serves deep segments
+with the batched pass and records ``served["fallback"]`` (see the diff in the report of issue 6).
+"""
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import fields
+
+import torch
+
+from .weights import LayerWeights, Weights
+
+MODES = ("resident", "offload")
+EXPERT_FIELDS = ("w_gate", "w_up", "w_down")
+
+
+def _stats() -> dict:
+    return {"prepare_calls": 0, "ring_fetches": 0, "sync_fetches": 0, "resident_fetches": 0, "copies": 0,
+            "speculative_copies": 0, "speculative_hits": 0, "dropped_copies": 0, "unannounced_calls": 0,
+            "bytes_moved": 0}
+
+
+class ExpertRing:
+    """``slots`` device buffers, each holding one expert's (w_gate [I, H], w_up [I, H], w_down [H, I]).
+
+    Keys are (layer, expert id). ``schedule(keys)`` announces the order in which ``take`` will ask for them;
+    copies are issued ahead into free slots (slots neither handed to compute nor holding an untaken copy).
+
+    Args:
+        shapes: the three matrix shapes; dtype, device: of the buffers.
+        slots: number of buffers (>= 1).
+        source: ``source(key) -> (w_gate, w_up, w_down)`` host tensors of an expert.
+        successor: ``successor(key) -> key | None``, the guess copied speculatively once the announced keys are
+            all issued (None: no speculation).
+        stats: the store's counters, updated in place.
+    Raises:
+        torch.cuda.OutOfMemoryError: the buffers do not fit on the device.
+    """
+
+    def __init__(self, shapes, dtype, device: torch.device, slots: int, source, successor, stats: dict):
+        self.bufs = [tuple(torch.empty(s, dtype=dtype, device=device) for s in shapes) for _ in range(slots)]
+        self.device, self.source, self.successor, self.stats = device, source, successor, stats
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.ready = [None] * slots     # event: the slot's last copy is done (CUDA only)
+        self.free = [None] * slots      # event: compute is done with the slot's previous contents (CUDA only)
+        self.slot_of: dict = {}         # key -> slot of an issued copy not yet taken
+        self.speculative: set = set()   # keys in slot_of issued on a guess
+        self.queue: deque = deque()     # announced keys not yet taken, in order
+        self.held: int | None = None    # slot handed to compute by the last take
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the buffers reserve."""
+        return sum(t.nbytes for buf in self.bufs for t in buf)
+
+    def release(self) -> None:
+        """Mark the slot last handed to compute reusable once the compute enqueued so far has run."""
+        if self.held is None:
+            return
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self.free[self.held] = ev
+        self.held = None
+
+    def schedule(self, keys: list) -> None:
+        """Announce ``keys`` (taken next, in this order); untaken copies of other keys are dropped."""
+        self.release()
+        wanted = set(keys)
+        for key in [k for k in self.slot_of if k not in wanted]:
+            del self.slot_of[key]
+            self.speculative.discard(key)
+            self.stats["dropped_copies"] += 1
+        self.queue = deque(keys)
+        self._top_up()
+
+    def clear(self) -> None:
+        """Forget the announced keys (a non-deep plan follows); issued copies stay for a later schedule."""
+        self.release()
+        self.queue.clear()
+
+    def take(self, key):
+        """The buffers of ``key`` if it is the next announced key (waiting on its copy), else None."""
+        if not self.queue or self.queue[0] != key:
+            return None
+        self.release()
+        if key not in self.slot_of:
+            self._top_up()
+        if key not in self.slot_of:  # every slot holds a copy wanted later: reuse the latest-wanted one's
+            victim = max(self.slot_of, key=lambda k: self.queue.index(k) if k in self.queue else len(self.queue))
+            self.speculative.discard(victim)
+            self.stats["dropped_copies"] += 1
+            self._issue(key, self.slot_of.pop(victim))
+        self.queue.popleft()
+        slot = self.slot_of.pop(key)
+        if key in self.speculative:
+            self.speculative.discard(key)
+            self.stats["speculative_hits"] += 1
+        self.held = slot
+        self._top_up()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+        self.stats["ring_fetches"] += 1
+        return self.bufs[slot]
+
+    def _free_slots(self) -> list[int]:
+        busy = set(self.slot_of.values()) | ({self.held} if self.held is not None else set())
+        return [s for s in range(len(self.bufs)) if s not in busy]
+
+    def _top_up(self) -> None:
+        free = self._free_slots()
+        for key in self.queue:
+            if not free:
+                return
+            if key not in self.slot_of:
+                self._issue(key, free.pop(0))
+        key = self.queue[-1] if self.queue and self.successor is not None else None
+        for _ in range(len(self.bufs)):  # at most one guess per slot, so the walk ends
+            if not free or key is None:
+                return
+            key = self.successor(key)
+            if key is not None and key not in self.slot_of:
+                self._issue(key, free.pop(0))
+                self.speculative.add(key)
+                self.stats["speculative_copies"] += 1
+
+    def _issue(self, key, slot: int) -> None:
+        src = self.source(key)
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                if self.free[slot] is not None:
+                    self.stream.wait_event(self.free[slot])
+                for dst, s in zip(self.bufs[slot], src):
+                    dst.copy_(s, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                self.ready[slot] = ev
+        else:
+            for dst, s in zip(self.bufs[slot], src):
+                dst.copy_(s)
+        self.slot_of[key] = slot
+        self.stats["copies"] += 1
+        self.stats["bytes_moved"] += sum(t.nbytes for t in src)
+
+
+def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``t`` in host memory, contiguous, pinned when ``pin`` (a CUDA device will read it asynchronously)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    out.copy_(t)
+    return out
+
+
+def _strip_experts(w: Weights, device: torch.device) -> Weights:
+    """A Weights copy on ``device`` whose expert fields are empty ``[0, I, H]`` / ``[0, H, I]`` placeholders (no
+    bytes; indexing an expert raises IndexError, so a forward without the provider fails loudly). The experts
+    themselves are not copied to the device."""
+    def layer(lw: LayerWeights) -> LayerWeights:
+        out = {}
+        for f in fields(lw):
+            t = getattr(lw, f.name)
+            if t is None:
+                out[f.name] = None
+            elif f.name in EXPERT_FIELDS:
+                out[f.name] = torch.empty((0, *t.shape[1:]), dtype=t.dtype, device=device)  # [0, ., .]
+            else:
+                out[f.name] = t.to(device)
+        return LayerWeights(**out)
+    extra = {k: v.to(device) for k, v in getattr(w, "extra", {}).items()}  # e.g. a checkpoint's MTP tensors
+    return Weights(cfg=w.cfg, embed=w.embed.to(device), layers=[layer(lw) for lw in w.layers],
+                   final_norm=w.final_norm.to(device), lm_head=w.lm_head.to(device), extra=extra)
+
+
+class ExpertStore:
+    """The expert provider of a model, resident or offloaded (see the module docstring).
+
+    Args:
+        weights: the model's weights, on any device (pass CPU weights in offload mode so that the experts never
+            occupy the device).
+        mode: ``"resident"`` or ``"offload"``.
+        ring_slots: device buffers of the ring (offload mode), each one expert (3·I·H elements).
+        device: compute device (default: the weights' device).
+        max_ring_bytes: refuse to reserve a ring larger than this many bytes (None: no limit).
+        speculate: copy the next (layer, id) experts ahead once the announced ones are issued.
+    Attributes:
+        weights: the Weights to hand to ``model.forward`` / ``paths.generate`` with ``experts=store``.
+        deep_ready: False when offloaded without a ring (the deep plan must fall back to the batched pass).
+        fallback_reason: why there is no ring (None when there is one or in resident mode).
+        stats: counters (fetches by route, copies, speculative hits, bytes moved host->device).
+        touched: the (layer, expert) keys asked for since the last reset_stats.
+    Raises:
+        ValueError: unknown mode, ring_slots < 1, max_ring_bytes < 0.
+    """
+
+    def __init__(self, weights: Weights, mode: str = "resident", ring_slots: int = 4,
+                 device: str | torch.device | None = None, max_ring_bytes: int | None = None,
+                 speculate: bool = True):
+        if mode not in MODES:
+            raise ValueError(f"unknown expert store mode {mode!r}; allowed: {', '.join(MODES)}")
+        if not isinstance(ring_slots, int) or ring_slots < 1:
+            raise ValueError(f"ring_slots must be an int >= 1, got {ring_slots!r}")
+        if max_ring_bytes is not None and max_ring_bytes < 0:
+            raise ValueError(f"max_ring_bytes must be >= 0 or None, got {max_ring_bytes!r}")
+        self.mode, self.ring_slots, self.cfg = mode, ring_slots, weights.cfg
+        self.device = torch.device(device) if device is not None else weights.device
+        self.stats, self.touched = _stats(), set()  # touched: (layer, expert) keys asked for
+        self.plan, self.ring, self.fallback_reason = None, None, None
+        lw0 = weights.layers[0]
+        self.shapes = tuple(tuple(getattr(lw0, f).shape[1:]) for f in EXPERT_FIELDS)
+        self.expert_bytes = sum(getattr(lw0, f)[0].nbytes for f in EXPERT_FIELDS)  # one expert's three matrices
+        if mode == "resident":
+            self.weights, self.host = weights.to(device=self.device), None
+            self.device_bytes_saved = 0
+            return
+        pin = self.device.type == "cuda"
+        self.host = [tuple(_host_copy(getattr(lw, f), pin) for f in EXPERT_FIELDS) for lw in weights.layers]
+        self.weights = _strip_experts(weights, self.device)
+        self.device_bytes_saved = sum(t.nbytes for layer in self.host for t in layer)
+        self._reserve_ring(max_ring_bytes, speculate, lw0.w_gate.dtype)
+
+    def _reserve_ring(self, max_ring_bytes, speculate: bool, dtype) -> None:
+        needed = self.ring_slots * self.expert_bytes
+        if max_ring_bytes is not None and needed > max_ring_bytes:
+            self.fallback_reason = (f"the expert ring needs {needed} bytes ({self.ring_slots} slots x "
+                                    f"{self.expert_bytes}) > max_ring_bytes={max_ring_bytes}")
+            return
+        try:
+            self.ring = ExpertRing(self.shapes, dtype, self.device, self.ring_slots, self._source,
+                                   self._successor if speculate else None, self.stats)
+        except torch.cuda.OutOfMemoryError as e:  # the same class as torch.OutOfMemoryError
+            self.fallback_reason = f"device out of memory reserving the expert ring ({needed} bytes): {e}"
+
+    @property
+    def deep_ready(self) -> bool:
+        """True unless the experts are offloaded and the ring could not be reserved."""
+        return self.mode == "resident" or self.ring is not None
+
+    @property
+    def ring_bytes(self) -> int:
+        """Device bytes the ring reserves (0 without a ring)."""
+        return self.ring.nbytes if self.ring is not None else 0
+
+    def _source(self, key) -> tuple:
+        layer, e = key
+        return tuple(t[e] for t in self.host[layer])
+
+    def _successor(self, key):
+        layer, e = key
+        if e + 1 < self.cfg.n_experts:
+            return layer, e + 1
+        return ((layer + 1) % self.cfg.n_layers, 0)
+
+    def prepare(self, layer: int, expert_ids, plan: str = "deep") -> None:
+        """Announce the experts (ascending ids with members) that moe_block will ask for next, and the plan kind
+        (``"decode"``, ``"batched"``, ``"deep"``) of the forward; only the deep plan stages through the ring."""
+        self.stats["prepare_calls"] += 1
+        self.plan = plan
+        if self.ring is None:
+            return
+        if plan == "deep":
+            self.ring.schedule([(layer, int(e)) for e in expert_ids])
+        else:
+            self.ring.clear()
+
+    def __call__(self, layer: int, e: int):
+        """(w_gate [I, H], w_up [I, H], w_down [H, I]) of expert ``e`` of ``layer`` on the compute device
+        (storage dtype). Raises IndexError for a layer or expert id out of range."""
+        if not (0 <= layer < self.cfg.n_layers and 0 <= e < self.cfg.n_experts):
+            raise IndexError(f"expert ({layer}, {e}) outside layers 0..{self.cfg.n_layers - 1}, "
+                             f"experts 0..{self.cfg.n_experts - 1}")
+        self.touched.add((layer, e))
+        if self.host is None:
+            self.stats["resident_fetches"] += 1
+            lw = self.weights.layers[layer]
+            return lw.w_gate[e], lw.w_up[e], lw.w_down[e]
+        if self.ring is not None and self.plan == "deep":
+            bufs = self.ring.take((layer, e))
+            if bufs is not None:
+                return bufs
+            self.stats["unannounced_calls"] += 1
+        return self._fetch_sync(layer, e)
+
+    def _fetch_sync(self, layer: int, e: int) -> tuple:
+        src = self._source((layer, e))
+        out = tuple(torch.empty(s.shape, dtype=s.dtype, device=self.device).copy_(s) for s in src)
+        self.stats["sync_fetches"] += 1
+        self.stats["bytes_moved"] += sum(t.nbytes for t in src)
+        return out
+
+    def reset_stats(self) -> None:
+        """Zero the counters and forget the experts touched (e.g. between timed runs)."""
+        self.stats.update(_stats())
+        self.touched.clear()
+
+    def info(self) -> dict:
+        """JSON-ready summary: mode, ring slots and bytes, device bytes saved, deep_ready, fallback_reason,
+        whether moe_block announces experts itself, one expert's bytes, and the counters."""
+        return {"mode": self.mode, "ring_slots": self.ring_slots if self.ring is not None else 0,
+                "ring_bytes": self.ring_bytes, "expert_bytes": self.expert_bytes,
+                "device_bytes_saved": self.device_bytes_saved, "deep_ready": self.deep_ready,
+                "fallback_reason": self.fallback_reason, "moe_block_calls_prepare": moe_block_calls_prepare(),
+                "stats": {**self.stats, "unique_experts": len(self.touched)}}
+
+
+def moe_block_calls_prepare() -> bool:
+    """Whether model.moe_block announces its experts to the provider (``experts.prepare(...)``) itself."""
+    from . import model
+    return "prepare(" in inspect.getsource(model.moe_block)
+
+
+@contextmanager
+def prepare_hook():
+    """Within the block, model.moe_block announces the experts with members to ``experts.prepare(layer, ids,
+    plan)`` before computing them. A no-op once moe_block does so itself (the diff in issue 6's report); until
+    then it wraps moe_block (running the router kernels once more per layer, untapped) and restores it on exit.
+
+    Yields:
+        True when the wrapper is active, False when moe_block already calls prepare.
+    """
+    from . import model
+    if moe_block_calls_prepare():
+        yield False
+        return
+    original = model.moe_block
+
+    def announcing(ops, lw, cfg, x, experts=None, layer=0):
+        if experts is not None and hasattr(experts, "prepare"):
+            role = ops.plan.role
+            h = ops.k.fn("rmsnorm", role)(x, lw.mlp_norm, cfg.rms_eps)                     # [M, H]
+            _, idx, _ = ops.k.fn("router", role)(h, lw.router, cfg.top_k, cfg.norm_topk_prob)  # [M, k]
+            experts.prepare(layer, sorted(set(idx.flatten().tolist())), ops.plan.kind)
+        return original(ops, lw, cfg, x, experts, layer)
+
+    model.moe_block = announcing
+    try:
+        yield True
+    finally:
+        model.moe_block = original

@@ -1,0 +1,154 @@
+"""Drafted decode (MTP head): drafted == plain with the invariant set for k = 1..4, the MTP cache rollback, the
+self-draft sanity mode, negative controls (the fast set's byte differences, perturbed verify kernels) and bad input.
+
+Tiny preset, bf16, CPU; the prompt is the `code` prompt cut to 32 tokens, prefilled in chunks of 16 rows."""
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from exactness import mtp
+from exactness.analysis.streams import first_kv_diff, first_row_diff
+from exactness.cache import KVCache
+from exactness.kernels import KernelSet, get_set
+from exactness.model import BATCHED
+from exactness.paths import generate
+from exactness.prompts import build_prompt
+
+GEN, STEP = 8, 16
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return build_prompt("code", max_tokens=32).ids
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_weights, ids):
+    """The plain run: batched prefill at STEP, then decode; invariant set."""
+    return generate(tiny_weights, ids, GEN, "invariant", "batched", STEP, keep_cache=True)
+
+
+def row0_perturbed(cls: str, change, roles=("decode", "prompt")) -> KernelSet:
+    """The invariant set with kernel class ``cls`` changed by ``change(out)`` on row 0 of every call of more than
+    one row (a batch-composition-dependent kernel); not registered."""
+    ks = get_set("invariant")
+
+    def wrap(fn):
+        def f(x, *args):
+            out = fn(x, *args)
+            if x.shape[0] > 1:
+                out = out.clone()
+                out[0] = change(out[0])
+            return out
+        return f
+    tab = {r: {c: (replace(s, fn=wrap(s.fn)) if c == cls and r in roles else s) for c, s in getattr(ks, r).items()}
+           for r in ("decode", "prompt")}
+    return KernelSet(f"invariant+row0-{cls}", tab["decode"], tab["prompt"], False, "test-only perturbation")
+
+
+def bytes_eq(a, b) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_drafted_equals_plain_invariant(tiny_weights, ids, plain, k):
+    r = mtp.generate_drafted(tiny_weights, ids, GEN, k, "invariant", "batched", STEP, keep_cache=True)
+    assert torch.equal(r.gen_ids, plain.gen_ids), f"k={k}: {r.gen_ids.tolist()} != {plain.gen_ids.tolist()}"
+    assert bytes_eq(r.gen_logits, plain.gen_logits), first_row_diff(r.gen_logits, plain.gen_logits)
+    assert first_kv_diff(r.cache, plain.cache) is None
+    assert r.stats.proposed > 0 and r.stats.rounds > 0 and 0 <= r.stats.accepted <= r.stats.proposed
+    assert r.mtp_source.startswith("synthetic")
+
+
+def test_self_draft_accepts_every_draft_invariant(tiny_weights, ids, plain):
+    r = mtp.generate_drafted(tiny_weights, ids, GEN, 3, "invariant", "batched", STEP, draft="self")
+    assert torch.equal(r.gen_ids, plain.gen_ids)
+    assert r.stats.acceptance_rate == 1.0, r.stats
+    # token 0 from the prefill, rounds of 3 drafts + 1 model token: 4 + 3 (2 drafts: never past GEN)
+    assert (r.stats.proposed, r.stats.rounds) == (5, 2)
+
+
+def test_mtp_cache_holds_exactly_the_accepted_rows(tiny_weights, ids):
+    """After a drafted run the MTP cache equals one fresh head forward over (h_i, t_{i+1}) of the final sequence:
+    rejected drafts were rolled back and every kept row pairs the main model's hidden row with the next token."""
+    w = tiny_weights
+    r = mtp.generate_drafted(w, ids, GEN, 2, "invariant", "batched", STEP, keep_cache=True)
+    n = r.mtp_cache.lengths[0]
+    seq = torch.cat([ids, r.gen_ids])
+    cache = KVCache(w.cfg, seq.numel(), 1, w.dtype)
+    served = {p: {"segments": 0, "rows": 0} for p in ("decode", "batched", "deep")}
+    hid = mtp.prefill_hidden(w, cache, seq[:n], get_set("invariant"), "batched", None, 512, served).hidden
+    head = mtp.MTPHead(w, mtp.resolve_mtp(w), seq.numel())
+    head.forward(seq[1:n + 1], hid, torch.arange(n), get_set("invariant"), BATCHED)
+    assert n >= ids.numel()
+    for a, b in zip(head.cache.k + head.cache.v, r.mtp_cache.k + r.mtp_cache.v):
+        assert torch.equal(a[:, :n].view(torch.int16), b[:, :n].view(torch.int16))
+        assert not b[:, n:].any(), "positions past the accepted rows must be rolled back (zero)"
+
+
+def test_fast_set_byte_difference_is_detected_at_a_verify_row(tiny_weights):
+    """Negative control (fast set): drafted tokens may survive, but the verify rows' logits differ from the decode
+    rows' bytes; the comparison finds the first differing row after row 0 (row 0 comes from the shared prefill).
+    Pinned case (torch 2.13 CPU): the `code` prompt cut to 110 tokens, where the fast prompt attention differs."""
+    ids = build_prompt("code", max_tokens=110).ids
+    pl = generate(tiny_weights, ids, 4, "fast", "batched", 32, keep_cache=True)
+    r = mtp.generate_drafted(tiny_weights, ids, 4, 2, "fast", "batched", 32, keep_cache=True)
+    i = first_row_diff(r.gen_logits, pl.gen_logits)
+    assert i is not None and i >= 1, "the fast set's verify rows were expected to differ from its decode rows"
+    assert bytes_eq(r.gen_logits[:i], pl.gen_logits[:i]) and not bytes_eq(r.gen_logits[i], pl.gen_logits[i])
+    assert first_kv_diff(r.cache, pl.cache) is not None
+
+
+def test_perturbed_verify_kernel_is_caught(tiny_weights, ids, plain):
+    """Negative controls: a verify-row perturbation must show up where it acts (gen index 1 = the first verify
+    forward's row 0). One ulp on row 0's RMSNorm: logits bytes; a shifted lm_head row 0: the token comparison."""
+    ulp = row0_perturbed("rmsnorm", lambda t: t * (1 + 2 ** -7))
+    r = mtp.generate_drafted(tiny_weights, ids, GEN, 2, ulp, "batched", STEP)
+    ref = generate(tiny_weights, ids, GEN, ulp, "batched", STEP)
+    assert first_row_diff(r.gen_logits, ref.gen_logits) == 1
+    shift = row0_perturbed("lm_head", lambda t: t.roll(1), roles=("prompt",))
+    r = mtp.generate_drafted(tiny_weights, ids, GEN, 2, shift, "batched", STEP)
+    ref = generate(tiny_weights, ids, GEN, shift, "batched", STEP)
+    assert torch.equal(r.gen_ids[:1], ref.gen_ids[:1]) and r.gen_ids[1] != ref.gen_ids[1]
+
+
+@pytest.mark.parametrize("k", [0, 5, -1, True, 2.0, "2"])
+def test_bad_k_is_refused(tiny_weights, ids, k):
+    with pytest.raises(ValueError, match="draft count k"):
+        mtp.generate_drafted(tiny_weights, ids, 4, k, "invariant")
+
+
+def test_unknown_draft_source_is_refused(tiny_weights, ids):
+    with pytest.raises(ValueError, match="unknown draft source 'eagle'"):
+        mtp.generate_drafted(tiny_weights, ids, 4, 2, "invariant", draft="eagle")
+
+
+def test_synthetic_mtp_weights_are_seeded_and_separate(tiny_weights):
+    cfg = tiny_weights.cfg
+    a, b = mtp.synthetic_mtp_weights(cfg), mtp.synthetic_mtp_weights(cfg)
+    assert a.proj.shape == (cfg.hidden, 2 * cfg.hidden) and a.layer.w_gate.shape == tiny_weights.layers[0].w_gate.shape
+    assert torch.equal(a.proj.view(torch.int16), b.proj.view(torch.int16))
+    assert not torch.equal(a.layer.wq, tiny_weights.layers[0].wq)  # own generator (seed + 1000), not the decoder's
+
+
+def test_checkpoint_mtp_tensors_are_used_where_present(tiny_weights):
+    m = mtp.synthetic_mtp_weights(tiny_weights.cfg)
+    lw, p = m.layer, "mtp.layers.0."
+    extra = {"mtp.fc.weight": m.proj, "mtp.pre_fc_norm_embedding.weight": m.emb_norm,
+             "mtp.pre_fc_norm_hidden.weight": m.hidden_norm, "mtp.norm.weight": m.final_norm.clone() * 2}
+    extra.update({p + n: getattr(lw, f) for f, n in mtp._LAYER_NAMES.items()})
+    for e in range(tiny_weights.cfg.n_experts):
+        for n, t in (("gate", lw.w_gate), ("up", lw.w_up), ("down", lw.w_down)):
+            extra[f"{p}mlp.experts.{e}.{n}_proj.weight"] = t[e]
+    for n, t in (("gate", lw.shared_gate), ("up", lw.shared_up), ("down", lw.shared_down)):
+        extra[f"{p}mlp.shared_expert.{n}_proj.weight"] = t
+    w2 = copy.copy(tiny_weights)
+    w2.extra = extra
+    got = mtp.resolve_mtp(w2)
+    assert got.source == "checkpoint" and torch.equal(got.final_norm, m.final_norm * 2)
+    assert torch.equal(got.layer.w_down, lw.w_down)
+    del extra["mtp.norm.weight"]
+    with pytest.raises(ValueError, match="mtp.norm.weight"):
+        mtp.resolve_mtp(w2)

@@ -1,0 +1,155 @@
+"""Prompt cache: resumed == fresh on and off the step grid with the invariant set (tokens, logits bytes of the tail
+and generated rows, KV bytes); negative controls (the fast set off the grid, a batch-composition-dependent kernel);
+LRU-by-bytes eviction; exact prefix matching; bad input.
+
+Tiny preset, bf16, CPU; the `code` prompt cut to 70 tokens, prefilled in chunks of STEP = 16 rows."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from exactness.analysis.streams import first_kv_diff, first_row_diff, resume_points
+from exactness.cache import KVCache
+from exactness.kernels import KernelSet, get_set
+from exactness.paths import generate
+from exactness.prompt_cache import GIB, PromptCache, generate_cached, prefix_key
+from exactness.prompts import build_prompt
+
+GEN, STEP = 6, 16
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return build_prompt("code", max_tokens=70).ids
+
+
+def row0_rmsnorm_perturbed() -> KernelSet:
+    """The invariant set whose RMSNorm changes row 0 of every call of more than one row by about one ulp: its bytes
+    then depend on where the chunks start (not registered)."""
+    ks = get_set("invariant")
+
+    def wrap(fn):
+        def f(x, *args):
+            out = fn(x, *args)
+            if x.shape[0] > 1:
+                out = out.clone()
+                out[0] = out[0] * (1 + 2 ** -7)
+            return out
+        return f
+    tab = {r: {c: (replace(s, fn=wrap(s.fn)) if c == "rmsnorm" else s) for c, s in getattr(ks, r).items()}
+           for r in ("decode", "prompt")}
+    return KernelSet("invariant+row0-rmsnorm", tab["decode"], tab["prompt"], False, "test-only perturbation")
+
+
+def resume(w, ids, ks, mode, step=STEP):
+    """(fresh run, resumed run, resume point): an earlier request leaves the state, the full prompt resumes."""
+    split = resume_points(ids.numel(), step)[mode]
+    pc = PromptCache(1.0, mode, step)
+    generate_cached(w, pc, ids[:ids.numel() - 1 if mode == "grid" else split], 1, ks, "batched", step)
+    run = generate_cached(w, pc, ids, GEN, ks, "batched", step, keep_cache=True)
+    fresh = generate(w, ids, GEN, ks, "batched", step, keep_cache=True)
+    return fresh, run, split
+
+
+def diffs(fresh, run):
+    """(first differing token, tail row, generated-logits row, KV position); all None when resumed == fresh."""
+    tok = (run.gen_ids != fresh.gen_ids).nonzero()
+    tail = first_row_diff(run.tail_logits, fresh.prompt_logits[run.resumed_from:])
+    return (int(tok[0]) if tok.numel() else None, tail, first_row_diff(run.gen_logits, fresh.gen_logits),
+            first_kv_diff(run.cache, fresh.cache))
+
+
+@pytest.mark.parametrize("mode", ["grid", "any"])
+def test_resumed_equals_fresh_invariant(tiny_weights, ids, mode):
+    fresh, run, split = resume(tiny_weights, ids, "invariant", mode)
+    assert run.resumed_from == split and (split % STEP == 0) == (mode == "grid")
+    assert run.tail_logits.shape[0] == ids.numel() - split  # only the tail was prefilled
+    assert diffs(fresh, run) == (None, None, None, None)
+
+
+def test_fast_set_equal_on_grid_and_caught_off_grid(tiny_weights, ids):
+    """Negative control (fast set): on the grid the tail chunks start where a fresh run's do, so even the fast set
+    resumes exactly; off the grid its chunk-shape-dependent kernels change the tail. Pinned case (torch 2.13 CPU):
+    step 24, resume at 35; the first differing tail row and KV position are 52 (found by this comparison)."""
+    fresh, run, _ = resume(tiny_weights, ids, "fast", "grid", step=24)
+    assert diffs(fresh, run) == (None, None, None, None)
+    fresh, run, split = resume(tiny_weights, ids, "fast", "any", step=24)
+    _, tail_row, _, kv_pos = diffs(fresh, run)
+    assert split == 35 and tail_row is not None and kv_pos is not None, (tail_row, kv_pos, split)
+    assert split + tail_row == kv_pos == 52
+
+
+def test_batch_dependent_kernel_caught_off_grid(tiny_weights, ids):
+    """Negative control: a kernel whose row 0 differs resumes exactly on the grid and is caught off it, at the
+    resume point itself (the tail's first row is row 0 of its chunk; in a fresh run it is not)."""
+    ks = row0_rmsnorm_perturbed()
+    fresh, run, _ = resume(tiny_weights, ids, ks, "grid")
+    assert diffs(fresh, run) == (None, None, None, None)
+    fresh, run, split = resume(tiny_weights, ids, ks, "any")
+    _, tail_row, _, kv_pos = diffs(fresh, run)
+    assert (tail_row, kv_pos) == (0, split)
+
+
+def _filled_cache(cfg, n=64):
+    c = KVCache(cfg, n, 1)
+    g = torch.Generator().manual_seed(1)
+    for t in c.k + c.v:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    c.lengths[0] = n
+    return c
+
+
+def test_lru_by_bytes_eviction(tiny_weights):
+    cfg, ids = tiny_weights.cfg, torch.arange(64)
+    cache = _filled_cache(cfg)
+    one = cache.snapshot(0, 16).nbytes()
+    pc = PromptCache(2.5 * one / GIB, "any")  # room for two 16-token states
+    a, b = pc.store(ids[:16], cache), pc.store(ids[1:17], cache)
+    assert pc.lookup(torch.cat([ids[:16], ids[:1]])).key == a[0]  # hit: a becomes the most recently used
+    c = pc.store(ids[2:18], cache)
+    assert pc.keys() == [a[0], c[0]] and pc.stats["evicted"] == 1 and pc.nbytes <= pc.budget_bytes
+    assert b[0] not in pc.keys()
+    big = PromptCache(0.5 * one / GIB, "any")
+    assert big.store(ids[:16], cache) == [] and big.stats["rejected"] == 1
+
+
+def test_grid_mode_keeps_step_multiples_only(tiny_weights):
+    cache, ids = _filled_cache(tiny_weights.cfg), torch.arange(64)
+    pc = PromptCache(1.0, "grid", 16)
+    pc.store(ids[:40], cache)
+    assert pc.keys() == [prefix_key(ids[:16]), prefix_key(ids[:32])]
+    assert pc.lookup(ids[:33]).length == 32 and pc.lookup(ids[:32]).length == 16  # a resume keeps >= 1 tail row
+
+
+def test_budget_zero_disables(tiny_weights):
+    cache, ids = _filled_cache(tiny_weights.cfg), torch.arange(64)
+    pc = PromptCache(0, "any")
+    assert not pc.enabled and pc.store(ids[:16], cache) == [] and pc.lookup(ids[:20]) is None
+
+
+@pytest.mark.parametrize("budget", [-1, -0.5, float("nan"), float("inf"), "1", True])
+def test_bad_budget_is_refused(budget):
+    with pytest.raises(ValueError, match="budget"):
+        PromptCache(budget, "any")
+
+
+def test_bad_mode_or_grid_without_step_is_refused():
+    with pytest.raises(ValueError, match="unknown prompt cache mode 'exact'"):
+        PromptCache(1.0, "exact")
+    with pytest.raises(ValueError, match="grid mode needs the step"):
+        PromptCache(1.0, "grid", None)
+
+
+def test_mismatched_prefix_is_never_reused(tiny_weights, ids):
+    cache = _filled_cache(tiny_weights.cfg)
+    pc = PromptCache(1.0, "any")
+    key = pc.store(ids[:20], cache)[0]
+    other = ids.clone()
+    other[5] = (int(other[5]) + 1) % 256
+    assert pc.lookup(other) is None  # same length, different token 5: a miss, not a reuse
+    with pytest.raises(ValueError, match="token 5 is"):
+        pc.get(key, other)
+    with pytest.raises(ValueError, match="does not match the prompt"):
+        generate_cached(tiny_weights, pc, other, 2, "invariant", "batched", STEP, resume_key=key)
+    with pytest.raises(ValueError, match="no cached prompt state"):
+        pc.get("20:0000", ids)
