@@ -16,6 +16,9 @@ KERNEL_NAME   := exactness
 PROFILE       ?= full
 OUT           ?=
 PARAMS        ?=
+# One CPU thread by default: the tiny preset's kernels are too small to gain from threads, and a second OpenMP
+# thread spin-waits badly on a busy 2-core machine. Receipts record the thread count (env.numerics.cpu_threads).
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup receipts test lab clean
 

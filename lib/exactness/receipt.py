@@ -128,6 +128,8 @@ def environment() -> dict:
             "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "cpu_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         },
         "platform": platform.platform(),
         "hostname": socket.gethostname(),

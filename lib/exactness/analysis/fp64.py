@@ -1,0 +1,339 @@
+"""FP64 per-class receipt: how far each path's arithmetic is from exact, per kernel class, against a certified
+FP64 reference (issue 4; ../shared/guide/metrics.md defines the metrics).
+
+One row per (class, path, kernel set, dtype, input set); per output element i with reference y_i, stored value
+yhat_i, normaliser A_i (fp64_ref.py) and u_acc = 2^-24:
+
+    eta_i            |yhat_i - y_i| / A_i (total error, including the final rounding to the stored dtype)
+    eta_max_u, eta_p99_u, bias_u   max, 99th percentile and mean of eta (bias: signed) in units of u_acc
+    pre_i            distance from y_i to the reals that round to yhat_i (ulp.distance_to_rounding_interval): the
+                     smallest error the kernel's value can have had *before* its final rounding
+    eta_over_gamma   max_i (pre_i / A_i) / gamma_{K_i}: for the GEMM classes this is the accumulation error
+                     against Higham's bound (must be <= 1); for composite classes it also carries their
+                     intermediate storage roundings and is reported for information
+    eta_over_sqrtk_u max_i (pre_i / A_i) / (sqrt(K_i)·u_acc): against the probabilistic bound (Higham & Mary
+                     2019), for information only (it assumes unbiased rounding errors)
+    bound_use        max_i pre_i / beta_i (beta: the class's bound before the final rounding, fp64_ref.py)
+    kappa            A_i / |y_i| (median, max over y_i != 0); ULP vs RN(y) in the stored dtype: % at 0, % at 1, max
+    rmse             sqrt(mean (yhat - y)^2) (absolute, like the FlashAttention-3 paper's RMSE)
+    bitwise_equal_share, max_ulp_vs_decode   over the sampled rows present in both this path and decode
+    flips            router top-k sets / lm_head argmaxes that differ from the fp64 reference's choice on the same
+                     inputs (min_flip_margin: the smallest reference margin among them; min_margin over all rows);
+                     flips_vs_decode: rows whose choice differs from the decode path's
+Verdict rule: ``uncertified`` when the reference failed certification; else ``exact`` when the path is not decode
+and every sampled output's bytes equal decode's; else ``within bound`` when bound_use <= 1, i.e. for every output
+there is a value within the class bound of the exact result whose rounding to the stored dtype is the stored
+output (for GEMMs: |z - y| <= gamma_K·sum|x·w| for the fp32 value z before storage); else ``outside bound``.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..config import get_preset
+from ..kernels import get_set
+from ..model import tapping
+from ..paths import PATHS, generate
+from ..prompts import build_prompt
+from ..weights import synthetic_weights
+from . import fp64_synth as synth
+from .fp64_cert import certify
+from .fp64_ref import CERT_MAX_ULPS, evaluate, gamma
+from .fp64_report import render_md  # noqa: F401  (the section's renderer lives beside its plots)
+from .taps import TapRecorder
+from .ulp import U_ACC, distance_to_rounding_interval, round_to, ulp_distance, unit_roundoff
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+CLASSES = ("dense", "router", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope",
+           "residual", "lm_head")
+HIST_EDGES = (0, 1, 2, 3, 4, 8, 16, 64)  # ULP histogram bins [e_i, e_{i+1}), the last open
+DEFAULTS = {"fp64_rows": 64, "fp64_cert": 12, "fp64_tokens": None, "fp64_prompt": None, "fp64_synthetic": True,
+            "fp64_k_max": 16384, "fp64_synth_rows": 128, "fp64_fp32_sweep": True,
+            "fp64_synth_classes": None}
+
+
+def _finite_max(t: torch.Tensor) -> float | None:
+    t = t[torch.isfinite(t)]
+    return float(t.max()) if t.numel() else None
+
+
+def error_stats(ev) -> dict:
+    """eta, pre-rounding and ULP statistics of an fp64_ref.Eval (see the module docstring)."""
+    y, yh, A = ev.y, ev.yhat.double(), ev.A
+    err = yh - y
+    safe = torch.where(A > 0, A, torch.ones_like(A))
+    eta = torch.where(A > 0, err.abs() / safe, torch.where(err == 0, 0.0, math.inf))
+    pre = distance_to_rounding_interval(y, ev.yhat)
+    eta_pre = torch.where(A > 0, pre / safe, torch.where(pre == 0, 0.0, math.inf))
+    use = torch.where(ev.beta > 0, pre / torch.where(ev.beta > 0, ev.beta, 1.0), torch.where(pre == 0, 0.0, math.inf))
+    nz = y.abs() > 0
+    kappa = A[nz] / y.abs()[nz]
+    ulps = ulp_distance(ev.yhat, round_to(y, ev.dtype))
+    n = ulps.numel()
+    return {"n": n, "eta": eta, "eta_pre": eta_pre, "pre": pre, "use": use, "ulps": ulps,
+            "eta_max_u": float(eta.max()) / U_ACC, "eta_p99_u": float(torch.quantile(eta[:2 ** 24], 0.99)) / U_ACC,
+            "eta_over_gamma": float((eta_pre / gamma(ev.K)).max()), "bound_use": float(use.max()),
+            "eta_over_sqrtk_u": float((eta_pre / (ev.K.double().sqrt() * U_ACC)).max()),
+            "bias_u": float((err[A > 0] / A[A > 0]).mean()) / U_ACC if bool((A > 0).any()) else 0.0,
+            "kappa_median": float(kappa.median()) if kappa.numel() else None, "kappa_max": _finite_max(kappa),
+            "ulp0_pct": 100.0 * float((ulps == 0).sum()) / n, "ulp1_pct": 100.0 * float((ulps == 1).sum()) / n,
+            "ulp_max": int(ulps.max()), "rmse": float(err.pow(2).mean().sqrt())}
+
+
+def _by_sample(ev) -> dict:
+    """sample key -> element indices of ``ev`` (in element order j)."""
+    order = torch.argsort(ev.sid, stable=True)
+    counts = torch.bincount(ev.sid, minlength=len(ev.samples))
+    starts = torch.cumsum(counts, 0) - counts
+    return {s.key: order[int(starts[i]):int(starts[i] + counts[i])] for i, s in enumerate(ev.samples)}
+
+
+def vs_decode(ev, dec) -> dict:
+    """Byte equality and ULP distance between ``ev`` and the decode path's ``dec`` on the rows both sampled."""
+    if dec is None:
+        return {"bitwise_equal_share": None, "max_ulp_vs_decode": None, "matched": 0, "flips_vs_decode": None}
+    a, b = _by_sample(ev), _by_sample(dec)
+    keys = [k for k in a if k in b and a[k].numel() == b[k].numel()]
+    if not keys:
+        return {"bitwise_equal_share": None, "max_ulp_vs_decode": None, "matched": 0, "flips_vs_decode": None}
+    ia, ib = torch.cat([a[k] for k in keys]), torch.cat([b[k] for k in keys])
+    ya, yb = ev.yhat[ia], dec.yhat[ib]
+    iview = torch.int16 if ya.element_size() == 2 else torch.int32
+    eq = ya.view(iview) == yb.view(iview)
+    flips = None
+    if ev.decisions:
+        da = {s.key: d for s, d in zip(ev.samples, ev.decisions)}
+        db = {s.key: d for s, d in zip(dec.samples, dec.decisions)}
+        flips = sum(1 for k in da if k in db and da[k][0] != db[k][0])
+    return {"bitwise_equal_share": float(eq.double().mean()), "max_ulp_vs_decode": int(ulp_distance(ya, yb).max()),
+            "matched": len(keys), "all_matched": len(keys) == len(a), "flips_vs_decode": flips}
+
+
+def flip_stats(ev) -> dict:
+    """Router/lm_head choices that differ from the fp64 reference's on the same inputs, with margins."""
+    if not ev.decisions:
+        return {"flips": None, "min_flip_margin": None, "min_margin": None}
+    flipped = [d[2] for d in ev.decisions if d[0] != d[1]]
+    return {"flips": len(flipped), "min_flip_margin": min(flipped) if flipped else None,
+            "min_margin": min(d[2] for d in ev.decisions)}
+
+
+def pick_elements(ev, n: int, seed: int = 0, eta: torch.Tensor | None = None) -> list[int]:
+    """Elements to certify: the n//2 with the largest eta, then n - n//2 drawn at random from the rest."""
+    total = ev.y.numel()
+    if total <= n:
+        return list(range(total))
+    worst = torch.topk(eta, n // 2).indices.tolist() if eta is not None else []
+    g = torch.Generator().manual_seed(seed)
+    rest = [i for i in torch.randperm(total, generator=g).tolist()[:n + len(worst)] if i not in set(worst)]
+    return worst + rest[:n - len(worst)]
+
+
+def make_row(ev, dec, cert: dict, meta: dict, st: dict | None = None) -> tuple[dict, dict]:
+    """One receipt row (and its error statistics, for histograms) from an Eval, the decode Eval and a cert;
+    ``st``: error_stats(ev) when already computed."""
+    st = st or error_stats(ev)
+    row = {**meta, "K": int(ev.K.max()), "u_store": unit_roundoff(ev.dtype), "u_acc": U_ACC,
+           "ref_method": cert["method"], "ref_certified": cert["certified"], "ref_cert_ulps": cert["ulps"],
+           **{k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}, **flip_stats(ev)}
+    if ev.cls == "attention":  # diagnostic: the bound if the unnormalised softmax weights were stored (u_s each)
+        b2 = ev.beta + 2 * unit_roundoff(ev.dtype) * ev.A
+        row["bound_use_p_stored"] = float(torch.where(b2 > 0, st["pre"] / torch.where(b2 > 0, b2, 1.0), 0.0).max())
+    vd = vs_decode(ev, dec) if meta["path"] != "decode" else vs_decode(None, None)
+    row.update({k: vd[k] for k in ("bitwise_equal_share", "max_ulp_vs_decode", "flips_vs_decode")})
+    if not cert["certified"]:
+        row["verdict"], row["cert_failures"] = "uncertified", cert["failures"]
+    elif meta["path"] != "decode" and vd.get("all_matched") and vd["bitwise_equal_share"] == 1.0:
+        row["verdict"] = "exact"
+    else:
+        row["verdict"] = "within bound" if st["bound_use"] <= 1.0 else "outside bound"
+    return row, st
+
+
+def ulp_hist(ulps: torch.Tensor) -> list[int]:
+    """Counts of ULP distances in the bins HIST_EDGES (last bin open)."""
+    edges = torch.tensor(HIST_EDGES[1:])
+    return torch.bincount(torch.bucketize(ulps, edges, right=True), minlength=len(HIST_EDGES)).tolist()
+
+
+def _params(params: dict) -> dict:
+    p = {**DEFAULTS, **params}
+    for k in ("preset", "device", "dtype", "prompts", "steps", "deep_threshold", "kernel_sets"):
+        if k not in p:
+            raise ValueError(f"fp64 section parameter {k!r} missing; profile fields are required")
+    if p["dtype"] not in DTYPES:
+        raise ValueError(f"dtype {p['dtype']!r} not supported; allowed: {', '.join(DTYPES)}")
+    if int(p["fp64_rows"]) < 1 or int(p["fp64_cert"]) < 1:
+        raise ValueError(f"fp64_rows and fp64_cert must be >= 1, got {p['fp64_rows']}, {p['fp64_cert']}")
+    return p
+
+
+def capture_plan(p: dict) -> dict:
+    """Prompt, token count, step and sampled positions of the captured runs.
+
+    The step is the first profile step >= deep_threshold (so that the deep path runs deep), else None (one chunk);
+    the prompt is ``fp64_prompt`` (default: the profile's longest) cut to ``fp64_tokens`` (default: step or
+    deep_threshold, plus 16, so that a deep segment and a batched tail both run); ``fp64_rows`` positions evenly
+    spaced over the prompt, the last one included.
+    """
+    step = next((s for s in p["steps"] if s >= p["deep_threshold"]), None)
+    name = p["fp64_prompt"] or max(p["prompts"], key=lambda n: build_prompt(n, p.get("prompt_max_tokens")).n_tokens)
+    prompt = build_prompt(name, p.get("prompt_max_tokens"))
+    want = p["fp64_tokens"] or (max(step or 0, p["deep_threshold"]) + 16)
+    P = min(prompt.n_tokens, int(want))
+    R = min(int(p["fp64_rows"]), P)
+    positions = sorted({round(i * (P - 1) / max(R - 1, 1)) for i in range(R)})
+    return {"prompt": name, "ids": prompt.ids[:P], "tokens": P, "step": step, "positions": positions}
+
+
+def capture(w, plan: dict, kernel_sets, deep_threshold: int) -> tuple[TapRecorder, dict]:
+    """Run every path of every kernel set on the plan's prompt (one generated token) under the tap recorder.
+
+    Returns the recorder and path -> seconds of the tapped run.
+    """
+    rec, secs = TapRecorder(plan["positions"], w), {}
+    for ks in kernel_sets:
+        for path in PATHS:
+            t0 = time.perf_counter()
+            with rec.run(path), tapping(rec):
+                generate(w, plan["ids"], 1, ks, path, plan["step"], deep_threshold)
+            secs[f"{ks}/{path}"] = time.perf_counter() - t0
+    return rec, secs
+
+
+def _captured_rows(rec, p, plan, out, memo):
+    dtype = p["dtype"]
+    for ks in p["kernel_sets"]:
+        evs = {}
+        for cls in CLASSES:
+            for path in PATHS:
+                samples = rec.samples.get((ks, path, cls))
+                if not samples:
+                    continue
+                kv = {k[2]: v for k, v in rec.kv.items() if k[0] == ks and k[1] == path}
+                ev = evaluate(cls, samples, rec.params, kv)
+                evs[path] = ev
+                st = error_stats(ev)
+                cert = certify(ev, pick_elements(ev, p["fp64_cert"], 0, st["eta"]), rec.params, kv, memo)
+                plans = {pl: n for (k0, p0, c0, pl), n in rec.calls.items() if (k0, p0, c0) == (ks, path, cls)}
+                meta = {"class": cls, "path": path, "set": ks, "dtype": dtype, "input_set": "captured",
+                        **_kernel_meta(ks, cls, path),
+                        "sampled": {"prompt": plan["prompt"], "positions": len(plan["positions"]),
+                                    "samples": len(samples), "outputs": int(ev.y.numel()), "certified": cert["n"],
+                                    "plans": plans}}
+                _emit(out, ev, evs.get("decode"), cert, meta, st)
+
+
+def _kernel_meta(ks: str, cls: str, path: str) -> dict:
+    """Kernel id and its registered one-line description (tiles, order) for a row."""
+    spec = get_set(ks).decode[cls] if path == "decode" else get_set(ks).prompt[cls]
+    return {"kernel": spec.name, "tiles": spec.doc}
+
+
+def _emit(out, ev, dec, cert, meta, st=None):
+    row, st = make_row(ev, dec, cert, meta, st)
+    out["rows"].append(row)
+    tag = "|".join(str(meta[k]) for k in ("class", "path", "set", "input_set", "dtype"))
+    out["hist"][tag + f"|K{row['K']}"] = ulp_hist(st["ulps"])
+    Ks = ev.K if torch.unique(ev.K).numel() <= 8 else 2 ** torch.ceil(torch.log2(ev.K.double())).long()
+    for K in torch.unique(Ks).tolist():  # K varies per row (attention): powers-of-two buckets
+        m = Ks == K
+        out["by_k"].append({k: meta[k] for k in ("class", "path", "set", "input_set", "dtype")} |
+                           {"K": K, "eta_max": float(st["eta"][m].max()), "pre_max": float(st["eta_pre"][m].max()),
+                            "gamma": float(gamma(K)), "n": int(m.sum())})
+    if meta["input_set"] == "captured":
+        layers = torch.tensor([s.layer for s in ev.samples])[ev.sid]
+        for L in torch.unique(layers).tolist():
+            m = layers == L
+            out["per_layer"].append({k: meta[k] for k in ("class", "path", "set")} |
+                                    {"layer": L, "eta_max_u": float(st["eta"][m].max()) / U_ACC,
+                                     "ulp_max": int(st["ulps"][m].max())})
+
+
+def synthetic_cases(p: dict, cfg) -> list[tuple]:
+    """(class, input set, K, dtype name) of the synthetic sweep: fp64_synth.default_cases in the profile dtype,
+    plus the dense K sweep in float32 storage (where the fp32 accumulation error is not hidden by a bf16
+    rounding) unless fp64_fp32_sweep is False."""
+    base = synth.default_cases(cfg, int(p["fp64_k_max"]))
+    if p["fp64_synth_classes"]:
+        base = [c for c in base if c[0] in p["fp64_synth_classes"]]
+    out = [(c, s, K, p["dtype"]) for c, s, K in base]
+    if p["fp64_fp32_sweep"] and p["dtype"] != "float32":
+        out += [(c, s, K, "float32") for c, s, K in base if c == "dense"]
+    return out
+
+
+def _synthetic_rows(p, cfg, dev, out, memo):
+    for n, (cls, iset, K, dname) in enumerate(synthetic_cases(p, cfg)):
+        case = synth.make_case(cls, iset, cfg, DTYPES[dname], dev, M=int(p["fp64_synth_rows"]), K=K, seed=n)
+        evs = {}
+        for ks in p["kernel_sets"]:
+            for path in PATHS:
+                if path == "deep" and cls not in synth.TILED:
+                    continue
+                samples = synth.case_samples(case, synth.run_case(case, ks, path), path)
+                evs[(ks, path)] = evaluate(cls, samples, case.params, case.kv)
+        first = next(iter(evs.values()))
+        sts = {key: error_stats(e) for key, e in evs.items()}
+        eta_all = torch.stack([st["eta"] for st in sts.values()]).amax(0)
+        picks = pick_elements(first, p["fp64_cert"], 0, eta_all)       # same inputs on every path: shared picks
+        for (ks, path), ev in evs.items():
+            cert = certify(ev, picks, case.params, case.kv, memo)
+            meta = {"class": cls, "path": path, "set": ks, "dtype": dname, "input_set": iset,
+                    **_kernel_meta(ks, cls, path),
+                    "sampled": {"rows": int(case.args[0].shape[0]), "outputs": int(ev.y.numel()),
+                                "certified": cert["n"]}}
+            _emit(out, ev, evs.get((ks, "decode")), cert, meta, sts[(ks, path)])
+
+
+def run_section(params: dict) -> dict:
+    """The ``fp64`` receipt section.
+
+    Args:
+        params: the profile's fields (profiles.Profile.parameters()) plus optional fp64_rows (positions sampled per
+            class, default 64), fp64_cert (elements certified per row, 12), fp64_tokens / fp64_prompt (captured
+            prompt; see capture_plan), fp64_synthetic (run the synthetic input sets, True), fp64_k_max (largest
+            synthetic K, 16384), fp64_synth_rows (rows per synthetic case, 128), fp64_fp32_sweep (dense K sweep
+            also in float32 storage, True), fp64_synth_classes (restrict the synthetic classes; None = all).
+    Returns:
+        {"section": "fp64", "rows": [...], "hist": {...}, "by_k": [...], "per_layer": [...], "meta": {...}}.
+    Raises:
+        ValueError: a missing profile field or a bad value (named).
+    """
+    p = _params(params)
+    dtype, dev = DTYPES[p["dtype"]], torch.device(p["device"])
+    cfg = get_preset(p["preset"])
+    w = synthetic_weights(cfg, dtype, dev)
+    plan = capture_plan(p)
+    t0 = time.perf_counter()
+    rec, secs = capture(w, plan, p["kernel_sets"], int(p["deep_threshold"]))
+    out = {"section": "fp64", "rows": [], "hist": {}, "by_k": [], "per_layer": []}
+    memo: dict = {}
+    t1 = time.perf_counter()
+    _captured_rows(rec, p, plan, out, memo)
+    t2 = time.perf_counter()
+    if p["fp64_synthetic"]:
+        _synthetic_rows(p, cfg, dev, out, memo)
+    out["meta"] = {"prompt": plan["prompt"], "tokens": plan["tokens"], "step": plan["step"],
+                   "positions": len(plan["positions"]), "cert_per_row": int(p["fp64_cert"]),
+                   "cert_max_ulps": CERT_MAX_ULPS, "hist_edges": list(HIST_EDGES),
+                   "seconds": {"tapped_runs": t1 - t0, "captured_refs": t2 - t1,
+                               "synthetic": time.perf_counter() - t2, "runs": secs}}
+    return out
+
+
+def check_certified(section: dict) -> int:
+    """Raise when any row's reference failed certification (issue 4: such a reference fails the receipt).
+
+    Returns the number of rows checked. Raises:
+        RuntimeError: listing the uncertified (class, path, set, input set) rows and their first failure.
+    """
+    rows = section if isinstance(section, list) else section["rows"]
+    bad = [r for r in rows if not r["ref_certified"]]
+    if bad:
+        lines = [f"{r['class']}/{r['path']}/{r['set']}/{r['input_set']}: {(r.get('cert_failures') or ['-'])[0]}"
+                 for r in bad[:10]]
+        raise RuntimeError(f"{len(bad)} of {len(rows)} fp64 rows have an uncertified reference:\n" + "\n".join(lines))
+    return len(rows)
