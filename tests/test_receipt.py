@@ -224,7 +224,7 @@ def _huge_receipt(n: int) -> dict:
              "first_divergence": None if path == "decode" else 7, "oracle_margin": 0.5}
             for i in range(n) for path, step in (("decode", None), ("batched", 100), ("deep", 1000))]
     return {"schema": 1, "status": "ok", "profile": "ci", "parameters": {}, "env": {}, "hashes": rows,
-            "contract": [{"kernel": "k", "equal": True}] * 50, "errors": [], "notebooks": []}
+            "widgets": [{"kernel": "k", "equal": True}] * 50, "errors": [], "notebooks": []}
 
 
 def test_markdown_stays_under_github_limit():
@@ -238,9 +238,9 @@ def test_markdown_stays_under_github_limit():
 
 def test_generic_renderer_and_registry(monkeypatch):
     md = render.render_markdown(_huge_receipt(2))
-    assert "## contract" in md and "| kernel " in md
-    monkeypatch.setitem(render.RENDERERS, "contract", lambda data: f"## Contract: {len(data)} pairs")
-    assert "## Contract: 50 pairs" in render.render_markdown(_huge_receipt(2))
+    assert "## widgets" in md and "| kernel " in md
+    monkeypatch.setitem(render.RENDERERS, "widgets", lambda data: f"## Widgets: {len(data)} pairs")
+    assert "## Widgets: 50 pairs" in render.render_markdown(_huge_receipt(2))
 
 
 def test_markdown_escapes_pipes_and_newlines():
@@ -256,5 +256,5 @@ def test_git_state_outside_a_repo(tmp_path):
 def test_environment_record():
     env = receipt.environment()
     assert set(env["numerics"]) == {"cuda_matmul_allow_tf32", "cudnn_allow_tf32", "deterministic_algorithms",
-                                    "float32_matmul_precision"}
+                                    "float32_matmul_precision", "cpu_threads", "cpu_capability"}
     assert env["device"] and env["time_utc"].endswith("Z")
