@@ -9,7 +9,7 @@ order, stable top-k with lower-id tie-break). Its prompt kernels claim the decod
 """
 from __future__ import annotations
 
-from . import attention, dense, experts, head, norm, rope, router
+from . import attention, cuda, dense, experts, head, norm, rope, router
 from .registry import register_set
 
 FAST = register_set(
@@ -45,17 +45,18 @@ FAST = register_set(
 )
 
 _INVARIANT = {
-    "dense": (dense.tile_linear, "F.linear on fixed 64-row tiles"),
-    "router": (router.router_invariant, "64-row tiles; fp32 softmax; stable sort top-k, lower id wins ties"),
-    "expert_gate_up": (experts.gate_up_invariant, "64-row tiles for GEMMs and SiLU"),
-    "expert_down": (experts.down_invariant, "F.linear on fixed 64-row tiles"),
-    "moe_combine": (experts.combine_invariant, "fp32 sum over k in slot order"),
-    "attention": (attention.attention_invariant, "64-row query tiles, 256-key blocks, online softmax in order"),
-    "rmsnorm": (norm.rmsnorm_invariant, "64-row tiles"),
-    "rope": (rope.rope_invariant, "cos/sin gathered from a table"),
-    "residual": (norm.residual_add, "a + b"),
-    "lm_head": (head.lm_head_invariant, "F.linear on fixed 64-row tiles"),
-    "argmax": (head.argmax_first, "torch.argmax (first maximum)"),
+    "dense": (cuda.dense, "CPU: F.linear on 64-row tiles; CUDA: Triton GEMM, fixed tile per (N, K), no split-K"),
+    "router": (cuda.router, "64-row tiles (CUDA: fixed-tile GEMM); fp32 softmax; top-k, lower id wins ties"),
+    "expert_gate_up": (cuda.gate_up, "64-row tiles for GEMMs and SiLU (CUDA: one fused fixed-tile GEMM)"),
+    "expert_down": (cuda.down, "CPU: F.linear on fixed 64-row tiles; CUDA: fixed-tile Triton GEMM"),
+    "moe_combine": (cuda.combine, "fp32 sum over k in slot order"),
+    "attention": (cuda.attention, "query-row tiles, fixed KV blocks (CPU 256, CUDA per config), online softmax in "
+                                  "order"),
+    "rmsnorm": (cuda.rmsnorm, "64-row tiles (CUDA: one fixed row block per width)"),
+    "rope": (cuda.rope, "cos/sin gathered from a table"),
+    "residual": (cuda.residual, "a + b"),
+    "lm_head": (cuda.lm_head, "CPU: F.linear on fixed 64-row tiles; CUDA: fixed-tile Triton GEMM"),
+    "argmax": (cuda.argmax, "torch.argmax (first maximum)"),
 }
 
 INVARIANT = register_set(

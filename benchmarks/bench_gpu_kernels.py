@@ -1,0 +1,473 @@
+"""Speed of the invariant set's Triton kernels against the fast set (cuBLAS, SDPA, torch ops) on one CUDA GPU.
+
+Run from the repository root (the device machine has torch/triton but not the package installed):
+
+    PYTHONPATH=lib python3 benchmarks/bench_gpu_kernels.py [--sections ceilings,gemm,gate_up,attention,rows,
+        overhead,decode_step,e2e,compile,contract,tests] [--tune] [--out DIR] [--e2e-weights synthetic|device]
+
+Every ratio is invariant time / fast time (lower is better) and is printed with its goal, met or missed:
+GEMM / cuBLAS <= 1.05 at M >= 4096 and <= 1.25 at M = 64..512 for the ``small`` preset's dense (2048->4096 q,
+2048->512 k/v, 4096->2048 o) and expert (2048->768 gate/up, 768->2048 down) shapes, judged on GPU time (CUDA-graph
+replay, L2 warm; the do_bench ratio with host launch and L2 flush is printed beside it); decode-step time
+invariant / fast <= 1.05 (wall clock with torch.cuda.synchronize, as end-to-end times). Other kernel times are
+medians of triton.testing.do_bench (CUDA events, L2 flushed before each run).
+
+``--tune`` times every candidate tile config per weight shape (configs are chosen per (N, K), never per M), pins
+the best one in-process (triton_gemm.with_config) for the later sections and prints the table to paste into
+triton_gemm.SHAPE_CONFIGS. ``--sections compile`` needs no GPU: it compiles every kernel for sm_120 offline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+
+from exactness import paths  # noqa: E402
+from exactness.config import get_preset  # noqa: E402
+from exactness.kernels import attention as fast_attn  # noqa: E402
+from exactness.kernels import cuda, experts, norm, rope, router  # noqa: E402
+
+SHAPES = {"q": (4096, 2048), "k/v": (512, 2048), "o": (2048, 4096), "gate|up": (768, 2048), "down": (2048, 768),
+          "router": (128, 2048), "lm_head": (258, 2048)}
+TARGETED = ("q", "k/v", "o", "gate|up", "down")
+MS = (1, 64, 128, 256, 512, 4096, 16384)
+BF16 = torch.bfloat16
+
+
+def goal(M: int) -> float | None:
+    """The GEMM/cuBLAS ratio goal at M rows (None: no goal, reported only)."""
+    return 1.05 if M >= 4096 else 1.25 if 64 <= M <= 512 else None
+
+
+def linear_candidates():
+    """Candidate sm_90 bf16 tile configs for ``linear`` (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, flags)."""
+    from exactness.kernels.triton_gemm import GemmConfig as C
+    return [C(128, 128, 64, 4, 8), C(128, 128, 64, 4, 8, persistent=True), C(128, 256, 64, 3, 8),
+            C(128, 256, 64, 3, 8, persistent=True), C(128, 64, 64, 4, 4), C(128, 64, 64, 5, 4, persistent=True),
+            C(64, 128, 64, 4, 4), C(64, 64, 128, 4, 4), C(128, 128, 128, 3, 8), C(128, 32, 128, 4, 4)]
+
+
+def gate_up_candidates():
+    """Candidate sm_90 bf16 tile configs for the fused ``gate_up`` (BLOCK_N is per matrix)."""
+    from exactness.kernels.triton_gemm import GemmConfig as C
+    return [C(128, 64, 64, 4, 8), C(128, 64, 64, 4, 8, persistent=True), C(128, 128, 64, 3, 8),
+            C(64, 64, 64, 4, 4), C(128, 32, 128, 4, 4), C(64, 128, 64, 3, 4)]
+
+
+def attention_candidates():
+    """Candidate attention configs (BLOCK_M rows, BLOCK_N keys per block, warps, stages)."""
+    from exactness.kernels.triton_attention import AttnConfig as A
+    return [A(128, 64, 8, 3), A(128, 128, 8, 2), A(128, 128, 8, 3), A(64, 128, 8, 3), A(64, 64, 4, 3)]
+
+
+def ms(fn, rep: int = 25) -> float:
+    """Median milliseconds of ``fn`` (triton.testing.do_bench: CUDA events, L2 flushed before each call)."""
+    import triton
+    return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
+
+
+def graph_ms(fn, rep: int = 10) -> float:
+    """Median milliseconds of ``fn`` replayed from a CUDA graph: GPU time without host launch cost (L2 warm)."""
+    import triton
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
+def _rand(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(BF16)
+
+
+# ------------------------------------------------------------------------------------------------ sections
+
+def ceilings(_args) -> dict:
+    """Measured bf16 matmul rate (8192^3, random data) and device-to-device copy bandwidth."""
+    a, b = _rand(8192, 8192), _rand(8192, 8192)
+    t = ms(lambda: a @ b, rep=100)
+    src = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    tc = ms(lambda: dst.copy_(src), rep=100)
+    out = {"matmul_tflops": 2 * 8192 ** 3 / t / 1e9, "copy_gbs": 2 * src.numel() / tc / 1e6}
+    print(f"ceilings: bf16 matmul {out['matmul_tflops']:.0f} TFLOP/s, d2d copy {out['copy_gbs']:.0f} GB/s")
+    return out
+
+
+def _linear_times(name: str, cfg, Ms=MS) -> dict:
+    from exactness.kernels import triton_gemm as tg
+    N, K = SHAPES[name]
+    w = _rand(N, K, scale=K ** -0.5)
+    out = {}
+    for M in Ms:
+        x = _rand(M, K)
+        out[M] = ms(lambda: tg.linear(x, w, cfg))
+    return out
+
+
+def _cublas_times(name: str, Ms=MS) -> dict:
+    N, K = SHAPES[name]
+    w = _rand(N, K, scale=K ** -0.5)
+    return {M: ms(lambda x=_rand(M, K): torch.nn.functional.linear(x, w)) for M in Ms}
+
+
+def _score(times: dict, base: dict) -> float:
+    """max over M of (ratio / goal) (M without a goal: ratio / 2, so decode GEMVs still count a little)."""
+    return max((times[M] / base[M]) / (goal(M) or 2.0) for M in times)
+
+
+def gemm(args) -> dict:
+    """GEMM / cuBLAS per shape and M for the current (or tuned) configs; with --tune, the candidate sweep."""
+    from exactness.kernels import triton_gemm as tg
+    cap = torch.cuda.get_device_capability()
+    arch = tg.arch_of(cap)
+    res = {"rows": [], "tuning": []}
+    for name, (N, K) in SHAPES.items():
+        base = _cublas_times(name)
+        cfg = tg.config_for("linear", N, K, BF16, cap)
+        if args.tune:
+            best = None
+            for cand in linear_candidates():
+                try:
+                    t = _linear_times(name, cand)
+                except Exception as e:  # a candidate that does not compile or fit is skipped, and shown
+                    res["tuning"].append({"shape": name, "config": cand.label(), "error": repr(e)[:200]})
+                    continue
+                sc = _score(t, base)
+                res["tuning"].append({"shape": name, "config": cand.label(), "score": sc,
+                                      **{f"M={M}": t[M] / base[M] for M in MS}})
+                if best is None or sc < best[0]:
+                    best = (sc, cand, t)
+            if best is None:
+                raise RuntimeError(f"no linear candidate ran for {name}")
+            cfg = best[1]
+            tg.with_config("linear", N, K, BF16, arch, cfg)
+            t = best[2]
+        else:
+            t = _linear_times(name, cfg)
+        w = _rand(N, K, scale=K ** -0.5)
+        for M in MS:
+            x = _rand(M, K)
+            gi = graph_ms(lambda: tg.linear(x, w, cfg))
+            gc = graph_ms(lambda: torch.nn.functional.linear(x, w))
+            r, g = gi / gc, goal(M) if name in TARGETED else None
+            res["rows"].append({"shape": name, "N": N, "K": K, "M": M, "config": cfg.label(),
+                                "cublas_us": base[M] * 1e3, "invariant_us": t[M] * 1e3,
+                                "launch_ratio": t[M] / base[M], "cublas_gpu_us": gc * 1e3,
+                                "invariant_gpu_us": gi * 1e3, "ratio": r, "goal": g,
+                                "met": None if g is None else r <= g})
+    _print_rows("GEMM invariant / cuBLAS (bf16); ratio = GPU time (CUDA graph); launch_ratio = do_bench with "
+                "host launch", res["rows"])
+    if res["tuning"]:
+        print(tabulate(res["tuning"], headers="keys", floatfmt=".3f", tablefmt="github"))
+    return res
+
+
+def _print_rows(title: str, rows: list[dict]) -> None:
+    print(f"\n## {title}")
+    print(tabulate([{k: (("met" if v else "MISSED") if k == "met" and v is not None else v) for k, v in r.items()}
+                    for r in rows], headers="keys", floatfmt=".3f", tablefmt="github"))
+
+
+def gate_up(args) -> dict:
+    """Fused invariant gate_up vs the fast set's (2 cuBLAS GEMMs + SiLU + mul), and vs 2 cuBLAS GEMMs alone."""
+    from exactness.kernels import triton_gemm as tg
+    cap = torch.cuda.get_device_capability()
+    N, K = SHAPES["gate|up"]
+    wg, wu = _rand(N, K, scale=K ** -0.5), _rand(N, K, scale=K ** -0.5)
+    xs = {M: _rand(M, K) for M in MS}
+    res = {"rows": [], "tuning": []}
+    cfg = tg.config_for("gate_up", N, K, BF16, cap)
+    if args.tune:
+        two = {M: ms(lambda x=xs[M]: (torch.nn.functional.linear(x, wg), torch.nn.functional.linear(x, wu)))
+               for M in MS}
+        best = None
+        for cand in gate_up_candidates():
+            try:
+                t = {M: ms(lambda x=xs[M]: tg.gate_up(x, wg, wu, cand)) for M in MS}
+            except Exception as e:
+                res["tuning"].append({"config": cand.label(), "error": repr(e)[:200]})
+                continue
+            sc = _score(t, two)
+            res["tuning"].append({"config": cand.label(), "score": sc, **{f"M={M}": t[M] / two[M] for M in MS}})
+            if best is None or sc < best[0]:
+                best = (sc, cand)
+        if best is None:
+            raise RuntimeError("no gate_up candidate ran")
+        cfg = best[1]
+        tg.with_config("gate_up", N, K, BF16, tg.arch_of(cap), cfg)
+    for M in MS:
+        x = xs[M]
+        t = graph_ms(lambda: tg.gate_up(x, wg, wu))
+        f = graph_ms(lambda: experts.gate_up_fast(x, wg, wu))
+        c2 = graph_ms(lambda: (torch.nn.functional.linear(x, wg), torch.nn.functional.linear(x, wu)))
+        g = goal(M)
+        res["rows"].append({"M": M, "config": cfg.label(), "fast_gpu_us": f * 1e3, "2xcublas_gpu_us": c2 * 1e3,
+                            "invariant_gpu_us": t * 1e3, "vs_fast": t / f, "vs_2xcublas": t / c2, "goal": g,
+                            "met": None if g is None else t / c2 <= g})
+    _print_rows("fused gate_up (2048->768 x2), GPU time (CUDA graph): invariant vs fast set and vs 2 cuBLAS GEMMs",
+                res["rows"])
+    if res["tuning"]:
+        print(tabulate(res["tuning"], headers="keys", floatfmt=".3f", tablefmt="github"))
+    return res
+
+
+def attention(args) -> dict:
+    """Prefill (causal, one slot) and decode attention: invariant Triton vs the fast set (SDPA), small preset."""
+    from exactness.kernels import triton_attention as ta
+    cfgm = get_preset("small")
+    Hq, Hkv, D = cfgm.n_heads, cfgm.n_kv_heads, cfgm.head_dim
+    cap = torch.cuda.get_device_capability()
+    res = {"rows": [], "tuning": []}
+    cases = []
+    for P in (4096, 16384):
+        kc, vc = _rand(1, P, Hkv, D), _rand(1, P, Hkv, D)
+        q = _rand(P, Hq, D)
+        pos = torch.arange(P, device="cuda")
+        slots = torch.zeros_like(pos)
+        cases.append((f"prefill P={P}", q, kc, vc, slots, pos, fast_attn.attention_fast_prompt))
+        cases.append((f"decode pos={P - 1}", q[-1:], kc, vc, slots[-1:], pos[-1:], fast_attn.attention_fast_decode))
+        qh, kh, vh = q.transpose(0, 1)[None], kc[0].transpose(0, 1)[None], vc[0].transpose(0, 1)[None]
+        causal = ms(lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
+                                                                              enable_gqa=True))
+        res["rows"].append({"case": f"SDPA is_causal (flash, reference) P={P}", "fast_us": causal * 1e3})
+    cands = attention_candidates() if args.tune else [ta.config_for(D, BF16, cap)]
+    fast_t = {name: ms(lambda: fast(q, kc, vc, slots, pos)) for name, q, kc, vc, slots, pos, fast in cases}
+    for c in cands:
+        for name, q, kc, vc, slots, pos, _ in cases:
+            try:
+                t = ms(lambda: ta.attention(q, kc, vc, slots, pos, c))
+            except Exception as e:
+                res["tuning"].append({"config": c.label(), "case": name, "error": repr(e)[:200]})
+                continue
+            f = fast_t[name]
+            flops = 4 * q.shape[0] * Hq * D * (pos.float().mean().item() + 1)
+            res["rows"].append({"case": name, "config": c.label(), "fast_us": f * 1e3, "invariant_us": t * 1e3,
+                                "ratio": t / f, "invariant_tflops": flops / t / 1e9})
+    if args.tune:
+        best = min(cands, key=lambda c: sum(r["invariant_us"] for r in res["rows"]
+                                            if r.get("config") == c.label() and "prefill" in r["case"]) +
+                   4 * sum(r["invariant_us"] for r in res["rows"]
+                           if r.get("config") == c.label() and "decode" in r["case"]))
+        ta.SHAPE_CONFIGS[(D, "16bit", "sm90")] = best
+        res["chosen"] = best.label()
+        print(f"attention: chose {best.label()}")
+    _print_rows("attention invariant / fast set (small preset heads, bf16)", res["rows"])
+    return res
+
+
+def rows(_args) -> dict:
+    """Row kernels at 16384 rows: invariant Triton vs the fast set's torch ops."""
+    from exactness.kernels import triton_rows as tr
+    cfgm = get_preset("small")
+    M, H, Hq, D, k, E = 16384, cfgm.hidden, cfgm.n_heads, cfgm.head_dim, cfgm.top_k, cfgm.n_experts
+    x, w = _rand(M, H), _rand(H)
+    qh = _rand(M, Hq, D)
+    pos = torch.arange(M, device="cuda")
+    cos, sin = rope._table(D, cfgm.rope_theta, 1, qh.device, BF16)
+    y, wts = _rand(M, k, H), torch.rand(M, k, device="cuda").to(BF16)
+    logits = _rand(M, E, scale=3.0)
+    cases = [("rmsnorm [16384, 2048]", lambda: tr.rmsnorm(x, w, 1e-6), lambda: norm.rmsnorm_fast(x, w, 1e-6)),
+             ("rope [16384, 32, 128]", lambda: tr.rope(qh, pos, cos, sin), lambda: rope.rope_fast(qh, pos, 1e6)),
+             ("combine [16384, 8, 2048]", lambda: tr.combine(y, wts, None), lambda: experts.combine_fast(y, wts, None)),
+             ("softmax/top-8 [16384, 128]", lambda: tr.softmax_topk(logits, k, True),
+              lambda: router._softmax_topk_tile(logits, k, True))]
+    res = [{"case": n, "fast_us": ms(f) * 1e3, "invariant_us": ms(i) * 1e3} for n, i, f in cases]
+    for r in res:
+        r["ratio"] = r["invariant_us"] / r["fast_us"]
+    _print_rows("row kernels invariant / fast (bf16)", res)
+    return {"rows": res}
+
+
+def overhead(_args) -> dict:
+    """Host time per call (no sync; launch-bound) at decode size: the cost a decode step pays per kernel."""
+    from exactness.kernels import triton_gemm as tg
+    from exactness.kernels import triton_rows as tr
+    x, wq = _rand(1, 2048), _rand(4096, 2048)
+    h = _rand(2048)
+    cases = [("linear M=1", lambda: tg.linear(x, wq), lambda: torch.nn.functional.linear(x, wq)),
+             ("rmsnorm M=1", lambda: tr.rmsnorm(x, h, 1e-6), lambda: norm.rmsnorm_fast(x, h, 1e-6))]
+    out = []
+    for name, inv, fast in cases:
+        row = {"case": name}
+        for label, fn in (("invariant_us", inv), ("fast_us", fast)):
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(500):
+                fn()
+            row[label] = (time.perf_counter() - t0) / 500 * 1e6
+            torch.cuda.synchronize()
+        out.append(row)
+    _print_rows("host time per call (us, launch-bound)", out)
+    return {"rows": out}
+
+
+_WEIGHTS: dict = {}
+
+
+def _weights(kind: str):
+    if kind not in _WEIGHTS:
+        cfg = get_preset("small")
+        t0 = time.perf_counter()
+        if kind == "synthetic":
+            from exactness.weights import synthetic_weights
+            _WEIGHTS[kind] = synthetic_weights(cfg, BF16, "cuda")
+        else:
+            _WEIGHTS[kind] = cuda.device_random_weights(cfg, BF16, "cuda", seed=0)
+        print(f"weights ({kind}) built in {time.perf_counter() - t0:.1f} s")
+    return _WEIGHTS[kind]
+
+
+def decode_step(args) -> dict:
+    """Wall time of one decode step (small preset, 1 stream) after a 4096-token prompt: invariant vs fast set.
+
+    The invariant set runs with Triton fast launch on and off (triton_rows.FAST_LAUNCH); both give the same logits.
+    """
+    from exactness.cache import KVCache
+    from exactness.kernels import triton_rows as tr
+    w = _weights(args.e2e_weights)
+    out, P = [], 4096
+    cache = KVCache(w.cfg, P + 64, 1, BF16, w.device)
+    ids = torch.randint(0, 256, (P,), generator=torch.Generator().manual_seed(0))
+    paths.prefill(w, cache, ids, "fast", "batched", step=4096)
+    tok = ids[-1:].to(w.device)
+    slots = torch.zeros(1, dtype=torch.int64, device=w.device)
+    pos0 = torch.tensor([P], device=w.device)
+    logits = {}
+    for fl in (False, True):
+        tr.FAST_LAUNCH = fl
+        logits[fl] = paths.decode_step(w, cache, tok, pos0, slots, "invariant").clone()
+    times = {"fast": [], "invariant": [], "invariant (fast launch off)": []}
+    for rnd in range(5):
+        for ks in times:
+            tr.FAST_LAUNCH = ks != "invariant (fast launch off)"
+            for i in range(8):
+                pos = torch.tensor([P + i], device=w.device)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                paths.decode_step(w, cache, tok, pos, slots, ks.split(" ")[0])
+                torch.cuda.synchronize()
+                if rnd:                                                      # round 0 warms up
+                    times[ks].append(time.perf_counter() - t0)
+    tr.FAST_LAUNCH = True
+    f = statistics.median(times["fast"])
+    for ks in ("invariant", "invariant (fast launch off)"):
+        i = statistics.median(times[ks])
+        out.append({"context": P, "set": ks, "fast_ms": f * 1e3, "invariant_ms": i * 1e3, "ratio": i / f,
+                    "goal": 1.05, "met": i / f <= 1.05})
+    same = torch.equal(logits[False].view(torch.int32), logits[True].view(torch.int32))
+    _print_rows(f"decode step, small preset ({args.e2e_weights} weights), median wall time; fast launch on/off "
+                f"logits identical: {same}", out)
+    return {"rows": out, "fast_launch_same_logits": same}
+
+
+def e2e(args) -> dict:
+    """paths.generate on the code prompt cut to ~4096 tokens: decode vs batched(1000) vs deep(2048) per set."""
+    from exactness.analysis.hashes import token_hash
+    from exactness.prompts import build_prompt
+    w = _weights(args.e2e_weights)
+    try:
+        prompt, pinned = build_prompt("code", max_tokens=args.e2e_tokens), True
+    except Exception as e:
+        print(f"prompt pin: {e}; running unpinned")
+        prompt, pinned = build_prompt("code", max_tokens=args.e2e_tokens, allow_unpinned=True), False
+    ids = prompt.ids
+    out = []
+    plan = {"invariant": (("decode", None), ("batched", 1000), ("deep", 2048), ("batched", None)),
+            "fast": (("batched", None), ("batched", 1000), ("deep", 2048))}
+    for ks in ("invariant", "fast"):
+        runs = {}
+        for path, step in plan[ks]:
+            t0 = time.perf_counter()
+            r = paths.generate(w, ids, args.gen_tokens, ks, path, step)
+            runs[(path, step)] = (r, time.perf_counter() - t0)
+        ref = runs[plan[ks][0]][0]                       # invariant: the decode oracle; fast: one-chunk batched
+        for (path, step), (r, secs) in runs.items():
+            diff = (r.prompt_logits.view(torch.int32) != ref.prompt_logits.view(torch.int32)).any(dim=1)
+            out.append({"set": ks, "path": path, "step": step, "prompt_tokens": ids.numel(),
+                        "token_hash": token_hash(r.gen_ids), "tokens_equal_ref": torch.equal(r.gen_ids, ref.gen_ids),
+                        "prompt_rows_differing": int(diff.sum()), "first_diff_row": int(diff.nonzero()[0]) if diff.any()
+                        else None, "ttft_s": r.ttft_s, "wall_s": secs, "served": json.dumps(r.served)})
+    _print_rows(f"end to end: code prompt ({ids.numel()} tokens, pinned={pinned}), {args.e2e_weights} weights", out)
+    return {"rows": out, "pinned": pinned}
+
+
+def compile_sm120(_args) -> dict:
+    """Offline compile of every kernel the small preset launches for sm_120 (no such GPU needed)."""
+    rows_ = cuda.compile_report((12, 0), BF16, "small")
+    _print_rows("compiled for sm_120 without the GPU (triton.compile, GPUTarget('cuda', 120, 32))", rows_)
+    return {"rows": rows_}
+
+
+def contract(args) -> dict:
+    """The contract checker's sweep of the invariant set on cuda (if analysis/contract.py is present)."""
+    from exactness.analysis import contract as ct
+    t0 = time.perf_counter()
+    res = ct.check_set("invariant", device="cuda", dtypes=("bfloat16", "float32"), sweep=args.contract_sweep,
+                       progress=True)
+    rows_ = [r.to_row() for r in res]
+    cov, unc = ct.coverage(rows_, ["invariant"], "cuda", ("bfloat16", "float32"))
+    bad = sum(r.mismatches for r in res)
+    print(f"contract ({args.contract_sweep}) invariant on cuda: {len(res)} pairs, {bad} mismatching rows, "
+          f"{len(unc)} uncovered, {time.perf_counter() - t0:.1f} s")
+    return {"rows": rows_, "coverage": cov, "uncovered": unc, "mismatches": bad}
+
+
+def tests(_args) -> dict:
+    """tests/test_cuda_kernels.py's GPU tests in this process, so they run with the configs pinned by --tune."""
+    import pytest
+    here = os.path.dirname(os.path.abspath(__file__))
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", "-k", "gpu", os.path.join(here, "..", "tests",
+                                                                                "test_cuda_kernels.py")])
+    print(f"GPU tests exit code {int(rc)}")
+    return {"exit_code": int(rc)}
+
+
+SECTIONS = {"ceilings": ceilings, "gemm": gemm, "gate_up": gate_up, "attention": attention, "rows": rows,
+            "overhead": overhead, "decode_step": decode_step, "e2e": e2e, "compile": compile_sm120,
+            "contract": contract, "tests": tests}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default="ceilings,gemm,gate_up,attention,rows,overhead,decode_step,compile")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--e2e-weights", default="device", choices=("device", "synthetic"))
+    ap.add_argument("--e2e-tokens", type=int, default=4096)
+    ap.add_argument("--gen-tokens", type=int, default=16)
+    ap.add_argument("--contract-sweep", default="full", choices=("quick", "full"))
+    args = ap.parse_args(argv)
+    names = [s for s in args.sections.split(",") if s]
+    unknown = [s for s in names if s not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+    if any(s != "compile" for s in names) and not torch.cuda.is_available():
+        ap.error("these sections need a CUDA device (only 'compile' runs without one)")
+    results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+               "torch": torch.__version__}
+    for s in names:
+        t0 = time.perf_counter()
+        try:
+            results[s] = SECTIONS[s](args)
+        except Exception as e:
+            traceback.print_exc()
+            results[s] = {"error": repr(e)}
+        results[s]["seconds"] = round(time.perf_counter() - t0, 1) if isinstance(results[s], dict) else None
+        print(f"[{s}: {time.perf_counter() - t0:.1f} s]", flush=True)
+        if args.out:
+            with open(os.path.join(args.out, "bench_gpu_kernels.json"), "w") as f:
+                json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Device dispatch for the invariant kernel set: CPU tensors run the CPU invariant kernels, CUDA tensors run Triton.
+
+Every function here has its kernel class's signature (kernels/registry.py). On a CPU tensor it calls exactly the CPU
+invariant kernel (dense.tile_linear, router.router_invariant, experts.*_invariant, attention.attention_invariant,
+norm.rmsnorm_invariant, rope.rope_invariant, head.lm_head_invariant), looked up at call time so a patched module
+function is honoured. On a CUDA tensor it calls the Triton kernels of triton_gemm.py, triton_attention.py and
+triton_rows.py, which keep the CPU kernels' semantics (storage-dtype outputs, fp32 accumulation, the RoPE table,
+stable top-k with lower-id tie-break, fp32 combine in slot order, online softmax over fixed KV blocks in ascending
+order, 1/sqrt(D) scale, causal by position per slot) and whose bytes per row do not depend on the row count: the
+same kernel with the same fixed config serves decode (M = 1) and prompt rows.
+
+``residual`` (one rounded add per element) and ``argmax`` (first maximal index, lowest id on ties) are row-invariant
+on any device and run the same torch code on both.
+
+Importing this module never imports Triton; the first CUDA call does (RuntimeError if Triton is missing).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from contextlib import contextmanager
+
+import torch
+
+from . import attention as _attention
+from . import dense as _dense
+from . import experts as _experts
+from . import head as _head
+from . import norm as _norm
+from . import rope as _rope
+from . import router as _router
+
+
+_MODULES: dict = {}
+_STATE = {"cpu_triton": False}
+
+
+def _gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda or _STATE["cpu_triton"]
+
+
+@contextmanager
+def triton_on_cpu():
+    """Within the block, CPU tensors also take the Triton path (tests under TRITON_INTERPRET=1 only).
+
+    Raises:
+        RuntimeError: TRITON_INTERPRET=1 is not set (compiled Triton kernels cannot read CPU tensors).
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError("triton_on_cpu() needs TRITON_INTERPRET=1 set before Triton is imported")
+    old = _STATE["cpu_triton"]
+    _STATE["cpu_triton"] = True
+    try:
+        yield
+    finally:
+        _STATE["cpu_triton"] = old
+
+
+def _tk(name: str):
+    """The Triton module ``name`` (triton_gemm, triton_attention or triton_rows), imported on first use.
+
+    Raises:
+        RuntimeError: Triton cannot be imported.
+    """
+    mod = _MODULES.get(name)
+    if mod is None:
+        try:
+            mod = _MODULES[name] = importlib.import_module(f"{__package__}.{name}")
+        except ImportError as e:  # depends on the machine
+            raise RuntimeError(f"the invariant set's CUDA kernels need Triton (pip install triton), which failed "
+                               f"to import: {e}") from e
+    return mod
+
+
+def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N] storage dtype (CPU: dense.tile_linear; CUDA: triton_gemm.linear)."""
+    if _gpu(x):
+        return _tk("triton_gemm").linear(x, w)
+    return _dense.tile_linear(x, w)
+
+
+def router(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool):
+    """(weights [M, k] storage dtype, idx [M, k] int64, logits [M, E] storage dtype); ties go to the lower id.
+
+    CPU: router.router_invariant. CUDA: triton_gemm.linear for the logits, triton_rows.softmax_topk for the rest.
+    """
+    if _gpu(x):
+        logits = _tk("triton_gemm").linear(x, w)                                  # [M, E] storage dtype
+        weights, idx = _tk("triton_rows").softmax_topk(logits, top_k, norm)
+        return weights, idx, logits
+    return _router.router_invariant(x, w, top_k, norm)
+
+
+def gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(x w_gate^T) * (x w_up^T) -> [M, I] (CPU: experts.gate_up_invariant; CUDA: one fused Triton GEMM)."""
+    if _gpu(x):
+        return _tk("triton_gemm").gate_up(x, w_gate, w_up)
+    return _experts.gate_up_invariant(x, w_gate, w_up)
+
+
+def down(h: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """h [M, I] @ w_down [H, I]^T -> [M, H] (CPU: experts.down_invariant; CUDA: triton_gemm.linear)."""
+    if _gpu(h):
+        return _tk("triton_gemm").linear(h, w_down)
+    return _experts.down_invariant(h, w_down)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    """fp32 sum over slots 0..k-1 of w*y (+ shared) -> [M, H] (CPU: experts.combine_invariant; CUDA: Triton)."""
+    if _gpu(y):
+        return _tk("triton_rows").combine(y, weights, shared)
+    return _experts.combine_invariant(y, weights, shared)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention -> [M, Hq, D] (CPU: attention.attention_invariant; CUDA: triton_attention)."""
+    if _gpu(q):
+        return _tk("triton_attention").attention(q, k_cache, v_cache, slots, positions)
+    return _attention.attention_invariant(q, k_cache, v_cache, slots, positions)
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim -> x's shape (CPU: norm.rmsnorm_invariant; CUDA: triton_rows.rmsnorm)."""
+    if _gpu(x):
+        return _tk("triton_rows").rmsnorm(x, w, eps)
+    return _norm.rmsnorm_invariant(x, w, eps)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE from one cos/sin table (CPU: rope.rope_invariant; CUDA: triton_rows.rope over rope._table's table).
+
+    On CUDA the table covers at least 32768 positions (rope._table's minimum; grown when the CPU path asked for
+    more); a position past it gives NaN rows rather than a device sync per call.
+    """
+    if _gpu(x):
+        cos, sin = _rope._table(x.shape[-1], theta, 1, x.device, x.dtype)         # [L, D] storage dtype
+        return _tk("triton_rows").rope(x, positions, cos, sin)
+    return _rope.rope_invariant(x, positions, theta)
+
+
+def residual(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b (norm.residual_add on every device: one rounded add per element)."""
+    return _norm.residual_add(a, b)
+
+
+def lm_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """logits [M, V] fp32 = storage-dtype GEMM widened (CPU: head.lm_head_invariant; CUDA: triton_gemm.linear)."""
+    if _gpu(x):
+        return _tk("triton_gemm").linear(x, w).float()
+    return _head.lm_head_invariant(x, w)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """ids [M] int64, first maximum (head.argmax_first on every device)."""
+    return _head.argmax_first(logits)
+
+
+# --------------------------------------------------------------------------------- offline compile (no GPU needed)
+
+_SMEM_LIMIT = {9: 232448, 12: 101376}   # max dynamic shared memory per block (bytes): sm_90 / sm_120 (CUDA guide)
+
+
+def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[tuple]:
+    """(name, jit fn, signature, constexprs, options) of every Triton kernel the preset ``cfg`` launches."""
+    tg, ta, tr = _tk("triton_gemm"), _tk("triton_attention"), _tk("triton_rows")
+    ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    p, i32, f32 = f"*{ty}", "i32", "fp32"
+    H, D, I = cfg.hidden, cfg.head_dim, cfg.expert_inter
+    shapes = {"q": (cfg.n_heads * D, H), "k/v": (cfg.n_kv_heads * D, H), "o": (H, cfg.n_heads * D),
+              "router": (cfg.n_experts, H), "down": (H, I), "lm_head": (cfg.vocab_size, H), "gate_up": (I, H)}
+    specs = []
+    for name, (N, K) in shapes.items():
+        kind = "gate_up" if name == "gate_up" else "linear"
+        c = tg.config_for(kind, N, K, dtype, capability)
+        tma = c.tma and capability[0] >= 9
+        a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
+        b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
+        sig = dict(a_src=a, b_src=b, b2_src=b, c_ptr=p, M=i32, N=i32, K=i32, stride_am=i32, stride_bn=i32,
+                   stride_cm=i32)
+        const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, GATE_UP=kind == "gate_up",
+                     TMA=tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False)
+        fn = tg._gemm_kernel
+        if c.persistent:
+            fn, const = tg._gemm_persistent_kernel, const | dict(NUM_SMS=132, WS=c.warp_specialize)
+        specs.append((f"gemm {name} {N}x{K} [{c.label()}]", fn, sig, const,
+                      dict(num_warps=c.num_warps, num_stages=c.num_stages)))
+    ac = ta.config_for(D, dtype, capability)
+    kv_tma = capability[0] >= 9 and D == triton_next_pow2(D)
+    kv = f"tensordesc<{ty}[1, {ac.block_n}, {D}]>" if kv_tma else p
+    sig = dict(q_ptr=p, k_src=kv, v_src=kv, o_ptr=p, pos_ptr="*i64", rows_ptr="*i64", tstart_ptr="*i64",
+               tlen_ptr="*i64", tslot_ptr="*i64", M=i32, n_tiles=i32, T=i32, sq_m=i32, sq_h=i32, sk_s=i32,
+               sk_t=i32, sk_h=i32, scale=f32)
+    const = dict(G=cfg.n_heads // cfg.n_kv_heads, D=D, BD=triton_next_pow2(D), BM=ac.block_m, BN=ac.block_n,
+                 GROUPED=False, KV_TMA=kv_tma, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                 EMULATE=False)
+    specs.append((f"attention D={D} [{ac.label()}]", ta._attn_kernel, sig, const,
+                  dict(num_warps=ac.num_warps, num_stages=ac.num_stages)))
+    for width in (H, D):
+        br, bh, warps = tr._row_block(width)
+        specs.append((f"rmsnorm H={width}", tr._rmsnorm_kernel,
+                      dict(x_ptr=p, w_ptr=p, o_ptr=p, R=i32, H=i32, eps=f32),
+                      dict(BR=br, BH=bh, EMULATE=False), dict(num_warps=warps, enable_fp_fusion=False)))
+    specs.append(("rope", tr._rope_kernel, dict(x_ptr=p, pos_ptr="*i64", cos_ptr=p, sin_ptr=p, o_ptr=p, M=i32,
+                                                  L=i32, NH=i32, D=i32, HALF=i32),
+                  dict(BHN=triton_next_pow2(cfg.n_heads), BHALF=triton_next_pow2(D // 2), EMULATE=False),
+                  dict(num_warps=4, enable_fp_fusion=False)))
+    specs.append(("router softmax/top-k", tr._softmax_topk_kernel,
+                  dict(l_ptr=p, w_ptr=p, i_ptr="*i64", M=i32, E=i32),
+                  dict(TOPK=cfg.top_k, NORM=cfg.norm_topk_prob, BR=8, BE=triton_next_pow2(cfg.n_experts),
+                       BK=triton_next_pow2(cfg.top_k), EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
+    specs.append(("moe combine", tr._combine_kernel, dict(y_ptr=p, w_ptr=p, s_ptr=p, o_ptr=p, M=i32, H=i32),
+                  dict(K=cfg.top_k, HAS_SHARED=cfg.shared_expert_inter > 0, BH=min(1024, triton_next_pow2(H)),
+                       EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
+    return specs
+
+
+def triton_next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def compile_report(capability: tuple[int, int] = (12, 0), dtype: torch.dtype = torch.bfloat16,
+                   preset: str = "small") -> list[dict]:
+    """Compile every Triton kernel the preset launches for ``capability`` without that GPU being present.
+
+    Uses ``triton.compile(ASTSource(...), target=GPUTarget("cuda", major*10+minor, 32))`` (LLVM -> PTX -> ptxas ->
+    cubin on this machine) and reads registers/stack from the cubin with the cuobjdump that ships with Triton.
+
+    Returns:
+        One dict per kernel: kernel, target, shared (bytes), smem_ok (shared <= the architecture's per-block limit),
+        regs, stack (bytes of local memory per thread: spills), mma ("wgmma" / "mma.sync" / "fma"), tma (PTX uses
+        cp.async.bulk.tensor), seconds (compile time).
+    Raises:
+        RuntimeError: Triton missing; ValueError: unknown preset or dtype.
+    """
+    import re
+    import subprocess
+    import tempfile
+    import time
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ..config import get_preset
+    cfg = get_preset(preset)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    rows = []
+    for name, fn, sig, const, opts in _kernel_specs(cfg, dtype, capability):
+        t0 = time.perf_counter()
+        k = triton.compile(ASTSource(fn=fn, signature=sig | {c: "constexpr" for c in const}, constexprs=const),
+                           target=target, options=opts)
+        secs = time.perf_counter() - t0
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                                   text=True).stdout if os.path.exists(cuobjdump) else ""
+        reg = re.search(r"REG:(\d+)", usage)
+        stack = re.search(r"STACK:(\d+)", usage)
+        ptx = k.asm["ptx"]
+        mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
+        rows.append(dict(kernel=name, target=f"sm_{target.arch}", shared=k.metadata.shared,
+                         smem_ok=k.metadata.shared <= _SMEM_LIMIT.get(capability[0], 101376),
+                         regs=int(reg.group(1)) if reg else None, stack=int(stack.group(1)) if stack else None,
+                         mma=mma, tma="cp.async.bulk.tensor" in ptx, seconds=round(secs, 2)))
+    return rows
+
+
+def device_random_weights(cfg, dtype: torch.dtype = torch.bfloat16, device="cuda", seed: int = 0):
+    """Weights with weights.synthetic_weights' distributions drawn directly on ``device`` (different values).
+
+    For GPU benchmarks and tests: synthetic_weights draws every value on the CPU (about 2.5 G values for the
+    ``small`` preset, minutes of CPU time); this draws them with a device generator in seconds. Distributions:
+    embedding N(0, 1), linear weights N(0, 1/in_features), norm weights 1 + 0.1 N(0, 1), router 4 N(0, 1/H).
+
+    Returns:
+        weights.Weights on ``device`` in ``dtype``.
+    """
+    import math
+
+    from ..weights import LayerWeights, Weights
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def lin(out_f: int, in_f: int, *lead: int, scale: float = 1.0):
+        return (torch.randn(*lead, out_f, in_f, generator=g, device=device) * (scale / math.sqrt(in_f))).to(dtype)
+
+    def nrm(n: int):
+        return (1.0 + 0.1 * torch.randn(n, generator=g, device=device)).to(dtype)
+
+    H, D, E, I, Is = cfg.hidden, cfg.head_dim, cfg.n_experts, cfg.expert_inter, cfg.shared_expert_inter
+    layers = [LayerWeights(attn_norm=nrm(H), wq=lin(cfg.n_heads * D, H), wk=lin(cfg.n_kv_heads * D, H),
+                           wv=lin(cfg.n_kv_heads * D, H), wo=lin(H, cfg.n_heads * D), q_norm=nrm(D), k_norm=nrm(D),
+                           mlp_norm=nrm(H), router=lin(E, H, scale=4.0), w_gate=lin(I, H, E), w_up=lin(I, H, E),
+                           w_down=lin(H, I, E), shared_gate=lin(Is, H) if Is else None,
+                           shared_up=lin(Is, H) if Is else None, shared_down=lin(H, Is) if Is else None)
+              for _ in range(cfg.n_layers)]
+    embed = torch.randn(cfg.vocab_size, H, generator=g, device=device).to(dtype)
+    return Weights(cfg=cfg, embed=embed, layers=layers, final_norm=nrm(H), lm_head=lin(cfg.vocab_size, H))

@@ -1,0 +1,200 @@
+"""Batch-invariant causal GQA attention over the KV cache in Triton (CUDA), one kernel for decode and prompt rows.
+
+Signature as attention.attention_invariant: ``attention(q [M, Hq, D], k_cache [S, T, Hkv, D], v_cache, slots [M],
+positions [M]) -> o [M, Hq, D]`` in the storage dtype; row m attends to keys 0..positions[m] of slot slots[m].
+
+Invariance device: rows are grouped by slot into tiles of BLOCK_M rows (host side; a single-slot cache needs no
+grouping and no sync); one program handles one (tile, query head). Keys are visited in fixed BLOCK_N-key blocks in
+ascending order from key 0 (no split-KV), with the online softmax (Milakov & Gimelshein 2018, arXiv 1805.02867) in
+fp32: s = (q k^T) * 1/sqrt(D) (Vaswani et al. 2017), keys after the row's position masked to -inf, m/l/acc
+rescaled per block, o = acc / l rounded once. In a block holding none of a row's keys (one a tile visits only for
+its later rows) the row keeps m and l (as the CPU kernel's ``active`` mask), its rescale factor is exactly 1 and
+all its probabilities are exactly 0, so acc * 1 + 0 @ v leaves its accumulator's bytes unchanged; the tile config
+is fixed per (D, dtype, arch) and the row count is not specialized, so a one-row decode call and an M-row prompt
+call run the same binary and give every row the same bytes.
+
+Precision: q k^T on tensor cores with fp32 accumulation; the probabilities are rounded to the storage dtype for
+the p @ v product (as FlashAttention-2 does; fp32 storage keeps fp32 with ``input_precision="ieee"``); exp is
+Triton's ex2-based exp; the final division is IEEE.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .triton_rows import INTERPRET, capability, dot_operand, launch, round_to
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Fixed attention tiling: query rows per tile, keys per online-softmax block, warps, pipeline stages."""
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def label(self) -> str:
+        """Short id such as ``m64 n128 w4 s3``."""
+        return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+_DEFAULTS: dict[tuple[str, str], AttnConfig] = {
+    ("16bit", "sm90"): AttnConfig(128, 128, 8, 3),      # H200 sweep: best prefill (4k and 16k tokens)
+    ("16bit", "sm120"): AttnConfig(64, 64, 8, 2),       # offline ptxas: 192 registers, no spill (4 warps spill)
+    ("16bit", "other"): AttnConfig(64, 64, 4, 2),
+    ("fp32", "sm90"): AttnConfig(32, 32, 4, 2),
+    ("fp32", "sm120"): AttnConfig(32, 32, 4, 2),
+    ("fp32", "other"): AttnConfig(32, 32, 4, 2),
+    ("16bit", "interp"): AttnConfig(16, 16, 4, 1),      # CPU interpreter (tests)
+    ("fp32", "interp"): AttnConfig(16, 16, 4, 1),
+}
+SHAPE_CONFIGS: dict[tuple[int, str, str], AttnConfig] = {}
+
+
+def config_for(D: int, dtype: torch.dtype, capability: tuple[int, int]) -> AttnConfig:
+    """The fixed config for head dim D, dtype and (major, minor) capability; never depends on the row count."""
+    arch = "interp" if capability == (0, 0) else {9: "sm90", 12: "sm120"}.get(capability[0], "other")
+    dk = "fp32" if dtype == torch.float32 else "16bit"
+    return SHAPE_CONFIGS.get((D, dk, arch)) or _DEFAULTS[(dk, arch)]
+
+
+@triton.jit
+def _kv_block(src, slot, b0, kvh, kv_off, keys, d, T, sk_t, D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+              KV_TMA: tl.constexpr):
+    """Keys/values b0..b0+BN-1 of (slot, kv head) as [BN, BD]; positions >= T read as 0."""
+    if KV_TMA:
+        blk = src.load([slot, b0, kvh * D]).reshape(BN, BD)      # 3-D box [1, BN, D]; TMA zero-fills t >= T
+    else:
+        mask = (keys[:, None] < T) & (d[None, :] < D)
+        blk = tl.load(src + kv_off + keys[:, None] * sk_t + d[None, :], mask=mask, other=0.0)
+    return blk
+
+
+@triton.jit(do_not_specialize=["M", "n_tiles", "T"])
+def _attn_kernel(q_ptr, k_src, v_src, o_ptr, pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, M, n_tiles, T,
+                 sq_m, sq_h, sk_s, sk_t, sk_h, scale, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, GROUPED: tl.constexpr, KV_TMA: tl.constexpr,
+                 PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, BM)
+    if GROUPED:
+        start = tl.load(tstart_ptr + t)
+        valid = i < tl.load(tlen_ptr + t)
+        slot = tl.load(tslot_ptr + t).to(tl.int32)
+        rows = tl.load(rows_ptr + start + i, mask=valid, other=0).to(tl.int32)
+    else:
+        rows = t * BM + i
+        valid = rows < M
+        slot = 0
+    pos = tl.load(pos_ptr + rows, mask=valid, other=-1).to(tl.int32)           # [BM] (int32: fewer registers)
+    d = tl.arange(0, BD)
+    dmask = d[None, :] < D
+    q = tl.load(q_ptr + rows[:, None] * sq_m + h * sq_h + d[None, :], mask=valid[:, None] & dmask, other=0.0)
+    kvh = h // G
+    kv_off = slot * sk_s + kvh * sk_h
+    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, BD), dtype=tl.float32)
+    hi = tl.max(pos, axis=0) + 1
+    for b0 in range(0, hi, BN):
+        keys = b0 + tl.arange(0, BN)
+        k = _kv_block(k_src, slot, b0, kvh, kv_off, keys, d, T, sk_t, D, BN, BD, KV_TMA)          # [BN, BD]
+        s = tl.dot(dot_operand(q, EMULATE), dot_operand(k, EMULATE).T, input_precision=PRECISION) * scale
+        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))                          # [BM, BN] fp32
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_new = l_i * alpha + tl.sum(p, axis=1)
+        v = _kv_block(v_src, slot, b0, kvh, kv_off, keys, d, T, sk_t, D, BN, BD, KV_TMA)          # [BN, BD]
+        active = pos >= b0                                                                     # a key here
+        alpha = tl.where(active, alpha, 1.0)
+        pv = dot_operand(round_to(p, v.dtype, EMULATE), EMULATE)                               # 0 if inactive
+        acc = tl.dot(pv, dot_operand(v, EMULATE), acc * alpha[:, None], input_precision=PRECISION)
+        m_i = tl.where(active, m_new, m_i)
+        l_i = tl.where(active, l_new, l_i)
+    out = tl.math.div_rn(acc, l_i[:, None])
+    tl.store(o_ptr + rows[:, None] * sq_m + h * sq_h + d[None, :], round_to(out, o_ptr.dtype.element_ty, EMULATE),
+             mask=valid[:, None] & dmask)
+
+
+def _tiles(slots: torch.Tensor, n_slots: int, bm: int):
+    """Rows grouped by slot (stable), cut into tiles of <= bm rows: (rows, start, len, slot) int32/int64 tensors."""
+    order = torch.sort(slots, stable=True).indices                                             # [M] int64
+    counts = torch.bincount(slots, minlength=n_slots).tolist()                                 # one sync
+    starts, lens, tslots, base = [], [], [], 0
+    for s, n in enumerate(counts):
+        for a in range(0, n, bm):
+            starts.append(base + a)
+            lens.append(min(bm, n - a))
+            tslots.append(s)
+        base += n
+    meta = torch.tensor([starts, lens, tslots], dtype=torch.int64).to(slots.device)           # [3, tiles]
+    return order, meta[0], meta[1], meta[2]
+
+
+def _check(q, k_cache, v_cache, slots, positions) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"expected q [M, Hq, D], k/v cache [S, T, Hkv, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    M, Hq, D = q.shape
+    if k_cache.shape[3] != D or Hq % k_cache.shape[2]:
+        raise ValueError(f"head dim {D} vs cache {k_cache.shape[3]}, or Hq={Hq} not a multiple of "
+                         f"Hkv={k_cache.shape[2]}")
+    if slots.shape != (M,) or positions.shape != (M,):
+        raise ValueError(f"slots and positions must be [{M}], got {tuple(slots.shape)}, {tuple(positions.shape)}")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"q {q.dtype} and cache {k_cache.dtype}/{v_cache.dtype} must share one dtype")
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              positions: torch.Tensor, config: AttnConfig | None = None) -> torch.Tensor:
+    """Causal GQA attention, batch-invariant (module docstring).
+
+    Args:
+        q: [M, Hq, D]; k_cache, v_cache: [S, T, Hkv, D] (the rows' own keys already written); slots, positions:
+            [M] int64 with 0 <= positions < T. One dtype (bf16/fp16/fp32), one device.
+        config: override the fixed config (benchmarks only; never choose it from M).
+    Returns:
+        [M, Hq, D] in q's dtype.
+    Raises:
+        ValueError: shapes or dtypes that do not match.
+    """
+    _check(q, k_cache, v_cache, slots, positions)
+    M, Hq, D = q.shape
+    S, T, Hkv, _ = k_cache.shape
+    cap = capability(q.device)
+    cfg = config or config_for(D, q.dtype, cap)
+    qc, kc, vc = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    out = torch.empty_like(qc)
+    if M == 0:
+        return out
+    pos = positions.contiguous()
+    if S == 1:
+        grouped, rows, tstart, tlen, tslot = False, pos, pos, pos, pos
+        n_tiles = triton.cdiv(M, cfg.block_m)
+    else:
+        grouped = True
+        rows, tstart, tlen, tslot = _tiles(slots, S, cfg.block_m)
+        n_tiles = tstart.numel()
+    kv_tma = ((q.device.type != "cuda" or cap[0] >= 9) and D == triton.next_power_of_2(D)
+              and D * q.element_size() >= 16)                                      # TMA box rules
+    if kv_tma:
+        k_src, v_src = (TensorDescriptor(c.view(S, T, Hkv * D), [S, T, Hkv * D], [T * Hkv * D, Hkv * D, 1],
+                                         [1, cfg.block_n, D]) for c in (kc, vc))
+    else:
+        k_src, v_src = kc, vc
+    launch(_attn_kernel, (n_tiles, Hq),
+           (qc, k_src, v_src, out, pos, rows, tstart, tlen, tslot, M, n_tiles, T, qc.stride(0), qc.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2), 1.0 / math.sqrt(D)),
+           dict(G=Hq // Hkv, D=D, BD=triton.next_power_of_2(D), BM=cfg.block_m, BN=cfg.block_n, GROUPED=grouped,
+                KV_TMA=kv_tma, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EMULATE=INTERPRET),
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

@@ -1,0 +1,323 @@
+"""Batch-invariant Triton GEMMs for CUDA: ``linear`` (y = x @ w^T) and the fused expert ``gate_up``.
+
+Invariance device: one compiled kernel per weight shape serves every M. The tile config (BLOCK_M, BLOCK_N,
+BLOCK_K, stages, warps, persistent or not) is looked up from the weight shape (N, K), the dtype and the GPU
+architecture only, never from M; ``M`` is marked ``do_not_specialize`` so Triton compiles one binary for M = 1 and
+M = 16384 alike; each output tile is computed by one program with its K loop in ascending order, fp32
+accumulation and no split-K. A row's bytes therefore depend only on the row and the weights: a decode call (M = 1)
+reproduces the row of a prompt call (M rows) bit for bit. Tile placement (which program computes which tile, and
+the persistent grid size) may depend on M; it does not change any tile's arithmetic.
+
+Semantics (same as the CPU kernels dense.tile_linear / experts.gate_up_invariant): storage-dtype inputs, fp32
+accumulation (tensor cores for bf16/fp16; ``input_precision="ieee"`` FMA for fp32, so no tf32 rounding), the
+result rounded once to the storage dtype. ``gate_up`` rounds both GEMM results to the storage dtype, computes
+SiLU(g) = g / (1 + exp(-g)) in fp32 (PyTorch's CUDA silu formula; Triton's exp, an ex2-based
+approximation, and IEEE division), rounds it, multiplies by u in fp32 and rounds
+again, exactly the rounding points of ``F.silu(g) * u`` on storage-dtype tensors.
+
+Loads use TMA tensor descriptors (``triton.tools.tensor_descriptor.TensorDescriptor``) on sm_90+ and plain masked
+pointer loads elsewhere; stores are masked pointer stores (any N).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .triton_rows import INTERPRET, capability, dot_operand, launch, round_to
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One fixed tile configuration (chosen per weight shape and architecture, never per M).
+
+    Attributes:
+        block_m, block_n, block_k: tile sizes (rows of x, rows of w, reduction step); powers of two >= 16.
+        num_stages: software-pipelining depth; num_warps: warps per program.
+        persistent: one program per SM looping over tiles (True) or one program per tile (False).
+        group_m: tiles of this many M-blocks are walked N-first (L2 reuse; no effect on any tile's bytes).
+        tma: load through TMA tensor descriptors (sm_90+ only).
+        warp_specialize: ask Triton to warp-specialize the persistent loop (experimental on Hopper).
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_stages: int = 4
+    num_warps: int = 8
+    persistent: bool = False
+    group_m: int = 8
+    tma: bool = True
+    warp_specialize: bool = False
+
+    def label(self) -> str:
+        """Short id such as ``128x128x64 s4 w8 P tma``."""
+        flags = ("P" if self.persistent else "NP") + (" tma" if self.tma else " ptr")
+        flags += " ws" if self.warp_specialize else ""
+        return f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps} {flags}"
+
+    def smem_bytes(self, elem: int, gate_up: bool = False) -> int:
+        """Shared memory of the pipelined operand buffers (bytes; Triton adds a little for barriers/epilogue)."""
+        per_stage = (self.block_m + self.block_n * (2 if gate_up else 1)) * self.block_k * elem
+        return per_stage * self.num_stages
+
+
+# Per (kind, N, K, dtype, arch) tile configs. Keys never contain M (that would break invariance). "sm90" = H100/
+# H200, "sm120" = RTX 50xx class (99 KB shared memory per block, mma.sync), "other" = everything else (pointer
+# loads, no TMA). Entries for the `small` preset's shapes were chosen on an H200 by benchmarks/bench_gpu_kernels.py.
+_DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
+    ("linear", "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, persistent=True),
+    ("gate_up", "16bit", "sm90"): GemmConfig(128, 64, 64, 4, 8, persistent=True),
+    ("linear", "16bit", "sm120"): GemmConfig(128, 128, 32, 3, 8),
+    ("gate_up", "16bit", "sm120"): GemmConfig(128, 64, 32, 3, 8),
+    ("linear", "16bit", "other"): GemmConfig(128, 128, 32, 3, 8, tma=False),
+    ("gate_up", "16bit", "other"): GemmConfig(128, 64, 32, 3, 8, tma=False),
+    ("linear", "fp32", "sm90"): GemmConfig(64, 64, 32, 3, 4),
+    ("gate_up", "fp32", "sm90"): GemmConfig(64, 32, 32, 3, 4),
+    ("linear", "fp32", "sm120"): GemmConfig(64, 64, 32, 2, 4),
+    ("gate_up", "fp32", "sm120"): GemmConfig(64, 32, 32, 2, 4),
+    ("linear", "fp32", "other"): GemmConfig(64, 64, 32, 2, 4, tma=False),
+    ("gate_up", "fp32", "other"): GemmConfig(64, 32, 32, 2, 4, tma=False),
+    # CPU interpreter (tests): small tiles keep the interpreted programs cheap.
+    ("linear", "16bit", "interp"): GemmConfig(32, 32, 16, 1, 4),
+    ("gate_up", "16bit", "interp"): GemmConfig(32, 32, 16, 1, 4),
+    ("linear", "fp32", "interp"): GemmConfig(32, 32, 16, 1, 4),
+    ("gate_up", "fp32", "interp"): GemmConfig(32, 32, 16, 1, 4),
+}
+# Tuned on an H200 (benchmarks/bench_gpu_kernels.py --tune, 2026-11-29): per shape, the candidate with the best
+# GEMM/cuBLAS ratio at M = 4096 and 16384 (smaller M were dominated by host launch time in that sweep). GPU-time
+# ratios of this table (CUDA graphs) at M = 4096 / 16384: q 1.06/1.07, k/v 1.03/1.09, o 0.93/1.01, down 1.05/0.95.
+SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
+    ("linear", 4096, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, persistent=True),   # q
+    ("linear", 512, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8),                     # k, v
+    ("linear", 2048, 4096, "16bit", "sm90"): GemmConfig(128, 256, 64, 3, 8, persistent=True),   # o
+    ("linear", 768, 2048, "16bit", "sm90"): GemmConfig(128, 256, 64, 3, 8, persistent=True),    # gate|up alone
+    ("linear", 2048, 768, "16bit", "sm90"): GemmConfig(128, 256, 64, 3, 8, persistent=True),    # down
+    ("linear", 128, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8),                     # router
+    ("linear", 258, 2048, "16bit", "sm90"): GemmConfig(128, 64, 64, 4, 4),                      # lm_head
+    ("gate_up", 768, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 3, 8),                    # fused gate/up
+}
+
+
+def arch_of(capability: tuple[int, int]) -> str:
+    """``"sm90"`` for compute capability 9.x, ``"sm120"`` for 12.x, ``"interp"`` for (0, 0) (the CPU
+    interpreter), else ``"other"``."""
+    if capability == (0, 0):
+        return "interp"
+    return {9: "sm90", 12: "sm120"}.get(capability[0], "other")
+
+
+def _dkey(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "16bit"
+
+
+def config_for(kind: str, N: int, K: int, dtype: torch.dtype, capability: tuple[int, int]) -> GemmConfig:
+    """The fixed config of a weight shape: SHAPE_CONFIGS entry if any, else the (kind, dtype, arch) default.
+
+    Args:
+        kind: ``"linear"`` or ``"gate_up"``; N, K: weight rows and columns; capability: (major, minor).
+    Raises:
+        ValueError: unknown kind.
+    """
+    if kind not in ("linear", "gate_up"):
+        raise ValueError(f"GEMM kind must be 'linear' or 'gate_up', got {kind!r}")
+    arch, dk = arch_of(capability), _dkey(dtype)
+    return SHAPE_CONFIGS.get((kind, N, K, dk, arch)) or _DEFAULTS[(kind, dk, arch)]
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile_id // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % in_group) % size_m
+    pid_n = (tile_id % in_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _load_tile(src, off_r, off_k, n_rows, K, stride_r, BR: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
+    """[BR, BK] tile of a row-major [n_rows, K] operand; out-of-range rows/columns read as 0."""
+    if TMA:
+        t = src.load([off_r, off_k])
+    else:
+        r = off_r + tl.arange(0, BR)
+        k = off_k + tl.arange(0, BK)
+        t = tl.load(src + r[:, None] * stride_r + k[None, :], mask=(r[:, None] < n_rows) & (k[None, :] < K),
+                    other=0.0)
+    return t
+
+
+@triton.jit
+def _tile_product(a_src, b_src, b2_src, off_m, off_n, M, N, K, stride_am, stride_bn,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
+                  TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 [BM, BN] accumulator(s) of one output tile, K chunks in ascending order (no split)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(0, tl.cdiv(K, BK)):
+        a = _load_tile(a_src, off_m, ki * BK, M, K, stride_am, BM, BK, TMA)          # [BM, BK]
+        b = _load_tile(b_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)          # [BN, BK]
+        acc = tl.dot(dot_operand(a, EMULATE), dot_operand(b, EMULATE).T, acc, input_precision=PRECISION)
+        if GATE_UP:
+            b2 = _load_tile(b2_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)
+            acc2 = tl.dot(dot_operand(a, EMULATE), dot_operand(b2, EMULATE).T, acc2, input_precision=PRECISION)
+    return acc, acc2
+
+
+@triton.jit
+def _store_tile(c_ptr, acc, acc2, off_m, off_n, M, N, stride_cm, BM: tl.constexpr, BN: tl.constexpr,
+                GATE_UP: tl.constexpr, EMULATE: tl.constexpr):
+    """Round to the storage dtype (gate_up: SiLU(g) * u with storage-dtype rounding points) and store."""
+    dt = c_ptr.dtype.element_ty
+    if GATE_UP:
+        g = round_to(acc, dt, EMULATE).to(tl.float32)
+        u = round_to(acc2, dt, EMULATE).to(tl.float32)
+        s = round_to(tl.math.div_rn(g, 1.0 + tl.exp(-g)), dt, EMULATE).to(tl.float32)
+        out = round_to(s * u, dt, EMULATE)
+    else:
+        out = round_to(acc, dt, EMULATE)
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], out, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                 GATE_UP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """One program per output tile."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    acc, acc2 = _tile_product(a_src, b_src, b2_src, pid_m * BM, pid_n * BN, M, N, K, stride_am, stride_bn,
+                              BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
+    _store_tile(c_ptr, acc, acc2, pid_m * BM, pid_n * BN, M, N, stride_cm, BM, BN, GATE_UP, EMULATE)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_persistent_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                            GATE_UP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+                            NUM_SMS: tl.constexpr, WS: tl.constexpr):
+    """One program per SM, walking tiles start, start + NUM_SMS, ...; each tile computed as in _gemm_kernel."""
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True, warp_specialize=WS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        acc, acc2 = _tile_product(a_src, b_src, b2_src, pid_m * BM, pid_n * BN, M, N, K, stride_am, stride_bn,
+                                  BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
+        _store_tile(c_ptr, acc, acc2, pid_m * BM, pid_n * BN, M, N, stride_cm, BM, BN, GATE_UP, EMULATE)
+
+
+_SMS: dict[int, int] = {}
+_WDESC: dict[tuple, TensorDescriptor] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def _operand(t: torch.Tensor, rows: int, cfg: GemmConfig, use_tma: bool, weight: bool = False):
+    """TMA descriptor of a [rows, K] operand with a [rows, BK] box, or the tensor itself for pointer loads.
+
+    Weight descriptors are kept (a descriptor is only base pointer, shape, strides and box: one describing the same
+    memory the same way is interchangeable); the cache holds at most 8192 and is then cleared.
+    """
+    if not use_tma:
+        return t
+    if t.data_ptr() % 16:
+        t = t.clone()                                   # TMA needs a 16-byte-aligned base
+    if not weight:
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cfg.block_k])
+    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, rows, cfg.block_k)
+    d = _WDESC.get(key)
+    if d is None:
+        if len(_WDESC) > 8192:
+            _WDESC.clear()
+        d = _WDESC[key] = TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cfg.block_k])
+    return d
+
+
+def _check(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> None:
+    if x.dim() != 2 or any(w.dim() != 2 for w in ws):
+        raise ValueError(f"expected x [M, K] and weights [N, K]; got x {tuple(x.shape)}, "
+                         f"weights {[tuple(w.shape) for w in ws]}")
+    if x.dtype not in DTYPES or any(w.dtype != x.dtype for w in ws):
+        raise ValueError(f"x and weights must share one dtype of {DTYPES}; got x {x.dtype}, "
+                         f"weights {[w.dtype for w in ws]}")
+    if any(w.shape[1] != x.shape[1] for w in ws) or any(w.shape != ws[0].shape for w in ws):
+        raise ValueError(f"inner dims differ: x {tuple(x.shape)}, weights {[tuple(w.shape) for w in ws]}")
+    if any(w.device != x.device for w in ws):
+        raise ValueError(f"x on {x.device} but weights on {[str(w.device) for w in ws]}")
+
+
+def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> torch.Tensor:
+    _check(x, ws)
+    x, ws = x.contiguous(), tuple(w.contiguous() for w in ws)
+    M, K = x.shape
+    N = ws[0].shape[0]
+    cap = capability(x.device)
+    cfg = config or config_for(kind, N, K, x.dtype, cap)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)                         # [M, N] storage dtype
+    if M == 0 or N == 0:
+        return out
+    use_tma = cfg.tma and (x.device.type != "cuda" or cap[0] >= 9) and (K * x.element_size()) % 16 == 0
+    a = _operand(x, cfg.block_m, cfg, use_tma)
+    bs = [_operand(w, cfg.block_n, cfg, use_tma, weight=True) for w in ws]
+    b2 = bs[1] if kind == "gate_up" else out             # unused by a linear launch (no third descriptor to encode)
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    consts = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, GATE_UP=kind == "gate_up",
+                  TMA=use_tma, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EMULATE=INTERPRET)
+    args = (a, bs[0], b2, out, M, N, K, x.stride(0), ws[0].stride(0), out.stride(0))
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.persistent:
+        sms = _num_sms(x.device) if x.device.type == "cuda" else 4
+        launch(_gemm_persistent_kernel, (min(sms, tiles),), args,
+               consts | dict(NUM_SMS=sms, WS=cfg.warp_specialize), **opts)
+    else:
+        launch(_gemm_kernel, (tiles,), args, consts, **opts)
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """y = x @ w^T, batch-invariant (see the module docstring).
+
+    Args:
+        x: [M, K] bf16/fp16/fp32 on a CUDA device (or CPU under TRITON_INTERPRET=1).
+        w: [N, K] same dtype and device.
+        config: override the shape's fixed config (benchmarks only; a config must not depend on M).
+    Returns:
+        [M, N] in x's dtype: fp32 accumulation over K in ascending BLOCK_K chunks, rounded once.
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match.
+    """
+    return _run(x, (w,), "linear", config)
+
+
+def gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+            config: GemmConfig | None = None) -> torch.Tensor:
+    """SiLU(x @ w_gate^T) * (x @ w_up^T) in one kernel, batch-invariant, rounding points as experts.gate_up_invariant.
+
+    Args:
+        x: [M, H]; w_gate, w_up: [I, H]; one dtype (bf16/fp16/fp32), one device.
+        config: override the shape's fixed config (benchmarks only).
+    Returns:
+        [M, I] in x's dtype.
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match.
+    """
+    return _run(x, (w_gate, w_up), "gate_up", config)
+
+
+def with_config(kind: str, N: int, K: int, dtype: torch.dtype, arch: str, cfg: GemmConfig) -> None:
+    """Pin ``cfg`` for one weight shape (what the tuned table below does); the key has no M by construction."""
+    if arch not in ("sm90", "sm120", "other", "interp"):
+        raise ValueError(f"arch must be 'sm90', 'sm120', 'other' or 'interp', got {arch!r}")
+    SHAPE_CONFIGS[(kind, N, K, _dkey(dtype), arch)] = replace(cfg)

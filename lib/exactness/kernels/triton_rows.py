@@ -1,0 +1,316 @@
+"""Row-wise Triton kernels for CUDA: RMSNorm, RoPE, router softmax + top-k, MoE combine; shared jit helpers.
+
+Invariance device: every kernel computes each row with one fixed block shape chosen from the row width only (never
+from the number of rows), one compiled binary for any row count (``do_not_specialize``), and reductions only along
+the row, whose order is fixed by the block layout, so a row's bytes do not depend on its neighbours or on M.
+Floating-point contraction (mul + add -> fma) is disabled (``enable_fp_fusion=False``) so each product and sum is
+rounded as in the PyTorch expressions the CPU kernels use; division and square root are IEEE (``div_rn``,
+``sqrt_rn``); exp is Triton's (ex2-based).
+
+Semantics (rounding points) follow the CPU invariant kernels in norm.py, rope.py, router.py and experts.py; see
+each wrapper's docstring.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton 3.6's CPU interpreter (TRITON_INTERPRET=1) truncates fp32 -> bf16 casts and mis-reads bf16 dot operands;
+# under it the kernels round bf16 by integer arithmetic (round to nearest even) and widen dot operands to fp32.
+# Compiled GPU code never takes those branches.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NO_FMA = {} if INTERPRET else {"enable_fp_fusion": False}
+# Fast launch: after a kernel's first launch for a specialization key, later launches call the compiled kernel's
+# launcher directly (Triton's per-call binding costs tens of microseconds of host time, which a decode step pays
+# per kernel). EXACTNESS_FAST_LAUNCH=0 turns it off. It never changes which binary runs (see launch()).
+FAST_LAUNCH = os.environ.get("EXACTNESS_FAST_LAUNCH", "1") == "1" and not INTERPRET
+_COMPILED: dict = {}
+
+
+_CAPS: dict[int, tuple[int, int]] = {}
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device (cached); (0, 0) for the CPU (the interpreter)."""
+    if device.type != "cuda":
+        return (0, 0)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPS:
+        _CAPS[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPS[idx]
+
+
+def _spec(a) -> tuple:
+    """What Triton specializes a runtime argument on (a superset: dtype, 16-byte alignment, ==1, %16, int width)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return ("b", a)
+    if isinstance(a, int):
+        return ("i", a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31)
+    if isinstance(a, float):
+        return ("f",)
+    if type(a).__name__ == "TensorDescriptor":
+        return ("d", a.base.dtype, tuple(a.block_shape), a.padding)
+    return (type(a).__name__, a)
+
+
+def launch(kernel, grid: tuple, args: tuple, consts: dict, **opts) -> None:
+    """``kernel[grid](*args, **consts, **opts)``; with FAST_LAUNCH, repeat launches skip Triton's argument binding.
+
+    The first launch of a key goes through Triton (compiling if needed) and its compiled kernel is kept under a key
+    holding the kernel, every constexpr and option, and the specialization-relevant properties of each runtime
+    argument (a superset of what Triton keys its own cache on), so a repeat launch runs the binary Triton would
+    have picked. ``args`` are the runtime parameters in declaration order, all before the constexpr ones.
+    """
+    from triton import knobs
+    if not FAST_LAUNCH or knobs.runtime.launch_enter_hook is not None:
+        kernel[grid](*args, **consts, **opts)
+        return
+    key = (kernel, torch.cuda.current_device(), tuple(consts.items()), tuple(opts.items()),
+           tuple(_spec(a) for a in args))
+    hit = _COMPILED.get(key)
+    if hit is None:
+        ck = kernel[grid](*args, **consts, **opts)
+        if hasattr(ck, "result"):
+            ck = ck.result()
+        names = kernel.arg_names[len(args):]
+        if sorted(names) != sorted(consts):            # runtime args must all precede the constexprs
+            return
+        if len(_COMPILED) > 4096:
+            _COMPILED.clear()
+        _COMPILED[key] = (ck, tuple(consts[n] for n in names))
+        return
+    ck, const_vals = hit
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    stream = torch.cuda.current_stream().cuda_stream
+    ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, knobs.runtime.launch_exit_hook,
+           *args, *const_vals)
+
+
+@triton.jit
+def round_to(x, dt: tl.constexpr, EMULATE: tl.constexpr):
+    """Round fp32 ``x`` to ``dt`` to nearest even (integer emulation for bf16 under the interpreter)."""
+    if EMULATE and dt == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        r = x.to(dt)
+    return r
+
+
+@triton.jit
+def dot_operand(x, EMULATE: tl.constexpr):
+    """``x`` as given to tl.dot (widened to fp32 under the interpreter only)."""
+    if EMULATE:
+        x = x.to(tl.float32)
+    return x
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in DTYPES:
+        raise ValueError(f"{name} must be one of {DTYPES}, got {t.dtype}")
+
+
+def _row_block(width: int) -> tuple[int, int, int]:
+    """(rows per program, block width, warps) for rows of ``width`` elements: a function of the width only."""
+    bw = triton.next_power_of_2(width)
+    rows = max(1, min(16, 2048 // bw))
+    warps = 4 if rows * bw <= 2048 else 8
+    return rows, bw, warps
+
+
+@triton.jit(do_not_specialize=["R"])
+def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, R, H, eps, BR: tl.constexpr, BH: tl.constexpr, EMULATE: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BH)
+    mask = (rows[:, None] < R) & (cols[None, :] < H)
+    dt = o_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)   # [BR, BH]
+    var = tl.math.div_rn(tl.sum(x * x, axis=1), H * 1.0)                              # [BR] mean sq
+    r = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))                                        # rsqrt
+    y = round_to(x * r[:, None], dt, EMULATE).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(o_ptr + rows[:, None] * H + cols[None, :], round_to(w[None, :] * y, dt, EMULATE), mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as norm.rmsnorm_invariant: w * (x * 1/sqrt(mean(x^2) + eps)).to(dtype), stats in fp32.
+
+    Args:
+        x: [..., H] bf16/fp16/fp32; w: [H] same dtype and device; eps: float.
+    Returns:
+        [..., H] in x's dtype.
+    Raises:
+        ValueError: dtype mismatch or w not [H].
+    """
+    _check_float("x", x)
+    if w.shape != (x.shape[-1],) or w.dtype != x.dtype:
+        raise ValueError(f"w must be [{x.shape[-1]}] {x.dtype}, got {tuple(w.shape)} {w.dtype}")
+    H = x.shape[-1]
+    flat = x.reshape(-1, H).contiguous()                                                       # [R, H]
+    out = torch.empty_like(flat)
+    R = flat.shape[0]
+    if R:
+        br, bh, warps = _row_block(H)
+        launch(_rmsnorm_kernel, (triton.cdiv(R, br),), (flat, w.contiguous(), out, R, H, float(eps)),
+               dict(BR=br, BH=bh, EMULATE=INTERPRET), num_warps=warps, **_NO_FMA)
+    return out.reshape(x.shape)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, o_ptr, M, L, NH, D, HALF,
+                 BHN: tl.constexpr, BHALF: tl.constexpr, EMULATE: tl.constexpr):
+    m = tl.program_id(0)
+    p = tl.load(pos_ptr + m)
+    ok = (p >= 0) & (p < L)
+    p = tl.where(ok, p, 0)
+    hh = tl.arange(0, BHN)
+    d = tl.arange(0, BHALF)
+    mask = (hh[:, None] < NH) & (d[None, :] < HALF)
+    dt = o_ptr.dtype.element_ty
+    base = m * NH * D + hh[:, None] * D + d[None, :]
+    x1 = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)                          # [NH, D/2]
+    x2 = tl.load(x_ptr + base + HALF, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + p * D + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + p * D + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + p * D + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + p * D + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    o1 = round_to(x1 * c1, dt, EMULATE).to(tl.float32) + round_to(-x2 * s1, dt, EMULATE).to(tl.float32)
+    o2 = round_to(x2 * c2, dt, EMULATE).to(tl.float32) + round_to(x1 * s2, dt, EMULATE).to(tl.float32)
+    nan = float("nan")
+    o1 = tl.where(ok, o1, nan)
+    o2 = tl.where(ok, o2, nan)
+    tl.store(o_ptr + base, round_to(o1, dt, EMULATE), mask=mask)
+    tl.store(o_ptr + base + HALF, round_to(o2, dt, EMULATE), mask=mask)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as rope.rope_invariant: x*cos + rotate_half(x)*sin, each product and the sum rounded to x's dtype.
+
+    Args:
+        x: [M, h, D] bf16/fp16/fp32 (D even); positions: [M] int64; cos, sin: [L, D] tables in x's dtype
+            (rope._table); a position outside 0..L-1 yields NaN rows (no sync is spent checking it).
+    Returns:
+        [M, h, D] in x's dtype.
+    Raises:
+        ValueError: bad shapes or dtypes.
+    """
+    _check_float("x", x)
+    if x.dim() != 3 or x.shape[-1] % 2 or positions.shape != (x.shape[0],):
+        raise ValueError(f"expected x [M, h, D even] and positions [M]; got {tuple(x.shape)}, "
+                         f"{tuple(positions.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != x.shape[-1] or cos.dtype != x.dtype:
+        raise ValueError(f"cos/sin must be [L, {x.shape[-1]}] {x.dtype}; got {tuple(cos.shape)} {cos.dtype}")
+    M, NH, D = x.shape
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    if M:
+        launch(_rope_kernel, (M,), (xc, positions.contiguous(), cos, sin, out, M, cos.shape[0], NH, D, D // 2),
+               dict(BHN=triton.next_power_of_2(NH), BHALF=triton.next_power_of_2(D // 2), EMULATE=INTERPRET),
+               num_warps=4, **_NO_FMA)
+    return out
+
+
+@triton.jit(do_not_specialize=["M"])
+def _softmax_topk_kernel(l_ptr, w_ptr, i_ptr, M, E, TOPK: tl.constexpr, NORM: tl.constexpr,
+                         BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BE)
+    kk = tl.arange(0, BK)
+    rmask = rows < M
+    cmask = cols[None, :] < E
+    x = tl.load(l_ptr + rows[:, None] * E + cols[None, :], mask=rmask[:, None] & cmask,
+                other=float("-inf")).to(tl.float32)                                            # [BR, BE]
+    mx = tl.max(x, axis=1)
+    p = tl.exp(x - mx[:, None])
+    p = tl.math.div_rn(p, tl.sum(p, axis=1)[:, None])                                          # fp32 softmax
+    p = tl.where(cmask, p, -1.0)                                                               # never chosen
+    vals = tl.zeros((BR, BK), dtype=tl.float32)
+    idxs = tl.zeros((BR, BK), dtype=tl.int64)
+    total = tl.zeros((BR,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        v = tl.max(p, axis=1)
+        i = tl.argmax(p, axis=1, tie_break_left=True)                                          # lower id wins
+        vals = tl.where(kk[None, :] == j, v[:, None], vals)
+        idxs = tl.where(kk[None, :] == j, i[:, None].to(tl.int64), idxs)
+        total = total + v                                                                      # slot order
+        p = tl.where(cols[None, :] == i[:, None], -1.0, p)
+    if NORM:
+        vals = tl.math.div_rn(vals, total[:, None])
+    omask = rmask[:, None] & (kk[None, :] < TOPK)
+    tl.store(w_ptr + rows[:, None] * TOPK + kk[None, :], round_to(vals, w_ptr.dtype.element_ty, EMULATE),
+             mask=omask)
+    tl.store(i_ptr + rows[:, None] * TOPK + kk[None, :], idxs, mask=omask)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router tail as router.router_invariant: fp32 softmax, top-k (ties: lower expert id), optional renorm.
+
+    Args:
+        logits: [M, E] bf16/fp16/fp32; top_k: 1..E; norm: renormalise the k weights to sum to 1.
+    Returns:
+        (weights [M, k] in logits' dtype, idx [M, k] int64), slots in descending probability order.
+    Raises:
+        ValueError: top_k outside 1..E or bad logits.
+    """
+    _check_float("logits", logits)
+    if logits.dim() != 2 or not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"expected logits [M, E] and 1 <= top_k <= E; got {tuple(logits.shape)}, top_k={top_k}")
+    M, E = logits.shape
+    lc = logits.contiguous()
+    w = torch.empty(M, top_k, dtype=logits.dtype, device=logits.device)
+    idx = torch.empty(M, top_k, dtype=torch.int64, device=logits.device)
+    if M:
+        br = 8
+        launch(_softmax_topk_kernel, (triton.cdiv(M, br),), (lc, w, idx, M, E),
+               dict(TOPK=top_k, NORM=bool(norm), BR=br, BE=triton.next_power_of_2(E),
+                    BK=triton.next_power_of_2(top_k), EMULATE=INTERPRET), num_warps=4, **_NO_FMA)
+    return w, idx
+
+
+@triton.jit(do_not_specialize=["M"])
+def _combine_kernel(y_ptr, w_ptr, s_ptr, o_ptr, M, H, K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                    BH: tl.constexpr, EMULATE: tl.constexpr):
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    mask = cols < H
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        wj = tl.load(w_ptr + m * K + j).to(tl.float32)
+        yj = tl.load(y_ptr + (m * K + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+        acc = acc + wj * yj                                                                    # no fma
+    if HAS_SHARED:
+        acc = acc + tl.load(s_ptr + m * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + m * H + cols, round_to(acc, o_ptr.dtype.element_ty, EMULATE), mask=mask)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    """MoE combine as experts.combine_invariant: fp32 sum over slots 0..k-1 of w*y, + shared, rounded once.
+
+    Args:
+        y: [M, k, H]; weights: [M, k]; shared: [M, H] or None; one dtype, one device.
+    Returns:
+        [M, H] in y's dtype.
+    Raises:
+        ValueError: shapes or dtypes that do not match.
+    """
+    _check_float("y", y)
+    M, k, H = y.shape
+    if weights.shape != (M, k) or (shared is not None and shared.shape != (M, H)):
+        raise ValueError(f"expected weights [{M}, {k}] and shared [{M}, {H}] or None; got "
+                         f"{tuple(weights.shape)}, {None if shared is None else tuple(shared.shape)}")
+    if weights.dtype != y.dtype or (shared is not None and shared.dtype != y.dtype):
+        raise ValueError(f"y, weights and shared must share y's dtype {y.dtype}")
+    out = torch.empty(M, H, dtype=y.dtype, device=y.device)
+    if M:
+        bh = min(1024, triton.next_power_of_2(H))
+        s = shared.contiguous() if shared is not None else out
+        launch(_combine_kernel, (M, triton.cdiv(H, bh)), (y.contiguous(), weights.contiguous(), s, out, M, H),
+               dict(K=k, HAS_SHARED=shared is not None, BH=bh, EMULATE=INTERPRET), num_warps=4, **_NO_FMA)
+    return out

@@ -1,0 +1,275 @@
+"""The invariant set's Triton kernels: prompt rows equal decode (M = 1) bytes, and the values are right.
+
+GPU tests (skipped without CUDA) call the kernels on the ``small`` preset's shapes. CPU tests run the same kernels
+under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess so that flag is set before Triton compiles anything)
+on small shapes; they are skipped when Triton is not installed or its interpreter cannot run here. Byte claims
+compare ``.view(int16/int32)``; error claims compare ||out - ref|| / ||ref|| against a bound (fp64 reference).
+Every exactness check has a negative control that must be caught.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+GPU = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and Triton")
+_IV = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as integers (for bitwise comparison)."""
+    t = t.contiguous()
+    return t.view(_IV[t.dtype]) if t.dtype in _IV else t
+
+
+def row_mismatches(full: torch.Tensor, parts: list[torch.Tensor]) -> int:
+    """Rows of ``full`` whose bytes differ from the concatenation of ``parts`` (same rows, other calls)."""
+    other = torch.cat(parts, dim=0)
+    return int((bits(full) != bits(other)).reshape(full.shape[0], -1).any(dim=1).sum())
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64."""
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def chunked(fn, M: int, sizes, *row_args, extra=()):
+    """fn over consecutive chunks of the row arguments with the chunk sizes cycling through ``sizes``."""
+    out, a, i = [], 0, 0
+    while a < M:
+        n = sizes[i % len(sizes)]
+        out.append(fn(*(r[a:a + n] for r in row_args), *extra))
+        a, i = a + n, i + 1
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+SMALL = {"q": (4096, 2048), "k/v": (512, 2048), "o": (2048, 4096), "gate|up": (768, 2048), "down": (2048, 768),
+         "router": (128, 2048), "lm_head": (258, 2048)}
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_linear_prompt_rows_equal_decode_rows(dtype):
+    from exactness.kernels import triton_gemm as tg
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, (N, K) in SMALL.items():
+        w = (torch.randn(N, K, generator=g, device="cuda") / K ** 0.5).to(dtype)
+        x = torch.randn(777, K, generator=g, device="cuda").to(dtype)
+        full = tg.linear(x, w)                                                              # [777, N]
+        assert rel_err(full, x.double() @ w.double().T) < (1e-2 if dtype == torch.bfloat16 else 1e-5), name
+        assert row_mismatches(full, [tg.linear(x[m:m + 1], w) for m in range(full.shape[0])]) == 0, name
+        assert row_mismatches(full, chunked(tg.linear, 777, (1, 7, 64, 100, 129, 300), x, extra=(w,))) == 0, name
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_linear_negative_control_is_caught():
+    """A prompt GEMM that splits K in two (fp32 partials added, then rounded) must differ from decode rows."""
+    from exactness.kernels import triton_gemm as tg
+    N, K = SMALL["q"]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = (torch.randn(N, K, generator=g, device="cuda") / K ** 0.5).bfloat16()
+    x = torch.randn(256, K, generator=g, device="cuda").bfloat16()
+    h = K // 2
+    split = (x[:, :h].float() @ w[:, :h].float().T + x[:, h:].float() @ w[:, h:].float().T).bfloat16()
+    assert row_mismatches(split, [tg.linear(x[m:m + 1], w) for m in range(256)]) > 0
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_gate_up_rows_and_rounding_points():
+    from exactness.kernels import triton_gemm as tg
+    N, K = SMALL["gate|up"]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    wg, wu = ((torch.randn(N, K, generator=g, device="cuda") / K ** 0.5).bfloat16() for _ in range(2))
+    x = torch.randn(600, K, generator=g, device="cuda").bfloat16()
+    full = tg.gate_up(x, wg, wu)
+    gl, ul = tg.linear(x, wg), tg.linear(x, wu)
+    emulated = ((gl.float() / (1 + torch.exp(-gl.float()))).bfloat16().float() * ul.float()).bfloat16()
+    diff = (full.float() - emulated.float()).abs()
+    # exp differs in the last fp32 bits (Triton's ex2 vs expf): allow a 1-ulp bf16 flip of the SiLU on few elements
+    assert int((bits(full) != bits(emulated)).sum()) <= full.numel() // 100, float(diff.max())
+    assert row_mismatches(full, [tg.gate_up(x[m:m + 1], wg, wu) for m in range(600)]) == 0
+    assert row_mismatches(full, chunked(tg.gate_up, 600, (3, 64, 65, 200), x, extra=(wg, wu))) == 0
+
+
+def _attn_inputs(P: int, S: int, dtype, seed: int, Hq=32, Hkv=4, D=128):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kc = torch.randn(S, P, Hkv, D, generator=g, device="cuda").to(dtype)
+    vc = torch.randn(S, P, Hkv, D, generator=g, device="cuda").to(dtype)
+    q = torch.randn(S * P, Hq, D, generator=g, device="cuda").to(dtype)
+    slots = torch.arange(S, device="cuda").repeat_interleave(P)
+    pos = torch.arange(P, device="cuda").repeat(S)
+    return q, kc, vc, slots, pos
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_attention_prompt_rows_equal_decode_rows(dtype):
+    from exactness.kernels import attention as cpu_attn
+    from exactness.kernels import triton_attention as ta
+    q, kc, vc, slots, pos = _attn_inputs(700, 1, dtype, 3)
+    full = ta.attention(q, kc, vc, slots, pos)                                              # [700, 32, 128]
+    rows = list(range(0, 700, 7)) + [63, 64, 127, 128, 255, 256, 699]
+    dec = [ta.attention(q[m:m + 1], kc, vc, slots[m:m + 1], pos[m:m + 1]) for m in rows]
+    assert row_mismatches(full[rows], dec) == 0
+    segs = ((0, 1), (1, 50), (51, 129), (180, 300), (480, 220))                             # prefill chunks
+    assert row_mismatches(full, [ta.attention(q[a:a + n], kc, vc, slots[a:a + n], pos[a:a + n])
+                                 for a, n in segs]) == 0
+    ref = cpu_attn.attention_invariant(q.double().cpu(), kc.double().cpu(), vc.double().cpu(), slots.cpu(),
+                                       pos.cpu())
+    assert rel_err(full.cpu(), ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_attention_multi_slot_and_negative_control():
+    from exactness.kernels import triton_attention as ta
+    q, kc, vc, slots, pos = _attn_inputs(300, 3, torch.bfloat16, 4)
+    perm = torch.randperm(900, generator=torch.Generator().manual_seed(0)).cuda()
+    q, slots, pos = q[perm], slots[perm], pos[perm]
+    full = ta.attention(q, kc, vc, slots, pos)
+    dec = [ta.attention(q[m:m + 1], kc, vc, slots[m:m + 1], pos[m:m + 1]) for m in range(0, 900, 3)]
+    assert row_mismatches(full[0::3], dec) == 0
+    other = ta.AttnConfig(64, 64, 4, 3) if ta.config_for(128, torch.bfloat16, (9, 0)).block_n != 64 \
+        else ta.AttnConfig(64, 128, 8, 3)                                                   # another KV block
+    assert row_mismatches(ta.attention(q, kc, vc, slots, pos, other)[0::3], dec) > 0
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_row_kernels_invariant_and_close_to_cpu():
+    from exactness.kernels import experts, norm, rope, router
+    from exactness.kernels import triton_rows as tr
+    g = torch.Generator(device="cuda").manual_seed(5)
+    M = 333
+    x = torch.randn(M, 2048, generator=g, device="cuda").bfloat16()
+    w = (1 + torch.randn(2048, device="cuda") / 10).bfloat16()
+    r = tr.rmsnorm(x, w, 1e-6)
+    assert row_mismatches(r, [tr.rmsnorm(x[m:m + 1], w, 1e-6) for m in range(M)]) == 0
+    assert rel_err(r.cpu(), norm.rmsnorm_invariant(x.cpu(), w.cpu(), 1e-6)) < 1e-2
+    qh = torch.randn(M, 32, 128, generator=g, device="cuda").bfloat16()
+    pos = torch.randint(0, 30000, (M,), generator=g, device="cuda")
+    cos, sin = rope._table(128, 1e6, 1, qh.device, torch.bfloat16)
+    ro = tr.rope(qh, pos, cos, sin)
+    assert torch.equal(bits(ro), bits(rope.rope_invariant(qh, pos, 1e6)))               # same rounding points
+    y = torch.randn(M, 8, 2048, generator=g, device="cuda").bfloat16()
+    wt = torch.rand(M, 8, device="cuda").bfloat16()
+    c = tr.combine(y, wt, None)
+    assert torch.equal(bits(c), bits(experts.combine_invariant(y, wt, None)))
+    lg = (torch.randn(M, 128, generator=g, device="cuda") * 3).bfloat16()
+    lg[:, 7] = lg[:, 3] = lg.max(dim=1).values + 1                                       # exact tie for first place
+    wts, idx = tr.softmax_topk(lg, 8, True)
+    assert bool((idx[:, 0] == 3).all() and (idx[:, 1] == 7).all())                        # lower id wins the tie
+    cw, ci = router._softmax_topk_tile(lg, 8, True)
+    assert torch.equal(idx, ci) and rel_err(wts, cw) < 1e-2
+    w1 = [tr.softmax_topk(lg[m:m + 1], 8, True) for m in range(M)]
+    assert row_mismatches(wts, [a for a, _ in w1]) == 0 and row_mismatches(idx, [b for _, b in w1]) == 0
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_gpu_paths_prompt_logits_equal_decode(preset):
+    """decode vs batched vs deep on the invariant set: identical prompt-logit bytes and tokens (device weights)."""
+    from exactness import paths
+    from exactness.config import get_preset
+    from exactness.kernels import cuda
+    cfg = get_preset(preset)
+    w = cuda.device_random_weights(cfg, torch.bfloat16, "cuda", seed=1)
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2))
+    runs = [paths.generate(w, ids, 4, "invariant", p, s, deep_threshold=128)
+            for p, s in (("decode", None), ("batched", 100), ("deep", 256), ("batched", None))]
+    assert runs[2].served["deep"]["rows"] == 256                                          # deep plan really ran
+    for r in runs[1:]:
+        assert row_mismatches(r.prompt_logits, [runs[0].prompt_logits]) == 0, (r.path, r.step)
+        assert torch.equal(r.gen_ids, runs[0].gen_ids)
+    fast = paths.generate(w, ids, 4, "fast", "batched", None)
+    assert row_mismatches(fast.prompt_logits, [runs[0].prompt_logits]) > 0               # negative control
+
+
+# ------------------------------------------------------------------------------------------------ CPU interpreter
+
+def _interp_main() -> int:
+    """Interpreter checks (run in a subprocess with TRITON_INTERPRET=1). Exit 0 pass, 1 fail, 77 skip."""
+    try:
+        import numpy as np
+        int(np.array([1]))                          # Triton 3.6's interpreter needs this (numpy < 2.4)
+    except TypeError:
+        print("SKIP: this numpy cannot run Triton 3.6's interpreter (needs numpy < 2.4)")
+        return 77
+    from exactness.kernels import attention as cpu_attn
+    from exactness.kernels import experts, rope
+    from exactness.kernels import triton_attention as ta
+    from exactness.kernels import triton_gemm as tg
+    from exactness.kernels import triton_rows as tr
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    x, w, w2 = torch.randn(37, 48).to(bf), (torch.randn(40, 48) / 7).to(bf), (torch.randn(40, 48) / 7).to(bf)
+    y = tg.linear(x, w)
+    checks = {
+        "linear exact-rounded": torch.equal(bits(y), bits((x.double() @ w.double().T).to(bf))),
+        "linear rows == M=1 rows": row_mismatches(y[[0, 31, 32, 36]],
+                                                  [tg.linear(x[m:m + 1], w) for m in (0, 31, 32, 36)]) == 0,
+        "linear chunks": row_mismatches(y, chunked(tg.linear, 37, (5, 32), x, extra=(w,))) == 0,
+    }
+    gu = tg.gate_up(x, w, w2)
+    g, u = y.float(), tg.linear(x, w2).float()
+    checks["gate_up rounding points"] = torch.equal(bits(gu), bits(((g / (1 + torch.exp(-g))).to(bf).float() * u
+                                                                    ).to(bf)))
+    checks["gate_up rows"] = row_mismatches(gu[[3, 33]], [tg.gate_up(x[m:m + 1], w, w2) for m in (3, 33)]) == 0
+    split = (x[:, :24].double() @ w[:, :24].double().T).to(bf).double() + x[:, 24:].double() @ w[:, 24:].double().T
+    checks["negative control caught"] = row_mismatches(split.to(bf), [y]) > 0
+    kc, vc = torch.randn(2, 40, 2, 16).to(bf), torch.randn(2, 40, 2, 16).to(bf)
+    q = torch.randn(30, 4, 16).to(bf)
+    slots = torch.tensor([0, 1] * 15)
+    pos = torch.arange(30) // 2 + 9
+    o = ta.attention(q, kc, vc, slots, pos)
+    checks["attention rows"] = row_mismatches(o[[0, 17, 29]], [ta.attention(q[m:m + 1], kc, vc, slots[m:m + 1],
+                                                                            pos[m:m + 1]) for m in (0, 17, 29)]) == 0
+    ref = cpu_attn.attention_invariant(q.double(), kc.double(), vc.double(), slots, pos)
+    checks["attention error < 1e-2"] = rel_err(o, ref) < 1e-2
+    xr, wr = torch.randn(5, 3, 24).to(bf), (1 + torch.randn(24) / 10).to(bf)
+    checks["rmsnorm rows"] = row_mismatches(tr.rmsnorm(xr, wr, 1e-6), [tr.rmsnorm(xr[m:m + 1], wr, 1e-6)
+                                                                      for m in range(5)]) == 0
+    p = torch.tensor([0, 5, 300])
+    cos, sin = rope._table(16, 1e4, 1, "cpu", bf)
+    checks["rope == CPU bytes"] = torch.equal(bits(tr.rope(q[:3], p, cos, sin)), bits(rope.rope_invariant(q[:3], p,
+                                                                                                          1e4)))
+    yy, ww = torch.randn(4, 3, 24).to(bf), torch.rand(4, 3).to(bf)
+    checks["combine == CPU bytes"] = torch.equal(bits(tr.combine(yy, ww, yy[:, 0])),
+                                                 bits(experts.combine_invariant(yy, ww, yy[:, 0])))
+    lg = torch.randn(6, 16).to(bf)
+    lg[:, 9] = lg[:, 4] = lg.max(dim=1).values + 1
+    _, idx = tr.softmax_topk(lg, 3, True)
+    checks["top-k tie -> lower id"] = bool((idx[:, 0] == 4).all() and (idx[:, 1] == 9).all())
+    for k, v in checks.items():
+        print(f"{'ok  ' if v else 'FAIL'} {k}")
+    return 0 if all(checks.values()) else 1
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_interpreter_kernels_row_invariant_and_exact():
+    """Under TRITON_INTERPRET=1 on the CPU: rows of a block equal M=1 rows; rounding points as the CPU kernels."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    lib = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib")
+    env["PYTHONPATH"] = os.pathsep.join([lib] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode == 77:
+        pytest.skip(r.stdout.strip())
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"            # before Triton compiles anything (no-op under the pytest test)
+    sys.exit(_interp_main())
