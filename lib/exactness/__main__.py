@@ -124,6 +124,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     # ---- analysis subcommands (engine side), one line each
     "hashes": analysis_command("exactness.analysis.hashes", "token hashes of every path -> section JSON",
                                extra_params=("checkpoint", "allow_unpinned")),
+    "contract": analysis_command("exactness.analysis.contract",
+                                 "kernel contract: prompt rows vs decode bytes for every pair -> section JSON",
+                                 extra_params=("contract_sweep", "contract_dtypes")),
     "streams": analysis_command("exactness.analysis.streams",
                                 "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON",
                                 extra_params=("mtp_k", "stream_counts", "prompt_cache_gib", "stream_offset",

@@ -1,0 +1,443 @@
+"""The kernel contract: does every prompt kernel produce its decode kernel's bytes for every row?
+
+For each (prompt kernel, decode kernel) pair of a kernel set (``KernelSet.pairs()``), the checker computes the
+*decode reference* of every tested row (the decode kernel called on that row alone, M = 1; for attention one query
+row at its position against the cache) and compares it, byte for byte (bf16/fp16 viewed as int16, fp32 as int32,
+integer outputs such as top-k indices and argmax ids exactly), with the same row computed by the prompt kernel inside
+blocks of M rows fed under many segmentations, tile offsets and batch mates (analysis/contract_cases.py: the pools
+and the plan). Inputs: seeded random rows and rows captured from a tiny-preset forward over a real prompt; dtypes
+bf16 and fp32. Router outputs (weights, indices, logits) are all compared.
+
+Results: one :class:`PairResult` per pair x set x device x dtype, a coverage table listing every class of
+KERNEL_CLASSES (a class the checker cannot feed is shown as uncovered, never left out), and the first mismatch of
+each pair (M, segmentation, row, element, ULP distance).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tabulate import tabulate
+
+from ..kernels import KERNEL_CLASSES, KERNEL_SETS, KernelSpec, get_set
+from .contract_cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, SOURCES, Case, bucket, check_sweep,
+                             make_pool, plan, ranges)
+from .hashes import resolve_device, resolve_dtype
+
+_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+             torch.float64: torch.int64}
+_SIGN_MASK = {torch.int16: 0x7FFF, torch.int32: 0x7FFFFFFF, torch.int64: 0x7FFFFFFFFFFFFFFF}
+OUTPUT_NAMES = {"router": ("weights", "idx", "logits")}
+
+
+def ulp_distance(a: float, b: float, dtype: torch.dtype) -> int | None:
+    """Distance in ULPs of the storage format ``dtype`` between two values representable in it.
+
+    Ordered-integer mapping of ../shared/guide/metrics.md ("ULPs"): bits as a signed int i, mapped to
+    ``i if i >= 0 else -(i & 0x7F..F)``; bf16 is widened to fp32 and the fp32 distance shifted right by 16.
+    Returns None for non-float dtypes or NaN inputs.
+    """
+    if dtype not in _INT_VIEW or a != a or b != b:
+        return None
+    wide = torch.float32 if dtype == torch.bfloat16 else dtype
+    iv = _INT_VIEW[wide]
+    t = torch.tensor([a, b], dtype=torch.float64).to(dtype).to(wide).view(iv).to(torch.int64)   # [2] int64
+    o = torch.where(t >= 0, t, -(t & _SIGN_MASK[iv]))
+    d = int((o[0] - o[1]).abs())
+    return d >> 16 if dtype == torch.bfloat16 else d
+
+
+def as_int(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the same-width signed integer (integer tensors unchanged, bool as uint8)."""
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    return t.view(_INT_VIEW[t.dtype]) if t.dtype in _INT_VIEW else t
+
+
+@dataclass
+class PairResult:
+    """Outcome of checking one (prompt kernel, decode kernel) pair in one dtype on one device.
+
+    Attributes:
+        cls, prompt_kernel, decode_kernel, set, device, dtype: what was checked.
+        cases: row comparisons run (one per tested row per case per input source; all outputs of a row together).
+        m_ranges: row counts M covered, as ranges ("1-130,255-257,..."); kv_lengths: KV lengths T (attention).
+        inputs: input sources ("random,captured"); preset: model preset of the input shapes.
+        mismatches: rows whose bytes differ in at least one output element.
+        first_mismatch: None, or the first mismatching row in checking order: M, kv_len, segmentation, variant,
+            segment, call_rows, lead, row (0..M-1), position (attention), source, output, element (flat index in
+            the row), ulp and ulp_format (ULPs of the storage dtype, or of the output's dtype when it is not a
+            widened storage value; None for integer outputs), prompt and decode values.
+        buckets: M bucket -> [cases, mismatches]; seconds: wall time of the check.
+    """
+
+    cls: str
+    prompt_kernel: str
+    decode_kernel: str
+    set: str
+    device: str
+    dtype: str
+    cases: int = 0
+    m_ranges: str = ""
+    kv_lengths: str = ""
+    inputs: str = ""
+    preset: str = "tiny"
+    mismatches: int = 0
+    first_mismatch: dict | None = None
+    buckets: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_row(self) -> dict:
+        """JSON row of the receipt's ``contract`` list (key ``class`` for cls)."""
+        d = asdict(self)
+        return {"class": d.pop("cls"), **d}
+
+
+def _outputs(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+class DecodeRefs:
+    """Decode references of a pool's rows, each computed on first use: the decode kernel ``fn`` on that row alone
+    (M = 1). ``get(start, M)`` returns one tensor [M, ...] per output for pool rows start..start+M-1."""
+
+    def __init__(self, fn, pool):
+        self.fn, self.pool = fn, pool
+        self.done = [False] * N_REAL
+        self.refs: list[torch.Tensor] | None = None
+
+    def _compute(self, i: int) -> None:
+        outs = _outputs(self.fn(*self.pool.args(torch.tensor([i], device=self.pool.rows[0].device))))
+        if self.refs is None:
+            self.refs = [torch.empty((N_REAL, *o.shape[1:]), dtype=o.dtype, device=o.device) for o in outs]
+        for r, o in zip(self.refs, outs):
+            r[i] = o[0]
+        self.done[i] = True
+
+    def get(self, start: int, M: int) -> list[torch.Tensor]:
+        for i in range(start, start + M):
+            if not self.done[i]:
+                self._compute(i)
+        return [r[start:start + M] for r in self.refs]
+
+
+def call_layout(case: Case, segment: int) -> tuple[list[int], list[int], list[int]]:
+    """Pool rows of one prompt call of ``case``: (lead mates, tested rows, tail mates), deterministic in the case."""
+    v = case.variant
+    first = case.start + sum(v.segments[:segment])
+    rng = random.Random(f"{case.M}/{case.kv_len}/{v.label()}/{segment}")
+    lead = rng.sample(range(N_REAL, N_REAL + N_MATES), v.leads[segment])
+    tail = rng.sample(range(N_REAL + N_MATES, N_REAL + 2 * N_MATES), v.tails[segment])
+    return lead, list(range(first, first + v.segments[segment])), tail
+
+
+def prompt_rows(fn, pool, case: Case) -> list[torch.Tensor]:
+    """The prompt kernel's outputs for the case's M tested rows (segment calls concatenated), one per output."""
+    dev = pool.rows[0].device
+    parts = []
+    for j in range(len(case.variant.segments)):
+        lead, real, tail = call_layout(case, j)
+        outs = _outputs(fn(*pool.args(torch.tensor(lead + real + tail, dtype=torch.int64, device=dev))))
+        parts.append([o[len(lead):len(lead) + len(real)] for o in outs])
+    return [torch.cat(p) for p in zip(*parts)]
+
+
+def _locate(case: Case, source: str, got, ref, bad: torch.Tensor, cls: str, dtype) -> dict:
+    """First-mismatch record of a case whose rows ``bad`` [M] bool differ."""
+    row = int(bad.nonzero()[0])
+    seg, acc = 0, 0
+    while acc + case.variant.segments[seg] <= row:
+        acc += case.variant.segments[seg]
+        seg += 1
+    names = OUTPUT_NAMES.get(cls, ("out",) * len(got))
+    for name, g, r in zip(names, got, ref):
+        a, b = g[row].reshape(-1), r[row].reshape(-1)
+        diff = (as_int(a) != as_int(b)).nonzero()
+        if diff.numel():
+            e = int(diff[0])
+            pv, dv = a[e].item(), b[e].item()
+            fmt = _ulp_format(a.dtype, dtype, pv, dv)
+            lead = case.variant.leads[seg]
+            return {"M": case.M, "kv_len": case.kv_len, "segmentation": case.variant.label(),
+                    "variant": case.variant.name, "segment": seg, "lead": lead,
+                    "call_rows": lead + case.variant.segments[seg] + case.variant.tails[seg], "row": row,
+                    "position": case.start + row if cls == "attention" else None, "source": source,
+                    "output": name, "element": e, "ulp": None if fmt is None else ulp_distance(pv, dv, fmt),
+                    "ulp_format": None if fmt is None else str(fmt).replace("torch.", ""), "prompt": pv, "decode": dv}
+    raise AssertionError("rows flagged as differing compare equal")  # unreachable: bad came from these tensors
+
+
+def _ulp_format(out_dtype: torch.dtype, run_dtype: torch.dtype, a: float, b: float) -> torch.dtype | None:
+    """Format to count ULPs in: the run's storage dtype when the output is a widened copy of it (lm_head's fp32
+    logits of bf16 rows: both values exact in bf16), else the output's own dtype; None for integer outputs."""
+    if not out_dtype.is_floating_point:
+        return None
+    if out_dtype != run_dtype and all(torch.tensor(v).to(run_dtype).item() == v for v in (a, b)):
+        return run_dtype
+    return out_dtype
+
+
+def _check_case(res: PairResult, prompt_fn, pool, refs: DecodeRefs, case: Case, source: str, dtype) -> None:
+    dev = pool.rows[0].device
+    got = prompt_rows(prompt_fn, pool, case)
+    ref = refs.get(case.start, case.M)
+    bad = torch.zeros(case.M, dtype=torch.bool, device=dev)
+    for g, r in zip(got, ref):
+        bad |= (as_int(g) != as_int(r)).reshape(case.M, -1).any(dim=1)
+    n_bad = int(bad.sum())
+    b = res.buckets.setdefault(bucket(case.M), [0, 0])
+    b[0] += case.M
+    b[1] += n_bad
+    res.cases += case.M
+    res.mismatches += n_bad
+    if n_bad and res.first_mismatch is None:
+        res.first_mismatch = _locate(case, source, got, ref, bad, res.cls, dtype)
+
+
+def _set_of(spec: KernelSpec) -> str:
+    for name, ks in KERNEL_SETS.items():
+        if ks.prompt.get(spec.cls) is spec:
+            return name
+    return spec.name.split(".")[0]
+
+
+def _kv_summary(cases: list[Case]) -> str:
+    ts = sorted({c.kv_len for c in cases})
+    bs = [b for b in KV_BOUNDARIES if b + 1 in ts]
+    return f"{len(ts)} lengths in {ts[0]}-{ts[-1]}, incl. b-1..b+2 for b = {bs[0]},{bs[1]},...,{bs[-1]}"
+
+
+def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "cpu", dtype: str = "bfloat16",
+               sweep: str = "full", set_name: str | None = None, sources=SOURCES,
+               stop_at_first: bool = False, preset: str = "tiny") -> PairResult:
+    """Check one pair on every case of ``plan(cls, sweep)`` and every input source.
+
+    Args:
+        prompt_spec, decode_spec: a prompt kernel and the decode kernel it replaces (same class).
+        device: "cpu" / "cuda[:N]"; dtype: "bfloat16" or "float32"; sweep: "full" or "quick".
+        set_name: reported set (default: the registered set holding ``prompt_spec``).
+        sources: input sources, checked in this order within each case.
+        stop_at_first: stop after the case holding the first mismatch (cases and mismatches then count only
+            the cases run; m_ranges still describes the whole plan).
+        preset: model preset whose shapes (and weights) the inputs use.
+    Raises:
+        ValueError: mismatched pair, a class with no input builder, unknown device/dtype/sweep/source.
+    """
+    if prompt_spec.cls != decode_spec.cls or prompt_spec.replaces != decode_spec.name:
+        raise ValueError(f"{prompt_spec.name!r} (replaces {prompt_spec.replaces!r}) is not a prompt kernel "
+                         f"replacing {decode_spec.name!r}")
+    check_sweep(sweep)
+    dev, dt = str(resolve_device(device)), resolve_dtype(dtype)
+    cls = prompt_spec.cls
+    cases = plan(cls, sweep)
+    res = PairResult(cls, prompt_spec.name, decode_spec.name, set_name or _set_of(prompt_spec), dev, dtype,
+                     m_ranges=ranges(c.M for c in cases),
+                     kv_lengths=_kv_summary(cases) if cls == "attention" else "",
+                     inputs=",".join(sources), preset=preset)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        pools = {s: make_pool(cls, s, dt, dev, preset) for s in sources}
+        refs = {s: DecodeRefs(decode_spec.fn, pools[s]) for s in sources}
+        for case in cases:
+            for s in sources:
+                _check_case(res, prompt_spec.fn, pools[s], refs[s], case, s, dt)
+            if stop_at_first and res.first_mismatch is not None:
+                break
+    res.seconds = round(time.perf_counter() - t0, 3)
+    return res
+
+
+def check_set(set_name: str, device: str = "cpu", dtypes=("bfloat16", "float32"), sweep: str = "full",
+              classes=None, progress: bool = False, preset: str = "tiny") -> list[PairResult]:
+    """Check every pair of kernel set ``set_name`` (or only ``classes``) in each dtype.
+
+    Classes of KERNEL_CLASSES without an input builder are skipped here and reported as uncovered by
+    :func:`coverage`. Raises ValueError on an unknown set or class (listing the known ones) or a bad
+    device/dtype/sweep.
+    """
+    ks = get_set(set_name)
+    classes = list(KERNEL_CLASSES if classes is None else classes)
+    unknown = [c for c in classes if c not in KERNEL_CLASSES]
+    if unknown:
+        raise ValueError(f"unknown kernel class(es) {unknown}; known: {', '.join(KERNEL_CLASSES)}")
+    check_sweep(sweep)
+    for d in dtypes:
+        resolve_dtype(d)
+    out = []
+    for d in dtypes:
+        for p, dec in ks.pairs():
+            if p.cls in classes and p.cls in ADAPTED:
+                r = check_pair(p, dec, device, d, sweep, ks.name, preset=preset)
+                if progress:
+                    print(f"{ks.name:>10} {d:>8} {p.cls:>14}: {r.mismatches}/{r.cases} rows differ ({r.seconds} s)")
+                out.append(r)
+    return out
+
+
+def coverage(rows: list[dict], set_names, device: str, dtypes) -> tuple[list[dict], list[dict]]:
+    """Coverage table: one entry per class of KERNEL_CLASSES x set x dtype, from contract rows (``to_row``).
+
+    Returns (coverage, uncovered): coverage entries carry class, set, prompt_kernel, decode_kernel, m_ranges,
+    kv_lengths, dtype, device, cases and status ("checked" or "uncovered"); uncovered lists those not checked.
+    """
+    have = {(r["class"], r["set"], r["dtype"]): r for r in rows}
+    cov, unc = [], []
+    for s in set_names:
+        ks = KERNEL_SETS.get(s)
+        for d in dtypes:
+            for c in KERNEL_CLASSES:
+                r = have.get((c, s, d))
+                if r is None:
+                    why = ("no registered pair" if ks is None or c not in ks.prompt else
+                           "no input builder" if c not in ADAPTED else "not checked in this run")
+                    unc.append({"class": c, "set": s, "dtype": d, "device": device, "reason": why})
+                    cov.append({"class": c, "set": s, "prompt_kernel": None, "decode_kernel": None, "m_ranges": "",
+                                "kv_lengths": "", "dtype": d, "device": device, "cases": 0, "status": "uncovered"})
+                    continue
+                cov.append({k: r[k] for k in ("class", "set", "prompt_kernel", "decode_kernel", "m_ranges",
+                                              "kv_lengths", "dtype", "device", "cases")} | {"status": "checked"})
+    return cov, unc
+
+
+def run_section(params: dict) -> dict:
+    """The ``contract`` section from profile/notebook parameters.
+
+    params keys: kernel_sets (list of set names), device, preset (input shapes; default "tiny"), dtype (the
+    profile's; checked first), optional
+    contract_dtypes (default: the profile's dtype plus the other of bfloat16/float32), contract_sweep ("full" |
+    "quick", default "full"). Returns ``{"section": "contract", "sweep", "rows": [PairResult.to_row()...],
+    "coverage": [...], "uncovered": [...]}``. Raises ValueError on an unknown set/device/dtype/sweep.
+    """
+    sets = list(params.get("kernel_sets") or KERNEL_SETS)
+    device = params.get("device", "cpu")
+    base = params.get("dtype", "bfloat16")
+    dtypes = list(params.get("contract_dtypes") or [base] + [d for d in ("bfloat16", "float32") if d != base])
+    sweep = params.get("contract_sweep", "full")
+    for s in sets:
+        get_set(s)
+    preset = params.get("preset", "tiny")
+    rows = [r.to_row() for s in sets for r in check_set(s, device, dtypes, sweep, preset=preset)]
+    cov, unc = coverage(rows, sets, str(resolve_device(device)), dtypes)
+    return {"section": "contract", "sweep": sweep, "preset": preset, "rows": rows, "coverage": cov,
+            "uncovered": unc}
+
+
+# ------------------------------------------------------------------------------------------------------- render
+
+def _md(rows: list[list], headers: list[str]) -> str:
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True, floatfmt=".4g")
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per (set, device, dtype): pairs checked, cases, mismatching pairs and rows."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        s = out.setdefault((r["set"], r["device"], r["dtype"]), {"set": r["set"], "device": r["device"],
+                           "dtype": r["dtype"], "pairs": 0, "cases": 0, "mismatching_pairs": 0,
+                           "mismatching_rows": 0})
+        s["pairs"] += 1
+        s["cases"] += r["cases"]
+        s["mismatching_pairs"] += bool(r["mismatches"])
+        s["mismatching_rows"] += r["mismatches"]
+    return [out[k] for k in sorted(out)]
+
+
+def render_md(section) -> str:
+    """Markdown: coverage summary per set, a class x (set, dtype) matrix of mismatching/checked rows, uncovered
+    classes, and the first mismatch of every mismatching pair. Accepts the section dict or its ``rows`` list."""
+    rows = section["rows"] if isinstance(section, dict) else list(section)
+    unc = section.get("uncovered", []) if isinstance(section, dict) else []
+    sweep = section.get("sweep", "?") if isinstance(section, dict) else "?"
+    preset = section.get("preset", "tiny") if isinstance(section, dict) else "?"
+    out = ["## Kernel contract: prompt-kernel rows vs decode-kernel rows, compared as bytes", "",
+           f"Sweep `{sweep}`, shapes of preset `{preset}`; a case is one row compared (all its outputs); inputs "
+           f"random and captured (tapped from a forward over a real prompt).", "",
+           _md([[s["set"], s["device"], s["dtype"], s["pairs"], s["cases"], s["mismatching_pairs"],
+                 s["mismatching_rows"]] for s in summary(rows)],
+               ["set", "device", "dtype", "pairs checked", "cases", "mismatching pairs", "mismatching rows"])]
+    cols = sorted({(r["set"], r["dtype"]) for r in rows})
+    cell = {(r["class"], r["set"], r["dtype"]): f"{r['mismatches']}/{r['cases']}" for r in rows}
+    out += ["", "Mismatching rows / rows checked, per class (uncovered: not checked):", "",
+            _md([[c] + [cell.get((c, s, d), "uncovered") for s, d in cols] for c in KERNEL_CLASSES],
+                ["class"] + [f"{s} {d}" for s, d in cols])]
+    if unc:
+        groups: dict[tuple, list] = {}
+        for u in unc:
+            groups.setdefault((u["class"], u["reason"]), []).append(f"{u['set']} {u['dtype']}")
+        out += ["", "Uncovered: " + "; ".join(f"{c} ({', '.join(w)}: {why})" for (c, why), w in groups.items())]
+    bad = [r for r in rows if r["first_mismatch"]]
+    if bad:
+        hdr = ["set", "dtype", "class", "M", "T", "segmentation", "row", "output", "element", "ULP", "prompt",
+               "decode"]
+        body = []
+        for r in bad:
+            f = r["first_mismatch"]
+            body.append([r["set"], r["dtype"], r["class"], f["M"], f.get("kv_len") or "–", f["segmentation"],
+                         f["row"], f["output"], f["element"], "–" if f["ulp"] is None else f["ulp"],
+                         format(f["prompt"], ".9g"), format(f["decode"], ".9g")])
+        out += ["", "First mismatch per pair (checking order: M ascending, then T, then segmentation):", "",
+                _md(body, hdr)]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------- notebook views
+
+def coverage_frame(section: dict):
+    """pandas DataFrame of the coverage table (class x set x dtype x device: kernels, M ranges, cases, status)."""
+    import pandas as pd
+
+    return pd.DataFrame(section["coverage"])
+
+
+def mismatch_frame(section: dict):
+    """pandas DataFrame, one row per pair: set, dtype, class, cases, mismatches and the first mismatch's fields."""
+    import pandas as pd
+
+    keep = ("M", "kv_len", "segmentation", "row", "source", "output", "element", "ulp", "prompt", "decode")
+    rows = []
+    for r in section["rows"]:
+        fm = r["first_mismatch"] or {}
+        vals = {k: fm.get(k) for k in keep}
+        for k in ("prompt", "decode"):   # 9 significant digits tell fp32 neighbours apart
+            vals[k] = None if vals[k] is None else format(vals[k], ".9g")
+        rows.append({"set": r["set"], "device": r["device"], "dtype": r["dtype"], "class": r["class"],
+                     "cases": r["cases"], "mismatches": r["mismatches"], **vals})
+    df = pd.DataFrame(rows)
+    for k in ("M", "kv_len", "row", "element", "ulp"):
+        df[k] = df[k].astype("Int64")     # nullable ints: pairs without a mismatch show <NA>, not NaN floats
+    return df
+
+
+def plot_heatmap(section: dict, set_name: str = "fast"):
+    """Heatmap per dtype: share of mismatching rows, class (y) x M bucket (x), for ``set_name``; returns the figure.
+
+    Raises:
+        ValueError: the section holds no rows of ``set_name``.
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .contract_cases import BUCKETS, bucket
+
+    rows = [r for r in section["rows"] if r["set"] == set_name]
+    if not rows:
+        have = sorted({r["set"] for r in section["rows"]})
+        raise ValueError(f"no contract rows for set {set_name!r}; sets here: {have}")
+    dtypes = sorted({r["dtype"] for r in rows})
+    cols = [bucket(a) for a, _ in BUCKETS]
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4.2), squeeze=False)
+    for ax, d in zip(axes[0], dtypes):
+        share = np.full((len(KERNEL_CLASSES), len(cols)), np.nan)
+        for r in (r for r in rows if r["dtype"] == d):
+            for b, (n, bad) in r["buckets"].items():
+                if b in cols and n:
+                    share[KERNEL_CLASSES.index(r["class"]), cols.index(b)] = bad / n
+        im = ax.imshow(share, vmin=0, vmax=1, cmap="magma_r", aspect="auto")
+        ax.set(title=f"{set_name}, {d}: share of rows differing", xlabel="rows M", xticks=range(len(cols)),
+               yticks=range(len(KERNEL_CLASSES)))
+        ax.set_xticklabels(cols, rotation=45, ha="right")
+        ax.set_yticklabels(KERNEL_CLASSES)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    return fig

@@ -1,0 +1,338 @@
+"""What the kernel-contract checker feeds each kernel class: row pools (random and captured inputs) and the sweep plan.
+
+A *pool* holds the inputs of one class as row tensors sharing a leading row dim plus fixed arguments (weights,
+eps, ...). Rows 0..N_REAL-1 are the rows under test; after them come N_MATES *lead mates* and N_MATES *tail mates*:
+other rows placed in front of (shifting the tested rows inside a 64-row tile) or behind the tested rows in a call.
+For attention a row is one query (q [Hq, D], slot, position) against a fixed two-slot KV cache: the tested rows sit in
+slot 0 at positions 0..N_REAL-1 (so rows T-M..T-1 are a prompt block whose cache holds T keys), lead mates are other
+slot-0 queries and tail mates are slot-1 queries (another stream's rows in the same call).
+
+The *plan* lists the cases in checking order (M ascending, then KV length T, then variant). A case feeds M tested
+rows under one *variant*: a segmentation (segment lengths summing to M; every segment is one prompt-kernel call)
+with, per call, a number of lead and tail mates.
+"""
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..config import get_preset
+from ..weights import synthetic_weights
+
+FULL_M: tuple[int, ...] = tuple(range(1, 131)) + (255, 256, 257, 511, 512, 513, 1024, 4097)
+SWEEPS = ("full", "quick")
+SOURCES = ("random", "captured")
+N_REAL = 4162     # tested rows per pool: the largest M (4097) plus room for KV lengths just past 4096
+N_MATES = 64      # lead mates and tail mates each
+TILE_OFFSETS = (1, 17, 37, 63)    # lead-mate counts of the "offset" variant (row position inside a 64-row tile)
+KV_BOUNDARIES = tuple(range(64, 257, 64)) + tuple(range(512, 4097, 256))  # tile and KV_BLOCK multiples
+BUCKETS = ((1, 1), (2, 6), (7, 63), (64, 64), (65, 127), (128, 130), (131, 257), (258, 513), (514, 1024),
+           (1025, 4097))
+CAPTURE_PROMPT = "docs"
+QUICK_MAX_KV = 1026   # quick sweep, attention: largest M and KV length T
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to feed M rows: ``segments`` (lengths, one prompt call each) and per call ``leads``/``tails`` mates."""
+
+    name: str
+    segments: tuple[int, ...]
+    leads: tuple[int, ...]
+    tails: tuple[int, ...]
+
+    def label(self) -> str:
+        """e.g. ``"63+65"`` or ``"130 lead 17"``, ``"40+90 lead 5,0 tail 3,9"``."""
+        s = "+".join(map(str, self.segments))
+        if any(self.leads):
+            s += " lead " + ",".join(map(str, self.leads))
+        if any(self.tails):
+            s += " tail " + ",".join(map(str, self.tails))
+        return s
+
+
+@dataclass(frozen=True)
+class Case:
+    """M tested rows starting at pool row ``start`` fed as ``variant``; ``kv_len`` = T for attention, else None."""
+
+    M: int
+    start: int
+    variant: Variant
+    kv_len: int | None = None
+
+
+def _v(name: str, segs, leads=None, tails=None) -> Variant:
+    segs = tuple(int(s) for s in segs)
+    zero = (0,) * len(segs)
+    return Variant(name, segs, tuple(leads) if leads else zero, tuple(tails) if tails else zero)
+
+
+def _random_split(M: int, rng: random.Random, parts: int) -> list[int]:
+    cuts = sorted(rng.sample(range(1, M), min(parts - 1, M - 1)))
+    return [b - a for a, b in zip([0] + cuts, cuts + [M])]
+
+
+def variants(M: int, sweep: str) -> list[Variant]:
+    """The variants of M rows, deterministic in (M, sweep).
+
+    ``full`` with M <= 130: whole block; 1+rest; rest+1; a random 2-4 way split; 63+rest, the 64-row grid (64+64+1
+    ...) and 65+rest where they fit; the whole block behind 1/17/37/63 lead mates (by M mod 4); the whole block
+    between random lead and tail mates; a random split with random mates per call. ``full`` with larger M: whole,
+    rest+1, random split with mates. ``quick``: whole and random split with mates.
+    """
+    rng = random.Random(f"variants/{M}")
+    out = [_v("whole", [M])]
+    if sweep == "full" and M <= 130:
+        if M >= 2:
+            out += [_v("1+rest", [1, M - 1]), _v("rest+1", [M - 1, 1])]
+        if M >= 3:
+            out.append(_v("random", _random_split(M, rng, rng.randint(2, 4))))
+        if M > 64:
+            out += [_v("63+rest", [63, M - 63]), _v("grid64", [64] * (M // 64) + ([M % 64] if M % 64 else []))]
+        if M > 65:
+            out.append(_v("65+rest", [65, M - 65]))
+        out.append(_v("offset", [M], [TILE_OFFSETS[M % 4]]))
+        out.append(_v("mates", [M], [rng.randint(1, 63)], [rng.randint(1, N_MATES)]))
+    elif sweep == "full" and M >= 2:
+        out.append(_v("rest+1", [M - 1, 1]))
+    if M >= 2 or sweep == "quick":
+        segs = _random_split(M, rng, rng.randint(2, 4)) if M >= 2 else [1]
+        out.append(_v("random+mates", segs, [rng.randint(0, 63) for _ in segs],
+                      [rng.randint(0, N_MATES) for _ in segs]))
+    return out
+
+
+def check_sweep(sweep: str) -> None:
+    """Raises ValueError unless ``sweep`` is one of SWEEPS."""
+    if sweep not in SWEEPS:
+        raise ValueError(f"unknown sweep {sweep!r}; known: {', '.join(SWEEPS)}")
+
+
+def _kv_lengths(M: int, sweep: str) -> list[int]:
+    """KV lengths T >= M for a prompt block of M rows (attention): T = M (prefill from position 0) and, in the full
+    sweep or for odd M, one more that moves the block across 64-row tiles and 256-key blocks (plan() adds the
+    lengths around every block boundary)."""
+    extra = (1, 64, 129, 256, 257)[M % 5] if M <= 130 else 1
+    ts = [M, M + extra] if sweep == "full" or M % 2 else [M]
+    return [t for t in ts if t <= N_REAL]
+
+
+def plan(cls: str, sweep: str) -> list[Case]:
+    """Cases of class ``cls`` in checking order: M ascending (FULL_M), then T, then variant.
+
+    Attention adds, for every T in {b-1, b, b+1, b+2} around each 64-row tile boundary up to 256 and each
+    256-key KV-block boundary up to 4096, blocks of M in {1, 2, 65} rows ending at T. ``quick`` attention keeps
+    M in {1, 65} there and caps M and T at QUICK_MAX_KV (every decode reference of a row at position p walks
+    p/256 blocks of a 64-row tile, which makes T ~ 4097 the costly part of the sweep on CPU).
+    Raises ValueError on an unknown sweep.
+    """
+    check_sweep(sweep)
+    cap = QUICK_MAX_KV if (sweep == "quick" and cls == "attention") else N_REAL
+    cases = []
+    for M in (m for m in FULL_M if m <= cap):
+        vs = variants(M, sweep)
+        if cls != "attention":
+            start = (M * 2654435761) % (N_REAL - M + 1)   # spread: different M test different rows
+            cases += [Case(M, start, v) for v in vs]
+            continue
+        for T in (t for t in _kv_lengths(M, sweep) if t <= cap):
+            cases += [Case(M, T - M, v, T) for v in vs]
+    if cls == "attention":
+        ms = (1, 2, 65) if sweep == "full" else (1, 65)
+        for b in (b for b in KV_BOUNDARIES if b + 2 <= cap):
+            for T in (b - 1, b, b + 1, b + 2):
+                for M in (m for m in ms if m <= T):
+                    vs = variants(M, "quick")
+                    cases += [Case(M, T - M, v, T) for v in vs]
+        cases = sorted(dict.fromkeys(cases), key=lambda c: (c.M, c.kv_len))   # stable: variants keep their order
+    return cases
+
+
+def bucket(M: int) -> str:
+    """Label of the BUCKETS range holding M (``"other"`` if none)."""
+    for a, b in BUCKETS:
+        if a <= M <= b:
+            return str(a) if a == b else f"{a}-{b}"
+    return "other"
+
+
+def ranges(values) -> str:
+    """Sorted unique ints as ranges: [1,2,3,7] -> ``"1-3,7"``."""
+    vs = sorted(set(int(v) for v in values))
+    out, i = [], 0
+    while i < len(vs):
+        j = i
+        while j + 1 < len(vs) and vs[j + 1] == vs[j] + 1:
+            j += 1
+        out.append(str(vs[i]) if i == j else f"{vs[i]}-{vs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+# ------------------------------------------------------------------------------------------------------- pools
+
+@dataclass
+class Pool:
+    """Inputs of one class: ``rows`` (tensors [N_REAL + 2*N_MATES, ...]), ``fixed`` args, and ``arrange(rows,
+    fixed) -> args`` giving the kernel's positional arguments for a gathered subset of rows."""
+
+    cls: str
+    source: str
+    rows: tuple
+    fixed: tuple
+    arrange: object
+
+    def args(self, idx: torch.Tensor) -> tuple:
+        """Kernel arguments for pool rows ``idx`` [n] int64 (on the pool's device), in that order."""
+        return self.arrange(tuple(r.index_select(0, idx) for r in self.rows), self.fixed)
+
+
+def _plain(rows, fixed):
+    return (*rows, *fixed)
+
+
+def _attention_args(rows, fixed):
+    q, slots, positions = rows
+    return (q, fixed[0], fixed[1], slots, positions)
+
+
+def _pool_rows() -> int:
+    return N_REAL + 2 * N_MATES
+
+
+class _Recorder:
+    """Tap recorder (model.tapping): keeps every kernel call's args and output, per class, in call order."""
+
+    def __init__(self):
+        self.calls: dict[str, list] = {}
+
+    def record(self, cls, role, plan, kernels, layer, positions, args, out):
+        self.calls.setdefault(cls, []).append((layer, args, out))
+
+
+@functools.lru_cache(maxsize=4)
+def _captured(dtype: torch.dtype, device: str, preset: str) -> tuple[dict, object]:
+    """Kernel calls of one forward of ``preset`` (fast set, batched plan) over the first N_REAL + 2*N_MATES tokens of
+    the ``docs`` prompt; returns (class -> [(layer, args, out)], weights)."""
+    from ..cache import KVCache
+    from ..model import BATCHED, forward, tapping
+    from ..prompts import build_prompt
+
+    cfg = get_preset(preset)
+    w = synthetic_weights(cfg, dtype, device)
+    ids = build_prompt(CAPTURE_PROMPT, _pool_rows()).ids.to(device)           # [P] int64
+    cache = KVCache(cfg, ids.numel(), 1, dtype, device)
+    rec = _Recorder()
+    with tapping(rec), torch.no_grad():
+        forward(w, ids, torch.arange(ids.numel(), device=device), cache, "fast", BATCHED)
+    return rec.calls, w
+
+
+def _largest(calls: list, layer: int = 0) -> tuple:
+    """Args of the first call with the most rows at ``layer``."""
+    at = [c for c in calls if c[0] == layer]
+    return max(at, key=lambda c: c[1][0].shape[0])[1]
+
+
+def _rows_of(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n rows of t [R, ...], repeating t's rows cyclically when R < n (a routed expert's few members)."""
+    return t[:n] if t.shape[0] >= n else t[torch.arange(n, device=t.device) % t.shape[0]]
+
+
+def _captured_pool(cls: str, dtype: torch.dtype, device: str, preset: str) -> Pool:
+    calls, w = _captured(dtype, device, preset)
+    n = _pool_rows()
+    if cls == "attention":
+        (q0, kc0, vc0, _, _), (q1, kc1, vc1, _, _) = calls["attention"][0][1], calls["attention"][1][1]
+        kc, vc = torch.cat([kc0, kc1]), torch.cat([vc0, vc1])                  # [2, P, Hkv, D]
+        g = torch.Generator().manual_seed(11)
+        tail_pos = torch.randint(0, n, (N_MATES,), generator=g).to(device)
+        q = torch.cat([q0[:N_REAL + N_MATES], q1[tail_pos]])                    # [n, Hq, D]
+        pos = torch.cat([torch.arange(N_REAL + N_MATES, device=device), tail_pos])
+        slots = torch.cat([torch.zeros(N_REAL + N_MATES, dtype=torch.int64, device=device),
+                           torch.ones(N_MATES, dtype=torch.int64, device=device)])
+        return Pool(cls, "captured", (q, slots, pos), (kc, vc), _attention_args)
+    if cls == "argmax":
+        logits = calls["lm_head"][0][2]                                         # [P, V] fp32
+        return Pool(cls, "captured", (logits.to(dtype),), (), _plain)
+    args = _largest(calls[cls], -1 if cls == "lm_head" else 0)
+    rows = {"router": 1, "moe_combine": 3, "rope": 2, "residual": 2}.get(cls, 1)
+    if cls == "moe_combine" and args[2] is None:   # no shared expert (e.g. the small preset): shared stays fixed
+        rows = 2
+    return Pool(cls, "captured", tuple(_rows_of(a, n) for a in args[:rows]), tuple(args[rows:]), _plain)
+
+
+@functools.lru_cache(maxsize=2)
+def _weights32(preset: str):
+    return synthetic_weights(get_preset(preset), torch.float32)
+
+
+def _random_pool(cls: str, dtype: torch.dtype, device: str, preset: str) -> Pool:
+    """Seeded N(0, 1) activations with the preset's layer-0 weights (Kaiming-scaled, weights.py)."""
+    cfg = get_preset(preset)
+    lw = _weights32(preset).layers[0]
+    g = torch.Generator().manual_seed(1000 + ADAPTED.index(cls))
+    n, H, D, Hq = _pool_rows(), cfg.hidden, cfg.head_dim, cfg.n_heads
+    rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+
+    def cast(*ts):
+        return tuple(t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device) for t in ts)
+
+    if cls == "dense":
+        return Pool(cls, "random", cast(rn(n, H)), cast(lw.wq), _plain)
+    if cls == "router":
+        wr = lw.router.clone()
+        wr[1] = wr[0]  # experts 0 and 1 tie in every row: exercises the top-k tie-break
+        return Pool(cls, "random", cast(rn(n, H)), (*cast(wr), cfg.top_k, cfg.norm_topk_prob), _plain)
+    if cls == "expert_gate_up":
+        return Pool(cls, "random", cast(rn(n, H)), cast(lw.w_gate[0], lw.w_up[0]), _plain)
+    if cls == "expert_down":
+        return Pool(cls, "random", cast(0.5 * rn(n, cfg.expert_inter)), cast(lw.w_down[0]), _plain)
+    if cls == "moe_combine":
+        wts = torch.softmax(rn(n, cfg.top_k), dim=-1)
+        return Pool(cls, "random", cast(rn(n, cfg.top_k, H), wts, rn(n, H)), (), _plain)
+    if cls == "attention":
+        kc, vc = rn(2, n, cfg.n_kv_heads, D), rn(2, n, cfg.n_kv_heads, D)
+        pos = torch.cat([torch.arange(N_REAL), torch.randint(0, n, (2 * N_MATES,), generator=g)])
+        slots = torch.cat([torch.zeros(N_REAL + N_MATES, dtype=torch.int64), torch.ones(N_MATES, dtype=torch.int64)])
+        return Pool(cls, "random", cast(rn(n, Hq, D), slots, pos), cast(kc, vc), _attention_args)
+    if cls == "rmsnorm":   # per-head q-norm shape [M, Hq, D]: rows are flattened to M*Hq inside the kernels
+        return Pool(cls, "random", cast(rn(n, Hq, D)), (*cast(lw.q_norm), cfg.rms_eps), _plain)
+    if cls == "rope":
+        pos = torch.randint(0, cfg.max_positions, (n,), generator=g)
+        return Pool(cls, "random", cast(rn(n, Hq, D), pos), (cfg.rope_theta,), _plain)
+    if cls == "residual":
+        return Pool(cls, "random", cast(rn(n, H), rn(n, H)), (), _plain)
+    if cls == "lm_head":
+        w_head = _weights32(preset).lm_head
+        return Pool(cls, "random", cast(rn(n, H)), cast(w_head), _plain)
+    if cls == "argmax":   # half the rows small integers (many exact ties: first maximum wins), half N(0, 1)
+        ties = torch.randint(-4, 5, (n, cfg.vocab_size), generator=g).float()
+        logits = torch.where(torch.arange(n)[:, None] % 2 == 0, ties, rn(n, cfg.vocab_size))
+        return Pool(cls, "random", cast(logits), (), _plain)
+    raise ValueError(f"no input builder for kernel class {cls!r}")
+
+
+ADAPTED = ("dense", "router", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope",
+           "residual", "lm_head", "argmax")
+
+
+@functools.lru_cache(maxsize=64)
+def make_pool(cls: str, source: str, dtype: torch.dtype, device: str, preset: str = "tiny") -> Pool:
+    """The row pool of ``cls`` from ``source`` ("random" or "captured") in ``dtype`` on ``device``, shapes of
+    ``preset`` (config.PRESETS; the CPU checks use "tiny").
+
+    Captured rows come from a forward of the preset over the ``docs`` prompt (model.tapping); random rows are seeded.
+    Raises:
+        ValueError: unknown class (no builder), source or preset.
+    """
+    if cls not in ADAPTED:
+        raise ValueError(f"no input builder for kernel class {cls!r}; known: {', '.join(ADAPTED)}")
+    if source not in SOURCES:
+        raise ValueError(f"unknown input source {source!r}; known: {', '.join(SOURCES)}")
+    if source == "captured":
+        return _captured_pool(cls, dtype, device, preset)
+    return _random_pool(cls, dtype, device, preset)

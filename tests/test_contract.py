@@ -1,0 +1,300 @@
+"""The kernel-contract checker (analysis/contract.py): ULP arithmetic, planted faults it must catch and locate, the
+fast set's real mismatches, the invariant set's zero mismatches, coverage and rendering.
+
+Each planted fault is a kernel set registered under a test-only name whose prompt kernel of one class is perturbed
+(decode kernels and the other classes are the invariant set's). Locations are checked two ways: against what the
+fault and the public plan predict, and against ``brute_first``, an independent row-by-row re-derivation.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import pytest
+
+from exactness.analysis import contract as C
+from exactness.analysis import contract_cases as cc
+from exactness.kernels import KERNEL_CLASSES, KERNEL_SETS, attention, dense, get_set, norm, register_set
+
+ROOT = Path(__file__).resolve().parents[1]
+CHEAP = tuple(c for c in KERNEL_CLASSES if c != "attention")
+INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+# ------------------------------------------------------------------------------------------------- ULP distance
+
+def test_ulp_distance_neighbours_and_zero():
+    one_bf = torch.tensor(1.0, dtype=torch.bfloat16)
+    nxt_bf = (one_bf.view(torch.int16) + 1).view(torch.bfloat16)
+    assert C.ulp_distance(1.0, nxt_bf.item(), torch.bfloat16) == 1
+    nxt32 = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
+    assert C.ulp_distance(1.0, nxt32, torch.float32) == 1
+    assert C.ulp_distance(0.0, -0.0, torch.float32) == 0
+    tiny = torch.tensor(1, dtype=torch.int32).view(torch.float32).item()   # smallest subnormal
+    assert C.ulp_distance(tiny, -tiny, torch.float32) == 2
+    assert C.ulp_distance(1.0, 2.0, torch.bfloat16) == 128                  # 7 stored fraction bits
+    assert C.ulp_distance(float("nan"), 1.0, torch.float32) is None
+    # lm_head's fp32 logits of a bf16 run are widened bf16 values: their ULPs are counted in bf16
+    assert C._ulp_format(torch.float32, torch.bfloat16, 1.0, nxt_bf.item()) == torch.bfloat16
+    assert C._ulp_format(torch.float32, torch.float32, 1.0, nxt32) == torch.float32
+    assert C._ulp_format(torch.int64, torch.bfloat16, 1, 2) is None
+
+
+# -------------------------------------------------------------------------------------------- planted faults
+
+def fault_set(name: str, cls: str, fn) -> str:
+    """Register (once) a set equal to ``invariant`` except for the prompt kernel of ``cls``."""
+    if name not in KERNEL_SETS:
+        inv = get_set("invariant")
+        table = {c: (s.fn, s.doc) for c, s in inv.decode.items()}
+        register_set(name, decode=dict(table), prompt={**table, cls: (fn, "planted fault")}, claims_exact=True)
+    return name
+
+
+SPLIT_K_ABOVE = 37
+
+
+def dense_split_k(x, w):
+    """Fault: with more than SPLIT_K_ABOVE rows in the call, reduce K in two halves in fp32 and add them."""
+    if x.shape[0] <= SPLIT_K_ABOVE:
+        return dense.tile_linear(x, w)
+    h = x.shape[1] // 2
+    return (F.linear(x[:, :h].float(), w[:, :h].float()) + F.linear(x[:, h:].float(), w[:, h:].float())).to(x.dtype)
+
+
+FLIP_CALL_ROWS, FLIP_ROW, FLIP_ELEMENT = 45, 3, 5
+
+
+def rmsnorm_flip(x, w, eps):
+    """Fault: in calls of exactly FLIP_CALL_ROWS rows, one ULP up on element FLIP_ELEMENT of call row FLIP_ROW."""
+    out = norm.rmsnorm_invariant(x, w, eps)
+    if x.shape[0] == FLIP_CALL_ROWS:
+        out = out.clone()
+        out.view(INT[out.dtype])[FLIP_ROW].view(-1)[FLIP_ELEMENT] += 1
+    return out
+
+
+def attention_kv128(q, k_cache, v_cache, slots, positions):
+    """Fault: online softmax over 128-key blocks instead of the decode kernel's KV_BLOCK = 256."""
+    old = attention.KV_BLOCK
+    attention.KV_BLOCK = 128
+    try:
+        return attention.attention_invariant(q, k_cache, v_cache, slots, positions)
+    finally:
+        attention.KV_BLOCK = old
+
+
+def brute_first(ks_name: str, cls: str, dtype: str, sweep: str) -> dict | None:
+    """Independent re-derivation of the first mismatch: walk the plan in order, call the prompt kernel per segment
+    and the decode kernel per row, compare each row's outputs as integers, element by element."""
+    ks, dt = get_set(ks_name), getattr(torch, dtype)
+    p_fn, d_fn = ks.fn(cls, "prompt"), ks.fn(cls, "decode")
+    as_tuple = lambda o: tuple(o) if isinstance(o, tuple) else (o,)  # noqa: E731
+    as_int = lambda t: t.view(INT[t.dtype]) if t.dtype in INT else t  # noqa: E731
+    for case in cc.plan(cls, sweep):
+        for source in cc.SOURCES:
+            pool, row0 = cc.make_pool(cls, source, dt, "cpu"), 0
+            for j in range(len(case.variant.segments)):
+                lead, real, tail = C.call_layout(case, j)
+                outs = as_tuple(p_fn(*pool.args(torch.tensor(lead + real + tail))))
+                for r, i in enumerate(real):
+                    decs = as_tuple(d_fn(*pool.args(torch.tensor([i]))))
+                    for k, (o, d) in enumerate(zip(outs, decs)):
+                        ne = (as_int(o[len(lead) + r].reshape(-1)) != as_int(d[0].reshape(-1))).nonzero()
+                        if ne.numel():
+                            return {"M": case.M, "kv_len": case.kv_len, "segmentation": case.variant.label(),
+                                    "source": source, "row": row0 + r, "output_index": k, "element": int(ne[0])}
+                row0 += len(real)
+    return None
+
+
+def same_location(fm: dict, brute: dict, cls: str) -> None:
+    names = C.OUTPUT_NAMES.get(cls, ("out",) * 3)
+    got = {k: fm[k] for k in ("M", "kv_len", "segmentation", "source", "row", "element")}
+    want = {k: brute[k] for k in got}
+    assert got == want and fm["output"] == names[brute["output_index"]], (fm, brute)
+
+
+def first_call(cls: str, sweep: str, pred):
+    """First (case, segment, lead count, segment start) of the plan, in checking order, whose call (lead mates,
+    tested pool rows, tail mates; lists of pool row indices) satisfies ``pred(lead, real, tail)``."""
+    for case in cc.plan(cls, sweep):
+        for j in range(len(case.variant.segments)):
+            lead, real, tail = C.call_layout(case, j)
+            if pred(lead, real, tail):
+                return case, j, len(lead), sum(case.variant.segments[:j])
+    raise AssertionError("no call of the plan satisfies the predicate")
+
+
+def calls_where(cls: str, sweep: str, pred) -> int:
+    """Number of calls of the plan satisfying ``pred(lead, real, tail)``."""
+    return sum(1 for c in cc.plan(cls, sweep) for j in range(len(c.variant.segments)) if pred(*C.call_layout(c, j)))
+
+
+def test_planted_split_k_is_caught_at_the_first_call_past_37_rows():
+    ks = fault_set("test_fault_dense_split_k", "dense", dense_split_k)
+    p, d = get_set(ks).pairs()[KERNEL_CLASSES.index("dense")]
+    res = C.check_pair(p, d, "cpu", "float32", "quick", stop_at_first=True)
+    fm = res.first_mismatch
+    assert res.mismatches > 0 and fm is not None
+    case, seg, lead, seg_start = first_call("dense", "quick", lambda a, m, b: len(a + m + b) > SPLIT_K_ABOVE)
+    assert (fm["M"], fm["segmentation"], fm["segment"], fm["row"]) == (case.M, case.variant.label(), seg, seg_start)
+    assert fm["call_rows"] > SPLIT_K_ABOVE and fm["ulp"] >= 1 and fm["prompt"] != fm["decode"]
+    same_location(fm, brute_first(ks, "dense", "float32", "quick"), "dense")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_planted_one_ulp_flip_is_caught_exactly(dtype):
+    ks = fault_set("test_fault_rmsnorm_flip", "rmsnorm", rmsnorm_flip)
+    p, d = get_set(ks).pairs()[KERNEL_CLASSES.index("rmsnorm")]
+    res = C.check_pair(p, d, "cpu", dtype, "quick")
+    fm = res.first_mismatch
+    flipped = lambda a, m, b: len(a + m + b) == FLIP_CALL_ROWS and len(a) <= FLIP_ROW < len(a + m)  # noqa: E731
+    case, seg, lead, seg_start = first_call("rmsnorm", "quick", flipped)
+    assert fm["M"] == case.M and fm["segmentation"] == case.variant.label() and fm["source"] == "random"
+    assert (fm["row"], fm["element"], fm["ulp"]) == (seg_start + FLIP_ROW - lead, FLIP_ELEMENT, 1)
+    # every such call flips one element of one tested row, in both input sources, and nothing else differs
+    assert res.mismatches == 2 * calls_where("rmsnorm", "quick", flipped) > 0
+
+
+def test_planted_kv_block_change_is_caught():
+    ks = fault_set("test_fault_attention_kv128", "attention", attention_kv128)
+    p, d = get_set(ks).pairs()[KERNEL_CLASSES.index("attention")]
+    res = C.check_pair(p, d, "cpu", "float32", "quick", stop_at_first=True)
+    fm = res.first_mismatch
+    assert fm is not None
+    # rows at positions < 128 see one block either way and keep their bytes; the first row at position >= 128
+    # (whose keys now span two 128-key blocks) is where the bytes change first
+    case, seg, lead, seg_start = first_call("attention", "quick", lambda a, m, b: max(m) >= 128)
+    assert (fm["M"], fm["kv_len"], fm["segmentation"]) == (case.M, case.kv_len, case.variant.label())
+    assert fm["position"] == max(128, case.start) and fm["row"] == fm["position"] - case.start, fm
+    same_location(fm, brute_first(ks, "attention", "float32", "quick"), "attention")
+
+
+# ------------------------------------------------------------------------------------------------- fast set
+
+@pytest.mark.parametrize("cls", ["dense", "attention"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fast_set_mismatches_are_found_and_located(cls, dtype):
+    p, d = get_set("fast").pairs()[KERNEL_CLASSES.index(cls)]
+    res = C.check_pair(p, d, "cpu", dtype, "quick", stop_at_first=True)
+    assert res.mismatches > 0 and res.first_mismatch is not None
+    assert res.first_mismatch["prompt"] != res.first_mismatch["decode"]
+    same_location(res.first_mismatch, brute_first("fast", cls, dtype, "quick"), cls)
+
+
+# --------------------------------------------------------------------------------------------- invariant set
+
+@pytest.fixture(scope="module")
+def invariant_rows():
+    """The invariant set's contract rows on CPU, bf16 and fp32, random and captured inputs.
+
+    Reduced for the CI budget (~90 s on 2 cores): the ten classes other than attention run the ``full`` sweep
+    (every M of 1-130, 255-257, 511-513, 1024, 4097 with all segmentations, tile offsets and batch mates);
+    attention runs the ``quick`` sweep: two segmentations per M (whole block; a random split with random lead/tail
+    mates per call), M and KV length capped at 1026 (KV lengths b-1..b+2 around every 64-row tile boundary up to
+    256 and every 256-key block boundary up to 1024). The full attention sweep runs in the receipts
+    (``contract_sweep="full"``).
+    """
+    rows = [r.to_row() for r in C.check_set("invariant", "cpu", ("bfloat16", "float32"), "full", CHEAP)]
+    rows += [r.to_row() for r in C.check_set("invariant", "cpu", ("bfloat16", "float32"), "quick", ["attention"])]
+    return rows
+
+
+def test_invariant_set_has_zero_mismatches(invariant_rows):
+    assert len(invariant_rows) == 2 * len(KERNEL_CLASSES)
+    bad = [(r["class"], r["dtype"], r["mismatches"], r["first_mismatch"]) for r in invariant_rows if r["mismatches"]]
+    assert bad == []
+    for r in invariant_rows:
+        assert r["cases"] > 30_000 and r["inputs"] == "random,captured"
+        want = "1-130,255-257,511-513,1024" + ("" if r["class"] == "attention" else ",4097")
+        assert r["m_ranges"] == want, r
+
+
+def test_coverage_lists_every_class_and_marks_missing_ones_uncovered(invariant_rows):
+    cov, unc = C.coverage(invariant_rows, ["invariant"], "cpu", ["bfloat16", "float32"])
+    assert {c["class"] for c in cov} == set(KERNEL_CLASSES) and unc == []
+    assert all(c["status"] == "checked" and c["cases"] > 0 for c in cov)
+    partial = [r for r in invariant_rows if r["class"] != "rope"]
+    cov, unc = C.coverage(partial, ["invariant"], "cpu", ["bfloat16", "float32"])
+    assert {c["class"] for c in cov} == set(KERNEL_CLASSES)
+    assert [(u["class"], u["dtype"]) for u in unc] == [("rope", "bfloat16"), ("rope", "float32")]
+    assert [c["status"] for c in cov if c["class"] == "rope"] == ["uncovered", "uncovered"]
+
+
+def test_render_md_shows_summary_matrix_and_mismatches(invariant_rows):
+    fast = C.check_pair(*get_set("fast").pairs()[0], "cpu", "float32", "quick", stop_at_first=True).to_row()
+    rows = invariant_rows + [fast]
+    cov, unc = C.coverage(rows, ["invariant", "fast"], "cpu", ["bfloat16", "float32"])
+    md = C.render_md({"section": "contract", "sweep": "quick", "rows": rows, "coverage": cov, "uncovered": unc})
+    lines = md.splitlines()
+    summary = [ln.replace(" ", "") for ln in lines if ln.startswith("| invariant") or ln.startswith("| fast ")]
+    assert "|fast|cpu|float32|1|" in summary[0] and summary[1].startswith("|invariant|cpu|bfloat16|11|")
+    assert summary[1].endswith("|0|0|") and summary[2].endswith("|0|0|")
+    matrix = {ln.split("|")[1].strip(): ln for ln in lines if ln.startswith("| ") and ln.split("|")[1].strip()
+              in KERNEL_CLASSES}
+    assert set(matrix) == set(KERNEL_CLASSES) and "uncovered" in matrix["router"]  # fast: only dense was checked
+    assert "router (fast bfloat16, fast float32: not checked in this run)" in md
+    fm = fast["first_mismatch"]
+    mismatch = [ln.replace(" ", "") for ln in lines if ln.startswith("| fast ") and "| dense " in ln]
+    assert mismatch == [f"|fast|float32|dense|{fm['M']}|–|{fm['segmentation'].replace(' ', '')}|{fm['row']}|out|"
+                        f"{fm['element']}|{fm['ulp']}|{fm['prompt']:.9g}|{fm['decode']:.9g}|"]
+    assert len(md) < 10_000
+
+
+def test_check_set_rejects_unknown_set_and_class():
+    with pytest.raises(ValueError, match="known sets: .*fast.*invariant"):
+        C.check_set("nonexistent")
+    with pytest.raises(ValueError, match="known: dense, router"):
+        C.check_set("invariant", classes=["densee"])
+    with pytest.raises(ValueError, match="unknown sweep"):
+        C.check_set("invariant", sweep="medium")
+
+
+# ------------------------------------------------------------------------------------ section and notebook
+
+REQUIRED_ROW_KEYS = {"class", "prompt_kernel", "decode_kernel", "set", "device", "dtype", "cases", "mismatches",
+                     "first_mismatch", "m_ranges"}
+
+
+@pytest.fixture
+def section(invariant_rows, monkeypatch):
+    """run_section over the invariant rows computed above (check_set replaced by a lookup of those rows)."""
+    seen = []
+
+    def lookup(set_name, device, dtypes, sweep, preset):
+        seen.append((set_name, device, list(dtypes), sweep, preset))
+        return [C.PairResult(cls=r["class"], **{k: v for k, v in r.items() if k != "class"})
+                for r in invariant_rows if r["set"] == set_name and r["dtype"] in dtypes]
+
+    monkeypatch.setattr(C, "check_set", lookup)
+    sec = C.run_section({"profile": "ci", "preset": "tiny", "device": "cpu", "dtype": "float32",
+                         "kernel_sets": ["invariant"], "contract_sweep": "quick"})
+    assert seen == [("invariant", "cpu", ["float32", "bfloat16"], "quick", "tiny")]  # profile dtype first
+    return sec
+
+
+def test_run_section_rows_and_coverage(section):
+    assert section["section"] == "contract" and section["sweep"] == "quick"
+    assert len(section["rows"]) == 2 * len(KERNEL_CLASSES)
+    assert all(REQUIRED_ROW_KEYS <= set(r) and isinstance(r["mismatches"], int) for r in section["rows"])
+    assert len(section["coverage"]) == 2 * len(KERNEL_CLASSES) and section["uncovered"] == []
+    assert json.loads(json.dumps(section)) == section
+
+
+def test_notebook_renders_a_precomputed_section(section, tmp_path):
+    papermill = pytest.importorskip("papermill")
+    fast = C.check_pair(*get_set("fast").pairs()[0], "cpu", "float32", "quick", stop_at_first=True).to_row()
+    section = dict(section, rows=section["rows"] + [fast])
+    src, out = tmp_path / "in.json", tmp_path / "out.json"
+    src.write_text(json.dumps(section))
+    nb = papermill.execute_notebook(str(ROOT / "notebooks" / "20_kernel_contract.ipynb"), str(tmp_path / "20.ipynb"),
+                                    parameters={"precomputed_json": str(src), "out_json": str(out)},
+                                    kernel_name="exactness", progress_bar=False)
+    assert json.loads(out.read_text()) == section
+    outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    texts = "".join(o.get("text", "") for o in outs)
+    assert "parameters:" in texts and f"precomputed: {src}" in texts
+    assert sum("image/png" in o.get("data", {}) for o in outs) == 1   # the fast set's heatmap

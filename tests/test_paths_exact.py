@@ -1,0 +1,126 @@
+"""End to end on the tiny preset (bf16; the path matrix also in fp32): with the invariant kernel set, batched and
+deep prefill at two step sizes (128 and 77, the latter no multiple of 64) reproduce the serial-decode oracle's
+generated tokens, the bytes of every prompt row's logits, of the generated tokens' logits and of the whole KV cache;
+and a prefill split off any grid (77 rows, then the rest) continues to the same bytes as one unsplit prefill.
+Negative controls: the fast set's batched prompt logits and split prefill differ from its own oracle / unsplit
+prefill in bytes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exactness.cache import KVCache
+from exactness.config import get_preset
+from exactness.kernels import get_set
+from exactness.paths import decode_step, generate, prefill
+from exactness.prompts import build_prompt
+from exactness.weights import synthetic_weights
+
+PROMPTS = ("short", "code", "docs")
+MAX_TOKENS = 200
+GEN = 8
+STEPS = (128, 77)
+DEEP_THRESHOLD = 32   # below every segment these prompts produce at these steps, so deep serves every segment
+SPLIT = 77
+INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (floats viewed as same-width ints; ints compared exactly)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.view(INT[a.dtype]), b.view(INT[b.dtype])) if a.dtype in INT else torch.equal(a, b)
+
+
+def cache_bytes_equal(a: KVCache, b: KVCache, n: int) -> bool:
+    """Both caches hold the same bytes in the first ``n`` positions of slot 0, every layer, keys and values."""
+    return all(same_bytes(x[0, :n], y[0, :n]) for xs, ys in ((a.k, b.k), (a.v, b.v)) for x, y in zip(xs, ys))
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return synthetic_weights(get_preset("tiny"), torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids():
+    return {p: build_prompt(p, MAX_TOKENS).ids for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def oracles(weights, prompt_ids):
+    """dtype -> prompt -> the invariant set's decode-path run (with its cache)."""
+    out = {}
+    for dt in ("bfloat16", "float32"):
+        w = weights if dt == "bfloat16" else weights.to(dtype=torch.float32)
+        out[dt] = (w, {p: generate(w, ids, GEN, "invariant", "decode", keep_cache=True)
+                       for p, ids in prompt_ids.items()})
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("path", ["batched", "deep"])
+@pytest.mark.parametrize("step", STEPS)
+def test_invariant_prefill_paths_equal_the_oracle_in_bytes(prompt_ids, oracles, dtype, prompt, path, step):
+    ids, (w, runs) = prompt_ids[prompt], oracles[dtype]
+    oracle = runs[prompt]
+    run = generate(w, ids, GEN, "invariant", path, step, DEEP_THRESHOLD, keep_cache=True)
+    if path == "deep":
+        assert run.served["deep"]["rows"] == ids.numel() and run.served["batched"]["rows"] == 0, run.served
+    else:
+        assert run.served["batched"]["segments"] == -(-ids.numel() // step)
+    assert torch.equal(run.gen_ids, oracle.gen_ids)
+    assert same_bytes(run.prompt_logits, oracle.prompt_logits)
+    assert same_bytes(run.gen_logits, oracle.gen_logits)
+    assert cache_bytes_equal(run.cache, oracle.cache, ids.numel() + GEN - 1)
+
+
+def test_fast_set_prompt_logits_differ_from_its_oracle(weights, prompt_ids):
+    """Negative control: the same comparison catches the fast set's batched prefill (bytes differ)."""
+    ids = prompt_ids["code"]
+    oracle = generate(weights, ids, 1, "fast", "decode")
+    run = generate(weights, ids, 1, "fast", "batched", STEPS[1])
+    assert not same_bytes(run.prompt_logits, oracle.prompt_logits)
+    rows_differ = (run.prompt_logits.view(torch.int32) != oracle.prompt_logits.view(torch.int32)).any(dim=1)
+    assert int(rows_differ.sum()) > 0
+
+
+def greedy_after_prefill(w, cache: KVCache, logits: torch.Tensor, n_prompt: int, kernels: str, n: int):
+    """Continue greedily from prompt logits [P, V]: returns (token ids [n], their logits [n, V])."""
+    ks = get_set(kernels)
+    slots = torch.zeros(1, dtype=torch.int64)
+    last, toks, logs = logits[-1:], [], []
+    for i in range(n):
+        toks.append(ks.fn("argmax", "decode")(last))
+        logs.append(last)
+        if i + 1 < n:
+            last = decode_step(w, cache, toks[-1], torch.tensor([n_prompt + i]), slots, ks)
+    return torch.cat(toks), torch.cat(logs)
+
+
+def split_vs_whole(w, ids: torch.Tensor, kernels: str):
+    """(unsplit, split at SPLIT) -> each (prompt logits, cache, next tokens, their logits)."""
+    out = []
+    for cuts in ((0, ids.numel()), (0, SPLIT, ids.numel())):
+        cache = KVCache(w.cfg, ids.numel() + GEN, 1, w.dtype, w.device)
+        logits = torch.cat([prefill(w, cache, ids[a:b], kernels, "batched", start=a)
+                            for a, b in zip(cuts[:-1], cuts[1:])])
+        toks, logs = greedy_after_prefill(w, cache, logits, ids.numel(), kernels, GEN)
+        out.append((logits, cache, toks, logs))
+    return out
+
+
+@pytest.mark.parametrize("prompt", ["code", "docs"])
+def test_invariant_prefill_split_off_grid_equals_unsplit(weights, prompt_ids, prompt):
+    ids = prompt_ids[prompt]
+    (la, ca, ta, ga), (lb, cb, tb, gb) = split_vs_whole(weights, ids, "invariant")
+    assert same_bytes(la, lb) and same_bytes(ga, gb) and torch.equal(ta, tb)
+    assert cache_bytes_equal(ca, cb, ids.numel() + GEN - 1)
+
+
+def test_fast_prefill_split_off_grid_differs_from_unsplit(weights, prompt_ids):
+    """Negative control for the split test: with the fast set the split prefill's prompt logits differ."""
+    (la, _, _, _), (lb, _, _, _) = split_vs_whole(weights, prompt_ids["code"], "fast")
+    assert not same_bytes(la, lb)
