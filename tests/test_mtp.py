@@ -3,7 +3,6 @@ self-draft sanity mode, negative controls (the fast set's byte differences, pert
 
 Tiny preset, bf16, CPU; the prompt is the `code` prompt cut to 32 tokens, prefilled in chunks of 16 rows."""
 import copy
-from dataclasses import replace
 
 import pytest
 import torch
@@ -11,9 +10,10 @@ import torch
 from exactness import mtp
 from exactness.analysis.streams import first_kv_diff, first_row_diff
 from exactness.cache import KVCache
-from exactness.kernels import KernelSet, get_set
+from exactness.kernels import get_set
 from exactness.model import BATCHED
 from exactness.paths import generate
+from faults import row0_perturbed
 from exactness.prompts import build_prompt
 
 GEN, STEP = 8, 16
@@ -30,22 +30,7 @@ def plain(tiny_weights, ids):
     return generate(tiny_weights, ids, GEN, "invariant", "batched", STEP, keep_cache=True)
 
 
-def row0_perturbed(cls: str, change, roles=("decode", "prompt")) -> KernelSet:
-    """The invariant set with kernel class ``cls`` changed by ``change(out)`` on row 0 of every call of more than
-    one row (a batch-composition-dependent kernel); not registered."""
-    ks = get_set("invariant")
 
-    def wrap(fn):
-        def f(x, *args):
-            out = fn(x, *args)
-            if x.shape[0] > 1:
-                out = out.clone()
-                out[0] = change(out[0])
-            return out
-        return f
-    tab = {r: {c: (replace(s, fn=wrap(s.fn)) if c == cls and r in roles else s) for c, s in getattr(ks, r).items()}
-           for r in ("decode", "prompt")}
-    return KernelSet(f"invariant+row0-{cls}", tab["decode"], tab["prompt"], False, "test-only perturbation")
 
 
 def bytes_eq(a, b) -> bool:

@@ -3,16 +3,16 @@ and generated rows, KV bytes); negative controls (the fast set off the grid, a b
 LRU-by-bytes eviction; exact prefix matching; bad input.
 
 Tiny preset, bf16, CPU; the `code` prompt cut to 70 tokens, prefilled in chunks of STEP = 16 rows."""
-from dataclasses import replace
 
 import pytest
 import torch
 
 from exactness.analysis.streams import first_kv_diff, first_row_diff, resume_points
 from exactness.cache import KVCache
-from exactness.kernels import KernelSet, get_set
+
 from exactness.paths import generate
 from exactness.prompt_cache import GIB, PromptCache, generate_cached, prefix_key
+from faults import row0_rmsnorm_perturbed
 from exactness.prompts import build_prompt
 
 GEN, STEP = 6, 16
@@ -23,22 +23,7 @@ def ids():
     return build_prompt("code", max_tokens=70).ids
 
 
-def row0_rmsnorm_perturbed() -> KernelSet:
-    """The invariant set whose RMSNorm changes row 0 of every call of more than one row by about one ulp: its bytes
-    then depend on where the chunks start (not registered)."""
-    ks = get_set("invariant")
 
-    def wrap(fn):
-        def f(x, *args):
-            out = fn(x, *args)
-            if x.shape[0] > 1:
-                out = out.clone()
-                out[0] = out[0] * (1 + 2 ** -7)
-            return out
-        return f
-    tab = {r: {c: (replace(s, fn=wrap(s.fn)) if c == "rmsnorm" else s) for c, s in getattr(ks, r).items()}
-           for r in ("decode", "prompt")}
-    return KernelSet("invariant+row0-rmsnorm", tab["decode"], tab["prompt"], False, "test-only perturbation")
 
 
 def resume(w, ids, ks, mode, step=STEP):

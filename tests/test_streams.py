@@ -5,15 +5,15 @@ papermill on its output.
 
 Tiny preset, bf16, CPU; stream prompts are the profile prompts cut to at most 40 tokens (minus 5 per stream)."""
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from exactness.analysis import streams as section
-from exactness.kernels import KernelSet, get_set
+
 from exactness.paths import generate
+from faults import row0_rmsnorm_perturbed
 from exactness.prompts import build_prompt
 from exactness.streams import run_streams
 
@@ -53,19 +53,7 @@ def test_batch_dependent_kernel_is_caught_where_it_acts(tiny_weights, prompts):
     """Negative control: RMSNorm perturbed (about one ulp) on row 0 of every call of more than one row. Stream 0
     decodes alone for steps 0-1; stream 1 joins at step 2, so stream 0's token 3 (decoded at step 2) is the first
     one from a two-row forward: its logits row is the first to differ. Stream 1 sits in row 1 and stays equal."""
-    ks = get_set("invariant")
-
-    def wrap(fn):
-        def f(x, *args):
-            out = fn(x, *args)
-            if x.shape[0] > 1:
-                out = out.clone()
-                out[0] = out[0] * (1 + 2 ** -7)
-            return out
-        return f
-    tab = {r: {c: (replace(s, fn=wrap(s.fn)) if c == "rmsnorm" else s) for c, s in getattr(ks, r).items()}
-           for r in ("decode", "prompt")}
-    bad = KernelSet("invariant+row0-rmsnorm", tab["decode"], tab["prompt"], False, "test-only perturbation")
+    bad = row0_rmsnorm_perturbed()
     res = run_streams(tiny_weights, prompts[:2], GEN, bad, "batched", STEP, offset=OFFSET)
     alone = [generate(tiny_weights, p, GEN, bad, "batched", STEP) for p in prompts[:2]]
     assert section.first_row_diff(res.streams[0].gen_logits, alone[0].gen_logits) == 3
