@@ -147,3 +147,18 @@ def test_hash_matrix_marks_runs_that_differ_from_their_oracle():
     m = hash_matrix(rows)
     assert m.loc[("p", "fast"), "batched@8"] == "bbb ≠"
     assert m.loc[("p", "invariant"), "batched@8"] == "aaa"
+
+
+def test_hash_matrix_with_offload_equals_the_resident_oracle():
+    """Experts in host memory (offload.ExpertStore) must not change a byte: every offloaded run, the decode path
+    included, equals the resident oracle in tokens, prompt-logit bytes and KV bytes (invariant set)."""
+    from exactness.analysis.hashes import offload_modes, run_section
+    params = dict(preset="tiny", device="cpu", dtype="bfloat16", prompts=["code"], prompt_max_tokens=96,
+                  steps=[40], gen_tokens=4, deep_threshold=32, kernel_sets=["invariant"], hash_offload=True)
+    rows = run_section(params)["rows"]
+    off = [r for r in rows if r["offload"]]
+    assert len(off) == 3 and len(rows) == 6
+    assert all(r["equals_oracle"] and r["prompt_logits_equal"] and r["kv_equal"] for r in off)
+    assert offload_modes([True]) == [False, True] and offload_modes(False) == [False]
+    with pytest.raises(ValueError, match="offload must be"):
+        offload_modes("yes")

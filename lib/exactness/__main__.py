@@ -123,7 +123,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "profiles": Subcommand("list the run profiles", lambda p: None, _profiles),
     # ---- analysis subcommands (engine side), one line each
     "hashes": analysis_command("exactness.analysis.hashes", "token hashes of every path -> section JSON",
-                               extra_params=("checkpoint", "allow_unpinned")),
+                               extra_params=("checkpoint", "allow_unpinned", "hash_offload")),
     "contract": analysis_command("exactness.analysis.contract",
                                  "kernel contract: prompt rows vs decode bytes for every pair -> section JSON",
                                  extra_params=("contract_sweep", "contract_dtypes")),

@@ -68,6 +68,7 @@ PROFILES: dict[str, Profile] = {
                    prompt_max_tokens=None, steps=(2048, 1000), gen_tokens=192, deep_threshold=512,
                    kernel_sets=("fast", "invariant"),
                    extra=(("contract_sweep", "full"), ("stream_prompt_tokens", 2048), ("bench_step", 2048),
+                          ("hash_offload", (False, True)),
                           ("bench_cold_lengths", (2048, 8192, 30000)))),
 }
 

@@ -116,7 +116,8 @@ def render_header(receipt: dict) -> str:
 
 def _col(row: dict) -> str:
     step = row.get("step")
-    return str(row.get("path")) if step is None else f"{row.get('path')}@{step}"
+    col = str(row.get("path")) if step is None else f"{row.get('path')}@{step}"
+    return col + ("+offload" if row.get("offload") else "")
 
 
 def _differs(row: dict, oracle: dict[tuple, str]) -> bool:
@@ -141,14 +142,16 @@ def _served(served) -> str | None:
 
 def _col_key(row: dict) -> tuple:
     step = row.get("step")
-    return ({"decode": 0, "batched": 1, "deep": 2}.get(row.get("path"), 9), str(row.get("path")),
+    order = {"decode": 0, "batched": 1, "deep": 2}.get(row.get("path"), 9)
+    return (bool(row.get("offload")), order, str(row.get("path")),
             step is not None, step if isinstance(step, (int, float)) else 0, str(step))
 
 
 def _hash_matrix(rows: list[dict]) -> str:
     cols = [_col(r) for r in sorted(rows, key=_col_key)]
     cols = list(dict.fromkeys(cols))
-    oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows if r.get("path") == "decode"}
+    oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows
+              if r.get("path") == "decode" and not r.get("offload")}
     grid: dict[tuple, dict] = {}
     for r in rows:
         key = (r.get("prompt"), r.get("kernels"))
@@ -168,7 +171,8 @@ def render_hashes(rows: list[dict]) -> str:
     legend = ("Hash: first 12 hex digits of SHA-256 over the generated ids (int32 LE). "
               f"`{DIFF_MARK}`: differs from the decode (oracle) hash of the same prompt and kernels.")
     parts = ["## Token hashes", "", legend, "", _hash_matrix(rows)]
-    oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows if r.get("path") == "decode"}
+    oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows
+              if r.get("path") == "decode" and not r.get("offload")}
     diff = [r for r in rows if _differs(r, oracle)]
     parts += ["", "### Runs that differ from the oracle", ""]
     if diff:

@@ -148,24 +148,44 @@ def _row(prompt, run: RunResult, seconds: float) -> dict:
     }
 
 
-def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress=None) -> list[dict]:
-    """All runs of one prompt; rows as documented in the module docstring (``_curve`` holds the plot data)."""
+def offload_modes(offload) -> list[bool]:
+    """The expert-offload modes to run: False (resident) always first, since it gives the oracle; ``offload`` is a
+    bool or a list of bools.
+
+    Raises:
+        ValueError: anything else.
+    """
+    modes = offload if isinstance(offload, (list, tuple)) else [offload]
+    if not all(isinstance(m, bool) for m in modes):
+        raise ValueError(f"offload must be true, false or a list of them, got {offload!r}")
+    return [False] + ([True] if True in modes else [])
+
+
+def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress=None,
+               store=None) -> list[dict]:
+    """All runs of one prompt; rows as documented in the module docstring (``_curve`` holds the plot data).
+
+    With an offload ``store`` (offload.ExpertStore) every run is repeated with the experts in host memory, and each
+    is compared with the resident oracle: offload must not change a byte.
+    """
     rows, oracle = [], {}
-    for ks, path, step in run_configs(steps, kernel_sets):
-        t0 = time.perf_counter()
-        run = generate(w, prompt.ids, gen_tokens, ks, path, step, deep_threshold, keep_cache=True)
-        row = _row(prompt, run, time.perf_counter() - t0)
-        if path == "decode":
-            oracle[ks] = run
-            row.update(equals_oracle=True, first_divergence=None, oracle_margin=None, prompt_logits_equal=True,
-                       prompt_rows_differing=0, first_differing_prompt_row=None, max_prompt_logit_diff=0.0,
-                       kv_equal=True, _curve=None)
-        else:
-            row.update(compare(run, oracle[ks]))
-            run.cache = None  # the oracle keeps its cache for the later runs' KV comparison
-        rows.append(row)
-        if progress is not None:
-            progress.update(1)
+    for off in ([False, True] if store is not None else [False]):
+        for ks, path, step in run_configs(steps, kernel_sets):
+            t0 = time.perf_counter()
+            run = generate(store.weights if off else w, prompt.ids, gen_tokens, ks, path, step, deep_threshold,
+                           keep_cache=True, experts=store if off else None)
+            row = {**_row(prompt, run, time.perf_counter() - t0), "offload": off}
+            if path == "decode" and not off:
+                oracle[ks] = run
+                row.update(equals_oracle=True, first_divergence=None, oracle_margin=None, prompt_logits_equal=True,
+                           prompt_rows_differing=0, first_differing_prompt_row=None, max_prompt_logit_diff=0.0,
+                           kv_equal=True, _curve=None)
+            else:
+                row.update(compare(run, oracle[ks]))
+                run.cache = None  # the oracle keeps its cache for the later runs' KV comparison
+            rows.append(row)
+            if progress is not None:
+                progress.update(1)
     return rows
 
 
@@ -173,7 +193,8 @@ def run_section(params: dict) -> dict:
     """The ``hashes`` section from profile/notebook parameters.
 
     params keys: preset, device, dtype, prompts, prompt_max_tokens (int|None), steps, gen_tokens, deep_threshold,
-    kernel_sets, optional checkpoint ("" = synthetic), allow_unpinned (False).
+    kernel_sets, optional checkpoint ("" = synthetic), allow_unpinned (False), hash_offload (False, True or
+    [False, True]: True repeats every run with the experts in host memory, offload.ExpertStore).
     Returns:
         {"section": "hashes", "rows": [...], "curves": [{prompt, kernels, path, step, bin_width, max_abs_diff}]}.
     Raises:
@@ -190,27 +211,33 @@ def run_section(params: dict) -> dict:
         if p.n_tokens + params["gen_tokens"] > w.cfg.max_positions:
             raise ValueError(f"prompt {p.name!r} has {p.n_tokens} tokens; with {params['gen_tokens']} generated it "
                              f"exceeds max_positions={w.cfg.max_positions}")
-    n_runs = len(prompts) * len(run_configs(params["steps"], params["kernel_sets"]))
+    store = None
+    if True in offload_modes(params.get("hash_offload", False)):
+        from ..offload import ExpertStore
+        store = ExpertStore(w.to(device="cpu"), "offload", device=w.device)
+    n_runs = len(prompts) * len(run_configs(params["steps"], params["kernel_sets"])) * (2 if store else 1)
     rows = []
     with tqdm(total=n_runs, desc="hash matrix", unit="run", disable=None) as bar:
         for p in prompts:
             rows += run_prompt(w, p, params["kernel_sets"], params["steps"], params["gen_tokens"],
-                               params["deep_threshold"], bar)
+                               params["deep_threshold"], bar, store)
     curves = [{"prompt": r["prompt"], "kernels": r["kernels"], "path": r["path"], "step": r["step"],
+               "offload": r["offload"],
                "bin_width": max(1, -(-r["prompt_tokens"] // DIFF_BINS)), "max_abs_diff": r.pop("_curve")}
               for r in rows]
     return {"section": "hashes", "rows": rows, "curves": [c for c in curves if c["max_abs_diff"] is not None]}
 
 
-def _col(path: str, step) -> str:
-    return path if step is None else f"{path}@{step}"
+def _col(path: str, step, offload: bool = False) -> str:
+    return (path if step is None else f"{path}@{step}") + ("+offload" if offload else "")
 
 
 def hash_matrix(rows: list[dict]):
     """DataFrame: one row per (prompt, kernels), one column per path@step; a cell is the token hash, marked
     with a trailing ' ≠' when it differs from that set's oracle (the decode column)."""
     import pandas as pd
-    df = pd.DataFrame([{"prompt": r["prompt"], "kernels": r["kernels"], "run": _col(r["path"], r["step"]),
+    df = pd.DataFrame([{"prompt": r["prompt"], "kernels": r["kernels"],
+                        "run": _col(r["path"], r["step"], r.get("offload", False)),
                         "cell": r["hash"] + ("" if r["equals_oracle"] else " ≠")} for r in rows])
     order = list(dict.fromkeys(df["run"]))
     return df.pivot(index=["prompt", "kernels"], columns="run", values="cell")[order]
@@ -222,10 +249,11 @@ def oracle_table(rows: list[dict]):
     import pandas as pd
     out = []
     for r in rows:
-        if r["path"] == "decode":
+        if r["path"] == "decode" and not r.get("offload"):
             continue
         served = ", ".join(f"{k} {v['rows']} rows/{v['segments']} seg" for k, v in r["served"].items() if v["rows"])
-        out.append({"prompt": r["prompt"], "kernels": r["kernels"], "run": _col(r["path"], r["step"]),
+        out.append({"prompt": r["prompt"], "kernels": r["kernels"],
+                    "run": _col(r["path"], r["step"], r.get("offload", False)),
                     "tokens equal": r["equals_oracle"], "first divergence": r["first_divergence"],
                     "oracle margin": r["oracle_margin"], "prompt rows differing": r["prompt_rows_differing"],
                     "of": r["prompt_tokens"], "max |Δlogit|": r["max_prompt_logit_diff"], "KV bytes equal": r["kv_equal"],
@@ -243,7 +271,8 @@ def plot_curves(section: dict):
         for c in (c for c in section["curves"] if c["prompt"] == p):
             y = np.asarray(c["max_abs_diff"])
             x = np.arange(len(y)) * c["bin_width"]
-            label = f"{c['kernels']} {_col(c['path'], c['step'])}" + (" (exact)" if not y.any() else "")
+            label = f"{c['kernels']} {_col(c['path'], c['step'], c.get('offload', False))}"
+            label += " (exact)" if not y.any() else ""
             ax.plot(x, np.where(y > 0, y, np.nan), label=label, lw=1)
         ax.set_yscale("log")
         ax.set_title(f"{p}: max |logit − oracle logit| per prompt position", fontsize=9)
