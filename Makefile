@@ -3,8 +3,10 @@
 #   make receipts [PROFILE=ci|full|gpu] [OUT=dir] [PARAMS="gen_tokens=8 steps=[64,100]"]
 #   make test | make lab | make clean
 #
-# CUDA users: make setup TORCH_VERSION=<version> TORCH_INDEX=https://download.pytorch.org/whl/cu124
-# (the default pin takes the CPU wheel; an unpinned torch would pull a multi-GB CUDA build).
+# torch is pinned (TORCH_VERSION). On this project's machines the pin resolves to a CPU wheel on disk; where only
+# PyPI is seen, PyPI's Linux torch is a multi-GB CUDA build, so ask for the build you want:
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu          (CPU)
+#   make setup TORCH_VERSION=2.11.0 TORCH_INDEX=https://download.pytorch.org/whl/cu130   (CUDA 13)
 
 PYTHON        ?= python3
 VENV          := .venv

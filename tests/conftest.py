@@ -1,10 +1,14 @@
 """Shared fixtures: the tiny preset's weights (built once per session) and a short real prompt."""
-import pytest
-import torch
+import os
 
-from exactness.config import get_preset
-from exactness.prompts import build_prompt
-from exactness.weights import synthetic_weights
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the Makefile: tiny kernels, no OpenMP spin-waits (before torch)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from exactness.config import get_preset  # noqa: E402
+from exactness.prompts import build_prompt  # noqa: E402
+from exactness.weights import synthetic_weights  # noqa: E402
 
 
 @pytest.fixture(scope="session")

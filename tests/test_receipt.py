@@ -258,3 +258,14 @@ def test_environment_record():
     assert set(env["numerics"]) == {"cuda_matmul_allow_tf32", "cudnn_allow_tf32", "deterministic_algorithms",
                                     "float32_matmul_precision", "cpu_threads", "cpu_capability"}
     assert env["device"] and env["time_utc"].endswith("Z")
+
+
+def test_summary_counts_runs_and_pairs_per_kernel_set():
+    rows = [dict(prompt="p", kernels="fast", path="batched", step=8, hash="b", equals_oracle=False,
+                 prompt_logits_equal=False, kv_equal=False),
+            dict(prompt="p", kernels="invariant", path="batched", step=8, hash="a", equals_oracle=True,
+                 prompt_logits_equal=True, kv_equal=True)]
+    contract = [dict(set="fast", mismatches=3), dict(set="invariant", mismatches=0)]
+    md = render.render_summary({"hashes": rows, "contract": contract})
+    assert "| fast         | 0/1" in md and "| invariant    | 1/1" in md
+    assert md.count("0/1") >= 2 and render.render_summary({}) == ""

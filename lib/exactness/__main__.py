@@ -19,7 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .profiles import DEFAULT_PROFILE, PROFILES, get_profile
+# One CPU thread unless the caller chose (as the Makefile does): tiny kernels gain nothing from threads and a second
+# OpenMP thread spin-waits on a busy machine. Set before torch is imported; receipts record the count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from .profiles import DEFAULT_PROFILE, PROFILES, get_profile  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -64,12 +68,10 @@ def _env(args: argparse.Namespace) -> int:
 def _profiles(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
-    rows = []
-    for name, prof in PROFILES.items():
-        params = prof.parameters()
-        params.pop("profile")
-        rows.append([name + (" (default)" if name == DEFAULT_PROFILE else "")] + [str(v) for v in params.values()])
-    heads = ["profile"] + [k for k in next(iter(PROFILES.values())).parameters() if k != "profile"]
+    params = {name: prof.parameters() for name, prof in PROFILES.items()}
+    keys = list(dict.fromkeys(k for p in params.values() for k in p if k != "profile"))
+    rows = [[k] + [str(p.get(k, "(notebook default)")) for p in params.values()] for k in keys]
+    heads = ["parameter"] + [n + (" (default)" if n == DEFAULT_PROFILE else "") for n in params]
     print(tabulate(rows, headers=heads, disable_numparse=True))
     return 0
 

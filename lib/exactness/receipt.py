@@ -352,6 +352,7 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
     final = run_folder(profile, out, env, receipts_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a receipt folder is meant to be shared
     (tmp / "sections").mkdir()
     try:
         receipt = _run_in(tmp, prof, overrides, env, nb_dir, per_nb, kernel_name)

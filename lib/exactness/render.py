@@ -99,6 +99,9 @@ def render_header(receipt: dict) -> str:
     parts = [f"# Exactness receipt: {receipt.get('profile')} — {'FAILED' if failed else 'ok'}", ""]
     if failed:
         parts += ["**This run FAILED: the receipt is incomplete. The errors are listed below.**", ""]
+    summary = render_summary(receipt)
+    if summary:
+        parts += [summary, ""]
     parts += [table(_env_rows(receipt), ["field", "value"])]
     if failed:
         parts += ["", render_errors(receipt.get("errors") or [])]
@@ -110,6 +113,37 @@ def render_header(receipt: dict) -> str:
         rows = [[n.get("name"), n.get("status"), n.get("seconds")] for n in nbs]
         parts += ["", "## Notebooks", "", table(rows, ["notebook", "status", "seconds"])]
     return "\n".join(parts)
+
+
+def _count(rows, pred) -> str:
+    rows = list(rows)
+    return f"{sum(1 for r in rows if pred(r))}/{len(rows)}" if rows else "–"
+
+
+def render_summary(receipt: dict) -> str:
+    """One verdict line per kernel set: runs equal to the serial-decode oracle (tokens; prompt-logit and KV bytes),
+    contract pairs without a byte mismatch, FP64 rows outside their bound, stream equalities. Empty without data."""
+    hashes = [r for r in receipt.get("hashes") or [] if isinstance(r, dict) and r.get("path") != "decode"]
+    contract = [r for r in receipt.get("contract") or [] if isinstance(r, dict)]
+    fp64 = [r for r in receipt.get("fp64") or [] if isinstance(r, dict)]
+    streams = receipt.get("streams") if isinstance(receipt.get("streams"), dict) else {}
+    sets = list(dict.fromkeys([r.get("kernels") for r in hashes] + [r.get("set") for r in contract]))
+    rows = []
+    for ks in (s for s in sets if s):
+        h = [r for r in hashes if r.get("kernels") == ks]
+        st = [r for part in ("drafted", "resumed", "concurrent") for r in streams.get(part) or []
+              if isinstance(r, dict) and r.get("set") == ks]
+        rows.append([ks, _count(h, lambda r: r.get("equals_oracle")),
+                     _count(h, lambda r: r.get("prompt_logits_equal") and r.get("kv_equal")),
+                     _count((r for r in contract if r.get("set") == ks), lambda r: r.get("mismatches") == 0),
+                     _count((r for r in fp64 if r.get("set") == ks), lambda r: "outside" in str(r.get("verdict"))),
+                     _count(st, lambda r: r.get("equal"))])
+    if not rows:
+        return ""
+    head = ["kernel set", "runs with the oracle's tokens", "runs with the oracle's prompt-logit + KV bytes",
+            "contract pairs byte-exact", "FP64 rows outside bound", "stream equalities holding"]
+    return "\n".join(["## Summary", "", "Oracle = serial decode through the same set's decode kernels; "
+                      "a set is exact only where bytes are equal (never on a tolerance).", "", table(rows, head)])
 
 
 # ------------------------------------------------------------------------------------------------------ hashes
