@@ -91,7 +91,7 @@ def analysis_command(module: str, help: str, func: str = "run_section",
         p.add_argument("--out", default=None, help="JSON file to write (default: stdout)")
 
     def run(args: argparse.Namespace) -> int:
-        from .receipt import ReceiptError, parse_overrides
+        from .receipt import ReceiptError, check_override_types, parse_overrides
 
         params = get_profile(args.profile).parameters()
         overrides = parse_overrides(args.param)
@@ -99,6 +99,7 @@ def analysis_command(module: str, help: str, func: str = "run_section",
         for key in overrides:
             if key not in allowed:
                 raise ReceiptError(f"unknown parameter {key!r}; allowed: {', '.join(sorted(allowed))}")
+        check_override_types(params, overrides)
         result = getattr(importlib.import_module(module), func)({**params, **overrides})
         _write_json(result, args.out)
         return 0

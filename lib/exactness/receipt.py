@@ -182,6 +182,33 @@ def declared_parameters(notebooks_dir: Path, notebooks: list[str]) -> dict[str, 
     return declared
 
 
+def _kind(v) -> str | None:
+    """Coarse type of a parameter value for the override check (None for null: anything may replace it)."""
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int"
+    if isinstance(v, float):
+        return "number"
+    return {str: "str", list: "list", tuple: "list", dict: "dict"}.get(type(v), type(v).__name__)
+
+
+def check_override_types(base: dict, overrides: dict) -> None:
+    """Refuse an override whose coarse type differs from the profile's value (an int for an int, a list for a
+    list; a null profile value accepts anything).
+
+    Raises:
+        ReceiptError: naming the parameter, the value given and the type expected.
+    """
+    for key, value in overrides.items():
+        want, got = _kind(base.get(key)), _kind(value)
+        if want and got != want and not (want == "number" and got == "int"):
+            raise ReceiptError(f"parameter {key}={value!r} is a {got or 'null'}; the profile's value "
+                               f"{base[key]!r} is a {want}, so a {want} is expected")
+
+
 def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) -> dict[str, dict]:
     """Parameters per notebook: ``base`` (the profile's) updated by ``overrides``, each notebook getting only
     the names it declares.
@@ -195,6 +222,7 @@ def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) 
         if key == OUT_JSON or key not in allowed:
             raise ReceiptError(f"unknown parameter {key!r} for notebooks {', '.join(declared)}; "
                                f"allowed: {', '.join(sorted(allowed))}")
+    check_override_types(base, overrides)
     merged = {**base, **overrides}
     return {nb: {k: v for k, v in merged.items() if k in names} for nb, names in declared.items()}
 
