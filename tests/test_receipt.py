@@ -274,9 +274,9 @@ def test_summary_counts_runs_and_pairs_per_kernel_set():
 def test_override_of_the_wrong_type_is_refused_before_anything_runs():
     declared = {"nb": {"gen_tokens", "steps", "prompt_max_tokens", "out_json"}}
     base = {"gen_tokens": 32, "steps": [128, 100], "prompt_max_tokens": None}
-    with pytest.raises(receipt.ReceiptError, match="gen_tokens='abc' is a str.*int is expected"):
+    with pytest.raises(receipt.ReceiptError, match="gen_tokens='abc' is of type str.*type int is expected"):
         receipt.plan_parameters(base, {"gen_tokens": "abc"}, declared)
-    with pytest.raises(receipt.ReceiptError, match="steps=7 is a int.*list is expected"):
+    with pytest.raises(receipt.ReceiptError, match="steps=7 is of type int.*type list is expected"):
         receipt.plan_parameters(base, {"steps": 7}, declared)
     ok = receipt.plan_parameters(base, {"gen_tokens": 8, "prompt_max_tokens": 64}, declared)
     assert ok["nb"]["gen_tokens"] == 8 and ok["nb"]["prompt_max_tokens"] == 64

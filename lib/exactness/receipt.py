@@ -205,8 +205,8 @@ def check_override_types(base: dict, overrides: dict) -> None:
     for key, value in overrides.items():
         want, got = _kind(base.get(key)), _kind(value)
         if want and got != want and not (want == "number" and got == "int"):
-            raise ReceiptError(f"parameter {key}={value!r} is a {got or 'null'}; the profile's value "
-                               f"{base[key]!r} is a {want}, so a {want} is expected")
+            raise ReceiptError(f"parameter {key}={value!r} is of type {got or 'null'}; the profile's value "
+                               f"{base[key]!r} is of type {want}, so type {want} is expected")
 
 
 def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) -> dict[str, dict]:
