@@ -280,3 +280,16 @@ def test_override_of_the_wrong_type_is_refused_before_anything_runs():
         receipt.plan_parameters(base, {"steps": 7}, declared)
     ok = receipt.plan_parameters(base, {"gen_tokens": 8, "prompt_max_tokens": 64}, declared)
     assert ok["nb"]["gen_tokens"] == 8 and ok["nb"]["prompt_max_tokens"] == 64
+
+
+def test_precomputed_folder_points_each_notebook_at_its_section(tmp_path):
+    per_nb = {"10_output_hashes": {"gen_tokens": 8}, "50_bench": {}}
+    with pytest.raises(ReceiptError, match="lacks hashes.json, bench.json"):
+        receipt.precomputed_parameters(tmp_path, {k: dict(v) for k, v in per_nb.items()}, {"host": "here"})
+    for name in ("hashes", "bench"):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"section": name}))
+    (tmp_path / "env.json").write_text(json.dumps({"device": "NVIDIA H200"}))
+    env = receipt.precomputed_parameters(tmp_path, per_nb, {"host": "here"})
+    assert env == {"device": "NVIDIA H200", "rendered_on": {"host": "here"}}
+    assert per_nb["10_output_hashes"]["precomputed_json"] == str(tmp_path.absolute() / "hashes.json")
+    assert per_nb["50_bench"]["precomputed_json"].endswith("bench.json")

@@ -46,12 +46,14 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
 def _receipts_args(p: argparse.ArgumentParser) -> None:
     _profile_args(p)
     p.add_argument("--out", default=None, help="run folder (must not exist); default receipts/<UTC>-<sha>-<profile>")
+    p.add_argument("--precomputed", default=None, help="folder of section JSONs computed elsewhere (hashes.json, "
+                   "contract.json, fp64.json, streams.json, bench.json, optional env.json): render, don't compute")
 
 
 def _receipts(args: argparse.Namespace) -> int:
     from .receipt import run_receipts
 
-    result = run_receipts(args.profile, args.out, args.param)
+    result = run_receipts(args.profile, args.out, args.param, precomputed=args.precomputed)
     print(result.folder)
     return 0 if result.status == "ok" else 1
 

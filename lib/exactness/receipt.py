@@ -347,9 +347,36 @@ def _write_outputs(receipt: dict, tmp: Path, notebook_files: list[Path]) -> None
     (tmp / "receipt.json").write_text(json.dumps(receipt, indent=1, default=str) + "\n", encoding="utf-8")
 
 
+NOTEBOOK_SECTIONS = {"10_output_hashes": "hashes", "20_kernel_contract": "contract", "30_fp64_per_class": "fp64",
+                     "40_streams": "streams", "50_bench": "bench"}
+
+
+def precomputed_parameters(folder: Path | str, per_nb: dict[str, dict], env: dict) -> dict:
+    """Point each notebook at ``<folder>/<section>.json`` (written by ``python -m exactness <section> --out`` on
+    another machine, e.g. the GPU) and return the receipt's env: the computing machine's ``env.json`` when the
+    folder has one, with this machine's record under ``rendered_on``.
+
+    Raises:
+        ReceiptError: the folder or a notebook's section file is missing.
+    """
+    folder = Path(folder).absolute()
+    missing = [f"{NOTEBOOK_SECTIONS.get(nb, nb)}.json" for nb in per_nb
+               if not (folder / f"{NOTEBOOK_SECTIONS.get(nb, nb)}.json").is_file()]
+    if not folder.is_dir() or missing:
+        raise ReceiptError(f"precomputed folder {folder} lacks {', '.join(missing) or 'itself'}; "
+                           f"expected one file per notebook: {', '.join(NOTEBOOK_SECTIONS.values())} (.json)")
+    for nb, params in per_nb.items():
+        params["precomputed_json"] = str(folder / f"{NOTEBOOK_SECTIONS.get(nb, nb)}.json")
+    if (folder / "env.json").is_file():
+        computed = json.loads((folder / "env.json").read_text(encoding="utf-8"))
+        return {**computed, "rendered_on": env}
+    return env
+
+
 def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | list[str] | None = None, *,
                  notebooks_dir: Path | str | None = None, notebooks: list[str] | None = None,
-                 receipts_dir: Path | str | None = None, kernel_name: str = KERNEL_NAME) -> RunResult:
+                 receipts_dir: Path | str | None = None, kernel_name: str = KERNEL_NAME,
+                 precomputed: Path | str | None = None) -> RunResult:
     """Run the notebooks of ``profile`` and write one run folder atomically.
 
     Args:
@@ -360,6 +387,8 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
         notebooks: notebook names without ``.ipynb`` (default: ``RUN_NOTEBOOKS[profile]``).
         receipts_dir: parent of default run folders (default: the repo's ``receipts/``).
         kernel_name: registered Jupyter kernel to run them with.
+        precomputed: a folder of section JSONs computed elsewhere (see :func:`precomputed_parameters`); the
+            notebooks render them instead of computing.
 
     Returns:
         :class:`RunResult`; ``status`` is ``"failed"`` when any notebook, section or rendering failed (the folder
@@ -378,6 +407,8 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
     _check_kernel(kernel_name)
     env = environment()
     final = run_folder(profile, out, env, receipts_dir)
+    if precomputed is not None:
+        env = precomputed_parameters(precomputed, per_nb, env)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a receipt folder is meant to be shared
