@@ -369,34 +369,64 @@ def decode_step(args) -> dict:
 
 
 def e2e(args) -> dict:
-    """paths.generate on the code prompt cut to ~4096 tokens: decode vs batched(1000) vs deep(2048) per set."""
-    from exactness.analysis.hashes import token_hash
+    """End-to-end prefill of the code prompt (``--e2e-tokens``, 0 = the whole ~16k-token prompt), invariant / fast.
+
+    Per set and (path, step) in E2E_PLANS: median wall seconds (``--e2e-reps`` after one warm-up) of
+    paths.prefill into a fresh KV cache, synchronized; the ratio invariant / fast per (path, step) against the goal
+    1.10. Byte check: every invariant run's prompt logits equal the invariant one-chunk batched run's (and, with
+    ``--e2e-oracle``, the serial decode oracle's, one decode step per prompt token).
+    """
+    from exactness.cache import KVCache
     from exactness.prompts import build_prompt
     w = _weights(args.e2e_weights)
     try:
-        prompt, pinned = build_prompt("code", max_tokens=args.e2e_tokens), True
+        prompt, pinned = build_prompt("code", max_tokens=args.e2e_tokens or None), True
     except Exception as e:
         print(f"prompt pin: {e}; running unpinned")
-        prompt, pinned = build_prompt("code", max_tokens=args.e2e_tokens, allow_unpinned=True), False
-    ids = prompt.ids
-    out = []
-    plan = {"invariant": (("decode", None), ("batched", 1000), ("deep", 2048), ("batched", None)),
-            "fast": (("batched", None), ("batched", 1000), ("deep", 2048))}
-    for ks in ("invariant", "fast"):
-        runs = {}
-        for path, step in plan[ks]:
-            t0 = time.perf_counter()
-            r = paths.generate(w, ids, args.gen_tokens, ks, path, step)
-            runs[(path, step)] = (r, time.perf_counter() - t0)
-        ref = runs[plan[ks][0]][0]                       # invariant: the decode oracle; fast: one-chunk batched
-        for (path, step), (r, secs) in runs.items():
-            diff = (r.prompt_logits.view(torch.int32) != ref.prompt_logits.view(torch.int32)).any(dim=1)
-            out.append({"set": ks, "path": path, "step": step, "prompt_tokens": ids.numel(),
-                        "token_hash": token_hash(r.gen_ids), "tokens_equal_ref": torch.equal(r.gen_ids, ref.gen_ids),
-                        "prompt_rows_differing": int(diff.sum()), "first_diff_row": int(diff.nonzero()[0]) if diff.any()
-                        else None, "ttft_s": r.ttft_s, "wall_s": secs, "served": json.dumps(r.served)})
-    _print_rows(f"end to end: code prompt ({ids.numel()} tokens, pinned={pinned}), {args.e2e_weights} weights", out)
-    return {"rows": out, "pinned": pinned}
+        prompt, pinned = build_prompt("code", max_tokens=args.e2e_tokens or None, allow_unpinned=True), False
+    ids = prompt.ids.to(w.device)
+    P = ids.numel()
+
+    def run(ks, path, step):
+        cache = KVCache(w.cfg, P + 1, 1, w.dtype, w.device)
+        served = {p: {"segments": 0, "rows": 0} for p in paths.PATHS}
+        logits = paths.prefill(w, cache, ids, ks, path, step, 512, served=served)
+        torch.cuda.synchronize()
+        return logits, served
+
+    out, ref = [], {}
+    plans = E2E_PLANS + ((("decode", None),) if args.e2e_oracle else ())
+    for path, step in plans:
+        for ks in ("fast", "invariant"):
+            if path == "decode" and ks == "fast":
+                continue
+            logits, served = run(ks, path, step)                                   # warm-up (and the bytes)
+            times = []
+            for _ in range(args.e2e_reps if path != "decode" else 0):
+                t0 = time.perf_counter()
+                run(ks, path, step)
+                times.append(time.perf_counter() - t0)
+            if ks == "invariant" and (path, step) == E2E_PLANS[0]:
+                ref["logits"] = logits
+            diff = None
+            if ks == "invariant":
+                diff = int((logits.view(torch.int32) != ref["logits"].view(torch.int32)).any(dim=1).sum())
+            out.append({"set": ks, "path": path, "step": step, "prompt_tokens": P,
+                        "prefill_s": statistics.median(times) if times else None,
+                        "rows_differing_vs_batched": diff, "served": json.dumps(served)})
+    ratios = []
+    for path, step in E2E_PLANS:
+        f, i = ([r["prefill_s"] for r in out if r["set"] == ks and (r["path"], r["step"]) == (path, step)][0]
+                for ks in ("fast", "invariant"))
+        ratios.append({"path": path, "step": step, "prompt_tokens": P, "fast_s": f, "invariant_s": i,
+                       "ratio": i / f, "goal": 1.10, "met": i / f <= 1.10})
+    _print_rows(f"end-to-end prefill: code prompt ({P} tokens, pinned={pinned}), {args.e2e_weights} weights, "
+                f"median of {args.e2e_reps}", out)
+    _print_rows("end-to-end prefill invariant / fast", ratios)
+    return {"rows": out, "ratios": ratios, "pinned": pinned}
+
+
+E2E_PLANS = (("batched", None), ("batched", 2048), ("deep", 2048), ("deep", None))
 
 
 def compile_sm120(_args) -> dict:
@@ -441,8 +471,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--e2e-weights", default="device", choices=("device", "synthetic"))
-    ap.add_argument("--e2e-tokens", type=int, default=4096)
-    ap.add_argument("--gen-tokens", type=int, default=16)
+    ap.add_argument("--e2e-tokens", type=int, default=0, help="cut the code prompt (0 = all ~16k tokens)")
+    ap.add_argument("--e2e-reps", type=int, default=3)
+    ap.add_argument("--e2e-oracle", action="store_true", help="also prefill on the serial decode path (slow)")
     ap.add_argument("--contract-sweep", default="full", choices=("quick", "full"))
     args = ap.parse_args(argv)
     names = [s for s in args.sections.split(",") if s]

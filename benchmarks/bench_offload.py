@@ -127,7 +127,13 @@ def _args(argv):
     ap.add_argument("--ring-slots", type=int, default=4)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--weights", default="synthetic", choices=("synthetic", "device"),
+                    help="synthetic: the seeded CPU draw (~2.4 G values for small, tens of seconds); device: drawn "
+                         "on the GPU with the same distributions (kernels.cuda.device_random_weights; seconds). "
+                         "Timings do not depend on the values")
     a = ap.parse_args(argv)
+    if a.weights == "device" and not a.device.startswith("cuda"):
+        ap.error("--weights device needs --device cuda")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {a.device}: torch sees no CUDA device (use --device cpu)")
     return a
@@ -157,7 +163,13 @@ def main(argv=None) -> int:
     a = _args(argv)
     device, dtype = torch.device(a.device), DTYPES[a.dtype]
     cfg = get_preset(a.preset)
-    store = ExpertStore(synthetic_weights(cfg, dtype=dtype), "offload", a.ring_slots, device)
+    if a.weights == "device":
+        from exactness.kernels.cuda import device_random_weights
+        w_host = device_random_weights(cfg, dtype, device).to(device="cpu")
+        torch.cuda.empty_cache()
+    else:
+        w_host = synthetic_weights(cfg, dtype=dtype)
+    store = ExpertStore(w_host, "offload", a.ring_slots, device)
     ids = build_prompt(a.prompt, a.tokens).ids
     P, big = ids.numel(), device.type == "cuda"
     peak = matmul_peak(device, dtype, 8192 if big else 256)

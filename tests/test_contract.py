@@ -298,3 +298,16 @@ def test_notebook_renders_a_precomputed_section(section, tmp_path):
     texts = "".join(o.get("text", "") for o in outs)
     assert "parameters:" in texts and f"precomputed: {src}" in texts
     assert sum("image/png" in o.get("data", {}) for o in outs) == 1   # the fast set's heatmap
+
+
+def test_control_sweep_applies_to_sets_that_claim_no_exactness(monkeypatch):
+    """contract_control_sweep picks the sweep of the negative-control sets (fast); exact sets keep contract_sweep."""
+    seen = []
+    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, preset: seen.append((s, sweep)) or [])
+    sec = C.run_section({"preset": "tiny", "device": "cpu", "dtype": "bfloat16", "kernel_sets": ["fast", "invariant"],
+                         "contract_sweep": "full", "contract_control_sweep": "quick"})
+    assert seen == [("fast", "quick"), ("invariant", "full")]
+    assert sec["sweep"] == "full" and sec["control_sweep"] == "quick"
+    assert "sets that claim no exactness: `quick`" in C.render_md(sec)
+    with pytest.raises(ValueError):
+        C.run_section({"kernel_sets": ["fast"], "contract_control_sweep": "most"})

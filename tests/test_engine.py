@@ -160,5 +160,15 @@ def test_hash_matrix_with_offload_equals_the_resident_oracle():
     assert len(off) == 3 and len(rows) == 6
     assert all(r["equals_oracle"] and r["prompt_logits_equal"] and r["kv_equal"] for r in off)
     assert offload_modes([True]) == [False, True] and offload_modes(False) == [False]
+    # hash_offload_paths: only those paths are repeated offloaded; hash_max_tokens cuts this section's prompts
+    rows = run_section({**params, "hash_offload_paths": ["deep"], "hash_max_tokens": 64})["rows"]
+    assert [(r["path"], r["offload"]) for r in rows] == [("decode", False), ("batched", False), ("deep", False),
+                                                         ("deep", True)]
+    assert {r["prompt_tokens"] for r in rows} == {64} and rows[-1]["equals_oracle"] and rows[-1]["kv_equal"]
+    for bad in ([], ["prefill"], "deep"):
+        with pytest.raises(ValueError, match="hash_offload_paths must be"):
+            run_section({**params, "hash_offload_paths": bad})
+    with pytest.raises(ValueError, match="hash_max_tokens"):
+        run_section({**params, "hash_max_tokens": -3})
     with pytest.raises(ValueError, match="offload must be"):
         offload_modes("yes")

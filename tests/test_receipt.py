@@ -248,9 +248,16 @@ def test_markdown_escapes_pipes_and_newlines():
     assert "a\\|b c" in md
 
 
-def test_git_state_outside_a_repo(tmp_path):
+def test_git_state_outside_a_repo(tmp_path, monkeypatch):
     state = receipt.git_state(tmp_path)
     assert state["sha"] is None and state["dirty"] is None and state["error"]
+    # a tree copied without .git (the GPU machine): the commit stated by the caller, marked as stated
+    monkeypatch.setenv("EXACTNESS_GIT_SHA", "ab" * 20)
+    monkeypatch.setenv("EXACTNESS_GIT_DIRTY", "0")
+    assert receipt.git_state(tmp_path) == {"sha": "ab" * 20, "short": "ababab" + "a", "dirty": False,
+                                           "source": "EXACTNESS_GIT_SHA"}
+    monkeypatch.setenv("EXACTNESS_GIT_SHA", "not-a-sha")
+    assert receipt.git_state(tmp_path)["sha"] is None
 
 
 def test_environment_record():
@@ -293,3 +300,53 @@ def test_precomputed_folder_points_each_notebook_at_its_section(tmp_path):
     assert env == {"device": "NVIDIA H200", "rendered_on": {"host": "here"}}
     assert per_nb["10_output_hashes"]["precomputed_json"] == str(tmp_path.absolute() / "hashes.json")
     assert per_nb["50_bench"]["precomputed_json"].endswith("bench.json")
+
+
+def test_sections_command_runs_sections_in_one_process_and_records_failures(tmp_path, monkeypatch, capsys):
+    """``python -m exactness sections`` writes env.json and one JSON per section; a failing section leaves its
+    traceback in <section>.error.txt, the next still runs, and the exit code is 1. Bad input exits 2 at once."""
+    from exactness import __main__ as cli
+    calls = []
+
+    def fake(name, fail=False):
+        def run_section(params):
+            calls.append((name, params["hash_max_tokens"], params["contract_control_sweep"]))
+            if fail:
+                raise RuntimeError(f"{name} broke")
+            return {"section": name, "ok": True}
+        return run_section
+
+    import exactness.analysis.contract as contract
+    import exactness.analysis.hashes as hashes
+    monkeypatch.setattr(hashes, "run_section", fake("hashes", fail=True))
+    monkeypatch.setattr(contract, "run_section", fake("contract"))
+    out = tmp_path / "gpu"
+    rc = cli.main(["sections", "--profile", "gpu", "--out", str(out), "--sections", "hashes,contract",
+                   "--param", "hash_max_tokens=12", "--param", "contract_control_sweep=full"])
+    assert rc == 1
+    assert calls == [("hashes", 12, "full"), ("contract", 12, "full")]
+    assert "hashes broke" in (out / "hashes.error.txt").read_text()
+    assert not (out / "hashes.json").exists()
+    assert json.loads((out / "contract.json").read_text()) == {"section": "contract", "ok": True}
+    assert "sha" in json.loads((out / "env.json").read_text())["git"]
+    assert cli.main(["sections", "--profile", "gpu", "--out", str(out), "--sections", "hashes,nope"]) == 2
+    assert "unknown sections ['nope']" in capsys.readouterr().err
+    assert cli.main(["sections", "--profile", "gpu", "--out", str(out), "--param", "hash_max_tokenz=3"]) == 2
+    assert "unknown parameter 'hash_max_tokenz'" in capsys.readouterr().err
+
+
+def test_shared_synthetic_weights_are_the_same_bytes_and_never_aliased():
+    """sharing_synthetic_weights derives every dtype/device from one draw: the same bytes as a fresh draw, and a
+    caller that mutates its fp32 copy does not change what the next caller gets."""
+    import torch
+    from exactness.config import get_preset
+    from exactness.weights import sharing_synthetic_weights, synthetic_weights
+    cfg = get_preset("tiny")
+    fresh16, fresh32 = synthetic_weights(cfg), synthetic_weights(cfg, torch.float32)
+    with sharing_synthetic_weights():
+        a32 = synthetic_weights(cfg, torch.float32)
+        a32.layers[0].wq.add_(1.0)                              # a caller mutating its copy
+        b16, b32 = synthetic_weights(cfg), synthetic_weights(cfg, torch.float32)
+    assert torch.equal(b16.layers[0].wq.view(torch.int16), fresh16.layers[0].wq.view(torch.int16))
+    assert torch.equal(b32.layers[0].wq.view(torch.int32), fresh32.layers[0].wq.view(torch.int32))
+    assert not torch.equal(a32.layers[0].wq, b32.layers[0].wq)  # negative control: the mutation is seen

@@ -1,6 +1,7 @@
 """Command line: ``python -m exactness <subcommand>``.
 
     receipts --profile P [--out DIR] [--param key=value ...]   run the notebooks, write one receipt run folder
+    sections --profile P --out DIR [--sections a,b] [--param]   compute section JSONs in one process (GPU machine)
     env                                                         print the environment record as JSON
     profiles                                                    list the run profiles
 
@@ -93,20 +94,70 @@ def analysis_command(module: str, help: str, func: str = "run_section",
         p.add_argument("--out", default=None, help="JSON file to write (default: stdout)")
 
     def run(args: argparse.Namespace) -> int:
-        from .receipt import ReceiptError, check_override_types, parse_overrides
-
-        params = get_profile(args.profile).parameters()
-        overrides = parse_overrides(args.param)
-        allowed = set(params) | set(extra_params)
-        for key in overrides:
-            if key not in allowed:
-                raise ReceiptError(f"unknown parameter {key!r}; allowed: {', '.join(sorted(allowed))}")
-        check_override_types(params, overrides)
-        result = getattr(importlib.import_module(module), func)({**params, **overrides})
+        params = section_parameters(args.profile, args.param, extra_params)
+        result = getattr(importlib.import_module(module), func)(params)
         _write_json(result, args.out)
         return 0
 
     return Subcommand(help, add, run)
+
+
+def section_parameters(profile: str, overrides: list[str], extra_params) -> dict:
+    """The profile's parameters updated by ``key=value`` overrides.
+
+    Raises:
+        ReceiptError: an override name that is neither a profile field nor in ``extra_params`` (lists the allowed
+            ones), or a value of another type than the profile's (receipt.check_override_types).
+        ValueError: unknown profile.
+    """
+    from .receipt import ReceiptError, check_override_types, parse_overrides
+
+    params = get_profile(profile).parameters()
+    parsed = parse_overrides(overrides)
+    allowed = set(params) | set(extra_params)
+    for key in parsed:
+        if key not in allowed:
+            raise ReceiptError(f"unknown parameter {key!r}; allowed: {', '.join(sorted(allowed))}")
+    check_override_types(params, parsed)
+    return {**params, **parsed}
+
+
+def _sections_args(p: argparse.ArgumentParser) -> None:
+    _profile_args(p)
+    p.add_argument("--out", required=True, help="folder for env.json and <section>.json (created; files replaced)")
+    p.add_argument("--sections", default="hashes,contract,fp64,streams,bench",
+                   help="comma-separated, run in this order (default %(default)s)")
+
+
+def _sections(args: argparse.Namespace) -> int:
+    """Every asked section in one process, sharing the synthetic weights' draw; a failing section writes
+    ``<section>.error.txt`` (traceback) instead of its JSON and the others still run. Exit 1 if any failed."""
+    import time
+    import traceback
+
+    from .receipt import ReceiptError, environment
+    from .weights import sharing_synthetic_weights
+    names = [n for n in args.sections.split(",") if n]
+    bad = [n for n in names if n not in ANALYSES]
+    if bad or not names:
+        raise ReceiptError(f"unknown sections {bad or names!r}; allowed: {', '.join(ANALYSES)}")
+    params = section_parameters(args.profile, args.param, [x for n in names for x in ANALYSES[n][2]])
+    out = Path(args.out)
+    _write_json(environment(), str(out / "env.json"))
+    failed = []
+    with sharing_synthetic_weights():
+        for name in names:
+            t0 = time.perf_counter()
+            try:
+                _write_json(importlib.import_module(ANALYSES[name][0]).run_section(dict(params)),
+                            str(out / f"{name}.json"))
+            except Exception:  # noqa: BLE001 -- record it, go on with the next section
+                (out / f"{name}.error.txt").write_text(traceback.format_exc(), encoding="utf-8")
+                failed.append(name)
+                print(traceback.format_exc(), file=sys.stderr)
+            print(f"[sections] {name}: {'FAILED' if name in failed else 'ok'} in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 def _write_json(obj, out: str | None) -> None:
@@ -126,25 +177,31 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "env": Subcommand("print the environment record (git, versions, device, numerics flags) as JSON",
                       lambda p: None, _env),
     "profiles": Subcommand("list the run profiles", lambda p: None, _profiles),
-    # ---- analysis subcommands (engine side), one line each
-    "hashes": analysis_command("exactness.analysis.hashes", "token hashes of every path -> section JSON",
-                               extra_params=("checkpoint", "allow_unpinned", "hash_offload")),
-    "contract": analysis_command("exactness.analysis.contract",
-                                 "kernel contract: prompt rows vs decode bytes for every pair -> section JSON",
-                                 extra_params=("contract_sweep", "contract_dtypes")),
-    "streams": analysis_command("exactness.analysis.streams",
-                                "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON",
-                                extra_params=("mtp_k", "stream_counts", "prompt_cache_gib", "stream_offset",
-                                              "stream_prompt_tokens", "prefill_path", "drafts", "checkpoint",
-                                              "allow_unpinned")),
-    "fp64": analysis_command("exactness.analysis.fp64", "FP64 per-class accumulation receipt -> section JSON",
-                             extra_params=("fp64_rows", "fp64_cert", "fp64_tokens", "fp64_prompt", "fp64_synthetic",
-                                           "fp64_k_max", "fp64_synth_rows", "fp64_fp32_sweep",
-                                           "fp64_synth_classes")),
-    "bench": analysis_command("exactness.analysis.bench", "the seed's bench tables (timings, memory) -> section JSON",
-                              extra_params=("bench_path", "bench_step", "bench_reps", "bench_itl_reps",
-                                            "bench_cold_lengths", "offload", "checkpoint", "allow_unpinned")),
+    "sections": Subcommand("compute several section JSONs in one process (shared weights), e.g. on the GPU machine",
+                           _sections_args, _sections),
+    # ---- analysis subcommands (engine side): one entry each in ANALYSES below
 }
+
+# section name -> (module with run_section(params), help, parameters beyond the profile fields it accepts)
+ANALYSES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "hashes": ("exactness.analysis.hashes", "token hashes of every path -> section JSON",
+               ("checkpoint", "allow_unpinned", "hash_offload", "hash_offload_paths", "hash_max_tokens")),
+    "contract": ("exactness.analysis.contract",
+                 "kernel contract: prompt rows vs decode bytes for every pair -> section JSON",
+                 ("contract_sweep", "contract_dtypes", "contract_control_sweep")),
+    "fp64": ("exactness.analysis.fp64", "FP64 per-class accumulation receipt -> section JSON",
+             ("fp64_rows", "fp64_cert", "fp64_tokens", "fp64_prompt", "fp64_synthetic", "fp64_k_max",
+              "fp64_synth_rows", "fp64_fp32_sweep", "fp64_synth_classes")),
+    "streams": ("exactness.analysis.streams",
+                "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON",
+                ("mtp_k", "stream_counts", "prompt_cache_gib", "stream_offset", "stream_prompt_tokens",
+                 "prefill_path", "drafts", "checkpoint", "allow_unpinned")),
+    "bench": ("exactness.analysis.bench", "the seed's bench tables (timings, memory) -> section JSON",
+              ("bench_gen_tokens", "bench_path", "bench_step", "bench_reps", "bench_itl_reps", "bench_cold_lengths", "offload",
+               "checkpoint", "allow_unpinned")),
+}
+SUBCOMMANDS.update({name: analysis_command(mod, help_, extra_params=extra)
+                    for name, (mod, help_, extra) in ANALYSES.items()})
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -65,11 +65,19 @@ PROFILES: dict[str, Profile] = {
                     extra=(("contract_sweep", "full"), ("stream_prompt_tokens", 512), ("bench_step", 2048),
                            ("bench_cold_lengths", (2048, 8192, 30000)))),
     "gpu": Profile(name="gpu", preset="small", device="cuda", dtype="bfloat16", prompts=("short", "code", "docs"),
-                   prompt_max_tokens=None, steps=(2048, 1000), gen_tokens=192, deep_threshold=512,
+                   prompt_max_tokens=None, steps=(2048, 1000), gen_tokens=64, deep_threshold=512,
                    kernel_sets=("fast", "invariant"),
-                   extra=(("contract_sweep", "full"), ("stream_prompt_tokens", 2048), ("bench_step", 2048),
-                          ("hash_offload", (False, True)),
-                          ("bench_cold_lengths", (2048, 8192, 30000)))),
+                   # Sized for two ~10-minute GPU calls (the device tool's limit; scripts/h200_receipt.sh). Each
+                   # decode step is launch-bound (~12 ms), so the exactness sections generate 64 tokens, the hash
+                   # matrix cuts its prompts to 2560 tokens (its serial oracle costs one step per prompt token; two
+                   # segments at either step) and repeats only the batched/deep runs offloaded (their replies still
+                   # decode with offloaded experts), concurrent streams use 256-token prompts, and the fast set,
+                   # the contract's negative control, gets the quick sweep. The bench keeps the seed's definitions:
+                   # full prompts and 192 generated tokens.
+                   extra=(("contract_sweep", "full"), ("contract_control_sweep", "quick"),
+                          ("stream_prompt_tokens", 256), ("bench_step", 2048), ("bench_gen_tokens", 192),
+                          ("hash_offload", (False, True)), ("hash_offload_paths", ("batched", "deep")),
+                          ("hash_max_tokens", 2560), ("bench_cold_lengths", (2048, 8192, 30000)))),
 }
 
 DEFAULT_PROFILE = "full"

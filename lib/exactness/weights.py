@@ -17,6 +17,7 @@ Layout (Hugging Face Qwen3-MoE names in brackets; every matrix is ``[out_feature
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -69,6 +70,12 @@ class Weights:
                        final_norm=fn(self.final_norm), lm_head=fn(self.lm_head),
                        extra={k: fn(v) for k, v in self.extra.items()})
 
+    def map_tensors(self, fn) -> "Weights":
+        """A Weights whose every tensor is ``fn(tensor)`` (e.g. torch.clone)."""
+        return Weights(cfg=self.cfg, embed=fn(self.embed), layers=[lw.map(fn) for lw in self.layers],
+                       final_norm=fn(self.final_norm), lm_head=fn(self.lm_head),
+                       extra={k: fn(v) for k, v in self.extra.items()})
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
@@ -106,6 +113,36 @@ def synthetic_weights(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
     Returns:
         Weights on ``device`` in ``dtype`` (bf16 or fp32).
     """
+    if _SHARED is None:
+        return _draw(cfg).to(device=device, dtype=dtype)
+    master = _SHARED.get(cfg)
+    if master is None:
+        master = _SHARED[cfg] = _draw(cfg)
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        return master.map_tensors(torch.clone)  # never hand out the shared fp32 draw itself (callers may mutate)
+    return master.to(device=device, dtype=dtype)
+
+
+_SHARED: dict | None = None  # cfg -> fp32 CPU draw, while sharing_synthetic_weights() is active
+
+
+@contextmanager
+def sharing_synthetic_weights():
+    """Within the block, synthetic_weights draws each config's fp32 values once and derives every later
+    (dtype, device) from that draw (same bytes as a fresh draw, minus the seconds to minutes of CPU time: the
+    ``small`` preset is about 2.4 G values). For one process that runs several analysis sections
+    (``python -m exactness sections``). Holds the fp32 draw (4 bytes per value) until the block ends.
+    """
+    global _SHARED
+    old, _SHARED = _SHARED, {}
+    try:
+        yield
+    finally:
+        _SHARED = old
+
+
+def _draw(cfg: ModelConfig) -> Weights:
+    """The fp32 CPU draw of synthetic_weights (see there)."""
     g = torch.Generator().manual_seed(cfg.seed)
     H, D, E, I, Is = cfg.hidden, cfg.head_dim, cfg.n_experts, cfg.expert_inter, cfg.shared_expert_inter
     embed = torch.randn(cfg.vocab_size, H, generator=g)
@@ -121,5 +158,4 @@ def synthetic_weights(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
             shared_gate=_linear(g, Is, H) if Is else None, shared_up=_linear(g, Is, H) if Is else None,
             shared_down=_linear(g, H, Is) if Is else None,
         ))
-    w = Weights(cfg=cfg, embed=embed, layers=layers, final_norm=_norm(g, H), lm_head=_linear(g, cfg.vocab_size, H))
-    return w.to(device=device, dtype=dtype)
+    return Weights(cfg=cfg, embed=embed, layers=layers, final_norm=_norm(g, H), lm_head=_linear(g, cfg.vocab_size, H))

@@ -40,7 +40,7 @@ from ..prompts import build_prompt
 from .bench_tables import config_line, render_md, tables  # noqa: F401  (the section's renderer and tables)
 from .hashes import load_model, resolve_device, token_hash
 
-DEFAULTS = {"bench_path": "deep", "bench_step": 2048, "bench_reps": 2, "bench_itl_reps": 3,
+DEFAULTS = {"bench_gen_tokens": None, "bench_path": "deep", "bench_step": 2048, "bench_reps": 2, "bench_itl_reps": 3,
             "bench_cold_lengths": [2048, 8192, 30000], "offload": False, "checkpoint": "", "allow_unpinned": False}
 MTP_K = 2                # drafts per verify round
 STREAM_COUNTS = (1, 2)   # concurrent streams
@@ -64,6 +64,8 @@ def bench_params(params: dict, max_positions: int | None = None) -> dict:
             ``max_positions`` (the model's; names the length and the limit).
     """
     p = {**DEFAULTS, **params}
+    if p["bench_gen_tokens"] is not None:  # the bench's own reply length (the seed's tables use 192)
+        p["gen_tokens"] = p["bench_gen_tokens"]
     if p["bench_path"] not in PATHS:
         raise ValueError(f"bench_path {p['bench_path']!r} is not a path; allowed: {', '.join(PATHS)}")
     if p["bench_step"] is not None:
@@ -398,7 +400,8 @@ def _strip(obj):
 def run_section(params: dict) -> dict:
     """The ``bench`` section from profile/notebook parameters.
 
-    params keys: preset, device, dtype, prompts, prompt_max_tokens, gen_tokens, deep_threshold, kernel_sets,
+    params keys: preset, device, dtype, prompts, prompt_max_tokens, gen_tokens (replaced by bench_gen_tokens when
+    that is set), deep_threshold, kernel_sets,
     and (DEFAULTS) bench_path, bench_step, bench_reps, bench_itl_reps, bench_cold_lengths, offload, checkpoint,
     allow_unpinned.
     Returns:

@@ -307,21 +307,27 @@ def run_section(params: dict) -> dict:
     params keys: kernel_sets (list of set names), device, preset (input shapes; default "tiny"), dtype (the
     profile's; checked first), optional
     contract_dtypes (default: the profile's dtype plus the other of bfloat16/float32), contract_sweep ("full" |
-    "quick", default "full"). Returns ``{"section": "contract", "sweep", "rows": [PairResult.to_row()...],
-    "coverage": [...], "uncovered": [...]}``. Raises ValueError on an unknown set/device/dtype/sweep.
+    "quick", default "full"), contract_control_sweep (the sweep of sets that claim no exactness, e.g. ``fast``:
+    they are the negative control, whose mismatches any sweep shows; default contract_sweep). Returns
+    ``{"section": "contract", "sweep", "control_sweep", "rows": [PairResult.to_row()...], "coverage": [...],
+    "uncovered": [...]}``. Raises ValueError on an unknown set/device/dtype/sweep.
     """
     sets = list(params.get("kernel_sets") or KERNEL_SETS)
     device = params.get("device", "cpu")
     base = params.get("dtype", "bfloat16")
     dtypes = list(params.get("contract_dtypes") or [base] + [d for d in ("bfloat16", "float32") if d != base])
     sweep = params.get("contract_sweep", "full")
+    control = params.get("contract_control_sweep") or sweep
+    check_sweep(sweep)
+    check_sweep(control)
     for s in sets:
         get_set(s)
     preset = params.get("preset", "tiny")
-    rows = [r.to_row() for s in sets for r in check_set(s, device, dtypes, sweep, preset=preset)]
+    rows = [r.to_row() for s in sets
+            for r in check_set(s, device, dtypes, sweep if get_set(s).claims_exact else control, preset=preset)]
     cov, unc = coverage(rows, sets, str(resolve_device(device)), dtypes)
-    return {"section": "contract", "sweep": sweep, "preset": preset, "rows": rows, "coverage": cov,
-            "uncovered": unc}
+    return {"section": "contract", "sweep": sweep, "control_sweep": control, "preset": preset, "rows": rows,
+            "coverage": cov, "uncovered": unc}
 
 
 # ------------------------------------------------------------------------------------------------------- render
@@ -350,9 +356,11 @@ def render_md(section) -> str:
     rows = section["rows"] if isinstance(section, dict) else list(section)
     unc = section.get("uncovered", []) if isinstance(section, dict) else []
     sweep = section.get("sweep", "?") if isinstance(section, dict) else "?"
+    control = section.get("control_sweep", sweep) if isinstance(section, dict) else sweep
     preset = section.get("preset", "tiny") if isinstance(section, dict) else "?"
     out = ["## Kernel contract: prompt-kernel rows vs decode-kernel rows, compared as bytes", "",
-           f"Sweep `{sweep}`, shapes of preset `{preset}`; a case is one row compared (all its outputs); inputs "
+           f"Sweep `{sweep}`" + (f" (sets that claim no exactness: `{control}`)" if control != sweep else "")
+           + f", shapes of preset `{preset}`; a case is one row compared (all its outputs); inputs "
            f"random and captured (tapped from a forward over a real prompt).", "",
            _md([[s["set"], s["device"], s["dtype"], s["pairs"], s["cases"], s["mismatching_pairs"],
                  s["mismatching_rows"]] for s in summary(rows)],

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..config import get_preset
-from ..paths import RunResult, generate
+from ..paths import PATHS, RunResult, generate
 from ..prompts import build_prompt
 from ..weights import synthetic_weights
 
@@ -161,16 +161,31 @@ def offload_modes(offload) -> list[bool]:
     return [False] + ([True] if True in modes else [])
 
 
+def check_offload_paths(paths) -> list[str]:
+    """The paths whose runs are repeated with offloaded experts: a non-empty list drawn from decode/batched/deep.
+
+    Raises:
+        ValueError: anything else (names the bad value and the allowed ones).
+    """
+    if (not isinstance(paths, (list, tuple)) or not paths or any(p not in PATHS for p in paths)):
+        raise ValueError(f"hash_offload_paths must be a non-empty list drawn from {list(PATHS)}, got {paths!r}")
+    return list(paths)
+
+
 def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress=None,
-               store=None) -> list[dict]:
+               store=None, offload_paths=("decode", "batched", "deep")) -> list[dict]:
     """All runs of one prompt; rows as documented in the module docstring (``_curve`` holds the plot data).
 
-    With an offload ``store`` (offload.ExpertStore) every run is repeated with the experts in host memory, and each
-    is compared with the resident oracle: offload must not change a byte.
+    With an offload ``store`` (offload.ExpertStore) the runs of ``offload_paths`` are repeated with the experts in
+    host memory, and each is compared with the resident oracle: offload must not change a byte. (Every offloaded
+    run's generated tokens come from decode steps that fetch their experts from host memory, so leaving the
+    ``decode`` path out of ``offload_paths`` still checks offloaded decode steps, over the reply only.)
     """
     rows, oracle = [], {}
     for off in ([False, True] if store is not None else [False]):
         for ks, path, step in run_configs(steps, kernel_sets):
+            if off and path not in offload_paths:
+                continue
             t0 = time.perf_counter()
             run = generate(store.weights if off else w, prompt.ids, gen_tokens, ks, path, step, deep_threshold,
                            keep_cache=True, experts=store if off else None)
@@ -194,7 +209,9 @@ def run_section(params: dict) -> dict:
 
     params keys: preset, device, dtype, prompts, prompt_max_tokens (int|None), steps, gen_tokens, deep_threshold,
     kernel_sets, optional checkpoint ("" = synthetic), allow_unpinned (False), hash_offload (False, True or
-    [False, True]: True repeats every run with the experts in host memory, offload.ExpertStore).
+    [False, True]: True repeats runs with the experts in host memory, offload.ExpertStore), hash_offload_paths
+    (the paths repeated offloaded, default all three), hash_max_tokens (int|None: cuts the prompts of this section
+    only, default prompt_max_tokens; the serial oracle costs one decode step per prompt token).
     Returns:
         {"section": "hashes", "rows": [...], "curves": [{prompt, kernels, path, step, bin_width, max_abs_diff}]}.
     Raises:
@@ -204,9 +221,13 @@ def run_section(params: dict) -> dict:
     from ..kernels import get_set
     for ks in params["kernel_sets"]:
         get_set(ks)  # fail before any work on an unknown set
+    off_paths = params.get("hash_offload_paths")
+    off_paths = check_offload_paths(list(PATHS) if off_paths is None else off_paths)
+    max_tokens = params.get("hash_max_tokens") or params.get("prompt_max_tokens")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"hash_max_tokens / prompt_max_tokens must be a positive int or None, got {max_tokens!r}")
     w, tok = load_model(params["preset"], params["device"], params["dtype"], params.get("checkpoint", ""))
-    prompts = [build_prompt(p, params.get("prompt_max_tokens"), params.get("allow_unpinned", False), tok)
-               for p in params["prompts"]]
+    prompts = [build_prompt(p, max_tokens, params.get("allow_unpinned", False), tok) for p in params["prompts"]]
     for p in prompts:
         if p.n_tokens + params["gen_tokens"] > w.cfg.max_positions:
             raise ValueError(f"prompt {p.name!r} has {p.n_tokens} tokens; with {params['gen_tokens']} generated it "
@@ -215,12 +236,13 @@ def run_section(params: dict) -> dict:
     if True in offload_modes(params.get("hash_offload", False)):
         from ..offload import ExpertStore
         store = ExpertStore(w.to(device="cpu"), "offload", device=w.device)
-    n_runs = len(prompts) * len(run_configs(params["steps"], params["kernel_sets"])) * (2 if store else 1)
+    configs = run_configs(params["steps"], params["kernel_sets"])
+    n_runs = len(prompts) * (len(configs) + (sum(c[1] in off_paths for c in configs) if store else 0))
     rows = []
     with tqdm(total=n_runs, desc="hash matrix", unit="run", disable=None) as bar:
         for p in prompts:
             rows += run_prompt(w, p, params["kernel_sets"], params["steps"], params["gen_tokens"],
-                               params["deep_threshold"], bar, store)
+                               params["deep_threshold"], bar, store, off_paths)
     curves = [{"prompt": r["prompt"], "kernels": r["kernels"], "path": r["path"], "step": r["step"],
                "offload": r["offload"],
                "bin_width": max(1, -(-r["prompt_tokens"] // DIFF_BINS)), "max_abs_diff": r.pop("_curve")}
