@@ -254,8 +254,10 @@ def test_git_state_outside_a_repo(tmp_path, monkeypatch):
     # a tree copied without .git (the GPU machine): the commit stated by the caller, marked as stated
     monkeypatch.setenv("EXACTNESS_GIT_SHA", "ab" * 20)
     monkeypatch.setenv("EXACTNESS_GIT_DIRTY", "0")
-    assert receipt.git_state(tmp_path) == {"sha": "ab" * 20, "short": "ababab" + "a", "dirty": False,
-                                           "source": "EXACTNESS_GIT_SHA"}
+    state = receipt.git_state(tmp_path)
+    assert {k: state[k] for k in ("sha", "short", "dirty", "source")} == {
+        "sha": "ab" * 20, "short": "ababab" + "a", "dirty": False, "source": "EXACTNESS_GIT_SHA"}
+    assert state["git_said"]["sha"] is None and state["git_said"]["error"]
     monkeypatch.setenv("EXACTNESS_GIT_SHA", "not-a-sha")
     assert receipt.git_state(tmp_path)["sha"] is None
 
@@ -350,3 +352,17 @@ def test_shared_synthetic_weights_are_the_same_bytes_and_never_aliased():
     assert torch.equal(b16.layers[0].wq.view(torch.int16), fresh16.layers[0].wq.view(torch.int16))
     assert torch.equal(b32.layers[0].wq.view(torch.int32), fresh32.layers[0].wq.view(torch.int32))
     assert not torch.equal(a32.layers[0].wq, b32.layers[0].wq)  # negative control: the mutation is seen
+
+
+def test_sections_computed_elsewhere_show_their_provenance():
+    """A section carrying a ``provenance`` record (docs/gpu/assemble.py) gets a row in receipt.md's provenance
+    table; a receipt without one has no such table."""
+    base = {"schema": 1, "status": "ok", "profile": "gpu", "parameters": {}, "env": {}, "errors": [],
+            "notebooks": []}
+    plain = render.render_markdown({**base, "custom": {"x": 1}})
+    assert "Where each section was computed" not in plain
+    prov = {"computed_on": "NVIDIA H200", "commit": "abc1234", "command": "python -m exactness bench",
+            "notes": "64 tokens"}
+    md = render.render_markdown({**base, "custom": {"x": 1}, "custom_extra": {"provenance": prov}})
+    assert "Where each section was computed" in md
+    assert "| custom    | NVIDIA H200   | abc1234  | python -m exactness bench | 64 tokens |" in md

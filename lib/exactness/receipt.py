@@ -74,21 +74,23 @@ def git_state(path: Path | str = REPO_ROOT) -> dict:
     Returns:
         ``{"sha": str|None, "short": str|None, "dirty": bool|None, "error": str (only when unknown)}``; ``dirty``
         counts modified, staged and untracked (not ignored) files. Never raises: no git, no repo or no commit
-        yet give ``None`` values and an ``error`` message. Where the tree was copied without its ``.git`` (the GPU
-        machine), the caller may state the commit in ``EXACTNESS_GIT_SHA`` (40 hex digits) and
-        ``EXACTNESS_GIT_DIRTY`` (``0``/``1``); the record then says ``"source": "EXACTNESS_GIT_SHA"``.
+        yet give ``None`` values and an ``error`` message. Where the tree was copied with a stale ``.git`` or none
+        (the device tool sends the working tree with the session's starting ``.git``), the caller states the
+        commit in ``EXACTNESS_GIT_SHA`` (40 hex digits) and ``EXACTNESS_GIT_DIRTY`` (``0``/``1``); the record then
+        holds that, ``"source": "EXACTNESS_GIT_SHA"`` and what git itself said under ``git_said``.
     """
     try:
         sha = _git(["rev-parse", "HEAD"], Path(path))
         dirty = bool(_git(["status", "--porcelain"], Path(path)))
-        return {"sha": sha, "short": sha[:7], "dirty": dirty}
+        said = {"sha": sha, "short": sha[:7], "dirty": dirty}
     except (OSError, subprocess.SubprocessError) as e:
-        stated = os.environ.get("EXACTNESS_GIT_SHA", "")
-        if re.fullmatch(r"[0-9a-f]{40}", stated):
-            return {"sha": stated, "short": stated[:7], "dirty": os.environ.get("EXACTNESS_GIT_DIRTY") == "1",
-                    "source": "EXACTNESS_GIT_SHA"}
         msg = getattr(e, "stderr", None) or str(e)
-        return {"sha": None, "short": None, "dirty": None, "error": msg.strip().splitlines()[-1] if msg else "?"}
+        said = {"sha": None, "short": None, "dirty": None, "error": msg.strip().splitlines()[-1] if msg else "?"}
+    stated = os.environ.get("EXACTNESS_GIT_SHA", "")
+    if re.fullmatch(r"[0-9a-f]{40}", stated):
+        return {"sha": stated, "short": stated[:7], "dirty": os.environ.get("EXACTNESS_GIT_DIRTY") == "1",
+                "source": "EXACTNESS_GIT_SHA", "git_said": said}
+    return said
 
 
 def _cpu_name() -> str:

@@ -80,6 +80,17 @@ def _env_rows(receipt: dict) -> list[list]:
             ["host, time (UTC)", f"{env.get('hostname')}, {env.get('time_utc')}"]]
 
 
+def _provenance_rows(receipt: dict) -> list[list]:
+    """One row per section whose object carries a ``provenance`` dict (computed_on, commit, command, notes)."""
+    rows = []
+    for name, data in sections(receipt):
+        extra = receipt.get(f"{name}_extra") or {}
+        prov = extra.get("provenance") if not name.endswith("_extra") else None
+        if isinstance(prov, dict):
+            rows.append([name, prov.get("computed_on"), prov.get("commit"), prov.get("command"), prov.get("notes")])
+    return rows
+
+
 def render_errors(errors: list[dict]) -> str:
     """The errors block: a table of (notebook, cell, error, message) and each traceback's tail."""
     if not errors:
@@ -103,6 +114,12 @@ def render_header(receipt: dict) -> str:
     if summary:
         parts += [summary, ""]
     parts += [table(_env_rows(receipt), ["field", "value"])]
+    prov = _provenance_rows(receipt)
+    if prov:
+        parts += ["", "## Where each section was computed", "",
+                  "Sections computed elsewhere carry their own record (``provenance``); the environment above is the "
+                  "precomputed folder's env.json.", "",
+                  table(prov, ["section", "computed on", "commit", "command", "notes"])]
     if failed:
         parts += ["", render_errors(receipt.get("errors") or [])]
     params = receipt.get("parameters") or {}
