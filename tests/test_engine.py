@@ -172,3 +172,30 @@ def test_hash_matrix_with_offload_equals_the_resident_oracle():
         run_section({**params, "hash_max_tokens": -3})
     with pytest.raises(ValueError, match="offload must be"):
         offload_modes("yes")
+
+
+def test_rerun_control_tells_a_nondeterministic_set():
+    """hash_rerun repeats each set's first batched run: identical for the CPU sets; a set whose RMSNorm changes a
+    little on every call (run-to-run nondeterminism, planted) is caught as NOT identical."""
+    from dataclasses import replace
+
+    from exactness.analysis.hashes import run_prompt
+    from exactness.kernels import KernelSet, get_set
+    from exactness.weights import synthetic_weights
+    w = synthetic_weights(get_preset("tiny"))
+    prompt = P.build_prompt("code", 48)
+    calls = [0]
+
+    def drifting(fn):
+        def f(x, *args):
+            calls[0] += 1
+            return fn(x, *args) * (1 + 2 ** -12 * calls[0])   # a different factor on every call
+        return f
+    inv = get_set("invariant")
+    noisy = KernelSet("noisy", inv.decode, {c: (replace(s, fn=drifting(s.fn)) if c == "rmsnorm" else s)
+                                            for c, s in inv.prompt.items()}, False, "test-only drift")
+    rows = run_prompt(w, prompt, ["invariant", noisy], [16], 3, 8, rerun=True)
+    rerun = {r["kernels"]: r["rerun_equal"] for r in rows if "rerun_equal" in r}
+    assert rerun == {"invariant": True, "noisy": False}
+    assert all("_logits" not in r for r in rows)
+    assert [r["step"] for r in rows if "rerun_equal" in r] == [16, 16]

@@ -185,7 +185,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 # section name -> (module with run_section(params), help, parameters beyond the profile fields it accepts)
 ANALYSES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "hashes": ("exactness.analysis.hashes", "token hashes of every path -> section JSON",
-               ("checkpoint", "allow_unpinned", "hash_offload", "hash_offload_paths", "hash_max_tokens")),
+               ("checkpoint", "allow_unpinned", "hash_offload", "hash_offload_paths", "hash_max_tokens",
+                "hash_rerun")),
     "contract": ("exactness.analysis.contract",
                  "kernel contract: prompt rows vs decode bytes for every pair -> section JSON",
                  ("contract_sweep", "contract_dtypes", "contract_control_sweep")),

@@ -21,7 +21,7 @@ MAX_ROWS = 200  # rows per table before truncation
 FLOAT_FMT = ".4g"
 RECEIPT_KEYS = ("schema", "status", "profile", "parameters", "env", "errors", "notebooks")
 DIFF_MARK = "✗"
-OPTIONAL_RUN_COLUMNS = ("prompt_logits_equal", "kv_equal", "max_prompt_logit_diff", "seconds")
+OPTIONAL_RUN_COLUMNS = ("prompt_logits_equal", "kv_equal", "max_prompt_logit_diff", "rerun_equal", "seconds")
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -233,6 +233,14 @@ def render_hashes(rows: list[dict]) -> str:
                            ["prompt", "kernels", "path", "step", "first divergence", "oracle margin", "served"]))
     else:
         parts.append("_Every run equals its oracle._")
+    reruns = [r for r in rows if "rerun_equal" in r]
+    if reruns:
+        parts += ["", "Rerun control (each set's first batched run repeated identically; tokens and every prompt-logit "
+                  "byte compared): " + "; ".join(f"{r.get('prompt')} {r.get('kernels')} "
+                                                  f"{'identical' if r['rerun_equal'] else 'NOT identical'}"
+                                                  for r in reruns)
+                  + ". A set whose reruns differ is not run-to-run deterministic: its other differences (offload "
+                    "included) cannot be told from noise."]
     return "\n".join(parts + ["", "### Runs", "", _runs_table(rows)])
 
 

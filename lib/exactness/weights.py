@@ -66,9 +66,7 @@ class Weights:
         """Return a copy on ``device`` with floating tensors cast to ``dtype`` (round-to-nearest-even)."""
         def fn(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=device, dtype=dtype if (dtype is not None and t.is_floating_point()) else t.dtype)
-        return Weights(cfg=self.cfg, embed=fn(self.embed), layers=[lw.map(fn) for lw in self.layers],
-                       final_norm=fn(self.final_norm), lm_head=fn(self.lm_head),
-                       extra={k: fn(v) for k, v in self.extra.items()})
+        return self.map_tensors(fn)
 
     def map_tensors(self, fn) -> "Weights":
         """A Weights whose every tensor is ``fn(tensor)`` (e.g. torch.clone)."""

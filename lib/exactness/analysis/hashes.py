@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..config import get_preset
+from ..kernels import get_set
 from ..paths import PATHS, RunResult, generate
 from ..prompts import build_prompt
 from ..weights import synthetic_weights
@@ -173,14 +174,37 @@ def check_offload_paths(paths) -> list[str]:
 
 
 def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress=None,
-               store=None, offload_paths=("decode", "batched", "deep")) -> list[dict]:
+               store=None, offload_paths=("decode", "batched", "deep"), rerun: bool = False) -> list[dict]:
     """All runs of one prompt; rows as documented in the module docstring (``_curve`` holds the plot data).
 
     With an offload ``store`` (offload.ExpertStore) the runs of ``offload_paths`` are repeated with the experts in
     host memory, and each is compared with the resident oracle: offload must not change a byte. (Every offloaded
     run's generated tokens come from decode steps that fetch their experts from host memory, so leaving the
     ``decode`` path out of ``offload_paths`` still checks offloaded decode steps, over the reply only.)
+
+    With ``rerun``, each set's first batched run is repeated once, identically, and its row gets ``rerun_equal``
+    (tokens and every prompt-logit byte equal): the control that tells a set that is not run-to-run deterministic
+    (so that no comparison of its runs, offload included, can separate a cause from noise) from one that is.
     """
+    rows, oracle = _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress, store,
+                              offload_paths)
+    if rerun:
+        for ks in kernel_sets:
+            name = get_set(ks).name
+            first = next(r for r in rows if r["kernels"] == name and r["path"] == "batched" and not r["offload"])
+            again = generate(w, prompt.ids, gen_tokens, ks, "batched", first["step"], deep_threshold)
+            first["rerun_equal"] = (token_hash(again.gen_ids) == first["hash"]
+                                    and bool(torch.equal(again.prompt_logits.view(torch.int32),
+                                                         first.pop("_logits").view(torch.int32))))
+            if progress is not None:
+                progress.update(1)
+    for r in rows:
+        r.pop("_logits", None)
+    return rows
+
+
+def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress, store, offload_paths):
+    """(rows, oracle runs) of run_prompt without the rerun control."""
     rows, oracle = [], {}
     for off in ([False, True] if store is not None else [False]):
         for ks, path, step in run_configs(steps, kernel_sets):
@@ -191,17 +215,20 @@ def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
                            keep_cache=True, experts=store if off else None)
             row = {**_row(prompt, run, time.perf_counter() - t0), "offload": off}
             if path == "decode" and not off:
-                oracle[ks] = run
+                oracle[run.kernels] = run
                 row.update(equals_oracle=True, first_divergence=None, oracle_margin=None, prompt_logits_equal=True,
                            prompt_rows_differing=0, first_differing_prompt_row=None, max_prompt_logit_diff=0.0,
                            kv_equal=True, _curve=None)
             else:
-                row.update(compare(run, oracle[ks]))
+                row.update(compare(run, oracle[run.kernels]))
                 run.cache = None  # the oracle keeps its cache for the later runs' KV comparison
+                if path == "batched" and not off and not any(r["kernels"] == run.kernels and "_logits" in r
+                                                             for r in rows):
+                    row["_logits"] = run.prompt_logits  # kept for the rerun control (run_prompt)
             rows.append(row)
             if progress is not None:
                 progress.update(1)
-    return rows
+    return rows, oracle
 
 
 def run_section(params: dict) -> dict:
@@ -211,14 +238,14 @@ def run_section(params: dict) -> dict:
     kernel_sets, optional checkpoint ("" = synthetic), allow_unpinned (False), hash_offload (False, True or
     [False, True]: True repeats runs with the experts in host memory, offload.ExpertStore), hash_offload_paths
     (the paths repeated offloaded, default all three), hash_max_tokens (int|None: cuts the prompts of this section
-    only, default prompt_max_tokens; the serial oracle costs one decode step per prompt token).
+    only, default prompt_max_tokens; the serial oracle costs one decode step per prompt token), hash_rerun (True:
+    repeat each set's first batched run once and record ``rerun_equal`` on its row, see run_prompt).
     Returns:
         {"section": "hashes", "rows": [...], "curves": [{prompt, kernels, path, step, bin_width, max_abs_diff}]}.
     Raises:
         ValueError: bad preset/device/dtype/steps/kernel set/prompt name; PromptPinError: prompt text unpinned.
     """
     from tqdm import tqdm
-    from ..kernels import get_set
     for ks in params["kernel_sets"]:
         get_set(ks)  # fail before any work on an unknown set
     off_paths = params.get("hash_offload_paths")
@@ -237,12 +264,16 @@ def run_section(params: dict) -> dict:
         from ..offload import ExpertStore
         store = ExpertStore(w.to(device="cpu"), "offload", device=w.device)
     configs = run_configs(params["steps"], params["kernel_sets"])
-    n_runs = len(prompts) * (len(configs) + (sum(c[1] in off_paths for c in configs) if store else 0))
+    rerun = params.get("hash_rerun", True)
+    if not isinstance(rerun, bool):
+        raise ValueError(f"hash_rerun must be true or false, got {rerun!r}")
+    n_runs = len(prompts) * (len(configs) + (sum(c[1] in off_paths for c in configs) if store else 0)
+                             + (len(params["kernel_sets"]) if rerun else 0))
     rows = []
     with tqdm(total=n_runs, desc="hash matrix", unit="run", disable=None) as bar:
         for p in prompts:
             rows += run_prompt(w, p, params["kernel_sets"], params["steps"], params["gen_tokens"],
-                               params["deep_threshold"], bar, store, off_paths)
+                               params["deep_threshold"], bar, store, off_paths, rerun)
     curves = [{"prompt": r["prompt"], "kernels": r["kernels"], "path": r["path"], "step": r["step"],
                "offload": r["offload"],
                "bin_width": max(1, -(-r["prompt_tokens"] // DIFF_BINS)), "max_abs_diff": r.pop("_curve")}
