@@ -288,3 +288,12 @@ def test_uncertified_reference_fails_the_receipt(section):
     rows[3].update(ref_certified=False, verdict="uncertified", cert_failures=["element 0: planted"])
     with pytest.raises(RuntimeError, match="1 of .* uncertified"):
         fp64.check_certified({"rows": rows})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_asked_for_without_cuda_is_a_clear_error():
+    """device='cuda' where torch sees none: the same clear ValueError as the other sections, before any work."""
+    from exactness.analysis import fp64
+    from exactness.profiles import get_profile
+    with pytest.raises(ValueError, match="sees no CUDA device; allowed here: 'cpu'"):
+        fp64.run_section({**get_profile("ci").parameters(), "device": "cuda"})

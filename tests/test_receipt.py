@@ -365,4 +365,44 @@ def test_sections_computed_elsewhere_show_their_provenance():
             "notes": "64 tokens"}
     md = render.render_markdown({**base, "custom": {"x": 1}, "custom_extra": {"provenance": prov}})
     assert "Where each section was computed" in md
-    assert "| custom    | NVIDIA H200   | abc1234  | python -m exactness bench | 64 tokens |" in md
+    assert "- **custom**: NVIDIA H200; commit `abc1234`; `python -m exactness bench`. 64 tokens" in md
+
+
+@pytest.mark.parametrize("override, message", [
+    ("steps=[64, -1]", "steps=[64, -1] is not allowed; allowed: a non-empty list of positive ints"),
+    ("device=gpu", "device='gpu' is not allowed; allowed: cpu, cuda, cuda:N"),
+    ("kernel_sets=[fastest]", "kernel_sets=['fastest'] is not allowed; allowed: a non-empty list drawn from"),
+    ("prompts=[]", "prompts=[] is not allowed"),
+    ("gen_tokens=0", "gen_tokens=0 is not allowed; allowed: a positive int"),
+    ("preset=huge", "preset='huge' is not allowed; allowed: "),
+])
+def test_bad_values_are_refused_before_anything_runs(tmp_path, override, message, capsys):
+    """A value every section would refuse is refused by the runner up front (exit 2, nothing written), not after
+    the notebooks ran."""
+    out = tmp_path / "run"
+    assert main(["receipts", "--profile", "ci", "--out", str(out), "--param", override]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists() and leftovers(tmp_path) == []
+    assert main(["hashes", "--profile", "ci", "--param", override]) == 2      # the analysis CLI too
+    assert message in capsys.readouterr().err
+
+
+def test_precomputed_sections_of_another_profile_are_refused(tmp_path):
+    """Rendering GPU sections under the CPU profile (or a CUDA profile over a CPU env.json) is refused."""
+    per_nb = {"50_bench": {"preset": "tiny", "device": "cpu"}}
+    (tmp_path / "bench.json").write_text(json.dumps(
+        {"section": "bench", "data": {"config": {"preset": "small", "device": "cuda:0"}}}))
+    with pytest.raises(ReceiptError, match="computed with preset 'small' on 'cuda', but this profile has preset "
+                                           "'tiny' on 'cpu'"):
+        receipt.precomputed_parameters(tmp_path, per_nb, {})
+    ok = {"50_bench": {"preset": "small", "device": "cuda"}}
+    assert receipt.precomputed_parameters(tmp_path, ok, {"host": "here"}) == {"host": "here"}
+    (tmp_path / "env.json").write_text(json.dumps({"cuda_available": False}))
+    with pytest.raises(ReceiptError, match="without CUDA"):
+        receipt.precomputed_parameters(tmp_path, {"50_bench": {"preset": "small", "device": "cuda"}}, {})
+
+
+def test_sections_command_with_no_sections(tmp_path, capsys):
+    from exactness import __main__ as cli
+    assert cli.main(["sections", "--profile", "ci", "--out", str(tmp_path / "x"), "--sections", ""]) == 2
+    assert "no sections given; allowed: hashes, contract" in capsys.readouterr().err

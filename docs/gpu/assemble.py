@@ -1,6 +1,6 @@
 """Assemble docs/gpu/sections/ (the five section JSONs of the GPU receipt) from the H200 outputs kept in docs/gpu/.
 
-    python docs/gpu/assemble.py            # writes docs/gpu/sections/{env,hashes,bench,contract,fp64,streams}.json
+    make setup && .venv/bin/python docs/gpu/assemble.py   # writes docs/gpu/sections/{env,hashes,...}.json
     .venv/bin/python -m exactness receipts --profile gpu --precomputed docs/gpu/sections --out docs/gpu/receipt \\
         --param bench_gen_tokens=64
 
@@ -8,6 +8,7 @@ Each section gets a ``provenance`` record (machine, commit, command, notes) that
 section was computed" table. Sources:
 
     device/hashes.json, device/bench.json, device/env.json   session 2 (2026-11-29), tree of commit 9bbc9f3
+                                                              (bench: call 3, device/sections3.log, env_call3.json)
     contract_cuda_tiny_shapes.json, fp64_small_2064tok.json,
     streams_small_2048tok.json                                session 1 (2026-11-29), its working tree (not
                                                               recorded exactly; between 5d1be2c and ee1bfa4)
@@ -47,7 +48,10 @@ def contract_section() -> dict:
     rows = load("contract_cuda_tiny_shapes.json")
     sets = sorted({r["set"] for r in rows})
     cov, unc = coverage(rows, sets, "cuda", ["bfloat16"])
-    return {"section": "contract", "sweep": "full", "preset": "tiny", "rows": rows, "coverage": cov,
+    # The rows do not record their sweep. Their case counts (63,760 per class, 76,764 for attention; 714,364 in
+    # all) are exactly those of the quick sweep at the tiny preset (the ci profile's CPU receipt has the same),
+    # while the full sweep has 2,446,626: this was a quick sweep, whatever session 1's notes said.
+    return {"section": "contract", "sweep": "quick", "preset": "tiny", "rows": rows, "coverage": cov,
             "uncovered": unc}
 
 
@@ -72,8 +76,9 @@ def main() -> int:
         "contract": with_provenance(
             contract_section(), H200 + ", 2026-11-29 (session 1)", SESSION1,
             PREFIX1 + "contract --profile gpu --param preset=tiny --param 'contract_dtypes=[bfloat16]'",
-            "full M sweep at the tiny preset's shapes, bf16 only; the small-preset full sweep (bf16 + fp32) is "
-            "still owed: its call was cut by the device budget"),
+            "quick sweep (its case counts are the quick sweep's; session 1's notes called it full) at the tiny "
+            "preset's shapes, bf16 only; the full sweep at the small preset's shapes (bf16 + fp32) is still owed: "
+            "its call was cut by the device budget"),
         "fp64": with_provenance(
             load("fp64_small_2064tok.json"), H200 + ", 2026-11-29 (session 1)", SESSION1,
             PREFIX1 + "fp64 --profile gpu --param fp64_tokens=2064", "small preset, code prompt cut to 2064 tokens"),

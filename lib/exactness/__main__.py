@@ -110,7 +110,7 @@ def section_parameters(profile: str, overrides: list[str], extra_params) -> dict
             ones), or a value of another type than the profile's (receipt.check_override_types).
         ValueError: unknown profile.
     """
-    from .receipt import ReceiptError, check_override_types, parse_overrides
+    from .receipt import ReceiptError, check_common_values, check_override_types, parse_overrides
 
     params = get_profile(profile).parameters()
     parsed = parse_overrides(overrides)
@@ -119,6 +119,7 @@ def section_parameters(profile: str, overrides: list[str], extra_params) -> dict
         if key not in allowed:
             raise ReceiptError(f"unknown parameter {key!r}; allowed: {', '.join(sorted(allowed))}")
     check_override_types(params, parsed)
+    check_common_values({**params, **parsed})
     return {**params, **parsed}
 
 
@@ -139,8 +140,10 @@ def _sections(args: argparse.Namespace) -> int:
     from .weights import sharing_synthetic_weights
     names = [n for n in args.sections.split(",") if n]
     bad = [n for n in names if n not in ANALYSES]
-    if bad or not names:
-        raise ReceiptError(f"unknown sections {bad or names!r}; allowed: {', '.join(ANALYSES)}")
+    if not names:
+        raise ReceiptError(f"no sections given; allowed: {', '.join(ANALYSES)} (comma-separated)")
+    if bad:
+        raise ReceiptError(f"unknown sections {bad!r}; allowed: {', '.join(ANALYSES)}")
     params = section_parameters(args.profile, args.param, [x for n in names for x in ANALYSES[n][2]])
     out = Path(args.out)
     _write_json(environment(), str(out / "env.json"))

@@ -217,6 +217,45 @@ def check_override_types(base: dict, overrides: dict) -> None:
                                f"{base[key]!r} is of type {want}, so type {want} is expected")
 
 
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def check_common_values(params: dict) -> None:
+    """Refuse, before anything runs, the values every section would refuse later: an unknown preset (unless a
+    checkpoint is given), dtype, prompt or kernel set; a device string other than cpu / cuda / cuda:N; steps that
+    are not a non-empty list of positive ints (tokens); gen_tokens, deep_threshold or prompt_max_tokens that are not
+    positive ints (prompt_max_tokens may be null).
+
+    Raises:
+        ReceiptError: naming the parameter, the bad value and what is allowed.
+    """
+    from .config import PRESETS
+    from .kernels import KERNEL_SETS
+    from .prompts import PROMPTS
+
+    def bad(key, allowed):
+        raise ReceiptError(f"parameter {key}={params[key]!r} is not allowed; allowed: {allowed}")
+    if "preset" in params and not params.get("checkpoint") and params["preset"] not in PRESETS:
+        bad("preset", ", ".join(sorted(PRESETS)))
+    if "dtype" in params and params["dtype"] not in ("bfloat16", "float32"):
+        bad("dtype", "bfloat16, float32")
+    if "device" in params and not re.fullmatch(r"cpu|cuda(:\d+)?", str(params["device"])):
+        bad("device", "cpu, cuda, cuda:N")
+    for key, known in (("prompts", PROMPTS), ("kernel_sets", KERNEL_SETS)):
+        if key in params and (not isinstance(params[key], list) or not params[key]
+                              or any(v not in known for v in params[key])):
+            bad(key, f"a non-empty list drawn from {', '.join(known)}")
+    if "steps" in params and (not isinstance(params["steps"], list) or not params["steps"]
+                              or not all(_positive_int(v) for v in params["steps"])):
+        bad("steps", "a non-empty list of positive ints (tokens per prefill chunk)")
+    for key in ("gen_tokens", "deep_threshold"):
+        if key in params and not _positive_int(params[key]):
+            bad(key, "a positive int")
+    if params.get("prompt_max_tokens") is not None and not _positive_int(params["prompt_max_tokens"]):
+        bad("prompt_max_tokens", "null (the full prompt) or a positive int (tokens)")
+
+
 def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) -> dict[str, dict]:
     """Parameters per notebook: ``base`` (the profile's) updated by ``overrides``, each notebook getting only
     the names it declares.
@@ -232,6 +271,7 @@ def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) 
                                f"allowed: {', '.join(sorted(allowed))}")
     check_override_types(base, overrides)
     merged = {**base, **overrides}
+    check_common_values(merged)
     return {nb: {k: v for k, v in merged.items() if k in names} for nb, names in declared.items()}
 
 
@@ -375,10 +415,36 @@ def precomputed_parameters(folder: Path | str, per_nb: dict[str, dict], env: dic
                            f"expected one file per notebook: {', '.join(NOTEBOOK_SECTIONS.values())} (.json)")
     for nb, params in per_nb.items():
         params["precomputed_json"] = str(folder / f"{NOTEBOOK_SECTIONS.get(nb, nb)}.json")
+    _check_precomputed_matches(folder, per_nb)
     if (folder / "env.json").is_file():
         computed = json.loads((folder / "env.json").read_text(encoding="utf-8"))
         return {**computed, "rendered_on": env}
     return env
+
+
+def _check_precomputed_matches(folder: Path, per_nb: dict[str, dict]) -> None:
+    """Refuse to render sections under a profile they were not computed with: the bench section's recorded preset
+    and device type against the profile's, and a CUDA profile against an env.json that saw no CUDA device.
+
+    Raises:
+        ReceiptError: naming what the folder holds and what the profile says.
+    """
+    want = next((p for p in per_nb.values() if "preset" in p and "device" in p), None)
+    if want is None:
+        return
+    dev_type = str(want["device"]).split(":")[0]
+    bench = folder / "bench.json"
+    if bench.is_file():
+        config = (json.loads(bench.read_text(encoding="utf-8")).get("data") or {}).get("config") or {}
+        got = (config.get("preset"), str(config.get("device", "")).split(":")[0])
+        if config and got != (want["preset"], dev_type):
+            raise ReceiptError(f"{bench} was computed with preset {got[0]!r} on {got[1]!r}, but this profile has "
+                               f"preset {want['preset']!r} on {dev_type!r}; render with the profile it was "
+                               f"computed with (e.g. --profile gpu)")
+    env_file = folder / "env.json"
+    if dev_type == "cuda" and env_file.is_file():
+        if json.loads(env_file.read_text(encoding="utf-8")).get("cuda_available") is False:
+            raise ReceiptError(f"{env_file} records a machine without CUDA, but this profile runs on cuda")
 
 
 def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | list[str] | None = None, *,

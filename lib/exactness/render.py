@@ -117,9 +117,12 @@ def render_header(receipt: dict) -> str:
     prov = _provenance_rows(receipt)
     if prov:
         parts += ["", "## Where each section was computed", "",
-                  "Sections computed elsewhere carry their own record (``provenance``); the environment above is the "
-                  "precomputed folder's env.json.", "",
-                  table(prov, ["section", "computed on", "commit", "command", "notes"])]
+                  "Sections computed elsewhere carry their own record (`provenance`); the environment above is the "
+                  "precomputed folder's env.json, and the parameters below are the profile's: each section ran "
+                  "with the command given here.", ""]
+        flat = lambda v: "–" if v is None else " ".join(str(v).split())  # noqa: E731  (a list: no cell limit)
+        parts += [f"- **{name}**: {flat(on)}; commit `{flat(commit)}`; `{flat(cmd)}`. {flat(notes)}"
+                  for name, on, commit, cmd, notes in prov]
     if failed:
         parts += ["", render_errors(receipt.get("errors") or [])]
     params = receipt.get("parameters") or {}
@@ -227,10 +230,9 @@ def render_hashes(rows: list[dict]) -> str:
     diff = [r for r in rows if _differs(r, oracle)]
     parts += ["", "### Runs that differ from the oracle", ""]
     if diff:
-        parts.append(table([[r.get("prompt"), r.get("kernels"), r.get("path"), r.get("step"),
-                             r.get("first_divergence"), r.get("oracle_margin"), _served(r.get("served"))]
-                            for r in diff],
-                           ["prompt", "kernels", "path", "step", "first divergence", "oracle margin", "served"]))
+        parts.append(table([[r.get("prompt"), r.get("kernels"), _col(r), r.get("first_divergence"),
+                             r.get("oracle_margin"), _served(r.get("served"))] for r in diff],
+                           ["prompt", "kernels", "run", "first divergence", "oracle margin", "served"]))
     else:
         parts.append("_Every run equals its oracle._")
     reruns = [r for r in rows if "rerun_equal" in r]
@@ -245,7 +247,7 @@ def render_hashes(rows: list[dict]) -> str:
 
 
 def _runs_table(rows: list[dict]) -> str:
-    heads = ["prompt", "kernels", "path", "step", "tokens", "gen", "equals oracle", "served"]
+    heads = ["prompt", "kernels", "run", "tokens", "gen", "equals oracle", "served"]
     opt = [k for k in OPTIONAL_RUN_COLUMNS if any(k in r for r in rows)]
     body = []
     for r in rows:
@@ -253,7 +255,7 @@ def _runs_table(rows: list[dict]) -> str:
         deep = r["served"].get("deep") if isinstance(r.get("served"), dict) else None
         if r.get("path") == "deep" and isinstance(r.get("served"), dict) and not (deep or {}).get("rows"):
             served = f"{served} ⚠ deep path served nothing"
-        body.append([r.get("prompt"), r.get("kernels"), r.get("path"), r.get("step"), r.get("prompt_tokens"),
+        body.append([r.get("prompt"), r.get("kernels"), _col(r), r.get("prompt_tokens"),
                      r.get("gen_tokens"), r.get("equals_oracle"), served, *[r.get(k) for k in opt]])
     return table(body, heads + [k.replace("_", " ") for k in opt])
 

@@ -42,6 +42,7 @@ from . import fp64_synth as synth
 from .fp64_cert import certify
 from .fp64_ref import CERT_MAX_ULPS, evaluate, gamma
 from .fp64_report import render_md  # noqa: F401  (the section's renderer lives beside its plots)
+from .hashes import resolve_device
 from .taps import TapRecorder
 from .ulp import U_ACC, distance_to_rounding_interval, round_to, ulp_distance, unit_roundoff
 
@@ -303,7 +304,7 @@ def run_section(params: dict) -> dict:
         ValueError: a missing profile field or a bad value (named).
     """
     p = _params(params)
-    dtype, dev = DTYPES[p["dtype"]], torch.device(p["device"])
+    dtype, dev = DTYPES[p["dtype"]], resolve_device(p["device"])   # a clear error where CUDA is asked for but absent
     cfg = get_preset(p["preset"])
     w = synthetic_weights(cfg, dtype, dev)
     plan = capture_plan(p)
