@@ -1,40 +1,57 @@
 #!/usr/bin/env bash
-# The GPU receipt in two device-tool calls of under 10 minutes each (the tool's per-call limit), as run for
-# docs/gpu/receipt/. Run from the repo root on the GPU machine; results go to $OUT/gpu (the files the tool returns).
+# The GPU receipt in device-tool calls of under 10 minutes each (the tool's per-call limit). Run from the repo root
+# on the GPU machine; results go to $OUT/gpu (the files the tool returns).
 #
-#   scripts/h200_receipt.sh 1   offload bench (proves the expert ring on CUDA first; if it fails, the hash matrix
-#                               runs without offload and says so), then sections hashes, streams, fp64
-#   scripts/h200_receipt.sh 2   sections contract, bench; then the kernel bench's decode-step and end-to-end prefill
+#   scripts/h200_receipt.sh 1        offload bench (proves the expert ring on CUDA first; if it fails, the hash
+#                                    matrix runs without offload and says so), then the hashes section   (~9 min)
+#   scripts/h200_receipt.sh 2        sections contract, streams, fp64 (SECTIONS2 to change)             (~9 min)
+#   scripts/h200_receipt.sh 3 SET    the bench section for one kernel set (fast or invariant), the seed's 192
+#                                    generated tokens, into $OUT/gpu/bench_SET/bench.json               (~5 min)
+#   scripts/h200_receipt.sh 4        the kernel bench's decode-step and end-to-end prefill ratios         (~1 min)
 #
-# Then here: copy both calls' $OUT/gpu files into one folder and render with
-#   .venv/bin/python -m exactness receipts --profile gpu --precomputed <folder> --out docs/gpu/receipt
+# Then here: collect the JSONs in one folder, join the bench parts with
+#   .venv/bin/python -m exactness merge-bench --out <folder>/bench.json bench_fast.json bench_invariant.json
+# and render with  .venv/bin/python -m exactness receipts --profile gpu --precomputed <folder> --out <run folder>
+# Timings measured on the H200 (docs/gpu/README.md): hashes 441 s; bench 374 s for both sets at 64 tokens.
 # Needs mpmath 1.3.0 importable (the prompts are pinned to its sources): a wheel in .whl/ is installed to /tmp/site.
+# Set EXACTNESS_GIT_SHA (and EXACTNESS_GIT_DIRTY=0/1) to the commit sent: the device tool's copy carries the
+# session's first .git, so git there may name an older commit.
 set -uo pipefail
-part=${1:?usage: scripts/h200_receipt.sh 1|2}
+part=${1:?usage: scripts/h200_receipt.sh 1|2|3 SET|4}
 o="${OUT:?OUT must be set}/gpu"
 deadline=${DEADLINE:-580}            # seconds from the start of this script; each step gets what is left
 mkdir -p "$o"
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 3
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 3
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}lib" PYTHONUNBUFFERED=1
 left() { echo $(( deadline - SECONDS )); }
+sections() {  # sections DIR LOG ARGS...: one process, the log kept and shown
+  local dir=$1 log=$2; shift 2
+  timeout "$(left)" python3 -m exactness sections --profile gpu --out "$dir" "$@" > "$log" 2>&1
+  grep -v "^\s*$" "$log" | tail -40
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-if [ "$part" = 1 ]; then
-  extra=()
-  if ! timeout "$(left)" python3 benchmarks/bench_offload.py --weights device --json "$o/offload.json" \
-      > "$o/offload.log" 2>&1; then
-    echo "offload bench failed: the hash matrix runs without offload"; tail -20 "$o/offload.log"
-    extra=(--param "hash_offload=[false]")
-  fi
-  cat "$o/offload.log"
-  timeout "$(left)" python3 -m exactness sections --profile gpu --out "$o" --sections hashes,streams,fp64 \
-    "${extra[@]}" 2>&1 | grep -v "^\s*$" | tail -c 20000 | tee "$o/sections1.log"
-elif [ "$part" = 2 ]; then
-  timeout "$(( $(left) - 90 ))" python3 -m exactness sections --profile gpu --out "$o" \
-    --sections "${SECTIONS2:-contract,bench}" 2>&1 | tail -c 20000 | tee "$o/sections2.log"
-  timeout "$(left)" python3 benchmarks/bench_gpu_kernels.py --sections decode_step,e2e --out "$o" \
-    2>&1 | tee "$o/kernels.log"
-fi
+case "$part" in
+  1)
+    extra=()
+    if ! timeout "$(left)" python3 benchmarks/bench_offload.py --weights device --json "$o/offload.json" \
+        > "$o/offload.log" 2>&1; then
+      echo "offload bench failed: the hash matrix runs without offload"; extra=(--param "hash_offload=[false]")
+    fi
+    cat "$o/offload.log"
+    sections "$o" "$o/sections1.log" --sections hashes "${extra[@]}" ;;
+  2)
+    sections "$o" "$o/sections2.log" --sections "${SECTIONS2:-contract,streams,fp64}" ;;
+  3)
+    set_name=${2:?usage: scripts/h200_receipt.sh 3 fast|invariant}
+    mkdir -p "$o/bench_$set_name"
+    sections "$o/bench_$set_name" "$o/bench_$set_name/sections.log" --sections bench \
+      --param "kernel_sets=[$set_name]" ;;
+  4)
+    timeout "$(left)" python3 benchmarks/bench_gpu_kernels.py --sections decode_step,e2e --out "$o" \
+      2>&1 | tee "$o/kernels.log" ;;
+  *) echo "unknown part $part; use 1, 2, 3 SET or 4"; exit 2 ;;
+esac
 echo "[h200_receipt] part $part done in $SECONDS s"; ls -la "$o"

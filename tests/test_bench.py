@@ -165,3 +165,23 @@ def test_notebook_renders_a_precomputed_section(section, tmp_path):
     text = json.dumps([c.get("outputs", []) for c in nb.cells])
     assert "Cold-cache prefill" in text and section["data"]["plain"][0]["runs"][0]["hash"] in text
     assert np.isfinite(section["data"]["cold"][0]["runs"][0]["ttft_s"])
+
+
+def test_sections_computed_per_kernel_set_merge_into_one(section):
+    """merge_sections joins per-set bench sections (one device call each) table by table; it refuses overlapping
+    sets and parts whose settings differ, and the merged section renders like a two-set run."""
+    fast = bench.run_section({**PARAMS, "kernel_sets": ["fast"]})
+    merged = bench.merge_sections([fast, section])
+    assert merged["data"]["config"]["kernel_sets"] == ["fast", "invariant"]
+    for table in ("plain", "drafted", "itl", "cold", "streams", "memory"):
+        got = [r["kernels"] for r in merged["data"][table]]
+        assert got == [r["kernels"] for r in fast["data"][table]] + [r["kernels"] for r in section["data"][table]]
+    assert "fast" in render_md(merged) and "invariant" in render_md(merged)
+    with pytest.raises(ValueError, match="overlap in kernel sets"):
+        bench.merge_sections([section, section])
+    other = json.loads(json.dumps(fast))
+    other["data"]["config"]["gen_tokens"] = 192
+    with pytest.raises(ValueError, match="differ in gen_tokens: 192 vs 3|differ in gen_tokens: 3 vs 192"):
+        bench.merge_sections([section, other])
+    with pytest.raises(ValueError, match="two or more bench sections"):
+        bench.merge_sections([section])

@@ -2,6 +2,7 @@
 
     receipts --profile P [--out DIR] [--param key=value ...]   run the notebooks, write one receipt run folder
     sections --profile P --out DIR [--sections a,b] [--param]   compute section JSONs in one process (GPU machine)
+    merge-bench --out bench.json A.json B.json ...              join bench sections computed per kernel set
     env                                                         print the environment record as JSON
     profiles                                                    list the run profiles
 
@@ -163,6 +164,19 @@ def _sections(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _merge_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="the merged bench.json to write")
+    p.add_argument("parts", nargs="+", help="bench section JSONs, one per kernel set, in table order")
+
+
+def _merge_bench(args: argparse.Namespace) -> int:
+    """analysis.bench.merge_sections over the given files (exit 2 with the reason when they do not merge)."""
+    from .analysis.bench import merge_sections
+    parts = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.parts]
+    _write_json(merge_sections(parts), args.out)
+    return 0
+
+
 def _write_json(obj, out: str | None) -> None:
     text = json.dumps(obj, indent=1, default=str) + "\n"
     if out is None:
@@ -182,6 +196,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "profiles": Subcommand("list the run profiles", lambda p: None, _profiles),
     "sections": Subcommand("compute several section JSONs in one process (shared weights), e.g. on the GPU machine",
                            _sections_args, _sections),
+    "merge-bench": Subcommand("join bench sections computed per kernel set into one bench.json", _merge_bench_args,
+                              _merge_bench),
     # ---- analysis subcommands (engine side): one entry each in ANALYSES below
 }
 

@@ -434,6 +434,40 @@ def run_section(params: dict) -> dict:
     return {"section": "bench", "data": _strip(data)}
 
 
+MERGE_SAME = ("preset", "device", "dtype", "path", "step", "deep_threshold", "gen_tokens", "reps", "itl_reps",
+              "cold_lengths", "offload", "mtp_k", "stream_counts", "device_name")
+
+
+def merge_sections(parts: list[dict]) -> dict:
+    """One bench section from sections computed per kernel set (e.g. ``--param 'kernel_sets=[fast]'`` and
+    ``[invariant]`` in two device calls): every table's rows concatenated in the given order, ``kernel_sets`` joined.
+
+    Each set's rows depend only on that set's runs (_bench_set), so the merge equals one run of both sets, except
+    that each part's first request is "cold" in its own process (in one process the second set's cold runs follow
+    the first set's warm-up).
+
+    Raises:
+        ValueError: fewer than two parts, a part that is not a bench section, kernel sets that overlap, or parts
+            whose configurations differ in anything but kernel_sets (names the field and both values).
+    """
+    if len(parts) < 2 or any(not isinstance(q, dict) or q.get("section") != "bench" for q in parts):
+        raise ValueError("merge_sections needs two or more bench sections ({'section': 'bench', 'data': ...})")
+    configs = [q["data"]["config"] for q in parts]
+    for c in configs[1:]:
+        for key in MERGE_SAME:
+            if c.get(key) != configs[0].get(key):
+                raise ValueError(f"bench sections differ in {key}: {configs[0].get(key)!r} vs {c.get(key)!r}")
+    sets = [ks for c in configs for ks in c["kernel_sets"]]
+    if len(set(sets)) != len(sets):
+        raise ValueError(f"bench sections overlap in kernel sets: {sets}")
+    data = {k: [row for q in parts for row in q["data"][k]]
+            for k in ("plain", "drafted", "itl", "cold", "streams", "memory")}
+    data.update(config={**configs[0], "kernel_sets": sets},
+                not_run={k: v for q in parts for k, v in (q["data"].get("not_run") or {}).items()},
+                offload=next((q["data"]["offload"] for q in parts if q["data"].get("offload")), None))
+    return {"section": "bench", "data": data}
+
+
 def _bench_set(runner: Runner, prompts, sources, ks: str, p: dict, not_run: dict, data: dict, bar) -> None:
     """Every table's runs for kernel set ``ks``, appended to ``data`` in place (order: plain, drafted, ITL
     repetitions, cold-cache lengths, streams, memory pair)."""
