@@ -78,14 +78,16 @@ def main() -> int:
             PREFIX1 + "contract --profile gpu --param preset=tiny --param 'contract_dtypes=[bfloat16]'",
             "quick sweep (its case counts are the quick sweep's; session 1's notes called it full) at the tiny "
             "preset's shapes, bf16 only; the full sweep at the small preset's shapes (bf16 + fp32) is still owed: "
-            "its call was cut by the device budget"),
+            "its call was cut by the 10-minute call limit and no device time was left. The command is what "
+            "session 1 recorded; the rows show a quick sweep, so the exact command is not known"),
         "fp64": with_provenance(
             load("fp64_small_2064tok.json"), H200 + ", 2026-11-29 (session 1)", SESSION1,
             PREFIX1 + "fp64 --profile gpu --param fp64_tokens=2064", "small preset, code prompt cut to 2064 tokens"),
         "streams": with_provenance(
             load("streams_small_2048tok.json"), H200 + ", 2026-11-29 (session 1)", SESSION1,
             PREFIX1 + "streams --profile gpu --param prompt_max_tokens=2048 --param gen_tokens=32",
-            "prompts cut to 2048 tokens, 32 generated, 256-token stream prompts"),
+            "prompts cut to 2048 tokens, 32 generated, 256-token stream prompts (the data's settings; the "
+            "command is what session 1 recorded, whose profile then had 2048-token stream prompts)"),
     }
     for name, obj in sections.items():
         (out / f"{name}.json").write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")

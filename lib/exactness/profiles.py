@@ -67,13 +67,13 @@ PROFILES: dict[str, Profile] = {
     "gpu": Profile(name="gpu", preset="small", device="cuda", dtype="bfloat16", prompts=("short", "code", "docs"),
                    prompt_max_tokens=None, steps=(2048, 1000), gen_tokens=64, deep_threshold=512,
                    kernel_sets=("fast", "invariant"),
-                   # Sized for two ~10-minute GPU calls (the device tool's limit; scripts/h200_receipt.sh). Each
-                   # decode step is launch-bound (~12 ms), so the exactness sections generate 64 tokens, the hash
-                   # matrix cuts its prompts to 2560 tokens (its serial oracle costs one step per prompt token; two
-                   # segments at either step) and repeats only the batched/deep runs offloaded (their replies still
-                   # decode with offloaded experts), concurrent streams use 256-token prompts, and the fast set,
-                   # the contract's negative control, gets the quick sweep. The bench keeps the seed's definitions:
-                   # full prompts and 192 generated tokens.
+                   # Sized for the device tool's 10-minute calls (scripts/h200_receipt.sh splits the sections).
+                   # A decode step is launch-bound (12-18 ms on the H200), so the exactness sections generate 64
+                   # tokens; the hash matrix cuts its prompts to 2560 tokens (its serial oracle costs one step per
+                   # prompt token; 2 segments at step 2048, 3 at step 1000) and repeats only the batched/deep runs
+                   # offloaded (their replies still decode with offloaded experts); concurrent streams use
+                   # 256-token prompts; the fast set, the contract's negative control, gets the quick sweep. The
+                   # bench keeps the seed's definitions: full prompts and 192 generated tokens.
                    extra=(("contract_sweep", "full"), ("contract_control_sweep", "quick"),
                           ("stream_prompt_tokens", 256), ("bench_step", 2048), ("bench_gen_tokens", 192),
                           ("hash_offload", (False, True)), ("hash_offload_paths", ("batched", "deep")),
