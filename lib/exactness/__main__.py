@@ -63,7 +63,7 @@ def _receipts(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------- env, profiles
 
 def _env(args: argparse.Namespace) -> int:
-    from .receipt import environment
+    from .env import environment
 
     print(json.dumps(environment(), indent=2))
     return 0
@@ -137,7 +137,8 @@ def _sections(args: argparse.Namespace) -> int:
     import time
     import traceback
 
-    from .receipt import ReceiptError, environment
+    from .env import environment
+    from .receipt import ReceiptError
     from .weights import sharing_synthetic_weights
     names = [n for n in args.sections.split(",") if n]
     bad = [n for n in names if n not in ANALYSES]

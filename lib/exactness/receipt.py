@@ -1,4 +1,4 @@
-"""Receipt runs: the environment record, atomic run folders, and running the notebooks into one receipt.
+"""Receipt runs: atomic run folders, and running the notebooks into one receipt (the environment record: env.py).
 
 A run executes each notebook of a profile with papermill into a hidden temporary folder beside the final one,
 collects the section JSON each notebook wrote (through the lib) to its ``out_json`` parameter, assembles
@@ -13,14 +13,10 @@ go to ``receipt["<name>_extra"]``.
 from __future__ import annotations
 
 import datetime as _dt
-import importlib.metadata
 import json
 import os
-import platform
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,11 +25,11 @@ from pathlib import Path
 
 import yaml
 
+from .env import REPO_ROOT, environment, git_state  # noqa: F401  (re-exported: receipt.environment, ...)
 from .profiles import get_profile
 
 SCHEMA = 1
 KERNEL_NAME = "exactness"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 DEFAULT_RECEIPTS_DIR = REPO_ROOT / "receipts"
 DEFAULT_NOTEBOOKS = ["10_output_hashes"]
@@ -62,88 +58,6 @@ class RunResult:
 
 
 # --------------------------------------------------------------------------------------------------- environment
-
-def _git(args: list[str], cwd: Path) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True,
-                          timeout=30).stdout.strip()
-
-
-def git_state(path: Path | str = REPO_ROOT) -> dict:
-    """Git state of the repository containing ``path``.
-
-    Returns:
-        ``{"sha": str|None, "short": str|None, "dirty": bool|None, "error": str (only when unknown)}``; ``dirty``
-        counts modified, staged and untracked (not ignored) files. Never raises: no git, no repo or no commit
-        yet give ``None`` values and an ``error`` message. Where the tree was copied with a stale ``.git`` or none
-        (the device tool sends the working tree with the session's starting ``.git``), the caller states the
-        commit in ``EXACTNESS_GIT_SHA`` (40 hex digits) and ``EXACTNESS_GIT_DIRTY`` (``0``/``1``); the record then
-        holds that, ``"source": "EXACTNESS_GIT_SHA"`` and what git itself said under ``git_said``.
-    """
-    try:
-        sha = _git(["rev-parse", "HEAD"], Path(path))
-        dirty = bool(_git(["status", "--porcelain"], Path(path)))
-        said = {"sha": sha, "short": sha[:7], "dirty": dirty}
-    except (OSError, subprocess.SubprocessError) as e:
-        msg = getattr(e, "stderr", None) or str(e)
-        said = {"sha": None, "short": None, "dirty": None, "error": msg.strip().splitlines()[-1] if msg else "?"}
-    stated = os.environ.get("EXACTNESS_GIT_SHA", "")
-    if re.fullmatch(r"[0-9a-f]{40}", stated):
-        return {"sha": stated, "short": stated[:7], "dirty": os.environ.get("EXACTNESS_GIT_DIRTY") == "1",
-                "source": "EXACTNESS_GIT_SHA", "git_said": said}
-    return said
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def environment() -> dict:
-    """Record of where a receipt was made.
-
-    Returns:
-        dict with ``git`` (see :func:`git_state`), ``python``, ``torch``, ``cuda`` (torch's CUDA version or None),
-        ``triton`` (None when not installed), ``device`` (GPU name, or the CPU name), ``compute_capability``
-        (``"9.0"`` or None), ``numerics`` (TF32 flags, deterministic algorithms, float32 matmul precision),
-        ``platform``, ``hostname`` and ``time_utc`` (ISO 8601). Raises nothing beyond torch's own import errors.
-    """
-    import torch
-
-    cuda = torch.cuda.is_available()
-    return {
-        "git": git_state(REPO_ROOT),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cuda_available": cuda,
-        "triton": _version("triton"),
-        "device": torch.cuda.get_device_name(0) if cuda else _cpu_name(),
-        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if cuda else None,
-        "numerics": {
-            "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "cpu_threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        },
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "time_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
-
 
 # ---------------------------------------------------------------------------------------------------- parameters
 
