@@ -3,17 +3,24 @@
 # on the GPU machine; results go to $OUT/gpu (the files the tool returns).
 #
 #   scripts/h200_receipt.sh 1        offload bench (proves the expert ring on CUDA first; if it fails, the hash
-#                                    matrix runs without offload and says so), then the hashes section   (~9 min)
-#   scripts/h200_receipt.sh 2        sections contract, streams, fp64 (SECTIONS2 to change)             (~9 min)
-#   scripts/h200_receipt.sh 3 SET    the bench section for one kernel set (fast or invariant), the seed's 192
-#                                    generated tokens, into $OUT/gpu/bench_SET/bench.json               (~5 min)
-#   scripts/h200_receipt.sh 4        the kernel bench's decode-step and end-to-end prefill ratios         (~1 min)
+#                                    matrix runs without offload and says so), then the hashes section
+#   scripts/h200_receipt.sh 2        sections contract, streams, fp64 (SECTIONS2=contract etc. to split it)
+#   scripts/h200_receipt.sh 3 SET    the bench section for one kernel set (fast or invariant) at the seed's 192
+#                                    generated tokens, into $OUT/gpu/bench_SET/bench.json
+#   scripts/h200_receipt.sh 4        the kernel bench's decode-step and end-to-end prefill ratios
 #
-# Then here: collect the JSONs in one folder, join the bench parts with
-#   .venv/bin/python -m exactness merge-bench --out <folder>/bench.json bench_fast.json bench_invariant.json
+# Measured on the H200 (docs/gpu/README.md): hashes 441 s (before the rerun control added one batched run per set
+# and prompt), part 4 about 45 s. Not measured: the offload bench alone; part 2 (the small-preset contract ran over
+# 160 s without finishing, session 1's fp64 took about 244 s: split with SECTIONS2 if one call does not hold it);
+# part 3 (both sets at 64 tokens took 374 s; both at 192 did not finish in 485 s).
+#
+# Each section JSON carries a provenance record (machine, commit, command, seconds) that receipt.md lists. Then
+# here: put the JSONs in one folder (env.json: keep part 1's; the calls' env records differ only in time), join the
+# bench parts with
+#   .venv/bin/python -m exactness merge-bench --out <folder>/bench.json bench_fast/bench.json bench_invariant/bench.json
 # and render with  .venv/bin/python -m exactness receipts --profile gpu --precomputed <folder> --out <run folder>
-# Timings measured on the H200 (docs/gpu/README.md): hashes 441 s; bench 374 s for both sets at 64 tokens.
-# Needs mpmath 1.3.0 importable (the prompts are pinned to its sources): a wheel in .whl/ is installed to /tmp/site.
+# The prompts need mpmath 1.3.0 there: here `pip download --no-deps mpmath==1.3.0 -d .whl` (.whl/ is git-ignored),
+# name `.whl` in the device call's carry; the script installs it to /tmp/site (without it the prompt pins fail).
 # Set EXACTNESS_GIT_SHA (and EXACTNESS_GIT_DIRTY=0/1) to the commit sent: the device tool's copy carries the
 # session's first .git, so git there may name an older commit.
 set -uo pipefail

@@ -177,8 +177,11 @@ def test_sections_computed_per_kernel_set_merge_into_one(section):
         got = [r["kernels"] for r in merged["data"][table]]
         assert got == [r["kernels"] for r in fast["data"][table]] + [r["kernels"] for r in section["data"][table]]
     assert "fast" in render_md(merged) and "invariant" in render_md(merged)
-    with pytest.raises(ValueError, match="overlap in kernel sets"):
+    with pytest.raises(ValueError, match=r"overlap in kernel sets \['invariant'\]"):
         bench.merge_sections([section, section])
+    prov = bench.merge_sections([{**fast, "provenance": {"computed_on": "H200", "command": "a"}},
+                                 {**section, "provenance": {"computed_on": "H200", "command": "b"}}])["provenance"]
+    assert prov["computed_on"] == "H200" and prov["command"] == "a | b"
     other = json.loads(json.dumps(fast))
     other["data"]["config"]["gen_tokens"] = 192
     with pytest.raises(ValueError, match="differ in gen_tokens: 192 vs 3|differ in gen_tokens: 3 vs 192"):

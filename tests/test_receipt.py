@@ -329,7 +329,12 @@ def test_sections_command_runs_sections_in_one_process_and_records_failures(tmp_
     assert calls == [("hashes", 12, "full"), ("contract", 12, "full")]
     assert "hashes broke" in (out / "hashes.error.txt").read_text()
     assert not (out / "hashes.json").exists()
-    assert json.loads((out / "contract.json").read_text()) == {"section": "contract", "ok": True}
+    written = json.loads((out / "contract.json").read_text())
+    assert {k: written[k] for k in ("section", "ok")} == {"section": "contract", "ok": True}
+    prov = written["provenance"]       # every section computed this way says where, at which commit, how
+    assert prov["command"] == ("python -m exactness sections --profile gpu --sections contract "
+                               "--param 'hash_max_tokens=12' --param 'contract_control_sweep=full'")
+    assert set(prov) == {"computed_on", "commit", "command", "notes"} and prov["notes"].endswith(" s")
     assert "sha" in json.loads((out / "env.json").read_text())["git"]
     assert cli.main(["sections", "--profile", "gpu", "--out", str(out), "--sections", "hashes,nope"]) == 2
     assert "unknown sections ['nope']" in capsys.readouterr().err
@@ -397,6 +402,12 @@ def test_precomputed_sections_of_another_profile_are_refused(tmp_path):
         receipt.precomputed_parameters(tmp_path, per_nb, {})
     ok = {"50_bench": {"preset": "small", "device": "cuda"}}
     assert receipt.precomputed_parameters(tmp_path, ok, {"host": "here"}) == {"host": "here"}
+    (tmp_path / "bench.json").write_text(json.dumps(
+        {"section": "bench", "data": {"config": {"preset": "small", "device": "cuda:0", "gen_tokens": 64}}}))
+    with pytest.raises(ReceiptError, match="computed with 64 generated tokens, but the parameters say 192; add "
+                                           "--param bench_gen_tokens=64"):
+        receipt.precomputed_parameters(tmp_path, {"50_bench": {"preset": "small", "device": "cuda",
+                                                               "bench_gen_tokens": 192}}, {})
     (tmp_path / "env.json").write_text(json.dumps({"cuda_available": False}))
     with pytest.raises(ReceiptError, match="without CUDA"):
         receipt.precomputed_parameters(tmp_path, {"50_bench": {"preset": "small", "device": "cuda"}}, {})

@@ -67,7 +67,8 @@ def main() -> int:
             load("device/hashes.json"), H200 + ", 2026-11-29T17:51Z", SESSION2,
             "scripts/h200_receipt.sh 1 (" + PREFIX + "sections --profile gpu --sections hashes,streams,fp64)",
             "full gpu-profile hash matrix: prompts cut to hash_max_tokens=2560, 64 generated tokens, offload on "
-            "and off (batched/deep); 440.7 s. streams and fp64 of that call were cut by its 10-minute limit"),
+            "and off (batched/deep); 440.7 s. streams and fp64 of that call were cut by its 10-minute limit. Computed "
+            "before the rerun control (hash_rerun) existed: no rerun column"),
         "bench": with_provenance(
             load("device/bench.json"), H200 + ", 2026-11-29T18:08Z", SESSION2,
             PREFIX + "sections --profile gpu --sections bench,contract --param bench_gen_tokens=64",

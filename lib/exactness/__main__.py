@@ -148,14 +148,16 @@ def _sections(args: argparse.Namespace) -> int:
         raise ReceiptError(f"unknown sections {bad!r}; allowed: {', '.join(ANALYSES)}")
     params = section_parameters(args.profile, args.param, [x for n in names for x in ANALYSES[n][2]])
     out = Path(args.out)
-    _write_json(environment(), str(out / "env.json"))
+    env = environment()
+    _write_json(env, str(out / "env.json"))
     failed = []
     with sharing_synthetic_weights():
         for name in names:
             t0 = time.perf_counter()
             try:
-                _write_json(importlib.import_module(ANALYSES[name][0]).run_section(dict(params)),
-                            str(out / f"{name}.json"))
+                section = importlib.import_module(ANALYSES[name][0]).run_section(dict(params))
+                section["provenance"] = _provenance(env, name, args, time.perf_counter() - t0)
+                _write_json(section, str(out / f"{name}.json"))
             except Exception:  # noqa: BLE001 -- record it, go on with the next section
                 (out / f"{name}.error.txt").write_text(traceback.format_exc(), encoding="utf-8")
                 failed.append(name)
@@ -163,6 +165,17 @@ def _sections(args: argparse.Namespace) -> int:
             print(f"[sections] {name}: {'FAILED' if name in failed else 'ok'} in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
     return 1 if failed else 0
+
+
+def _provenance(env: dict, name: str, args: argparse.Namespace, seconds: float) -> dict:
+    """The record a section computed by ``sections`` carries (receipt.md lists it): machine, commit, command."""
+    git = env.get("git") or {}
+    cmd = " ".join(["python -m exactness sections", f"--profile {args.profile}", f"--sections {name}",
+                    *[f"--param '{p}'" for p in args.param]])
+    return {"computed_on": f"{env.get('device')} (capability {env.get('compute_capability')}), torch "
+                           f"{env.get('torch')}, triton {env.get('triton')}, {env.get('time_utc')}",
+            "commit": f"{git.get('sha')}{' (dirty)' if git.get('dirty') else ''}", "command": cmd,
+            "notes": f"{seconds:.1f} s"}
 
 
 def _merge_bench_args(p: argparse.ArgumentParser) -> None:

@@ -355,6 +355,11 @@ def _check_precomputed_matches(folder: Path, per_nb: dict[str, dict]) -> None:
             raise ReceiptError(f"{bench} was computed with preset {got[0]!r} on {got[1]!r}, but this profile has "
                                f"preset {want['preset']!r} on {dev_type!r}; render with the profile it was "
                                f"computed with (e.g. --profile gpu)")
+        nb = per_nb.get("50_bench", {})
+        gen = nb.get("bench_gen_tokens") or nb.get("gen_tokens")
+        if config and gen is not None and config.get("gen_tokens") not in (None, gen):
+            raise ReceiptError(f"{bench} was computed with {config['gen_tokens']} generated tokens, but the "
+                               f"parameters say {gen}; add --param bench_gen_tokens={config['gen_tokens']}")
     env_file = folder / "env.json"
     if dev_type == "cuda" and env_file.is_file():
         if json.loads(env_file.read_text(encoding="utf-8")).get("cuda_available") is False:

@@ -444,7 +444,7 @@ def merge_sections(parts: list[dict]) -> dict:
 
     Each set's rows depend only on that set's runs (_bench_set), so the merge equals one run of both sets, except
     that each part's first request is "cold" in its own process (in one process the second set's cold runs follow
-    the first set's warm-up).
+    the first set's warm-up). The parts' ``provenance`` records are joined field by field.
 
     Raises:
         ValueError: fewer than two parts, a part that is not a bench section, kernel sets that overlap, or parts
@@ -458,14 +458,20 @@ def merge_sections(parts: list[dict]) -> dict:
             if c.get(key) != configs[0].get(key):
                 raise ValueError(f"bench sections differ in {key}: {configs[0].get(key)!r} vs {c.get(key)!r}")
     sets = [ks for c in configs for ks in c["kernel_sets"]]
-    if len(set(sets)) != len(sets):
-        raise ValueError(f"bench sections overlap in kernel sets: {sets}")
+    twice = sorted({ks for ks in sets if sets.count(ks) > 1})
+    if twice:
+        raise ValueError(f"bench sections overlap in kernel sets {twice} (each set may come from one part only)")
     data = {k: [row for q in parts for row in q["data"][k]]
             for k in ("plain", "drafted", "itl", "cold", "streams", "memory")}
     data.update(config={**configs[0], "kernel_sets": sets},
                 not_run={k: v for q in parts for k, v in (q["data"].get("not_run") or {}).items()},
                 offload=next((q["data"]["offload"] for q in parts if q["data"].get("offload")), None))
-    return {"section": "bench", "data": data}
+    merged = {"section": "bench", "data": data}
+    provs = [q["provenance"] for q in parts if isinstance(q.get("provenance"), dict)]
+    if provs:  # each part's record, joined field by field (the render lists one line per section)
+        merged["provenance"] = {k: " | ".join(dict.fromkeys(str(p.get(k)) for p in provs if p.get(k) is not None))
+                                for k in ("computed_on", "commit", "command", "notes")}
+    return merged
 
 
 def _bench_set(runner: Runner, prompts, sources, ks: str, p: dict, not_run: dict, data: dict, bar) -> None:
