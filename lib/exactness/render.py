@@ -82,13 +82,9 @@ def _env_rows(receipt: dict) -> list[list]:
 
 def _provenance_rows(receipt: dict) -> list[list]:
     """One row per section whose object carries a ``provenance`` dict (computed_on, commit, command, notes)."""
-    rows = []
-    for name, data in sections(receipt):
-        extra = receipt.get(f"{name}_extra") or {}
-        prov = extra.get("provenance") if not name.endswith("_extra") else None
-        if isinstance(prov, dict):
-            rows.append([name, prov.get("computed_on"), prov.get("commit"), prov.get("command"), prov.get("notes")])
-    return rows
+    provs = [(name, (receipt.get(f"{name}_extra") or {}).get("provenance")) for name, _ in sections(receipt)]
+    return [[name, p.get("computed_on"), p.get("commit"), p.get("command"), p.get("notes")]
+            for name, p in provs if isinstance(p, dict)]
 
 
 def render_errors(errors: list[dict]) -> str:

@@ -186,26 +186,22 @@ def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
     (tokens and every prompt-logit byte equal): the control that tells a set that is not run-to-run deterministic
     (so that no comparison of its runs, offload included, can separate a cause from noise) from one that is.
     """
-    rows, oracle = _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress, store,
-                              offload_paths)
-    if rerun:
-        for ks in kernel_sets:
-            name = get_set(ks).name
-            first = next(r for r in rows if r["kernels"] == name and r["path"] == "batched" and not r["offload"])
-            again = generate(w, prompt.ids, gen_tokens, ks, "batched", first["step"], deep_threshold)
-            first["rerun_equal"] = (token_hash(again.gen_ids) == first["hash"]
-                                    and bool(torch.equal(again.prompt_logits.view(torch.int32),
-                                                         first.pop("_logits").view(torch.int32))))
-            if progress is not None:
-                progress.update(1)
-    for r in rows:
-        r.pop("_logits", None)
+    rows, first = _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress, store,
+                             offload_paths)
+    for ks in (kernel_sets if rerun else []):
+        row, logits = first[get_set(ks).name]
+        again = generate(w, prompt.ids, gen_tokens, ks, "batched", row["step"], deep_threshold)
+        row["rerun_equal"] = (token_hash(again.gen_ids) == row["hash"]
+                              and bool(torch.equal(again.prompt_logits.view(torch.int32), logits.view(torch.int32))))
+        if progress is not None:
+            progress.update(1)
     return rows
 
 
 def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress, store, offload_paths):
-    """(rows, oracle runs) of run_prompt without the rerun control."""
-    rows, oracle = [], {}
+    """run_prompt without the rerun control: (rows, {kernel set name: (its first resident batched row, that run's
+    prompt logits [P, V] fp32)})."""
+    rows, oracle, first = [], {}, {}
     for off in ([False, True] if store is not None else [False]):
         for ks, path, step in run_configs(steps, kernel_sets):
             if off and path not in offload_paths:
@@ -222,13 +218,12 @@ def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
             else:
                 row.update(compare(run, oracle[run.kernels]))
                 run.cache = None  # the oracle keeps its cache for the later runs' KV comparison
-                if path == "batched" and not off and not any(r["kernels"] == run.kernels and "_logits" in r
-                                                             for r in rows):
-                    row["_logits"] = run.prompt_logits  # kept for the rerun control (run_prompt)
+                if path == "batched" and not off:
+                    first.setdefault(run.kernels, (row, run.prompt_logits))
             rows.append(row)
             if progress is not None:
                 progress.update(1)
-    return rows, oracle
+    return rows, first
 
 
 def run_section(params: dict) -> dict:
