@@ -4,9 +4,13 @@
 #
 #   scripts/h200_receipt.sh 1        offload bench (proves the expert ring on CUDA first; if it fails, the hash
 #                                    matrix runs without offload and says so), then the hashes section
-#   scripts/h200_receipt.sh 2        sections contract, streams, fp64 (SECTIONS2=contract etc. to split it)
+#   scripts/h200_receipt.sh 2        the contract section once per kernel set (CONTRACT_SETS, default "invariant
+#                                    fast"; each into $OUT/gpu/contract_SET/contract.json, so that the time limit
+#                                    cuts off at most one set), then sections SECTIONS2 (default streams,fp64) with
+#                                    the time left
 #   scripts/h200_receipt.sh 3 SET    the bench section for one kernel set (fast or invariant) at the seed's 192
 #                                    generated tokens, into $OUT/gpu/bench_SET/bench.json
+#   (PROFILE=ci etc. runs another profile, e.g. to try a part on the CPU)
 #   scripts/h200_receipt.sh 4        the kernel bench's decode-step and end-to-end prefill ratios
 #
 # Measured on the H200 (docs/gpu/README.md): hashes 441 s (before the rerun control added one batched run per set
@@ -16,8 +20,10 @@
 #
 # Each section JSON carries a provenance record (machine, commit, command, seconds) that receipt.md lists. Then
 # here: put the JSONs in one folder (env.json: keep part 1's; the calls' env records differ only in time), join the
-# bench parts with
-#   .venv/bin/python -m exactness merge-bench --out <folder>/bench.json bench_fast/bench.json bench_invariant/bench.json
+# per-set parts with
+#   .venv/bin/python -m exactness merge --out <folder>/bench.json bench_fast/bench.json bench_invariant/bench.json
+#   .venv/bin/python -m exactness merge --out <folder>/contract.json contract_invariant/contract.json \
+#       contract_fast/contract.json
 # and render with  .venv/bin/python -m exactness receipts --profile gpu --precomputed <folder> --out <run folder>
 # The prompts need mpmath 1.3.0 there: here `pip download --no-deps mpmath==1.3.0 -d .whl` (.whl/ is git-ignored),
 # name `.whl` in the device call's carry; the script installs it to /tmp/site (without it the prompt pins fail).
@@ -36,7 +42,8 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}lib" PYTHONUNBUFFERED=1
 left() { echo $(( deadline - SECONDS )); }
 sections() {  # sections DIR LOG ARGS...: one process, the log kept and shown
   local dir=$1 log=$2; shift 2
-  timeout "$(left)" python3 -m exactness sections --profile gpu --out "$dir" "$@" > "$log" 2>&1
+  if (( $(left) < 30 )); then echo "[h200_receipt] skipped (under 30 s left): $*"; return; fi
+  timeout "$(left)" python3 -m exactness sections --profile "${PROFILE:-gpu}" --out "$dir" "$@" > "$log" 2>&1
   grep -v "^\s*$" "$log" | tail -40
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -50,7 +57,13 @@ case "$part" in
     cat "$o/offload.log"
     sections "$o" "$o/sections1.log" --sections hashes "${extra[@]}" ;;
   2)
-    sections "$o" "$o/sections2.log" --sections "${SECTIONS2:-contract,streams,fp64}" ;;
+    for set_name in ${CONTRACT_SETS-invariant fast}; do
+      mkdir -p "$o/contract_$set_name"
+      sections "$o/contract_$set_name" "$o/contract_$set_name/sections.log" --sections contract \
+        --param "kernel_sets=[$set_name]"
+    done
+    rest=${SECTIONS2-streams,fp64}
+    if [ -n "$rest" ]; then sections "$o" "$o/sections2.log" --sections "$rest"; fi ;;
   3)
     set_name=${2:?usage: scripts/h200_receipt.sh 3 fast|invariant}
     mkdir -p "$o/bench_$set_name"

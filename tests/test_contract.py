@@ -264,7 +264,7 @@ def section(invariant_rows, monkeypatch):
     """run_section over the invariant rows computed above (check_set replaced by a lookup of those rows)."""
     seen = []
 
-    def lookup(set_name, device, dtypes, sweep, preset):
+    def lookup(set_name, device, dtypes, sweep, preset, progress=False):
         seen.append((set_name, device, list(dtypes), sweep, preset))
         return [C.PairResult(cls=r["class"], **{k: v for k, v in r.items() if k != "class"})
                 for r in invariant_rows if r["set"] == set_name and r["dtype"] in dtypes]
@@ -303,7 +303,8 @@ def test_notebook_renders_a_precomputed_section(section, tmp_path):
 def test_control_sweep_applies_to_sets_that_claim_no_exactness(monkeypatch):
     """contract_control_sweep picks the sweep of the negative-control sets (fast); exact sets keep contract_sweep."""
     seen = []
-    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, preset: seen.append((s, sweep)) or [])
+    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, preset, progress=False:
+                        seen.append((s, sweep)) or [])
     sec = C.run_section({"preset": "tiny", "device": "cpu", "dtype": "bfloat16", "kernel_sets": ["fast", "invariant"],
                          "contract_sweep": "full", "contract_control_sweep": "quick"})
     assert seen == [("fast", "quick"), ("invariant", "full")]
@@ -311,3 +312,43 @@ def test_control_sweep_applies_to_sets_that_claim_no_exactness(monkeypatch):
     assert "sets that claim no exactness: `quick`" in C.render_md(sec)
     with pytest.raises(ValueError):
         C.run_section({"kernel_sets": ["fast"], "contract_control_sweep": "most"})
+
+
+def test_merge_sections_equals_one_run_and_refuses_overlap(section, invariant_rows, monkeypatch):
+    """Contract sections computed per dtype (one device call each) merge into the section of one run over both;
+    a (class, set, dtype) in two parts, or parts of another sweep, are refused."""
+    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, preset, progress=False: [
+        C.PairResult(cls=r["class"], **{k: v for k, v in r.items() if k != "class"})
+        for r in invariant_rows if r["set"] == s and r["dtype"] in dtypes])
+    base = {"preset": "tiny", "device": "cpu", "kernel_sets": ["invariant"], "contract_sweep": "quick"}
+    parts = [dict(C.run_section({**base, "contract_dtypes": [d]}), provenance={"computed_on": "H200", "command": c})
+             for d, c in (("float32", "a"), ("bfloat16", "b"))]
+    merged = C.merge_sections(parts)
+    key = lambda r: (r["dtype"], r["class"])  # noqa: E731
+    assert sorted(merged.pop("rows"), key=key) == sorted(section["rows"], key=key)
+    assert {k: v for k, v in merged.items() if k != "provenance"} == {k: v for k, v in section.items() if k != "rows"}
+    assert merged["provenance"]["command"] == "a | b" and merged["provenance"]["computed_on"] == "H200"
+    with pytest.raises(ValueError, match="overlap"):
+        C.merge_sections([parts[0], parts[0]])
+    with pytest.raises(ValueError, match="sweep"):
+        C.merge_sections([parts[0], dict(parts[1], sweep="full")])
+    with pytest.raises(ValueError, match="two or more"):
+        C.merge_sections([parts[0]])
+
+
+def test_merge_command_joins_contract_parts_and_refuses_mixed_kinds(invariant_rows, monkeypatch, tmp_path, capsys):
+    from exactness.__main__ import main
+    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, preset, progress=False: [
+        C.PairResult(cls=r["class"], **{k: v for k, v in r.items() if k != "class"})
+        for r in invariant_rows if r["set"] == s and r["dtype"] in dtypes])
+    files = []
+    for d in ("float32", "bfloat16"):
+        files.append(tmp_path / f"{d}.json")
+        files[-1].write_text(json.dumps(C.run_section({"preset": "tiny", "device": "cpu", "kernel_sets": ["invariant"],
+                                                       "contract_sweep": "quick", "contract_dtypes": [d]})))
+    out = tmp_path / "contract.json"
+    assert main(["merge", "--out", str(out), *map(str, files)]) == 0
+    assert json.loads(out.read_text()) == C.merge_sections([json.loads(f.read_text()) for f in files])
+    (tmp_path / "bench.json").write_text(json.dumps({"section": "bench", "data": {}}))
+    assert main(["merge", "--out", str(tmp_path / "x.json"), str(files[0]), str(tmp_path / "bench.json")]) == 2
+    assert "one section" in capsys.readouterr().err and not (tmp_path / "x.json").exists()

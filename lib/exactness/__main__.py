@@ -2,7 +2,7 @@
 
     receipts --profile P [--out DIR] [--param key=value ...]   run the notebooks, write one receipt run folder
     sections --profile P --out DIR [--sections a,b] [--param]   compute section JSONs in one process (GPU machine)
-    merge-bench --out bench.json A.json B.json ...              join bench sections computed per kernel set
+    merge --out bench.json A.json B.json ...                    join bench (or contract) sections computed per call
     env                                                         print the environment record as JSON
     profiles                                                    list the run profiles
 
@@ -178,16 +178,23 @@ def _provenance(env: dict, name: str, args: argparse.Namespace, seconds: float) 
             "notes": f"{seconds:.1f} s"}
 
 
-def _merge_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="the merged bench.json to write")
-    p.add_argument("parts", nargs="+", help="bench section JSONs, one per kernel set, in table order")
+MERGERS = {"bench": "exactness.analysis.bench", "contract": "exactness.analysis.contract"}
 
 
-def _merge_bench(args: argparse.Namespace) -> int:
-    """analysis.bench.merge_sections over the given files (exit 2 with the reason when they do not merge)."""
-    from .analysis.bench import merge_sections
+def _merge_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="the merged section JSON to write")
+    p.add_argument("parts", nargs="+", help=f"section JSONs of one kind ({', '.join(MERGERS)}), computed in separate "
+                   "calls (one kernel set or dtype each), in table order")
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """``merge_sections`` of the parts' analysis module (exit 2 with the reason when they do not merge)."""
     parts = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.parts]
-    _write_json(merge_sections(parts), args.out)
+    names = sorted({str(q.get("section")) for q in parts if isinstance(q, dict)})
+    if len(names) != 1 or names[0] not in MERGERS:
+        raise ValueError(f"the parts hold sections {names}; merge joins parts of one section, one of "
+                         f"{', '.join(MERGERS)}")
+    _write_json(importlib.import_module(MERGERS[names[0]]).merge_sections(parts), args.out)
     return 0
 
 
@@ -210,8 +217,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "profiles": Subcommand("list the run profiles", lambda p: None, _profiles),
     "sections": Subcommand("compute several section JSONs in one process (shared weights), e.g. on the GPU machine",
                            _sections_args, _sections),
-    "merge-bench": Subcommand("join bench sections computed per kernel set into one bench.json", _merge_bench_args,
-                              _merge_bench),
+    "merge": Subcommand("join bench or contract sections computed in separate calls into one section JSON",
+                        _merge_args, _merge),
+    "merge-bench": Subcommand("the same as merge (its earlier name)", _merge_args, _merge),
     # ---- analysis subcommands (engine side): one entry each in ANALYSES below
 }
 

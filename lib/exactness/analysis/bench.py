@@ -37,6 +37,7 @@ from ..kernels import get_set
 from ..offload import ExpertStore, prepare_hook
 from ..paths import PATHS, generate
 from ..prompts import build_prompt
+from ..sections import join_provenance
 from .bench_tables import config_line, render_md, tables  # noqa: F401  (the section's renderer and tables)
 from .hashes import load_model, resolve_device, token_hash
 
@@ -467,10 +468,9 @@ def merge_sections(parts: list[dict]) -> dict:
                 not_run={k: v for q in parts for k, v in (q["data"].get("not_run") or {}).items()},
                 offload=next((q["data"]["offload"] for q in parts if q["data"].get("offload")), None))
     merged = {"section": "bench", "data": data}
-    provs = [q["provenance"] for q in parts if isinstance(q.get("provenance"), dict)]
-    if provs:  # each part's record, joined field by field (the render lists one line per section)
-        merged["provenance"] = {k: " | ".join(dict.fromkeys(str(p.get(k)) for p in provs if p.get(k) is not None))
-                                for k in ("computed_on", "commit", "command", "notes")}
+    prov = join_provenance(parts)
+    if prov:
+        merged["provenance"] = prov
     return merged
 
 

@@ -15,6 +15,7 @@ each pair (M, segmentation, row, element, ULP distance).
 from __future__ import annotations
 
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -22,6 +23,7 @@ import torch
 from tabulate import tabulate
 
 from ..kernels import KERNEL_CLASSES, KERNEL_SETS, KernelSpec, get_set
+from ..sections import join_provenance
 from .contract_cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, SOURCES, Case, bucket, check_sweep,
                              make_pool, plan, ranges)
 from .hashes import resolve_device, resolve_dtype
@@ -270,8 +272,9 @@ def check_set(set_name: str, device: str = "cpu", dtypes=("bfloat16", "float32")
         for p, dec in ks.pairs():
             if p.cls in classes and p.cls in ADAPTED:
                 r = check_pair(p, dec, device, d, sweep, ks.name, preset=preset)
-                if progress:
-                    print(f"{ks.name:>10} {d:>8} {p.cls:>14}: {r.mismatches}/{r.cases} rows differ ({r.seconds} s)")
+                if progress:   # stderr: the sections log of a device call shows how far a cut-off run came
+                    print(f"[contract] {ks.name:>10} {d:>8} {p.cls:>14}: {r.mismatches}/{r.cases} rows differ "
+                          f"({r.seconds} s)", file=sys.stderr, flush=True)
                 out.append(r)
     return out
 
@@ -324,10 +327,51 @@ def run_section(params: dict) -> dict:
         get_set(s)
     preset = params.get("preset", "tiny")
     rows = [r.to_row() for s in sets
-            for r in check_set(s, device, dtypes, sweep if get_set(s).claims_exact else control, preset=preset)]
+            for r in check_set(s, device, dtypes, sweep if get_set(s).claims_exact else control, preset=preset,
+                               progress=True)]
     cov, unc = coverage(rows, sets, str(resolve_device(device)), dtypes)
     return {"section": "contract", "sweep": sweep, "control_sweep": control, "preset": preset, "rows": rows,
             "coverage": cov, "uncovered": unc}
+
+
+MERGE_SAME = ("sweep", "control_sweep", "preset")
+
+
+def merge_sections(parts: list[dict]) -> dict:
+    """One contract section from sections computed in separate calls (e.g. ``--param 'kernel_sets=[invariant]'`` and
+    ``[fast]``, or one dtype each, so that a device call's time limit cuts off at most one part): rows concatenated
+    in the given order, coverage and uncovered recomputed over the union of the parts' sets and dtypes, provenance
+    joined field by field. Every pair's check depends only on its own inputs (seeded pools), so the merge equals one
+    run.
+
+    Raises:
+        ValueError: fewer than two parts, a part that is not a contract section, parts that differ in sweep,
+            control_sweep, preset or device (names the field and both values), or a (class, set, dtype) present in
+            two parts.
+    """
+    if len(parts) < 2 or any(not isinstance(q, dict) or q.get("section") != "contract" for q in parts):
+        raise ValueError("merge_sections needs two or more contract sections ({'section': 'contract', 'rows': ...})")
+    for q in parts[1:]:
+        for key in MERGE_SAME:
+            if q.get(key) != parts[0].get(key):
+                raise ValueError(f"contract sections differ in {key}: {parts[0].get(key)!r} vs {q.get(key)!r}")
+    devices = list(dict.fromkeys(c["device"] for q in parts for c in q["coverage"]))
+    if len(devices) != 1:
+        raise ValueError(f"contract sections differ in device: {devices}")
+    rows = [r for q in parts for r in q["rows"]]
+    keys = [(r["class"], r["set"], r["dtype"]) for r in rows]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"contract sections overlap in (class, set, dtype) {twice} (each may come from one part)")
+    sets = list(dict.fromkeys(c["set"] for q in parts for c in q["coverage"]))
+    dtypes = list(dict.fromkeys(c["dtype"] for q in parts for c in q["coverage"]))
+    cov, unc = coverage(rows, sets, devices[0], dtypes)
+    merged = {"section": "contract", **{k: parts[0].get(k) for k in MERGE_SAME}, "rows": rows, "coverage": cov,
+              "uncovered": unc}
+    prov = join_provenance(parts)
+    if prov:
+        merged["provenance"] = prov
+    return merged
 
 
 # ------------------------------------------------------------------------------------------------------- render
