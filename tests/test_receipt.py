@@ -236,6 +236,17 @@ def test_markdown_stays_under_github_limit():
     assert "\n| a | b |\n\n_Receipt truncated" in text  # cut at a line boundary
 
 
+def test_markdown_over_the_limit_compacts_its_tables_before_cutting():
+    """Padded tables over the limit lose their padding (same cells, same rendering) instead of rows."""
+    table = "| a      | bb     |\n|--------|--------|\n" + "| x      | y  z   |\n" * 5000
+    assert len(table) >= 65_536
+    text = render.truncate("## T\n\n" + table)
+    assert len(text) < 65_536 and "truncated" not in text
+    lines = text.split("\n")
+    assert lines[2:5] == ["| a | bb |", "|---|---|", "| x | y z |"]
+    assert len(lines) == len(("## T\n\n" + table).split("\n"))   # every row kept
+
+
 def test_generic_renderer_and_registry(monkeypatch):
     md = render.render_markdown(_huge_receipt(2))
     assert "## widgets" in md and "| kernel " in md

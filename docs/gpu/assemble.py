@@ -1,21 +1,28 @@
 """Assemble docs/gpu/sections/ (the five section JSONs of the GPU receipt) from the H200 outputs kept in docs/gpu/.
 
     make setup && .venv/bin/python docs/gpu/assemble.py   # writes docs/gpu/sections/{env,hashes,...}.json
-    .venv/bin/python -m exactness receipts --profile gpu --precomputed docs/gpu/sections --out docs/gpu/receipt \\
-        --param bench_gen_tokens=64
+    .venv/bin/python -m exactness receipts --profile gpu --precomputed docs/gpu/sections --out /tmp/gpu-receipt
+    cp /tmp/gpu-receipt/receipt.{md,json,html} docs/gpu/receipt/
 
 Each section gets a ``provenance`` record (machine, commit, command, notes) that receipt.md shows in its "Where each
 section was computed" table. Sources:
 
-    device/hashes.json, device/bench.json, device/env.json   session 2 (2026-11-29), tree of commit 9bbc9f3
-                                                              (bench: call 3, device/sections3.log, env_call3.json)
-    contract_cuda_tiny_shapes.json, fp64_small_2064tok.json,
-    streams_small_2048tok.json                                session 1 (2026-11-29), its working tree (not
-                                                              recorded exactly; between 5d1be2c and ee1bfa4)
+    device3/contract.json, device3/bench.json    session 3 (2026-11-29), commit 0db0fbb: one device call per part
+                                                 (scripts/h200_receipt.sh 2, 3 fast, 3 invariant), the parts joined
+                                                 here by ``python -m exactness merge`` (device3/*/ holds each part,
+                                                 its env.json and its log); their provenance is the one the
+                                                 ``sections`` command wrote on the device
+    device/hashes.json                           session 2 (2026-11-29), tree of commit 9bbc9f3
+    fp64_small_2064tok.json,
+    streams_small_2048tok.json                   session 1 (2026-11-29), its working tree (not recorded exactly;
+                                                 between 5d1be2c and ee1bfa4)
 
-The environment record is the H200's (device/env.json) except ``git``: the device tool sends the working tree with
-the ``.git`` of the session's starting checkout (dd4bdeb), so git there reported ``dd4bdeb (dirty)`` although the
-files were exactly commit 9bbc9f3 (committed, ``git status`` empty, just before the calls); the record says so.
+lib/exactness/kernels, model.py, paths.py and cache.py are identical at 5d1be2c, 9bbc9f3 and 0db0fbb, so every
+section ran the same kernels. The environment record is session 3's first call (device3/env_call1.json); its ``git``
+comes from EXACTNESS_GIT_SHA (the device tool sends the session's first ``.git``, so git there named fdab6c6, dirty,
+for a tree that was exactly 0db0fbb; the record keeps what git said).
+Earlier outputs kept for the record: device/bench.json (session 2's bench at 64 generated tokens) and
+contract_cuda_tiny_shapes.json (session 1's quick sweep at the tiny preset's shapes, bf16).
 """
 from __future__ import annotations
 
@@ -42,25 +49,17 @@ def with_provenance(section: dict, computed_on: str, commit: str, command: str, 
                                       "notes": notes}}
 
 
-def contract_section() -> dict:
-    """Session 1's contract rows (a bare list) as a section object, with coverage for what they cover."""
-    from exactness.analysis.contract import coverage
-    rows = load("contract_cuda_tiny_shapes.json")
-    sets = sorted({r["set"] for r in rows})
-    cov, unc = coverage(rows, sets, "cuda", ["bfloat16"])
-    # The rows do not record their sweep. Their case counts (63,760 per class, 76,764 for attention; 714,364 in
-    # all) are exactly those of the quick sweep at the tiny preset (the ci profile's CPU receipt has the same),
-    # while the full sweep has 2,446,626: this was a quick sweep, whatever session 1's notes said.
-    return {"section": "contract", "sweep": "quick", "preset": "tiny", "rows": rows, "coverage": cov,
-            "uncovered": unc}
+def noted(section: dict, note: str) -> dict:
+    """``section`` with ``note`` put before its provenance notes (the record the device's ``sections`` wrote)."""
+    prov = dict(section["provenance"])
+    prov["notes"] = f"{note}; {prov['notes']}"
+    return {**section, "provenance": prov}
 
 
 def main() -> int:
     out = HERE / "sections"
     out.mkdir(exist_ok=True)
-    env = load("device/env.json")
-    env["git"] = {"sha": SESSION2, "short": SESSION2[:7], "dirty": False, "source": "stated (see docs/gpu/assemble.py)",
-                  "device_git_said": env["git"]}
+    env = load("device3/env_call1.json")
     sections = {
         "env": env,
         "hashes": with_provenance(
@@ -69,18 +68,13 @@ def main() -> int:
             "full gpu-profile hash matrix: prompts cut to hash_max_tokens=2560, 64 generated tokens, offload on "
             "and off (batched/deep); 440.7 s. streams and fp64 of that call were cut by its 10-minute limit. Computed "
             "before the rerun control (hash_rerun) existed: no rerun column"),
-        "bench": with_provenance(
-            load("device/bench.json"), H200 + ", 2026-11-29T18:08Z", SESSION2,
-            PREFIX + "sections --profile gpu --sections bench,contract --param bench_gen_tokens=64",
-            "the seed's tables on the full prompts with 64 generated tokens instead of 192 (the run at 192 did "
-            "not finish inside one 10-minute call); 374.1 s. The contract of that call was cut by the limit"),
-        "contract": with_provenance(
-            contract_section(), H200 + ", 2026-11-29 (session 1)", SESSION1,
-            PREFIX1 + "contract --profile gpu --param preset=tiny --param 'contract_dtypes=[bfloat16]'",
-            "quick sweep (its case counts are the quick sweep's; session 1's notes called it full) at the tiny "
-            "preset's shapes, bf16 only; the full sweep at the small preset's shapes (bf16 + fp32) is still owed: "
-            "its call was cut by the 10-minute call limit and no device time was left. The command is what "
-            "session 1 recorded; the rows show a quick sweep, so the exact command is not known"),
+        "bench": noted(load("device3/bench.json"),
+                       "scripts/h200_receipt.sh 3 fast, then 3 invariant (one device call each, 192 generated "
+                       "tokens), joined by python -m exactness merge; seconds per part"),
+        "contract": noted(load("device3/contract.json"),
+                          "scripts/h200_receipt.sh 2 (one process per kernel set in one device call), joined by "
+                          "python -m exactness merge; full sweep for invariant, quick for the fast control; "
+                          "seconds per part"),
         "fp64": with_provenance(
             load("fp64_small_2064tok.json"), H200 + ", 2026-11-29 (session 1)", SESSION1,
             PREFIX1 + "fp64 --profile gpu --param fp64_tokens=2064", "small preset, code prompt cut to 2064 tokens"),

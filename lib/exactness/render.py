@@ -54,8 +54,24 @@ def table(rows: list[list], headers: list[str], max_rows: int = MAX_ROWS) -> str
                     floatfmt=FLOAT_FMT) + note
 
 
+def compact_tables(text: str) -> str:
+    """``text`` with the column padding of its markdown table lines (lines starting with ``|``) removed: runs of
+    spaces become one and separator dashes become ``---``. GitHub renders the table the same; the raw text loses
+    its alignment."""
+    out = []
+    for line in text.split("\n"):
+        if line.startswith("|"):
+            line = re.sub(r"-{3,}", "---", line) if set(line) <= set("|-: ") else re.sub(r" {2,}", " ", line)
+        out.append(line)
+    return "\n".join(out)
+
+
 def truncate(text: str, limit: int = MD_LIMIT) -> str:
-    """``text`` cut at a line boundary so that it, with a closing note, stays under ``limit`` characters."""
+    """``text`` under ``limit`` characters: as is when it fits, else with its tables compacted (compact_tables)
+    when that fits, else compacted and cut at a line boundary with a closing note."""
+    if len(text) < limit:
+        return text
+    text = compact_tables(text)
     if len(text) < limit:
         return text
     note = "\n\n_Receipt truncated to stay under GitHub's 65,536-character limit; see receipt.json._\n"
