@@ -8,6 +8,7 @@ fault and the public plan predict, and against ``brute_first``, an independent r
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -264,7 +265,9 @@ def section(invariant_rows, monkeypatch):
     """run_section over the invariant rows computed above (check_set replaced by a lookup of those rows)."""
     seen = []
 
-    def lookup(set_name, device, dtypes, sweep, preset, progress=False):
+    def lookup(set_name, device, dtypes, sweep, preset, classes=None, progress=False, offload=False):
+        if offload:
+            return []
         seen.append((set_name, device, list(dtypes), sweep, preset))
         return [C.PairResult(cls=r["class"], **{k: v for k, v in r.items() if k != "class"})
                 for r in invariant_rows if r["set"] == set_name and r["dtype"] in dtypes]
@@ -303,8 +306,8 @@ def test_notebook_renders_a_precomputed_section(section, tmp_path):
 def test_control_sweep_applies_to_sets_that_claim_no_exactness(monkeypatch):
     """contract_control_sweep picks the sweep of the negative-control sets (fast); exact sets keep contract_sweep."""
     seen = []
-    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, preset, progress=False:
-                        seen.append((s, sweep)) or [])
+    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, offload=False, **kw:
+                        [] if offload else seen.append((s, sweep)) or [])
     sec = C.run_section({"preset": "tiny", "device": "cpu", "dtype": "bfloat16", "kernel_sets": ["fast", "invariant"],
                          "contract_sweep": "full", "contract_control_sweep": "quick"})
     assert seen == [("fast", "quick"), ("invariant", "full")]
@@ -317,9 +320,9 @@ def test_control_sweep_applies_to_sets_that_claim_no_exactness(monkeypatch):
 def test_merge_sections_equals_one_run_and_refuses_overlap(section, invariant_rows, monkeypatch):
     """Contract sections computed per dtype (one device call each) merge into the section of one run over both;
     a (class, set, dtype) in two parts, or parts of another sweep, are refused."""
-    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, preset, progress=False: [
+    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, offload=False, **kw: [
         C.PairResult(cls=r["class"], **{k: v for k, v in r.items() if k != "class"})
-        for r in invariant_rows if r["set"] == s and r["dtype"] in dtypes])
+        for r in invariant_rows if r["set"] == s and r["dtype"] in dtypes and not offload])
     base = {"preset": "tiny", "device": "cpu", "kernel_sets": ["invariant"], "contract_sweep": "quick"}
     parts = [dict(C.run_section({**base, "contract_dtypes": [d]}), provenance={"computed_on": "H200", "command": c})
              for d, c in (("float32", "a"), ("bfloat16", "b"))]
@@ -338,9 +341,9 @@ def test_merge_sections_equals_one_run_and_refuses_overlap(section, invariant_ro
 
 def test_merge_command_joins_contract_parts_and_refuses_mixed_kinds(invariant_rows, monkeypatch, tmp_path, capsys):
     from exactness.__main__ import main
-    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, preset, progress=False: [
+    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, offload=False, **kw: [
         C.PairResult(cls=r["class"], **{k: v for k, v in r.items() if k != "class"})
-        for r in invariant_rows if r["set"] == s and r["dtype"] in dtypes])
+        for r in invariant_rows if r["set"] == s and r["dtype"] in dtypes and not offload])
     files = []
     for d in ("float32", "bfloat16"):
         files.append(tmp_path / f"{d}.json")
@@ -352,3 +355,69 @@ def test_merge_command_joins_contract_parts_and_refuses_mixed_kinds(invariant_ro
     (tmp_path / "bench.json").write_text(json.dumps({"section": "bench", "data": {}}))
     assert main(["merge", "--out", str(tmp_path / "x.json"), str(files[0]), str(tmp_path / "bench.json")]) == 2
     assert "one section" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+# ------------------------------------------------------------------------------------- offloaded expert weights
+
+@pytest.mark.parametrize("cls", cc.OFFLOAD_CLASSES)
+def test_offloaded_expert_weights_keep_the_contract(cls):
+    """Prompt calls with weights from the expert ring (behind a decoy) equal decode references fetched
+    synchronously, for the invariant set; the ring really served every prompt call."""
+    p, d = get_set("invariant").pairs()[KERNEL_CLASSES.index(cls)]
+    res = C.check_pair(p, d, "cpu", "bfloat16", "quick", offload=True)
+    assert res.weights == "offloaded" and res.mismatches == 0 and res.cases == 63_760, res
+
+
+def _ring_hands_out(monkeypatch, which: str):
+    """Plant a ring fault in offload.StagedWeights: ``decoy`` -- the weights' copy never lands, so the kernel
+    reads the decoy left in the slot; ``flip`` -- the staged copy has one element one ULP off."""
+    from exactness import offload
+    original = offload.StagedWeights.__init__
+
+    def planted(self, tensors):
+        original(self, tensors)
+        if which == "decoy":
+            self.ring.source = lambda key: self.decoy
+        else:
+            bad = tuple(t.clone() for t in self.host)
+            bad[0].view(INT[bad[0].dtype]).view(-1)[5] += 1
+            self.ring.source = lambda key: self.decoy if key[1] == "decoy" else bad
+    monkeypatch.setattr(offload.StagedWeights, "__init__", planted)
+
+
+@pytest.mark.parametrize("which", ["decoy", "flip"])
+def test_offload_check_catches_a_faulty_ring(monkeypatch, which):
+    _ring_hands_out(monkeypatch, which)
+    p, d = get_set("invariant").pairs()[KERNEL_CLASSES.index("expert_down")]
+    res = C.check_pair(p, d, "cpu", "float32", "quick", stop_at_first=True, offload=True)
+    fm = res.first_mismatch
+    assert res.mismatches > 0 and fm is not None and fm["prompt"] != fm["decode"], fm
+    if which == "decoy":  # negated weights: the very first prompt call differs
+        assert (fm["M"], fm["row"]) == (1, 0)
+    else:   # w_down [H, I] element 5 feeds output element 0 only (and moves its rounding only for some rows)
+        assert fm["element"] == 0 and fm["ulp"] >= 1
+
+
+def test_offload_is_refused_for_classes_whose_weights_stay(monkeypatch):
+    p, d = get_set("invariant").pairs()[KERNEL_CLASSES.index("dense")]
+    with pytest.raises(ValueError, match="offload moves the weights of expert_gate_up, expert_down only"):
+        C.check_pair(p, d, "cpu", "float32", "quick", offload=True)
+    rows = [r.to_row() for r in C.check_set("invariant", "cpu", ("float32",), "quick", ["dense", "expert_down"],
+                                             offload=True)]
+    assert [(r["class"], r["weights"]) for r in rows] == [("expert_down", "offloaded")]
+
+
+def test_section_carries_offload_rows_and_renders_them(monkeypatch):
+    def fake(s, device, dtypes, sweep, offload=False, **kw):
+        cls = ("expert_down",) if offload else ("dense",)
+        return [C.PairResult(c, "p", "d", s, device, dt, cases=3, mismatches=int(offload),
+                             weights="offloaded" if offload else "resident") for c in cls for dt in dtypes]
+    monkeypatch.setattr(C, "check_set", fake)
+    sec = C.run_section({"preset": "tiny", "device": "cpu", "dtype": "float32", "kernel_sets": ["invariant"],
+                         "contract_dtypes": ["float32"]})
+    assert [r["weights"] for r in sec["rows"]] == ["resident"] and len(sec["offload_rows"]) == 1
+    md = re.sub(" +", " ", C.render_md(sec))
+    assert "Expert weights offloaded" in md and "| invariant | float32 | expert_down | 1/3 |" in md
+    off = C.run_section({"preset": "tiny", "device": "cpu", "dtype": "float32", "kernel_sets": ["invariant"],
+                         "contract_dtypes": ["float32"], "contract_offload": False})
+    assert off["offload_rows"] == [] and "Expert weights offloaded" not in C.render_md(off)

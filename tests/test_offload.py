@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exactness import model, paths
-from exactness.offload import ExpertRing, ExpertStore, moe_block_calls_prepare, prepare_hook
+from exactness.offload import ExpertRing, ExpertStore, StagedWeights, moe_block_calls_prepare, prepare_hook
 from exactness.paths import generate
 from exactness.prompts import build_prompt
 
@@ -206,3 +206,23 @@ def test_offload_changes_no_byte_on_cuda(tiny_weights, prompt, ks, slots):
     assert store.host[0][0].is_pinned() and store.ring.stream is not None
     assert _differences(_run(store.weights, prompt.ids, ks, "deep", store), ref) == NONE
     assert store.stats["ring_fetches"] > 0 and store.stats["unannounced_calls"] == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_staged_weights_hand_out_the_weights_behind_a_decoy(device):
+    """Both routes give the weights' bytes; the ring copies the decoy (every nonzero element's sign flipped) and
+    then the weights into its one slot on every fetch, so a kernel that does not wait for the second copy reads
+    the decoy."""
+    w = (torch.randn(8, 16, dtype=torch.bfloat16, device=device), torch.randn(8, 16, dtype=torch.bfloat16,
+                                                                             device=device))
+    staged = StagedWeights(w)
+    assert all(torch.equal(d.view(torch.int16) ^ h.view(torch.int16), torch.full_like(h.view(torch.int16), -32768))
+               for d, h in zip(staged.decoy, staged.host))
+    for n in range(1, 4):
+        got = staged.fetch("ring")
+        assert all(torch.equal(g.view(torch.int16), t.view(torch.int16)) for g, t in zip(got, w))
+        assert staged.stats["copies"] == 2 * n and len(staged.ring.bufs) == 1
+    assert all(torch.equal(g.view(torch.int16), t.view(torch.int16)) for g, t in zip(staged.fetch("sync"), w))
+    with pytest.raises(ValueError, match="unknown route 'rings'; allowed: ring, sync"):
+        staged.fetch("rings")

@@ -179,6 +179,48 @@ def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return out
 
 
+class StagedWeights:
+    """Fixed kernel weights kept in host memory (pinned on CUDA) and handed to each call by one of offload's two
+    routes; the kernel contract's offload check (analysis/contract_offload.py) feeds expert kernels through it.
+
+    ``fetch("ring")`` (the deep plan's route): a one-slot :class:`ExpertRing` on the copy stream stages a *decoy*
+    (the weights negated: every nonzero element differs in its sign bit) and then the weights into the same slot.
+    A kernel that ran before its copy landed, or a copy that overwrote the slot before the previous kernel had read
+    it, reads the decoy, and the contract sees different bytes. ``fetch("sync")`` (decode's and the batched pass's
+    route): copied into fresh device tensors, as ExpertStore._fetch_sync does.
+
+    Args:
+        tensors: the weights on the compute device (one dtype), e.g. (w_gate [I, H], w_up [I, H]).
+    Raises:
+        ValueError: an unknown route; torch.cuda.OutOfMemoryError: the slot does not fit.
+    """
+
+    ROUTES = ("ring", "sync")
+
+    def __init__(self, tensors: tuple):
+        self.device = tensors[0].device
+        pin = self.device.type == "cuda"
+        self.host = tuple(_host_copy(t, pin) for t in tensors)
+        self.decoy = tuple(_host_copy(-t, pin) for t in tensors)
+        self.stats = _stats()
+        self.ring = ExpertRing([t.shape for t in tensors], tensors[0].dtype, self.device, 1,
+                               lambda key: self.decoy if key[1] == "decoy" else self.host, None, self.stats)
+        self.calls = 0
+
+    def fetch(self, route: str) -> tuple:
+        """The weights on the device by ``route`` ("ring" or "sync"), one fresh copy per call."""
+        if route == "sync":
+            self.stats["sync_fetches"] += 1
+            return tuple(torch.empty(h.shape, dtype=h.dtype, device=self.device).copy_(h) for h in self.host)
+        if route != "ring":
+            raise ValueError(f"unknown route {route!r}; allowed: {', '.join(self.ROUTES)}")
+        self.calls += 1
+        decoy, real = (self.calls, "decoy"), (self.calls, "real")
+        self.ring.schedule([decoy, real])
+        self.ring.take(decoy)      # the slot holds the decoy; taking the weights next must copy over it
+        return self.ring.take(real)
+
+
 def _strip_experts(w: Weights, device: torch.device) -> Weights:
     """A Weights copy on ``device`` whose expert fields are empty ``[0, I, H]`` / ``[0, H, I]`` placeholders (no
     bytes; indexing an expert raises IndexError, so a forward without the provider fails loudly). The experts

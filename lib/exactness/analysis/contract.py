@@ -20,12 +20,12 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from tabulate import tabulate
 
 from ..kernels import KERNEL_CLASSES, KERNEL_SETS, KernelSpec, get_set
 from ..sections import join_provenance
-from .contract_cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, SOURCES, Case, bucket, check_sweep,
-                             make_pool, plan, ranges)
+from .contract_cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SOURCES, Case, bucket,
+                             check_sweep, make_pool, offloaded, plan, ranges)
+from .contract_report import coverage_frame, mismatch_frame, plot_heatmap, render_md, summary  # noqa: F401
 from .hashes import resolve_device, resolve_dtype
 
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
@@ -73,6 +73,8 @@ class PairResult:
             the row), ulp and ulp_format (ULPs of the storage dtype, or of the output's dtype when it is not a
             widened storage value; None for integer outputs), prompt and decode values.
         buckets: M bucket -> [cases, mismatches]; seconds: wall time of the check.
+        weights: "resident", or "offloaded" (contract_cases.offloaded: prompt calls take the weights from the
+            expert ring, decode references from a synchronous fetch).
     """
 
     cls: str
@@ -90,6 +92,7 @@ class PairResult:
     first_mismatch: dict | None = None
     buckets: dict = field(default_factory=dict)
     seconds: float = 0.0
+    weights: str = "resident"
 
     def to_row(self) -> dict:
         """JSON row of the receipt's ``contract`` list (key ``class`` for cls)."""
@@ -141,7 +144,7 @@ def prompt_rows(fn, pool, case: Case) -> list[torch.Tensor]:
     parts = []
     for j in range(len(case.variant.segments)):
         lead, real, tail = call_layout(case, j)
-        outs = _outputs(fn(*pool.args(torch.tensor(lead + real + tail, dtype=torch.int64, device=dev))))
+        outs = _outputs(fn(*pool.args(torch.tensor(lead + real + tail, dtype=torch.int64, device=dev), "ring")))
         parts.append([o[len(lead):len(lead) + len(real)] for o in outs])
     return [torch.cat(p) for p in zip(*parts)]
 
@@ -213,7 +216,7 @@ def _kv_summary(cases: list[Case]) -> str:
 
 def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "cpu", dtype: str = "bfloat16",
                sweep: str = "full", set_name: str | None = None, sources=SOURCES,
-               stop_at_first: bool = False, preset: str = "tiny") -> PairResult:
+               stop_at_first: bool = False, preset: str = "tiny", offload: bool = False) -> PairResult:
     """Check one pair on every case of ``plan(cls, sweep)`` and every input source.
 
     Args:
@@ -224,8 +227,10 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
         stop_at_first: stop after the case holding the first mismatch (cases and mismatches then count only
             the cases run; m_ranges still describes the whole plan).
         preset: model preset whose shapes (and weights) the inputs use.
+        offload: fetch the weights per call as expert offload does (contract_cases.offloaded).
     Raises:
-        ValueError: mismatched pair, a class with no input builder, unknown device/dtype/sweep/source.
+        ValueError: mismatched pair, a class with no input builder, unknown device/dtype/sweep/source, offload
+            of a class whose weights offload does not move.
     """
     if prompt_spec.cls != decode_spec.cls or prompt_spec.replaces != decode_spec.name:
         raise ValueError(f"{prompt_spec.name!r} (replaces {prompt_spec.replaces!r}) is not a prompt kernel "
@@ -237,10 +242,11 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
     res = PairResult(cls, prompt_spec.name, decode_spec.name, set_name or _set_of(prompt_spec), dev, dtype,
                      m_ranges=ranges(c.M for c in cases),
                      kv_lengths=_kv_summary(cases) if cls == "attention" else "",
-                     inputs=",".join(sources), preset=preset)
+                     inputs=",".join(sources), preset=preset, weights="offloaded" if offload else "resident")
     t0 = time.perf_counter()
     with torch.no_grad():
         pools = {s: make_pool(cls, s, dt, dev, preset) for s in sources}
+        pools = {s: offloaded(p) for s, p in pools.items()} if offload else pools
         refs = {s: DecodeRefs(decode_spec.fn, pools[s]) for s in sources}
         for case in cases:
             for s in sources:
@@ -252,8 +258,9 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
 
 
 def check_set(set_name: str, device: str = "cpu", dtypes=("bfloat16", "float32"), sweep: str = "full",
-              classes=None, progress: bool = False, preset: str = "tiny") -> list[PairResult]:
-    """Check every pair of kernel set ``set_name`` (or only ``classes``) in each dtype.
+              classes=None, progress: bool = False, preset: str = "tiny", offload: bool = False) -> list[PairResult]:
+    """Check every pair of kernel set ``set_name`` (or only ``classes``) in each dtype; with ``offload`` only the
+    OFFLOAD_CLASSES among them, their weights fetched as expert offload does.
 
     Classes of KERNEL_CLASSES without an input builder are skipped here and reported as uncovered by
     :func:`coverage`. Raises ValueError on an unknown set or class (listing the known ones) or a bad
@@ -270,11 +277,11 @@ def check_set(set_name: str, device: str = "cpu", dtypes=("bfloat16", "float32")
     out = []
     for d in dtypes:
         for p, dec in ks.pairs():
-            if p.cls in classes and p.cls in ADAPTED:
-                r = check_pair(p, dec, device, d, sweep, ks.name, preset=preset)
+            if p.cls in classes and p.cls in ADAPTED and (not offload or p.cls in OFFLOAD_CLASSES):
+                r = check_pair(p, dec, device, d, sweep, ks.name, preset=preset, offload=offload)
                 if progress:   # stderr: the sections log of a device call shows how far a cut-off run came
-                    print(f"[contract] {ks.name:>10} {d:>8} {p.cls:>14}: {r.mismatches}/{r.cases} rows differ "
-                          f"({r.seconds} s)", file=sys.stderr, flush=True)
+                    print(f"[contract] {ks.name:>10} {d:>8} {p.cls:>14}{' offloaded' if offload else ''}: "
+                          f"{r.mismatches}/{r.cases} rows differ ({r.seconds} s)", file=sys.stderr, flush=True)
                 out.append(r)
     return out
 
@@ -311,9 +318,11 @@ def run_section(params: dict) -> dict:
     profile's; checked first), optional
     contract_dtypes (default: the profile's dtype plus the other of bfloat16/float32), contract_sweep ("full" |
     "quick", default "full"), contract_control_sweep (the sweep of sets that claim no exactness, e.g. ``fast``:
-    they are the negative control, whose mismatches any sweep shows; default contract_sweep). Returns
-    ``{"section": "contract", "sweep", "control_sweep", "rows": [PairResult.to_row()...], "coverage": [...],
-    "uncovered": [...]}``. Raises ValueError on an unknown set/device/dtype/sweep.
+    they are the negative control, whose mismatches any sweep shows; default contract_sweep), contract_classes
+    (default: every class), contract_offload (default True: the OFFLOAD_CLASSES checked once more with their
+    weights fetched as expert offload does, into ``offload_rows``). Returns ``{"section": "contract", "sweep",
+    "control_sweep", "preset", "rows": [PairResult.to_row()...], "offload_rows": [...], "coverage": [...],
+    "uncovered": [...]}``. Raises ValueError on an unknown set/device/dtype/sweep/class.
     """
     sets = list(params.get("kernel_sets") or KERNEL_SETS)
     device = params.get("device", "cpu")
@@ -325,13 +334,17 @@ def run_section(params: dict) -> dict:
     check_sweep(control)
     for s in sets:
         get_set(s)
-    preset = params.get("preset", "tiny")
-    rows = [r.to_row() for s in sets
-            for r in check_set(s, device, dtypes, sweep if get_set(s).claims_exact else control, preset=preset,
-                               progress=True)]
+    kw = {"preset": params.get("preset", "tiny"), "classes": params.get("contract_classes") or None,
+          "progress": True}
+    rows, off = [], []
+    for s in sets:
+        sw = sweep if get_set(s).claims_exact else control
+        rows += [r.to_row() for r in check_set(s, device, dtypes, sw, **kw)]
+        if params.get("contract_offload", True):
+            off += [r.to_row() for r in check_set(s, device, dtypes, sw, offload=True, **kw)]
     cov, unc = coverage(rows, sets, str(resolve_device(device)), dtypes)
-    return {"section": "contract", "sweep": sweep, "control_sweep": control, "preset": preset, "rows": rows,
-            "coverage": cov, "uncovered": unc}
+    return {"section": "contract", "sweep": sweep, "control_sweep": control, "preset": kw["preset"], "rows": rows,
+            "offload_rows": off, "coverage": cov, "uncovered": unc}
 
 
 MERGE_SAME = ("sweep", "control_sweep", "preset")
@@ -359,137 +372,18 @@ def merge_sections(parts: list[dict]) -> dict:
     if len(devices) != 1:
         raise ValueError(f"contract sections differ in device: {devices}")
     rows = [r for q in parts for r in q["rows"]]
-    keys = [(r["class"], r["set"], r["dtype"]) for r in rows]
+    off = [r for q in parts for r in q.get("offload_rows", [])]
+    keys = [(r["class"], r["set"], r["dtype"], r.get("weights")) for r in rows + off]
     twice = sorted({k for k in keys if keys.count(k) > 1})
     if twice:
-        raise ValueError(f"contract sections overlap in (class, set, dtype) {twice} (each may come from one part)")
+        raise ValueError(f"contract sections overlap in (class, set, dtype, weights) {twice} (each may come from "
+                         "one part)")
     sets = list(dict.fromkeys(c["set"] for q in parts for c in q["coverage"]))
     dtypes = list(dict.fromkeys(c["dtype"] for q in parts for c in q["coverage"]))
     cov, unc = coverage(rows, sets, devices[0], dtypes)
-    merged = {"section": "contract", **{k: parts[0].get(k) for k in MERGE_SAME}, "rows": rows, "coverage": cov,
-              "uncovered": unc}
+    merged = {"section": "contract", **{k: parts[0].get(k) for k in MERGE_SAME}, "rows": rows, "offload_rows": off,
+              "coverage": cov, "uncovered": unc}
     prov = join_provenance(parts)
     if prov:
         merged["provenance"] = prov
     return merged
-
-
-# ------------------------------------------------------------------------------------------------------- render
-
-def _md(rows: list[list], headers: list[str]) -> str:
-    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True, floatfmt=".4g")
-
-
-def summary(rows: list[dict]) -> list[dict]:
-    """Per (set, device, dtype): pairs checked, cases, mismatching pairs and rows."""
-    out: dict[tuple, dict] = {}
-    for r in rows:
-        s = out.setdefault((r["set"], r["device"], r["dtype"]), {"set": r["set"], "device": r["device"],
-                           "dtype": r["dtype"], "pairs": 0, "cases": 0, "mismatching_pairs": 0,
-                           "mismatching_rows": 0})
-        s["pairs"] += 1
-        s["cases"] += r["cases"]
-        s["mismatching_pairs"] += bool(r["mismatches"])
-        s["mismatching_rows"] += r["mismatches"]
-    return [out[k] for k in sorted(out)]
-
-
-def render_md(section) -> str:
-    """Markdown: coverage summary per set, a class x (set, dtype) matrix of mismatching/checked rows, uncovered
-    classes, and the first mismatch of every mismatching pair. Accepts the section dict or its ``rows`` list."""
-    rows = section["rows"] if isinstance(section, dict) else list(section)
-    unc = section.get("uncovered", []) if isinstance(section, dict) else []
-    sweep = section.get("sweep", "?") if isinstance(section, dict) else "?"
-    control = section.get("control_sweep", sweep) if isinstance(section, dict) else sweep
-    preset = section.get("preset", "tiny") if isinstance(section, dict) else "?"
-    out = ["## Kernel contract: prompt-kernel rows vs decode-kernel rows, compared as bytes", "",
-           f"Sweep `{sweep}`" + (f" (sets that claim no exactness: `{control}`)" if control != sweep else "")
-           + f", shapes of preset `{preset}`; a case is one row compared (all its outputs); inputs "
-           f"random and captured (tapped from a forward over a real prompt).", "",
-           _md([[s["set"], s["device"], s["dtype"], s["pairs"], s["cases"], s["mismatching_pairs"],
-                 s["mismatching_rows"]] for s in summary(rows)],
-               ["set", "device", "dtype", "pairs checked", "cases", "mismatching pairs", "mismatching rows"])]
-    cols = sorted({(r["set"], r["dtype"]) for r in rows})
-    cell = {(r["class"], r["set"], r["dtype"]): f"{r['mismatches']}/{r['cases']}" for r in rows}
-    out += ["", "Mismatching rows / rows checked, per class (uncovered: not checked):", "",
-            _md([[c] + [cell.get((c, s, d), "uncovered") for s, d in cols] for c in KERNEL_CLASSES],
-                ["class"] + [f"{s} {d}" for s, d in cols])]
-    if unc:
-        groups: dict[tuple, list] = {}
-        for u in unc:
-            groups.setdefault((u["class"], u["reason"]), []).append(f"{u['set']} {u['dtype']}")
-        out += ["", "Uncovered: " + "; ".join(f"{c} ({', '.join(w)}: {why})" for (c, why), w in groups.items())]
-    bad = [r for r in rows if r["first_mismatch"]]
-    if bad:
-        hdr = ["set", "dtype", "class", "M", "T", "segmentation", "row", "output", "element", "ULP", "prompt",
-               "decode"]
-        body = []
-        for r in bad:
-            f = r["first_mismatch"]
-            body.append([r["set"], r["dtype"], r["class"], f["M"], f.get("kv_len") or "–", f["segmentation"],
-                         f["row"], f["output"], f["element"], "–" if f["ulp"] is None else f["ulp"],
-                         format(f["prompt"], ".9g"), format(f["decode"], ".9g")])
-        out += ["", "First mismatch per pair (checking order: M ascending, then T, then segmentation):", "",
-                _md(body, hdr)]
-    return "\n".join(out)
-
-
-# ------------------------------------------------------------------------------------------- notebook views
-
-def coverage_frame(section: dict):
-    """pandas DataFrame of the coverage table (class x set x dtype x device: kernels, M ranges, cases, status)."""
-    import pandas as pd
-
-    return pd.DataFrame(section["coverage"])
-
-
-def mismatch_frame(section: dict):
-    """pandas DataFrame, one row per pair: set, dtype, class, cases, mismatches and the first mismatch's fields."""
-    import pandas as pd
-
-    keep = ("M", "kv_len", "segmentation", "row", "source", "output", "element", "ulp", "prompt", "decode")
-    rows = []
-    for r in section["rows"]:
-        fm = r["first_mismatch"] or {}
-        vals = {k: fm.get(k) for k in keep}
-        for k in ("prompt", "decode"):   # 9 significant digits tell fp32 neighbours apart
-            vals[k] = None if vals[k] is None else format(vals[k], ".9g")
-        rows.append({"set": r["set"], "device": r["device"], "dtype": r["dtype"], "class": r["class"],
-                     "cases": r["cases"], "mismatches": r["mismatches"], **vals})
-    df = pd.DataFrame(rows)
-    for k in ("M", "kv_len", "row", "element", "ulp"):
-        df[k] = df[k].astype("Int64")     # nullable ints: pairs without a mismatch show <NA>, not NaN floats
-    return df
-
-
-def plot_heatmap(section: dict, set_name: str = "fast"):
-    """Heatmap per dtype: share of mismatching rows, class (y) x M bucket (x), for ``set_name``; returns the figure.
-
-    Raises:
-        ValueError: the section holds no rows of ``set_name``.
-    """
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from .contract_cases import BUCKETS, bucket
-
-    rows = [r for r in section["rows"] if r["set"] == set_name]
-    if not rows:
-        have = sorted({r["set"] for r in section["rows"]})
-        raise ValueError(f"no contract rows for set {set_name!r}; sets here: {have}")
-    dtypes = sorted({r["dtype"] for r in rows})
-    cols = [bucket(a) for a, _ in BUCKETS]
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4.2), squeeze=False)
-    for ax, d in zip(axes[0], dtypes):
-        share = np.full((len(KERNEL_CLASSES), len(cols)), np.nan)
-        for r in (r for r in rows if r["dtype"] == d):
-            for b, (n, bad) in r["buckets"].items():
-                if b in cols and n:
-                    share[KERNEL_CLASSES.index(r["class"]), cols.index(b)] = bad / n
-        im = ax.imshow(share, vmin=0, vmax=1, cmap="magma_r", aspect="auto")
-        ax.set(title=f"{set_name}, {d}: share of rows differing", xlabel="rows M", xticks=range(len(cols)),
-               yticks=range(len(KERNEL_CLASSES)))
-        ax.set_xticklabels(cols, rotation=45, ha="right")
-        ax.set_yticklabels(KERNEL_CLASSES)
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
-    return fig

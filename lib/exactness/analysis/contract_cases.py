@@ -13,6 +13,7 @@ with, per call, a number of lead and tail mates.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass
@@ -184,10 +185,13 @@ class Pool:
     rows: tuple
     fixed: tuple
     arrange: object
+    stage: object = None   # None, or stage(route) -> the fixed args fetched per call (offload.StagedWeights.fetch)
 
-    def args(self, idx: torch.Tensor) -> tuple:
-        """Kernel arguments for pool rows ``idx`` [n] int64 (on the pool's device), in that order."""
-        return self.arrange(tuple(r.index_select(0, idx) for r in self.rows), self.fixed)
+    def args(self, idx: torch.Tensor, route: str = "sync") -> tuple:
+        """Kernel arguments for pool rows ``idx`` [n] int64 (on the pool's device), in that order. With ``stage``
+        the fixed args are fetched for this call by ``route``: "ring" for prompt calls, "sync" for decode."""
+        fixed = self.fixed if self.stage is None else self.stage(route)
+        return self.arrange(tuple(r.index_select(0, idx) for r in self.rows), fixed)
 
 
 def _plain(rows, fixed):
@@ -318,6 +322,22 @@ def _random_pool(cls: str, dtype: torch.dtype, device: str, preset: str) -> Pool
 
 ADAPTED = ("dense", "router", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope",
            "residual", "lm_head", "argmax")
+
+
+OFFLOAD_CLASSES = ("expert_gate_up", "expert_down")   # the classes whose weights offload moves
+
+
+def offloaded(pool: Pool) -> Pool:
+    """``pool`` with its fixed weights in host memory, fetched for each call as offload fetches experts: through
+    the ring (behind a decoy) for prompt calls, synchronously for decode references (offload.StagedWeights).
+
+    Raises:
+        ValueError: ``pool`` is not of an OFFLOAD_CLASSES class.
+    """
+    if pool.cls not in OFFLOAD_CLASSES:
+        raise ValueError(f"offload moves the weights of {', '.join(OFFLOAD_CLASSES)} only, not {pool.cls!r}")
+    from ..offload import StagedWeights
+    return dataclasses.replace(pool, stage=StagedWeights(pool.fixed).fetch)
 
 
 @functools.lru_cache(maxsize=64)
