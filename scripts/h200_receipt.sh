@@ -14,9 +14,10 @@
 #   scripts/h200_receipt.sh 4        the kernel bench's decode-step and end-to-end prefill ratios
 #
 # Measured on the H200 (docs/gpu/README.md): hashes 441 s (before the rerun control added one batched run per set
-# and prompt), part 4 about 45 s. Not measured: the offload bench alone; part 2 (the small-preset contract ran over
-# 160 s without finishing, session 1's fp64 took about 244 s: split with SECTIONS2 if one call does not hold it);
-# part 3 (both sets at 64 tokens took 374 s; both at 192 did not finish in 485 s).
+# and prompt); part 2's contract 161 s (invariant) + 210 s (fast) before the offload rows were added (about 26 s +
+# 12 s more), after which streams and fp64 did not finish in the 190 s left: run them in a call of their own
+# (CONTRACT_SETS= SECTIONS2=streams, then SECTIONS2=fp64; session 1's fp64 took about 244 s); part 3 fast 327 s,
+# invariant 284 s; part 4 about 45 s. Not measured: the offload bench alone.
 #
 # Each section JSON carries a provenance record (machine, commit, command, seconds) that receipt.md lists. Then
 # here: put the JSONs in one folder (env.json: keep part 1's; the calls' env records differ only in time), join the

@@ -12,6 +12,9 @@ section was computed" table. Sources:
                                                  here by ``python -m exactness merge`` (device3/*/ holds each part,
                                                  its env.json and its log); their provenance is the one the
                                                  ``sections`` command wrote on the device
+    device3/contract_offload/contract.json       session 3, commit 3e8dd19, a fourth call: the expert classes with
+                                                 offloaded weights (``offload_rows``); its resident expert rows
+                                                 repeat device3/contract.json's and are checked equal, then dropped
     device/hashes.json                           session 2 (2026-11-29), tree of commit 9bbc9f3
     fp64_small_2064tok.json,
     streams_small_2048tok.json                   session 1 (2026-11-29), its working tree (not recorded exactly;
@@ -56,6 +59,20 @@ def noted(section: dict, note: str) -> dict:
     return {**section, "provenance": prov}
 
 
+def contract_with_offload() -> dict:
+    """device3/contract.json joined with the offload rows of the fourth call. That call's resident rows (the same
+    expert pairs, same sweep and inputs) must agree with the earlier call's in cases and mismatches."""
+    from exactness.analysis.contract import merge_sections
+    first, offload = load("device3/contract.json"), load("device3/contract_offload/contract.json")
+    have = {(r["class"], r["set"], r["dtype"]): (r["cases"], r["mismatches"]) for r in first["rows"]}
+    for r in offload["rows"]:
+        again = (r["cases"], r["mismatches"])
+        if have[(r["class"], r["set"], r["dtype"])] != again:
+            raise SystemExit(f"the two calls disagree on {r['class']} {r['set']} {r['dtype']}: "
+                             f"{have[(r['class'], r['set'], r['dtype'])]} vs {again}")
+    return merge_sections([first, {**offload, "rows": []}])
+
+
 def main() -> int:
     out = HERE / "sections"
     out.mkdir(exist_ok=True)
@@ -71,10 +88,12 @@ def main() -> int:
         "bench": noted(load("device3/bench.json"),
                        "scripts/h200_receipt.sh 3 fast, then 3 invariant (one device call each, 192 generated "
                        "tokens), joined by python -m exactness merge; seconds per part"),
-        "contract": noted(load("device3/contract.json"),
-                          "scripts/h200_receipt.sh 2 (one process per kernel set in one device call), joined by "
-                          "python -m exactness merge; full sweep for invariant, quick for the fast control; "
-                          "seconds per part"),
+        "contract": noted(contract_with_offload(),
+                          "scripts/h200_receipt.sh 2 (one process per kernel set in one device call), then the "
+                          "expert classes with offloaded weights (a fourth call, --param 'kernel_sets=[invariant,"
+                          "fast]' --param 'contract_classes=[expert_gate_up,expert_down]'), joined by "
+                          "docs/gpu/assemble.py with merge_sections; full sweep for invariant, quick for the fast "
+                          "control; seconds per part"),
         "fp64": with_provenance(
             load("fp64_small_2064tok.json"), H200 + ", 2026-11-29 (session 1)", SESSION1,
             PREFIX1 + "fp64 --profile gpu --param fp64_tokens=2064", "small preset, code prompt cut to 2064 tokens"),
