@@ -355,6 +355,13 @@ def test_merge_command_joins_contract_parts_and_refuses_mixed_kinds(invariant_ro
     (tmp_path / "bench.json").write_text(json.dumps({"section": "bench", "data": {}}))
     assert main(["merge", "--out", str(tmp_path / "x.json"), str(files[0]), str(tmp_path / "bench.json")]) == 2
     assert "one section" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+    merged = json.loads(out.read_text())
+    merged["offload_rows"] = [dict(merged["rows"][0], weights="offloaded")]   # rows with and without weights
+    (tmp_path / "m.json").write_text(json.dumps(merged))
+    assert main(["merge", "--out", str(tmp_path / "x.json"), str(tmp_path / "m.json"), str(tmp_path / "m.json")]) == 2
+    assert "overlap in (class, set, dtype, weights)" in capsys.readouterr().err
+    assert main(["merge", "--out", str(tmp_path / "x.json"), str(files[0]), str(tmp_path / "missing.json")]) == 2
+    assert "cannot read section part" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
 
 
 # ------------------------------------------------------------------------------------- offloaded expert weights

@@ -428,3 +428,10 @@ def test_sections_command_with_no_sections(tmp_path, capsys):
     from exactness import __main__ as cli
     assert cli.main(["sections", "--profile", "ci", "--out", str(tmp_path / "x"), "--sections", ""]) == 2
     assert "no sections given; allowed: hashes, contract" in capsys.readouterr().err
+
+
+def test_malformed_yaml_value_gets_a_one_line_error():
+    with pytest.raises(ReceiptError, match=r"bad value in parameter 'steps=\[1,2': not valid YAML \(.*\); e\.g\. "
+                                           r"steps=\[64,100\]") as e:
+        receipt.parse_overrides(["steps=[1,2"])
+    assert "\n" not in str(e.value)

@@ -189,7 +189,12 @@ def _merge_args(p: argparse.ArgumentParser) -> None:
 
 def _merge(args: argparse.Namespace) -> int:
     """``merge_sections`` of the parts' analysis module (exit 2 with the reason when they do not merge)."""
-    parts = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.parts]
+    parts = []
+    for f in args.parts:
+        try:
+            parts.append(json.loads(Path(f).read_text(encoding="utf-8")))
+        except (OSError, ValueError) as e:   # missing file, not JSON
+            raise ValueError(f"cannot read section part {f}: {e}") from None
     names = sorted({str(q.get("section")) for q in parts if isinstance(q, dict)})
     if len(names) != 1 or names[0] not in MERGERS:
         raise ValueError(f"the parts hold sections {names}; merge joins parts of one section, one of "

@@ -76,7 +76,9 @@ def parse_overrides(items: list[str] | None) -> dict:
         try:
             out[key] = yaml.safe_load(value)
         except yaml.YAMLError as e:
-            raise ReceiptError(f"bad value in parameter {item!r}: {e}") from None
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ReceiptError(f"bad value in parameter {item!r}: not valid YAML ({first}); e.g. steps=[64,100], "
+                               "gen_tokens=32, prompts=[code]") from None
     return out
 
 

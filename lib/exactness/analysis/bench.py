@@ -452,7 +452,7 @@ def merge_sections(parts: list[dict]) -> dict:
             whose configurations differ in anything but kernel_sets (names the field and both values).
     """
     if len(parts) < 2 or any(not isinstance(q, dict) or q.get("section") != "bench" for q in parts):
-        raise ValueError("merge_sections needs two or more bench sections ({'section': 'bench', 'data': ...})")
+        raise ValueError(f"merging needs two or more bench sections, got {len(parts)} part(s)")
     configs = [q["data"]["config"] for q in parts]
     for c in configs[1:]:
         for key in MERGE_SAME:

@@ -5,8 +5,11 @@ For each (prompt kernel, decode kernel) pair of a kernel set (``KernelSet.pairs(
 row at its position against the cache) and compares it, byte for byte (bf16/fp16 viewed as int16, fp32 as int32,
 integer outputs such as top-k indices and argmax ids exactly), with the same row computed by the prompt kernel inside
 blocks of M rows fed under many segmentations, tile offsets and batch mates (analysis/contract_cases.py: the pools
-and the plan). Inputs: seeded random rows and rows captured from a tiny-preset forward over a real prompt; dtypes
-bf16 and fp32. Router outputs (weights, indices, logits) are all compared.
+and the plan). Inputs: seeded random rows and rows captured from a forward of the preset over a real prompt; dtypes
+bf16 and fp32. Router outputs (weights, indices, logits) are all compared. With offload the expert classes are
+checked once more with their weights fetched per call as expert offload fetches them (prompt calls through the
+expert ring behind a decoy, decode references by a synchronous copy: contract_cases.offloaded), so "offload changes
+no byte" is a contract claim too. Rendering: analysis/contract_report.py (re-exported here).
 
 Results: one :class:`PairResult` per pair x set x device x dtype, a coverage table listing every class of
 KERNEL_CLASSES (a class the checker cannot feed is shown as uncovered, never left out), and the first mismatch of
@@ -363,7 +366,7 @@ def merge_sections(parts: list[dict]) -> dict:
             two parts.
     """
     if len(parts) < 2 or any(not isinstance(q, dict) or q.get("section") != "contract" for q in parts):
-        raise ValueError("merge_sections needs two or more contract sections ({'section': 'contract', 'rows': ...})")
+        raise ValueError(f"merging needs two or more contract sections, got {len(parts)} part(s)")
     for q in parts[1:]:
         for key in MERGE_SAME:
             if q.get(key) != parts[0].get(key):
@@ -373,11 +376,12 @@ def merge_sections(parts: list[dict]) -> dict:
         raise ValueError(f"contract sections differ in device: {devices}")
     rows = [r for q in parts for r in q["rows"]]
     off = [r for q in parts for r in q.get("offload_rows", [])]
-    keys = [(r["class"], r["set"], r["dtype"], r.get("weights")) for r in rows + off]
+    keys = [(r["class"], r["set"], r["dtype"], r.get("weights") or "resident") for r in rows + off]
     twice = sorted({k for k in keys if keys.count(k) > 1})
     if twice:
-        raise ValueError(f"contract sections overlap in (class, set, dtype, weights) {twice} (each may come from "
-                         "one part)")
+        more = f" and {len(twice) - 3} more" if len(twice) > 3 else ""
+        raise ValueError(f"contract sections overlap in (class, set, dtype, weights) {twice[:3]}{more}: each may "
+                         "come from one part only")
     sets = list(dict.fromkeys(c["set"] for q in parts for c in q["coverage"]))
     dtypes = list(dict.fromkeys(c["dtype"] for q in parts for c in q["coverage"]))
     cov, unc = coverage(rows, sets, devices[0], dtypes)

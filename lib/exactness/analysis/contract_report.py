@@ -54,7 +54,7 @@ def render_md(section) -> str:
     off = section.get("offload_rows", []) if isinstance(section, dict) else []
     if off:
         out += ["", "Expert weights offloaded (each prompt call takes them from the expert ring, staged behind a decoy "
-                "in the same slot; each decode reference from a synchronous host-to-device fetch):", "",
+                "in the same slot; each decode reference from a synchronous copy out of host memory):", "",
                 _md([[r["set"], r["dtype"], r["class"], f"{r['mismatches']}/{r['cases']}"] for r in off],
                     ["set", "dtype", "class", "mismatching rows / rows checked"])]
     bad = [r for r in rows + off if r["first_mismatch"]]
@@ -68,7 +68,9 @@ def render_md(section) -> str:
             body.append([r["set"], r["dtype"], cls, f["M"], f.get("kv_len") or "–", f["segmentation"],
                          f["row"], f["output"], f["element"], "–" if f["ulp"] is None else f["ulp"],
                          format(f["prompt"], ".9g"), format(f["decode"], ".9g")])
-        out += ["", "First mismatch per pair (checking order: M ascending, then T, then segmentation):", "",
+        out += ["", "First mismatch per pair (checking order: M ascending, then T, then segmentation; a "
+                "segmentation lists the prompt calls' segment lengths joined by +, and `lead a tail b` the other rows "
+                "placed before and after the tested rows in each call):", "",
                 _md(body, hdr)]
     return "\n".join(out)
 
