@@ -368,6 +368,9 @@ def decode_step(args) -> dict:
     return {"rows": out, "fast_launch_same_logits": same}
 
 
+E2E_PLANS = (("batched", None), ("batched", 2048), ("deep", 2048), ("deep", None))   # (path, step) per e2e run
+
+
 def e2e(args) -> dict:
     """End-to-end prefill of the code prompt (``--e2e-tokens``, 0 = the whole ~16k-token prompt), invariant / fast.
 
@@ -424,9 +427,6 @@ def e2e(args) -> dict:
                 f"median of {args.e2e_reps}", out)
     _print_rows("end-to-end prefill invariant / fast", ratios)
     return {"rows": out, "ratios": ratios, "pinned": pinned}
-
-
-E2E_PLANS = (("batched", None), ("batched", 2048), ("deep", 2048), ("deep", None))
 
 
 def compile_sm120(_args) -> dict:

@@ -260,19 +260,24 @@ REQUIRED_ROW_KEYS = {"class", "prompt_kernel", "decode_kernel", "set", "device",
                      "first_mismatch", "m_ranges"}
 
 
+def rows_lookup(rows, seen=None):
+    """A stand-in for C.check_set that returns the given contract rows of the set and dtypes asked for (no
+    offloaded rows), recording each resident call's (set, device, dtypes, sweep, preset) in ``seen``."""
+    def lookup(set_name, device, dtypes, sweep, preset="tiny", classes=None, progress=False, offload=False):
+        if offload:
+            return []
+        if seen is not None:
+            seen.append((set_name, device, list(dtypes), sweep, preset))
+        return [C.PairResult(cls=r["class"], **{k: v for k, v in r.items() if k != "class"})
+                for r in rows if r["set"] == set_name and r["dtype"] in dtypes]
+    return lookup
+
+
 @pytest.fixture
 def section(invariant_rows, monkeypatch):
     """run_section over the invariant rows computed above (check_set replaced by a lookup of those rows)."""
     seen = []
-
-    def lookup(set_name, device, dtypes, sweep, preset, classes=None, progress=False, offload=False):
-        if offload:
-            return []
-        seen.append((set_name, device, list(dtypes), sweep, preset))
-        return [C.PairResult(cls=r["class"], **{k: v for k, v in r.items() if k != "class"})
-                for r in invariant_rows if r["set"] == set_name and r["dtype"] in dtypes]
-
-    monkeypatch.setattr(C, "check_set", lookup)
+    monkeypatch.setattr(C, "check_set", rows_lookup(invariant_rows, seen))
     sec = C.run_section({"profile": "ci", "preset": "tiny", "device": "cpu", "dtype": "float32",
                          "kernel_sets": ["invariant"], "contract_sweep": "quick"})
     assert seen == [("invariant", "cpu", ["float32", "bfloat16"], "quick", "tiny")]  # profile dtype first
@@ -320,9 +325,7 @@ def test_control_sweep_applies_to_sets_that_claim_no_exactness(monkeypatch):
 def test_merge_sections_equals_one_run_and_refuses_overlap(section, invariant_rows, monkeypatch):
     """Contract sections computed per dtype (one device call each) merge into the section of one run over both;
     a (class, set, dtype) in two parts, or parts of another sweep, are refused."""
-    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, offload=False, **kw: [
-        C.PairResult(cls=r["class"], **{k: v for k, v in r.items() if k != "class"})
-        for r in invariant_rows if r["set"] == s and r["dtype"] in dtypes and not offload])
+    monkeypatch.setattr(C, "check_set", rows_lookup(invariant_rows))
     base = {"preset": "tiny", "device": "cpu", "kernel_sets": ["invariant"], "contract_sweep": "quick"}
     parts = [dict(C.run_section({**base, "contract_dtypes": [d]}), provenance={"computed_on": "H200", "command": c})
              for d, c in (("float32", "a"), ("bfloat16", "b"))]
@@ -341,9 +344,7 @@ def test_merge_sections_equals_one_run_and_refuses_overlap(section, invariant_ro
 
 def test_merge_command_joins_contract_parts_and_refuses_mixed_kinds(invariant_rows, monkeypatch, tmp_path, capsys):
     from exactness.__main__ import main
-    monkeypatch.setattr(C, "check_set", lambda s, device, dtypes, sweep, offload=False, **kw: [
-        C.PairResult(cls=r["class"], **{k: v for k, v in r.items() if k != "class"})
-        for r in invariant_rows if r["set"] == s and r["dtype"] in dtypes and not offload])
+    monkeypatch.setattr(C, "check_set", rows_lookup(invariant_rows))
     files = []
     for d in ("float32", "bfloat16"):
         files.append(tmp_path / f"{d}.json")

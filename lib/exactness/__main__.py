@@ -224,7 +224,6 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                            _sections_args, _sections),
     "merge": Subcommand("join bench or contract sections computed in separate calls into one section JSON",
                         _merge_args, _merge),
-    "merge-bench": Subcommand("the same as merge (its earlier name)", _merge_args, _merge),
     # ---- analysis subcommands (engine side): one entry each in ANALYSES below
 }
 
@@ -245,8 +244,8 @@ ANALYSES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                 ("mtp_k", "stream_counts", "prompt_cache_gib", "stream_offset", "stream_prompt_tokens",
                  "prefill_path", "drafts", "checkpoint", "allow_unpinned")),
     "bench": ("exactness.analysis.bench", "the seed's bench tables (timings, memory) -> section JSON",
-              ("bench_gen_tokens", "bench_path", "bench_step", "bench_reps", "bench_itl_reps", "bench_cold_lengths", "offload",
-               "checkpoint", "allow_unpinned")),
+              ("bench_gen_tokens", "bench_path", "bench_step", "bench_reps", "bench_itl_reps", "bench_cold_lengths",
+               "offload", "checkpoint", "allow_unpinned")),
 }
 SUBCOMMANDS.update({name: analysis_command(mod, help_, extra_params=extra)
                     for name, (mod, help_, extra) in ANALYSES.items()})

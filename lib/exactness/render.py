@@ -154,7 +154,8 @@ def _count(rows, pred) -> str:
 
 def render_summary(receipt: dict) -> str:
     """One verdict line per kernel set: runs equal to the serial-decode oracle (tokens; prompt-logit and KV bytes),
-    contract pairs without a byte mismatch (expert pairs with offloaded weights included), FP64 rows outside their bound, stream equalities. Empty without data."""
+    contract pairs without a byte mismatch (expert pairs with offloaded weights included), FP64 rows outside their
+    bound, stream equalities. Empty without data."""
     hashes = [r for r in receipt.get("hashes") or [] if isinstance(r, dict) and r.get("path") != "decode"]
     extra = receipt.get("contract_extra") if isinstance(receipt.get("contract_extra"), dict) else {}
     contract = [r for r in (receipt.get("contract") or []) + (extra.get("offload_rows") or []) if isinstance(r, dict)]
