@@ -1,10 +1,10 @@
 # Set-up and entry points. `make receipts` and `make test` run `setup` themselves when needed.
 #
-#   make receipts [PROFILE=ci|full|gpu] [OUT=dir] [PARAMS="gen_tokens=8 steps=[64,100]"]
-#   make test | make lab | make clean
+#   make receipts [PROFILE=standard|ci|full|gpu] [OUT=dir] [SECTIONS=hashes,streams] [PARAMS="gen_tokens=8 steps=[64,100]"]
+#   make test | make lab [LAB_ARGS="--port=8890"] | make clean
 #
-# torch is pinned (TORCH_VERSION). On this project's machines the pin resolves to a CPU wheel on disk; where only
-# PyPI is seen, PyPI's Linux torch is a multi-GB CUDA build, so ask for the build you want:
+# torch is pinned (TORCH_VERSION). Where pip finds a local CPU wheel of that version (find-links), the pin resolves
+# to it; where only PyPI is seen, PyPI's Linux torch is a multi-GB CUDA build, so ask for the build you want:
 #   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu          (CPU)
 #   make setup TORCH_VERSION=2.11.0 TORCH_INDEX=https://download.pytorch.org/whl/cu130   (CUDA 13)
 
@@ -15,9 +15,11 @@ STAMP         := $(VENV)/.setup-stamp
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?=
 KERNEL_NAME   := exactness
-PROFILE       ?= full
+PROFILE       ?= standard
+SECTIONS      ?=
 OUT           ?=
 PARAMS        ?=
+LAB_ARGS      ?=
 # One CPU thread by default: the tiny preset's kernels are too small to gain from threads, and a second OpenMP
 # thread spin-waits badly on a busy 2-core machine. Receipts record the thread count (env.numerics.cpu_threads).
 export OMP_NUM_THREADS ?= 1
@@ -34,13 +36,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 receipts: setup
-	$(PY) -m exactness receipts --profile $(PROFILE) $(if $(OUT),--out $(OUT)) $(foreach p,$(PARAMS),--param '$(p)')
+	$(PY) -m exactness receipts --profile $(PROFILE) $(if $(OUT),--out $(OUT)) $(if $(SECTIONS),--sections $(SECTIONS)) $(foreach p,$(PARAMS),--param '$(p)')
 
 test: setup
 	$(PY) -m pytest -q
 
+# JupyterLab on notebooks/, URL with its token printed here, no browser; --allow-root only as root (scripts/lab.sh).
 lab: setup
-	$(VENV)/bin/jupyter lab
+	scripts/lab.sh $(LAB_ARGS)
 
 clean:
 	rm -rf $(VENV) build lib/*.egg-info .pytest_cache

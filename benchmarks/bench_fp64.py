@@ -7,7 +7,7 @@ For each kernel set and path (decode / batched / deep) on the prompt the fp64 se
 the path's run without taps (best of ``--reps``), the same run with the tap recorder (the difference is the tap
 overhead), then the FP64 pass over that path's captured rows, split into references (fp64_ref.evaluate),
 certification (fp64_cert.certify, ``--cert`` elements per row) and metrics (error statistics, ULPs, comparison
-with decode). It prints, per path, the pass's seconds / the path's seconds, and the totals. The issue's target is
+with decode). It prints, per path, the pass's seconds / the path's seconds, and the totals. The goal is
 a ratio of at most 1 on the GPU (the pass must not dominate a receipt); on CPU the tiny model's paths are cheap
 and Python-side certification dominates.
 """

@@ -1,6 +1,6 @@
 """Speed of the invariant set's Triton kernels against the fast set (cuBLAS, SDPA, torch ops) on one CUDA GPU.
 
-Run from the repository root (the device machine has torch/triton but not the package installed):
+Run from the repository root on the GPU machine (needs torch and triton; the package need not be installed):
 
     PYTHONPATH=lib python3 benchmarks/bench_gpu_kernels.py [--sections ceilings,gemm,gate_up,attention,rows,
         overhead,decode_step,e2e,compile,contract,tests] [--tune] [--out DIR] [--e2e-weights synthetic|device]

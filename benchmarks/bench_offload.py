@@ -128,8 +128,8 @@ def _args(argv):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--weights", default="synthetic", choices=("synthetic", "device"),
-                    help="synthetic: the seeded CPU draw (~2.4 G values for small, tens of seconds); device: drawn "
-                         "on the GPU with the same distributions (kernels.cuda.device_random_weights; seconds). "
+                    help="synthetic: the seeded CPU draw (slow: ~2.4 G values for the small preset); device: "
+                         "drawn on the GPU with the same distributions (kernels.cuda.device_random_weights; fast). "
                          "Timings do not depend on the values")
     a = ap.parse_args(argv)
     if a.weights == "device" and not a.device.startswith("cuda"):

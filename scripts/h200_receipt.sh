@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU receipt in device-tool calls of under 10 minutes each (the tool's per-call limit). Run from the repo root
-# on the GPU machine; results go to $OUT/gpu (the files the tool returns).
+# The GPU receipt on a machine with one H200, in parts that each finish within 10 minutes: every step gets the time
+# left of DEADLINE (580 s by default) and is cut with `timeout`, so a part can run as one bounded job and a cut loses
+# at most one step. Run from the repo root on the GPU machine with OUT set; results go to $OUT/gpu.
 #
 #   scripts/h200_receipt.sh 1        offload bench (proves the expert ring on CUDA first; if it fails, the hash
 #                                    matrix runs without offload and says so), then the hashes section
@@ -8,28 +9,27 @@
 #                                    fast"; each into $OUT/gpu/contract_SET/contract.json, so that the time limit
 #                                    cuts off at most one set), then sections SECTIONS2 (default streams,fp64) with
 #                                    the time left
-#   scripts/h200_receipt.sh 3 SET    the bench section for one kernel set (fast or invariant) at the seed's 192
-#                                    generated tokens, into $OUT/gpu/bench_SET/bench.json
+#   scripts/h200_receipt.sh 3 SET    the bench section for one kernel set (fast or invariant) at the bench's
+#                                    standard 192 generated tokens, into $OUT/gpu/bench_SET/bench.json
 #   (PROFILE=ci etc. runs another profile, e.g. to try a part on the CPU)
 #   scripts/h200_receipt.sh 4        the kernel bench's decode-step and end-to-end prefill ratios
 #
-# Measured on the H200 (docs/gpu/README.md): hashes 441 s (before the rerun control added one batched run per set
-# and prompt); part 2's contract 161 s (invariant) + 210 s (fast) before the offload rows were added (about 26 s +
-# 12 s more), after which streams and fp64 did not finish in the 190 s left: run them in a call of their own
-# (CONTRACT_SETS= SECTIONS2=streams, then SECTIONS2=fp64; session 1's fp64 took about 244 s); part 3 fast 327 s,
-# invariant 284 s; part 4 about 45 s. Not measured: the offload bench alone.
+# On an H200 the contract leaves part 2 too little time for streams and fp64: run them as a part of their own
+# (CONTRACT_SETS= SECTIONS2=streams, then CONTRACT_SETS= SECTIONS2=fp64). docs/gpu/README.md lists how long each
+# part took there.
 #
 # Each section JSON carries a provenance record (machine, commit, command, seconds) that receipt.md lists. Then
-# here: put the JSONs in one folder (env.json: keep part 1's; the calls' env records differ only in time), join the
+# here: put the JSONs in one folder (env.json: keep part 1's; the parts' env records differ only in time), join the
 # per-set parts with
 #   .venv/bin/python -m exactness merge --out <folder>/bench.json bench_fast/bench.json bench_invariant/bench.json
 #   .venv/bin/python -m exactness merge --out <folder>/contract.json contract_invariant/contract.json \
 #       contract_fast/contract.json
 # and render with  .venv/bin/python -m exactness receipts --profile gpu --precomputed <folder> --out <run folder>
-# The prompts need mpmath 1.3.0 there: here `pip download --no-deps mpmath==1.3.0 -d .whl` (.whl/ is git-ignored),
-# name `.whl` in the device call's carry; the script installs it to /tmp/site (without it the prompt pins fail).
-# Set EXACTNESS_GIT_SHA (and EXACTNESS_GIT_DIRTY=0/1) to the commit sent: the device tool's copy carries the
-# session's first .git, so git there may name an older commit.
+# The prompts need mpmath 1.3.0 there: here `pip download --no-deps mpmath==1.3.0 -d .whl`, and copy .whl/ to the
+# GPU machine with the tree (it is git-ignored, so a git-based copy leaves it out); the script installs it to
+# /tmp/site (without it the prompt pins fail).
+# Set EXACTNESS_GIT_SHA (and EXACTNESS_GIT_DIRTY=0/1) to the commit copied when the GPU machine's tree has no .git
+# or an older one, so that the records name the commit that ran.
 set -uo pipefail
 part=${1:?usage: scripts/h200_receipt.sh 1|2|3 SET|4}
 o="${OUT:?OUT must be set}/gpu"

@@ -1,7 +1,11 @@
-"""Shared fixtures: the tiny preset's weights (built once per session) and a short real prompt."""
+"""Shared fixtures: the tiny preset's weights (built once per test run) and a short real prompt."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the Makefile: tiny kernels, no OpenMP spin-waits (before torch)
+
+from exactness.env import match_onednn_isa  # noqa: E402  (imports no torch)
+
+match_onednn_isa()  # an emulated lower instruction set (ATEN_CPU_CAPABILITY) caps oneDNN too, before torch loads
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

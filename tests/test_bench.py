@@ -1,6 +1,6 @@
-"""The bench section (analysis/bench.py, bench_tables.py, notebooks/50_bench.ipynb) on the tiny preset: the
-definitions of paths.md are computed as written, cold runs are exactly cold and exact-length, refused runs show no
-numbers, bad parameters fail clearly, and the notebook renders a precomputed section."""
+"""The bench section (analysis/bench.py, bench_tables.py, notebooks/50_bench.ipynb) on the tiny preset: the metric
+definitions of analysis/bench.py are computed as written, cold runs are exactly cold and exact-length, refused runs
+show no numbers, bad parameters fail clearly, and the notebook renders a precomputed section."""
 from __future__ import annotations
 
 import json

@@ -179,11 +179,19 @@ def test_planted_kv_block_change_is_caught():
 @pytest.mark.parametrize("cls", ["dense", "attention"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_fast_set_mismatches_are_found_and_located(cls, dtype):
+    """The fast set's real mismatches, where this CPU's kernels produce them: whether a prompt row differs from its
+    decode row depends on the instruction set torch's kernels use, so the independent walk (brute_first) measures
+    first, and the checker must agree with it either way: the same first mismatch, or none. (That the checker can
+    fail is shown by the planted faults above, on every machine.)"""
     p, d = get_set("fast").pairs()[KERNEL_CLASSES.index(cls)]
     res = C.check_pair(p, d, "cpu", dtype, "quick", stop_at_first=True)
+    brute = brute_first("fast", cls, dtype, "quick")
+    if brute is None:
+        assert res.mismatches == 0 and res.first_mismatch is None, res.first_mismatch
+        return
     assert res.mismatches > 0 and res.first_mismatch is not None
     assert res.first_mismatch["prompt"] != res.first_mismatch["decode"]
-    same_location(res.first_mismatch, brute_first("fast", cls, dtype, "quick"), cls)
+    same_location(res.first_mismatch, brute, cls)
 
 
 # --------------------------------------------------------------------------------------------- invariant set
@@ -192,7 +200,7 @@ def test_fast_set_mismatches_are_found_and_located(cls, dtype):
 def invariant_rows():
     """The invariant set's contract rows on CPU, bf16 and fp32, random and captured inputs.
 
-    Reduced for the CI budget (~90 s on 2 cores): the ten classes other than attention run the ``full`` sweep
+    Reduced to keep CI short: the ten classes other than attention run the ``full`` sweep
     (every M of 1-130, 255-257, 511-513, 1024, 4097 with all segmentations, tile offsets and batch mates);
     attention runs the ``quick`` sweep: two segmentations per M (whole block; a random split with random lead/tail
     mates per call), M and KV length capped at 1026 (KV lengths b-1..b+2 around every 64-row tile boundary up to
@@ -303,8 +311,8 @@ def test_notebook_renders_a_precomputed_section(section, tmp_path):
                                     kernel_name="exactness", progress_bar=False)
     assert json.loads(out.read_text()) == section
     outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
-    texts = "".join(o.get("text", "") for o in outs)
-    assert "parameters:" in texts and f"precomputed: {src}" in texts
+    texts = "".join(o.get("text", "") + o.get("data", {}).get("text/markdown", "") for o in outs)
+    assert "**Parameters:**" in texts and f"rendered from `{src}`" in texts
     assert sum("image/png" in o.get("data", {}) for o in outs) == 1   # the fast set's heatmap
 
 

@@ -278,7 +278,7 @@ def test_notebook_renders_a_precomputed_section(section, tmp_path):
                                     kernel_name="exactness", progress_bar=False)
     assert json.loads(out.read_text())["rows"] == section["rows"]
     text = json.dumps([c.get("outputs", []) for c in nb.cells])
-    assert "Captured activations" in text and "image/png" in text
+    assert "verdict (decode / batched / deep)" in text and "image/png" in text  # the captured table, the plots
     assert math.isfinite(section["rows"][0]["eta_max_u"])
 
 

@@ -2,7 +2,6 @@
 whatever the slot count and announcement pattern, the fallback is recorded, and the benchmark script runs on CPU."""
 from __future__ import annotations
 
-import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exactness import model, paths
+from exactness import model
 from exactness.offload import ExpertRing, ExpertStore, StagedWeights, moe_block_calls_prepare, prepare_hook
 from exactness.paths import generate
 from exactness.prompts import build_prompt
@@ -110,8 +109,6 @@ def test_fallback_on_device_out_of_memory(tiny_weights, monkeypatch):
     assert not store.deep_ready and "out of memory" in store.fallback_reason
 
 
-@pytest.mark.skipif("deep_ready" not in inspect.getsource(paths.prefill),
-                    reason="paths.prefill does not consult experts.deep_ready yet (diff in issue 6's report)")
 def test_paths_record_the_fallback(tiny_weights, prompt):
     store = ExpertStore(tiny_weights, "offload", max_ring_bytes=0)
     run = _run(store.weights, prompt.ids, "invariant", "deep", store)

@@ -2,8 +2,9 @@
 deep prefill at two step sizes (128 and 77, the latter no multiple of 64) reproduce the serial-decode oracle's
 generated tokens, the bytes of every prompt row's logits, of the generated tokens' logits and of the whole KV cache;
 and a prefill split off any grid (77 rows, then the rest) continues to the same bytes as one unsplit prefill.
-Negative controls: the fast set's batched prompt logits and split prefill differ from its own oracle / unsplit
-prefill in bytes.
+Negative controls: a planted fault (row 0 of multi-row RMSNorm calls one ULP off) makes the batched prompt logits
+and the split prefill differ, on every machine; the fast set's own differences, which depend on the CPU, are
+measured first and the comparison must agree with the measurement.
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from exactness.kernels import get_set
 from exactness.paths import decode_step, generate, prefill
 from exactness.prompts import build_prompt
 from exactness.weights import synthetic_weights
+
+import brute
+from faults import row0_rmsnorm_perturbed
 
 PROMPTS = ("short", "code", "docs")
 MAX_TOKENS = 200
@@ -77,14 +81,25 @@ def test_invariant_prefill_paths_equal_the_oracle_in_bytes(prompt_ids, oracles, 
     assert cache_bytes_equal(run.cache, oracle.cache, ids.numel() + GEN - 1)
 
 
-def test_fast_set_prompt_logits_differ_from_its_oracle(weights, prompt_ids):
-    """Negative control: the same comparison catches the fast set's batched prefill (bytes differ)."""
+def test_fast_set_prompt_logits_against_its_oracle(weights, prompt_ids):
+    """The fast set's batched prefill against its own oracle: whether its prompt rows differ depends on the CPU's
+    instruction set, so plain loops measure first (tests/brute.py) and the comparison must agree with them."""
     ids = prompt_ids["code"]
     oracle = generate(weights, ids, 1, "fast", "decode")
     run = generate(weights, ids, 1, "fast", "batched", STEPS[1])
+    first = brute.first_row(run.prompt_logits, oracle.prompt_logits)
+    assert same_bytes(run.prompt_logits, oracle.prompt_logits) == (first is None)
+
+
+def test_planted_fault_prompt_logits_differ_from_the_oracle(weights, prompt_ids):
+    """Negative control on every machine: a prompt RMSNorm one ULP off on row 0 of every multi-row call changes the
+    batched prefill's prompt logits, and the comparison says so, from the first chunk's row 0 on."""
+    ids = prompt_ids["code"]
+    ks = row0_rmsnorm_perturbed()
+    oracle = generate(weights, ids, 1, ks, "decode")
+    run = generate(weights, ids, 1, ks, "batched", STEPS[1])
     assert not same_bytes(run.prompt_logits, oracle.prompt_logits)
-    rows_differ = (run.prompt_logits.view(torch.int32) != oracle.prompt_logits.view(torch.int32)).any(dim=1)
-    assert int(rows_differ.sum()) > 0
+    assert brute.first_row(run.prompt_logits, oracle.prompt_logits) == 0
 
 
 def greedy_after_prefill(w, cache: KVCache, logits: torch.Tensor, n_prompt: int, kernels: str, n: int):
@@ -120,7 +135,16 @@ def test_invariant_prefill_split_off_grid_equals_unsplit(weights, prompt_ids, pr
     assert cache_bytes_equal(ca, cb, ids.numel() + GEN - 1)
 
 
-def test_fast_prefill_split_off_grid_differs_from_unsplit(weights, prompt_ids):
-    """Negative control for the split test: with the fast set the split prefill's prompt logits differ."""
+def test_fast_prefill_split_off_grid_against_unsplit(weights, prompt_ids):
+    """The fast set's split prefill against its unsplit one, measured first by plain loops (CPU-dependent), the
+    comparison agreeing."""
     (la, _, _, _), (lb, _, _, _) = split_vs_whole(weights, prompt_ids["code"], "fast")
+    assert same_bytes(la, lb) == (brute.first_row(la, lb) is None)
+
+
+def test_planted_fault_split_prefill_differs_from_unsplit(weights, prompt_ids):
+    """Negative control on every machine: with row 0 of every multi-row RMSNorm call one ULP off, the split
+    prefill's second part starts with a perturbed row that the unsplit prefill computes unperturbed."""
+    (la, _, _, _), (lb, _, _, _) = split_vs_whole(weights, prompt_ids["code"], row0_rmsnorm_perturbed())
     assert not same_bytes(la, lb)
+    assert brute.first_row(la, lb) == SPLIT

@@ -91,10 +91,10 @@ def test_written_in_hidden_temporary_folder_then_renamed(tmp_path, monkeypatch):
     out, seen = tmp_path / "run", []
     real = receipt._execute
 
-    def spy(nb, src, tmp, params, kernel_name):
+    def spy(nb, src, tmp, params, kernel_name, position=""):
         seen.append((out.exists(), tmp.parent == tmp_path, tmp.name.startswith(".run.tmp-"),
                      Path(params["out_json"]).parent == tmp / "sections"))
-        return real(nb, src, tmp, params, kernel_name)
+        return real(nb, src, tmp, params, kernel_name, position)
 
     monkeypatch.setattr(receipt, "_execute", spy)
     result = run(out, ["boom"])
@@ -276,7 +276,7 @@ def test_git_state_outside_a_repo(tmp_path, monkeypatch):
 def test_environment_record():
     env = receipt.environment()
     assert set(env["numerics"]) == {"cuda_matmul_allow_tf32", "cudnn_allow_tf32", "deterministic_algorithms",
-                                    "float32_matmul_precision", "cpu_threads", "cpu_capability"}
+                                    "float32_matmul_precision", "cpu_threads", "cpu_capability", "onednn_max_cpu_isa"}
     assert env["device"] and env["time_utc"].endswith("Z")
 
 
@@ -435,3 +435,80 @@ def test_malformed_yaml_value_gets_a_one_line_error():
                                            r"steps=\[64,100\]") as e:
         receipt.parse_overrides(["steps=[1,2"])
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------ what a reviewer reads
+
+def test_tables_show_dashes_words_and_integers_without_an_index():
+    """Every table cell goes through tables.cell_text: None/NaN/pd.NA as a dash (with a footnote saying what it
+    means), booleans as words, whole numbers as integers; the HTML hides the index."""
+    import pandas as pd
+    from exactness.tables import Table
+
+    df = pd.DataFrame({"pos": [8, None], "margin": [0.5, float("nan")], "equal": [True, False],
+                       "n": pd.array([3, pd.NA], dtype="Int64")})
+    t = Table(df, {"pos": "first differing token", "margin": "margin (logit)", "equal": "tokens", "n": "rows"},
+              words={"equal": ("equal", "differs")}, dash="no divergence")
+    heads, body = t.cells()
+    assert heads == ["first differing token", "margin (logit)", "tokens", "rows"]
+    assert body == [["8", "0.5", "equal", "3"], ["–", "–", "differs", "–"]]
+    md = t.to_markdown()
+    assert "**differs**" in md and md.endswith("_– : no divergence._")
+    html = t.to_html()
+    for bad in ("NaN", "nan", "&lt;NA&gt;", "None", "8.0", "True", "False", "blank level0", "row_heading"):
+        assert bad not in html, bad
+    assert "– : no divergence." in html
+    assert Table([{"a": 1}], dash="never shown").footnotes() == []  # no dash in the table: no footnote
+
+
+def test_html_drops_stderr_but_the_executed_notebook_keeps_it(tmp_path):
+    """Progress bars (stderr) stay in the executed .ipynb; receipt.html leaves every stderr stream out."""
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "exactness", "display_name": "x",
+                                                           "language": "python"}})
+    cell = nbformat.v4.new_code_cell("x = 1")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stderr", text="hash matrix:  50%|#####  | 1/2\n"),
+                    nbformat.v4.new_output("stream", name="stdout", text="shown to the reviewer\n")]
+    nb.cells = [cell]
+    path = tmp_path / "nb.ipynb"
+    nbformat.write(nb, str(path))
+    before = path.read_text()
+    html = render.render_html({"status": "ok", "profile": "ci"}, [path])
+    assert "shown to the reviewer" in html and "hash matrix" not in html
+    assert 'data-mime-type="application/vnd.jupyter.stderr"' not in html
+    assert path.read_text() == before
+
+
+def test_header_states_the_git_state_and_never_null():
+    base = {"schema": 1, "status": "ok", "profile": "ci", "parameters": {"prompt_max_tokens": None,
+            "checkpoint": ""}, "errors": [], "notebooks": []}
+    for dirty, word in ((False, "(clean)"), (True, "(dirty: uncommitted changes)"), (None, "(state unknown)")):
+        md = render.render_markdown({**base, "env": {"git": {"sha": "ab" * 20, "dirty": dirty}}})
+        assert f"{'ab' * 20} {word}" in md
+    assert "full prompts" in md and "synthetic weights" in md
+    assert not re.search(r"\bNone\b|\bnull\b", md)
+
+
+def test_section_extras_add_no_meta_lines():
+    md = render.render_markdown({**_huge_receipt(2), "hashes_extra": {"curves": [1, 2], "note": "fixture"}})
+    assert "(in receipt.json)" not in md and "## hashes: further values" in md and "| note" in md
+
+
+def test_summary_is_stored_and_a_rendering_failure_fails_the_receipt(tmp_path, monkeypatch):
+    rec = {**_huge_receipt(2), "errors": []}
+    receipt._write_outputs(rec, tmp_path, [])
+    data = json.loads((tmp_path / "receipt.json").read_text())
+    assert data["status"] == "ok" and data["summary"] == render.render_summary(rec) != ""
+    assert (tmp_path / "receipt.md").read_text().count(data["summary"]) == 1
+
+    def boom(*a, **k):
+        raise RuntimeError("renderer broke")
+    monkeypatch.setattr(render, "render_html", boom)
+    rec = {**_huge_receipt(2), "errors": []}
+    receipt._write_outputs(rec, tmp_path, [])
+    data = json.loads((tmp_path / "receipt.json").read_text())
+    assert data["status"] == "failed" and data["errors"][0]["notebook"] == "receipt.html"
+    assert "renderer broke" in (tmp_path / "receipt.html").read_text()
+    monkeypatch.setattr(render, "render_summary", boom)
+    rec = {**_huge_receipt(2), "errors": []}
+    receipt._write_outputs(rec, tmp_path, [])
+    assert json.loads((tmp_path / "receipt.json").read_text())["status"] == "failed"

@@ -44,7 +44,7 @@ def test_bf16_ulp_distance_equals_walk_index(bf16_walk):
 
 
 def test_bf16_distance_is_fp32_distance_shifted(bf16_walk):
-    # metrics.md: bf16 distance = fp32 ordered distance of the widened values >> 16
+    # a bf16 value is the top half of an fp32: bf16 distance = fp32 ordered distance of the widened values >> 16
     a, b = bf16_walk[:-1], bf16_walk[1:]
     d32 = ulp.ulp_distance(a.float(), b.float()) >> 16
     assert torch.equal(d32, ulp.ulp_distance(a, b))

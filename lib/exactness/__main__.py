@@ -25,6 +25,10 @@ from pathlib import Path
 # OpenMP thread spin-waits on a busy machine. Set before torch is imported; receipts record the count.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from .env import match_onednn_isa  # noqa: E402  (imports no torch)
+
+match_onednn_isa()  # an emulated lower instruction set caps oneDNN too (env.match_onednn_isa), before torch loads
+
 from .profiles import DEFAULT_PROFILE, PROFILES, get_profile  # noqa: E402
 
 
@@ -50,12 +54,15 @@ def _receipts_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="run folder (must not exist); default receipts/<UTC>-<sha>-<profile>")
     p.add_argument("--precomputed", default=None, help="folder of section JSONs computed elsewhere (hashes.json, "
                    "contract.json, fp64.json, streams.json, bench.json, optional env.json): render, don't compute")
+    p.add_argument("--sections", default="", help="comma-separated sections to run (default: all of "
+                   "hashes,contract,fp64,streams,bench)")
 
 
 def _receipts(args: argparse.Namespace) -> int:
     from .receipt import run_receipts
 
-    result = run_receipts(args.profile, args.out, args.param, precomputed=args.precomputed)
+    result = run_receipts(args.profile, args.out, args.param, precomputed=args.precomputed,
+                          sections=[x for x in args.sections.split(",") if x] or None)
     print(result.folder)
     return 0 if result.status == "ok" else 1
 
@@ -83,7 +90,7 @@ def _profiles(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------------ analysis
 
 def analysis_command(module: str, help: str, func: str = "run_section",
-                     extra_params: tuple[str, ...] = ()) -> Subcommand:
+                     extra_params: tuple[str, ...] = (), section: str = "") -> Subcommand:
     """A subcommand ``--profile P [--out file.json] [--param k=v ...]`` that calls ``<module>.<func>(params)``
     with the profile's parameters updated by the overrides, and writes the returned dict as JSON (to stdout
     without ``--out``; the file is replaced atomically).
@@ -95,7 +102,7 @@ def analysis_command(module: str, help: str, func: str = "run_section",
         p.add_argument("--out", default=None, help="JSON file to write (default: stdout)")
 
     def run(args: argparse.Namespace) -> int:
-        params = section_parameters(args.profile, args.param, extra_params)
+        params = section_parameters(args.profile, args.param, extra_params, [section] if section else [])
         result = getattr(importlib.import_module(module), func)(params)
         _write_json(result, args.out)
         return 0
@@ -103,14 +110,16 @@ def analysis_command(module: str, help: str, func: str = "run_section",
     return Subcommand(help, add, run)
 
 
-def section_parameters(profile: str, overrides: list[str], extra_params) -> dict:
-    """The profile's parameters updated by ``key=value`` overrides.
+def section_parameters(profile: str, overrides: list[str], extra_params, sections: list[str] = ()) -> dict:
+    """The profile's parameters updated by ``key=value`` overrides, checked (preflight.check_run) for a run of
+    ``sections``.
 
     Raises:
         ReceiptError: an override name that is neither a profile field nor in ``extra_params`` (lists the allowed
             ones), or a value of another type than the profile's (receipt.check_override_types).
-        ValueError: unknown profile.
+        ValueError: unknown profile; preflight.PreflightError: a checkpoint or length the run cannot use.
     """
+    from .preflight import check_run
     from .receipt import ReceiptError, check_common_values, check_override_types, parse_overrides
 
     params = get_profile(profile).parameters()
@@ -121,6 +130,7 @@ def section_parameters(profile: str, overrides: list[str], extra_params) -> dict
             raise ReceiptError(f"unknown parameter {key!r}; allowed: {', '.join(sorted(allowed))}")
     check_override_types(params, parsed)
     check_common_values({**params, **parsed})
+    check_run({**params, **parsed}, list(sections))
     return {**params, **parsed}
 
 
@@ -146,7 +156,7 @@ def _sections(args: argparse.Namespace) -> int:
         raise ReceiptError(f"no sections given; allowed: {', '.join(ANALYSES)} (comma-separated)")
     if bad:
         raise ReceiptError(f"unknown sections {bad!r}; allowed: {', '.join(ANALYSES)}")
-    params = section_parameters(args.profile, args.param, [x for n in names for x in ANALYSES[n][2]])
+    params = section_parameters(args.profile, args.param, [x for n in names for x in ANALYSES[n][2]], names)
     out = Path(args.out)
     env = environment()
     _write_json(env, str(out / "env.json"))
@@ -172,9 +182,11 @@ def _provenance(env: dict, name: str, args: argparse.Namespace, seconds: float) 
     git = env.get("git") or {}
     cmd = " ".join(["python -m exactness sections", f"--profile {args.profile}", f"--sections {name}",
                     *[f"--param '{p}'" for p in args.param]])
-    return {"computed_on": f"{env.get('device')} (capability {env.get('compute_capability')}), torch "
-                           f"{env.get('torch')}, triton {env.get('triton')}, {env.get('time_utc')}",
-            "commit": f"{git.get('sha')}{' (dirty)' if git.get('dirty') else ''}", "command": cmd,
+    cc = env.get("compute_capability")
+    state = {True: " (dirty)", False: " (clean)"}.get(git.get("dirty"), "")
+    return {"computed_on": f"{env.get('device')} ({f'capability {cc}' if cc else 'no CUDA device'}), torch "
+                           f"{env.get('torch')}, triton {env.get('triton') or 'not installed'}, {env.get('time_utc')}",
+            "commit": f"{git.get('sha') or 'unknown'}{state}", "command": cmd,
             "notes": f"{seconds:.1f} s"}
 
 
@@ -243,11 +255,11 @@ ANALYSES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                 "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON",
                 ("mtp_k", "stream_counts", "prompt_cache_gib", "stream_offset", "stream_prompt_tokens",
                  "prefill_path", "drafts", "checkpoint", "allow_unpinned")),
-    "bench": ("exactness.analysis.bench", "the seed's bench tables (timings, memory) -> section JSON",
+    "bench": ("exactness.analysis.bench", "the bench tables (TTFT, tok/s, ITL, streams, memory) -> section JSON",
               ("bench_gen_tokens", "bench_path", "bench_step", "bench_reps", "bench_itl_reps", "bench_cold_lengths",
                "offload", "checkpoint", "allow_unpinned")),
 }
-SUBCOMMANDS.update({name: analysis_command(mod, help_, extra_params=extra)
+SUBCOMMANDS.update({name: analysis_command(mod, help_, extra_params=extra, section=name)
                     for name, (mod, help_, extra) in ANALYSES.items()})
 
 
@@ -273,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ReceiptError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:   # Ctrl-C, or SIGTERM during a receipt run (runfolder.sigterm_as_interrupt)
+        print(f"stopped: {e or 'interrupted'}; nothing was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

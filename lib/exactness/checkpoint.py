@@ -212,10 +212,41 @@ def _layer(rd: _Reader, cfg: ModelConfig, i: int, fused: bool) -> LayerWeights:
         shared_gate=sh("gate"), shared_up=sh("up"), shared_down=sh("down"))
 
 
-def _tokenizer(path: str, cfg: ModelConfig):
+def tokenizer_for(path: str, cfg: ModelConfig):
+    """The tokenizer of checkpoint folder ``path``: HFTokenizer when it has tokenizer files, else ByteTokenizer when
+    ``cfg.vocab_size`` is the byte vocabulary, else None (prompts then use the byte tokenizer)."""
     if any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return HFTokenizer(path)
     return ByteTokenizer() if cfg.vocab_size == BYTE_VOCAB else None
+
+
+def read_config(path: str) -> tuple[ModelConfig, bool]:
+    """The ModelConfig of checkpoint folder ``path`` and whether its embeddings are tied, from config.json alone
+    (no tensor is read: cheap enough to check a run's parameters before anything runs).
+
+    Raises:
+        CheckpointError: one line naming the folder or file and what is wrong: the folder does not exist, has no
+            config.json, config.json is not valid JSON or not a JSON object, or a value is unsupported.
+    """
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint folder {path!r} does not exist (expected a local Hugging Face "
+                              f"Qwen3-MoE folder: config.json + safetensors)")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{path!r} has no config.json (expected a Hugging Face Qwen3-MoE checkpoint folder)")
+    try:
+        with open(cfg_path, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{cfg_path}: expected a JSON object of config keys, found {type(d).__name__}")
+    try:
+        return config_from_hf(d, name=os.path.basename(os.path.normpath(path)))
+    except CheckpointError as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: missing or malformed key ({type(e).__name__}: {e})") from None
 
 
 def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16,
@@ -240,13 +271,9 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16,
             in two files.
         ValueError: dtype other than torch.bfloat16 / torch.float32.
     """
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise CheckpointError(f"{path!r} has no config.json (expected a Hugging Face Qwen3-MoE checkpoint folder)")
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
-    with open(cfg_path) as fh:
-        cfg, tied = config_from_hf(json.load(fh), name=os.path.basename(os.path.normpath(path)))
+    cfg, tied = read_config(path)
     index = _tensor_index(path)
     fused = [f"model.layers.{i}.mlp.experts.gate_up_proj" in index for i in range(cfg.n_layers)]
     mtp = _check_tensors(index, expected_shapes(cfg, fused, tied), tied)
@@ -255,4 +282,4 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16,
     w = Weights(cfg=cfg, embed=embed, layers=[_layer(rd, cfg, i, fused[i]) for i in range(cfg.n_layers)],
                 final_norm=rd("model.norm.weight"), lm_head=embed if tied else rd("lm_head.weight"))
     w.extra = {n: rd(n) for n in mtp}  # kept beside the decoder; Weights.to() does not carry it (see report)
-    return w, _tokenizer(path, cfg)
+    return w, tokenizer_for(path, cfg)

@@ -27,8 +27,8 @@ def git_state(path: Path | str = REPO_ROOT) -> dict:
         ``{"sha": str|None, "short": str|None, "dirty": bool|None, "error": str (only when unknown)}``; ``dirty``
         counts modified, staged and untracked (not ignored) files. Never raises: no git, no repo or no commit
         yet give ``None`` values and an ``error`` message. Where the tree was copied with a stale ``.git`` or none
-        (the device tool sends the working tree with the session's starting ``.git``), the caller states the
-        commit in ``EXACTNESS_GIT_SHA`` (40 hex digits) and ``EXACTNESS_GIT_DIRTY`` (``0``/``1``); the record then
+        (e.g. a working tree sent to a GPU machine with an older checkout's ``.git``), the caller states the commit
+        in ``EXACTNESS_GIT_SHA`` (40 hex digits) and ``EXACTNESS_GIT_DIRTY`` (``0``/``1``); the record then
         holds that, ``"source": "EXACTNESS_GIT_SHA"`` and what git itself said under ``git_said``.
     """
     try:
@@ -43,6 +43,24 @@ def git_state(path: Path | str = REPO_ROOT) -> dict:
         return {"sha": stated, "short": stated[:7], "dirty": os.environ.get("EXACTNESS_GIT_DIRTY") == "1",
                 "source": "EXACTNESS_GIT_SHA", "git_said": said}
     return said
+
+
+# oneDNN's name for the instruction set that torch's ATEN_CPU_CAPABILITY names.
+ONEDNN_ISA = {"default": "SSE41", "avx2": "AVX2"}
+
+
+def match_onednn_isa() -> None:
+    """Where ``ATEN_CPU_CAPABILITY`` lowers torch's kernels below this CPU's instruction set (``default`` or
+    ``avx2``), cap oneDNN at the same level through ``ONEDNN_MAX_CPU_ISA``, unless the caller set it.
+
+    Without the cap torch mixes lowered kernels with oneDNN kernels of the CPU's full instruction set, a pairing no
+    real CPU produces, and some of them refuse to run together (bf16 attention then raises "pack_vnni2 is only
+    supported when avx512 is supported"). Must run before torch is first imported; changes only the environment
+    of this process and its children.
+    """
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if cap in ONEDNN_ISA:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ISA[cap])
 
 
 def _cpu_name() -> str:
@@ -90,6 +108,7 @@ def environment() -> dict:
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "cpu_threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
         },
         "platform": platform.platform(),
         "hostname": socket.gethostname(),

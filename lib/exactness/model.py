@@ -3,7 +3,7 @@
 A *plan* says how the rows of this call are computed: ``decode`` rows (one per stream and step) use the set's
 decode kernels; ``batched`` and ``deep`` prompt rows use its prompt kernels. The deep plan additionally runs the dense
 projections on fixed ``tile_rows``-row tiles and each expert over its member rows in ``expert_tile``-member tiles
-(the seed's deep prefill); with an invariant kernel set none of this changes a byte.
+(the deep prefill); with an invariant kernel set none of this changes a byte.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class Plan:
 
     Attributes:
         kind: ``"decode"``, ``"batched"`` or ``"deep"``.
-        tile_rows: rows per dense tile on the deep plan (the seed uses 64).
+        tile_rows: rows per dense tile on the deep plan (64).
         expert_tile: members per expert tile on the deep plan (64).
     """
 

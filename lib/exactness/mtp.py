@@ -1,4 +1,4 @@
-"""Multi-token prediction (MTP) head and drafted decode (../shared/guide/paths.md, "drafted decode").
+"""Multi-token prediction (MTP) head and drafted decode: with exact kernels, drafted decode equals plain decode.
 
 The head follows DeepSeek-V3 (arXiv 2412.19437, sec. 2.2, eq. 21-23) with the layout of Qwen3-Next's MTP module
 (vLLM ``qwen3_next_mtp.py``): for position i, the main model's last hidden row h_i (``ForwardOut.hidden``, before

@@ -11,10 +11,10 @@ accept: ``store(layer, e) -> (w_gate [I, H], w_up [I, H], w_down [H, I])`` on th
               * ring: for the deep plan, ``store.prepare(layer, expert_ids, plan)`` announces the experts that have
                 members in this MoE call (ascending ids, the order moe_block computes them). Up to ``ring_slots``
                 experts are copied host->device on a separate copy stream ahead of use, so that copying expert e'
-                overlaps computing expert e (the seed's "ring of staged expert lines"). CUDA events order each
-                compute after its copy and each copy after the previous use of its slot. When the announced
-                list runs out, the ring speculatively copies the next experts in (layer, id) order (the next
-                layer's first experts), so the copies also overlap attention.
+                overlaps computing expert e. CUDA events order each compute after its copy and each copy after
+                the previous use of its slot. When the announced list runs out, the ring speculatively copies the
+                next experts in (layer, id) order (the next layer's first experts), so the copies also overlap
+                attention.
               * sync: batched/decode plans, calls that were not announced, and stores without a ring fetch the
                 expert synchronously into fresh device tensors (the batched pass "fetches each expert").
               On CPU the "device" and the "host" are the same memory: copies are plain synchronous ``copy_`` and
@@ -25,7 +25,7 @@ tokens and KV bytes of offload against resident runs (and catches a one-ulp pert
 
 If the ring cannot be reserved (``torch.cuda.OutOfMemoryError``, or ``max_ring_bytes`` below what it needs), the
 store records why in ``fallback_reason`` and sets ``deep_ready = False``; paths.prefill then serves deep segments
-with the batched pass and records ``served["fallback"]`` (see the diff in the report of issue 6).
+with the batched pass and records ``served["fallback"]``.
 """
 from __future__ import annotations
 
@@ -381,8 +381,9 @@ def moe_block_calls_prepare() -> bool:
 @contextmanager
 def prepare_hook():
     """Within the block, model.moe_block announces the experts with members to ``experts.prepare(layer, ids,
-    plan)`` before computing them. A no-op once moe_block does so itself (the diff in issue 6's report); until
-    then it wraps moe_block (running the router kernels once more per layer, untapped) and restores it on exit.
+    plan)`` before computing them. A no-op when moe_block calls ``experts.prepare`` itself (model.moe_block
+    does); otherwise it wraps moe_block (running the router kernels once more per layer, untapped) and restores
+    it on exit.
 
     Yields:
         True when the wrapper is active, False when moe_block already calls prepare.

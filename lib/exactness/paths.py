@@ -1,4 +1,4 @@
-"""The inference paths as thin wrappers over model.forward (../shared/guide/paths.md).
+"""The inference paths as thin wrappers over model.forward.
 
     decode   the serial oracle: every prompt token one row at a time through the decode kernels, then the reply
     batched  prompt rows in chunks of the step size through the prompt kernels (step None = one chunk)
@@ -87,17 +87,19 @@ def _sync(w: Weights) -> None:
 
 def prefill(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | str, path: str,
             step: int | None = None, deep_threshold: int = 512, start: int = 0, slot: int = 0,
-            served: dict | None = None, experts=None) -> torch.Tensor:
+            served: dict | None = None, experts=None, *, progress=None) -> torch.Tensor:
     """Write prompt rows ``ids`` [P] at positions start..start+P-1 of ``slot`` and return their logits [P, V] fp32.
 
-    ``served`` (plan -> counts) is updated in place when given.
+    ``served`` (plan -> counts) is updated in place when given; ``progress`` (a tqdm bar) advances by each
+    segment's rows.
     """
-    return prefill_out(w, cache, ids, kernels, path, step, deep_threshold, start, slot, served, experts).logits
+    return prefill_out(w, cache, ids, kernels, path, step, deep_threshold, start, slot, served, experts,
+                       progress=progress).logits
 
 
 def prefill_out(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | str, path: str,
                 step: int | None = None, deep_threshold: int = 512, start: int = 0, slot: int = 0,
-                served: dict | None = None, experts=None) -> ForwardOut:
+                served: dict | None = None, experts=None, *, progress=None) -> ForwardOut:
     """As ``prefill``, returning ForwardOut(logits [P, V] fp32, hidden [P, H]) (the MTP head reads the hidden rows).
 
     Segments: one row each on the decode path, else chunks of ``step`` rows (None = all); on the deep path a
@@ -124,6 +126,8 @@ def prefill_out(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSe
         out.append(forward(w, rows, pos, cache, kernels, plan, slots, experts))
         served[plan.kind]["segments"] += 1
         served[plan.kind]["rows"] += n
+        if progress is not None:
+            progress.update(n)
     return ForwardOut(torch.cat([o.logits for o in out]), torch.cat([o.hidden for o in out]))
 
 
@@ -135,8 +139,9 @@ def decode_step(w: Weights, cache: KVCache, tokens: torch.Tensor, positions: tor
 
 def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",
              path: str = "decode", step: int | None = None, deep_threshold: int = 512,
-             keep_cache: bool = False, experts=None) -> RunResult:
-    """Prefill ``prompt_ids`` [P] on ``path`` and greedily generate ``gen_tokens`` tokens.
+             keep_cache: bool = False, experts=None, *, progress=None) -> RunResult:
+    """Prefill ``prompt_ids`` [P] on ``path`` and greedily generate ``gen_tokens`` tokens; ``progress`` (a tqdm bar)
+    advances by one per prompt row and per generated token.
 
     Raises:
         ValueError: see check_run_args.
@@ -147,7 +152,7 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
     cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, w.device)
     served = _served()
     t0 = time.perf_counter()
-    plog = prefill(w, cache, prompt_ids, ks, path, step, deep_threshold, 0, 0, served, experts)
+    plog = prefill(w, cache, prompt_ids, ks, path, step, deep_threshold, 0, 0, served, experts, progress=progress)
     role = "decode" if path == "decode" else "prompt"
     gen, glog = [], []
     last = plog[-1:]
@@ -157,6 +162,8 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
         glog.append(last)
         _sync(w)
         times.append(time.perf_counter())
+        if progress is not None:
+            progress.update(1)
     slots = torch.zeros(1, dtype=torch.int64, device=w.device)
     for i in range(1, gen_tokens):
         pos = torch.tensor([P + i - 1], device=w.device)
@@ -165,6 +172,8 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
         glog.append(last)
         _sync(w)
         times.append(time.perf_counter())
+        if progress is not None:
+            progress.update(1)
     V = w.cfg.vocab_size
     return RunResult(
         path=path, step=step, kernels=ks.name, deep_threshold=deep_threshold, prompt_ids=prompt_ids.cpu(),

@@ -14,7 +14,7 @@ class Profile:
     """One receipt configuration.
 
     Attributes:
-        name: profile name (``ci``, ``full``, ``gpu``).
+        name: profile name (``ci``, ``standard``, ``full``, ``gpu``).
         preset: model preset (config.PRESETS).
         device: ``"cpu"`` or ``"cuda"``.
         dtype: storage dtype of weights and activations, ``"bfloat16"`` or ``"float32"`` (accumulation is fp32).
@@ -59,6 +59,12 @@ PROFILES: dict[str, Profile] = {
                   extra=(("contract_sweep", "quick"), ("fp64_rows", 16), ("stream_counts", (1, 2, 4)),
                          ("bench_step", 128), ("bench_reps", 2), ("bench_itl_reps", 2),
                          ("bench_cold_lengths", (128, 256)))),
+    "standard": Profile(name="standard", preset="tiny", device="cpu", dtype="bfloat16",
+                        prompts=("short", "code", "docs"), prompt_max_tokens=1024, steps=(256, 200), gen_tokens=64,
+                        deep_threshold=128, kernel_sets=("fast", "invariant"),
+                        extra=(("contract_sweep", "quick"), ("fp64_rows", 32), ("stream_counts", (1, 2, 4)),
+                               ("stream_prompt_tokens", 256), ("bench_step", 256), ("bench_reps", 2),
+                               ("bench_itl_reps", 2), ("bench_cold_lengths", (512, 2048)))),
     "full": Profile(name="full", preset="tiny", device="cpu", dtype="bfloat16", prompts=("short", "code", "docs"),
                     prompt_max_tokens=None, steps=(1024, 1000), gen_tokens=192, deep_threshold=512,
                     kernel_sets=("fast", "invariant"),
@@ -67,20 +73,20 @@ PROFILES: dict[str, Profile] = {
     "gpu": Profile(name="gpu", preset="small", device="cuda", dtype="bfloat16", prompts=("short", "code", "docs"),
                    prompt_max_tokens=None, steps=(2048, 1000), gen_tokens=64, deep_threshold=512,
                    kernel_sets=("fast", "invariant"),
-                   # Sized for the device tool's 10-minute calls (scripts/h200_receipt.sh splits the sections).
-                   # A decode step is launch-bound (12-18 ms on the H200), so the exactness sections generate 64
-                   # tokens; the hash matrix cuts its prompts to 2560 tokens (its serial oracle costs one step per
-                   # prompt token; 2 segments at step 2048, 3 at step 1000) and repeats only the batched/deep runs
-                   # offloaded (their replies still decode with offloaded experts); concurrent streams use
-                   # 256-token prompts; the fast set, the contract's negative control, gets the quick sweep. The
-                   # bench keeps the seed's definitions: full prompts and 192 generated tokens.
+                   # Sized so that each part of scripts/h200_receipt.sh (one or two sections) fits in 10 minutes on
+                   # one H200. A decode step is bound by kernel launches, not GPU work, so the exactness sections
+                   # generate 64 tokens; the hash matrix cuts its prompts to 2560 tokens (its serial oracle costs
+                   # one step per prompt token; 2 segments at step 2048, 3 at step 1000) and repeats only the
+                   # batched/deep runs offloaded (their replies still decode with offloaded experts); concurrent
+                   # streams use 256-token prompts; the fast set, the contract's negative control, gets the quick
+                   # sweep. The bench keeps its standard definitions: full prompts and 192 generated tokens.
                    extra=(("contract_sweep", "full"), ("contract_control_sweep", "quick"),
                           ("stream_prompt_tokens", 256), ("bench_step", 2048), ("bench_gen_tokens", 192),
                           ("hash_offload", (False, True)), ("hash_offload_paths", ("batched", "deep")),
                           ("hash_max_tokens", 2560), ("bench_cold_lengths", (2048, 8192, 30000)))),
 }
 
-DEFAULT_PROFILE = "full"
+DEFAULT_PROFILE = "standard"
 
 
 def get_profile(name: str) -> Profile:

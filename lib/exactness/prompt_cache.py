@@ -3,7 +3,7 @@
 A state is ``KVCache.snapshot(slot, n)``: the keys/values of positions 0..n-1 of one request, together with the n
 token ids they were computed from. Two modes decide which prefix lengths are kept after a request's prefill:
 
-    grid   the multiples of the step size that fit in the prompt (n = s, 2s, ...; the seed's ``snap_grid``): a
+    grid   the multiples of the step size that fit in the prompt (n = s, 2s, ...): a
            resumed request's tail chunks then start where a fresh request's chunks start
     any    the end of each request's prompt (n = P), so a resume may start at any position
 

@@ -1,4 +1,4 @@
-"""Receipt runs: atomic run folders, and running the notebooks into one receipt (the environment record: env.py).
+"""Receipt runs: running the notebooks into one receipt (run folders: runfolder.py; the environment record: env.py).
 
 A run executes each notebook of a profile with papermill into a hidden temporary folder beside the final one,
 collects the section JSON each notebook wrote (through the lib) to its ``out_json`` parameter, assembles
@@ -12,7 +12,6 @@ go to ``receipt["<name>_extra"]``.
 """
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import re
@@ -26,26 +25,19 @@ from pathlib import Path
 import yaml
 
 from .env import REPO_ROOT, environment, git_state  # noqa: F401  (re-exported: receipt.environment, ...)
-from .profiles import get_profile
+from .preflight import check_run
+from .profiles import PROFILES, get_profile
+from .runfolder import ReceiptError, remove_stale_temporaries, run_folder, sigterm_as_interrupt
 
 SCHEMA = 1
 KERNEL_NAME = "exactness"
 DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
-DEFAULT_RECEIPTS_DIR = REPO_ROOT / "receipts"
-DEFAULT_NOTEBOOKS = ["10_output_hashes"]
-# Notebooks each profile runs, in order. Later issues add 20_kernel_contract, 30_fp64_per_class, 40_streams, 50_bench.
+# Notebooks each profile runs, in order: every profile runs every section.
 _ALL_NOTEBOOKS = ["10_output_hashes", "20_kernel_contract", "30_fp64_per_class", "40_streams", "50_bench"]
-RUN_NOTEBOOKS: dict[str, list[str]] = {"ci": list(_ALL_NOTEBOOKS), "full": list(_ALL_NOTEBOOKS),
-                                       "gpu": list(_ALL_NOTEBOOKS)}
+RUN_NOTEBOOKS: dict[str, list[str]] = {name: list(_ALL_NOTEBOOKS) for name in PROFILES}
 OUT_JSON = "out_json"  # the parameter through which the runner tells a notebook where to write its section
-RESERVED_KEYS = {"schema", "status", "profile", "parameters", "env", "errors", "notebooks"}
+RESERVED_KEYS = {"schema", "status", "profile", "parameters", "env", "errors", "notebooks", "summary"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-class ReceiptError(Exception):
-    """Bad input to a receipt run (unknown parameter, existing folder, missing notebook or kernel, ...).
-
-    Raised before anything is written."""
 
 
 @dataclass
@@ -186,25 +178,8 @@ def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) 
     check_override_types(base, overrides)
     merged = {**base, **overrides}
     check_common_values(merged)
+    check_run(merged, [NOTEBOOK_SECTIONS.get(nb, nb) for nb in declared])
     return {nb: {k: v for k, v in merged.items() if k in names} for nb, names in declared.items()}
-
-
-# ----------------------------------------------------------------------------------------------------- the folder
-
-def run_folder(profile: str, out: Path | str | None, env: dict, receipts_dir: Path | str | None = None) -> Path:
-    """The final run folder: ``out`` if given, else ``<receipts_dir>/<UTC %Y%m%dT%H%M%SZ>-<git short>-<profile>``.
-
-    Raises:
-        ReceiptError: the folder already exists (receipts are never overwritten).
-    """
-    if out is None:
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        short = env.get("git", {}).get("short") or "nogit"
-        out = Path(receipts_dir or DEFAULT_RECEIPTS_DIR) / f"{stamp}-{short}-{profile}"
-    final = Path(out).absolute()
-    if final.exists():
-        raise ReceiptError(f"run folder {final} already exists; receipts are never overwritten: pick another OUT")
-    return final
 
 
 def _check_kernel(kernel_name: str) -> None:
@@ -237,16 +212,19 @@ def _error_entry(nb: str, exc: BaseException) -> dict:
     }
 
 
-def _execute(nb: str, src: Path, tmp: Path, params: dict, kernel_name: str) -> dict:
-    """Run one notebook into ``tmp``; returns its ``notebooks`` entry (``error`` included when it failed)."""
+def _execute(nb: str, src: Path, tmp: Path, params: dict, kernel_name: str, position: str = "") -> dict:
+    """Run one notebook into ``tmp``; returns its ``notebooks`` entry (``error`` included when it failed).
+
+    The kernel's stderr (the analyses' progress bars) is forwarded to this process's stderr as it arrives, so a
+    long section shows which run it is on and its ETA; ``position`` (e.g. "2/5") prefixes the start line."""
     import papermill
 
     t0 = time.perf_counter()
     entry = {"name": nb, "file": f"{nb}.ipynb", "parameters": sorted(params)}
-    print(f"[receipt] running {nb} ...", file=sys.stderr, flush=True)
+    print(f"[receipt] {position + ' ' if position else ''}running {nb} ...", file=sys.stderr, flush=True)
     try:
         papermill.execute_notebook(str(src), str(tmp / f"{nb}.ipynb"), parameters=params, kernel_name=kernel_name,
-                                   cwd=str(src.parent), progress_bar=False)
+                                   cwd=str(src.parent), progress_bar=False, stderr_file=sys.stderr)
         entry["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 -- any failure becomes a visible receipt error
         entry["status"], entry["error"] = "failed", _error_entry(nb, exc)
@@ -294,9 +272,15 @@ def _collect(tmp: Path, entries: list[dict], errors: list[dict]) -> dict:
 
 
 def _write_outputs(receipt: dict, tmp: Path, notebook_files: list[Path]) -> None:
-    """Write receipt.md, receipt.html and receipt.json; a rendering failure marks the receipt failed."""
+    """Write receipt.md, receipt.html and receipt.json (with ``summary``: the markdown summary lines that open
+    receipt.md); a rendering failure marks the receipt failed."""
     from . import render
 
+    try:
+        receipt["summary"] = render.render_summary(receipt)
+    except Exception as exc:  # noqa: BLE001 -- never lose the receipt to a renderer bug
+        receipt["errors"].append(_error_entry("summary", exc))
+        receipt["status"], receipt["summary"] = "failed", ""
     for name, fn in (("receipt.md", lambda: render.render_markdown(receipt)),
                      ("receipt.html", lambda: render.render_html(receipt, notebook_files))):
         try:
@@ -369,7 +353,7 @@ def _check_precomputed_matches(folder: Path, per_nb: dict[str, dict]) -> None:
 def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | list[str] | None = None, *,
                  notebooks_dir: Path | str | None = None, notebooks: list[str] | None = None,
                  receipts_dir: Path | str | None = None, kernel_name: str = KERNEL_NAME,
-                 precomputed: Path | str | None = None) -> RunResult:
+                 precomputed: Path | str | None = None, sections: list[str] | None = None) -> RunResult:
     """Run the notebooks of ``profile`` and write one run folder atomically.
 
     Args:
@@ -382,6 +366,7 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
         kernel_name: registered Jupyter kernel to run them with.
         precomputed: a folder of section JSONs computed elsewhere (see :func:`precomputed_parameters`); the
             notebooks render them instead of computing.
+        sections: run only these sections (names of ``NOTEBOOK_SECTIONS``' values, in run order); default all.
 
     Returns:
         :class:`RunResult`; ``status`` is ``"failed"`` when any notebook, section or rendering failed (the folder
@@ -395,7 +380,13 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
     if not isinstance(overrides, dict):
         overrides = parse_overrides(overrides)
     nb_dir = Path(notebooks_dir or DEFAULT_NOTEBOOKS_DIR).absolute()
-    names = list(notebooks or RUN_NOTEBOOKS.get(profile, DEFAULT_NOTEBOOKS))
+    names = list(notebooks or RUN_NOTEBOOKS[prof.name])
+    if sections:
+        unknown = [x for x in sections if x not in NOTEBOOK_SECTIONS.values()]
+        if unknown:
+            raise ReceiptError(f"unknown section(s) {', '.join(map(str, unknown))}; "
+                               f"allowed: {', '.join(NOTEBOOK_SECTIONS.values())}")
+        names = [nb for nb in names if NOTEBOOK_SECTIONS.get(nb) in sections]
     per_nb = plan_parameters(prof.parameters(), overrides, declared_parameters(nb_dir, names))
     _check_kernel(kernel_name)
     env = environment()
@@ -403,17 +394,19 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
     if precomputed is not None:
         env = precomputed_parameters(precomputed, per_nb, env)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a receipt folder is meant to be shared
-    (tmp / "sections").mkdir()
-    try:
-        receipt = _run_in(tmp, prof, overrides, env, nb_dir, per_nb, kernel_name)
-        if final.exists():  # os.rename would silently replace an empty directory
-            raise ReceiptError(f"run folder {final} appeared during the run; nothing was written")
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    remove_stale_temporaries(final.parent)
+    with sigterm_as_interrupt():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+        try:
+            tmp.chmod(0o755)  # mkdtemp makes it private; a receipt folder is meant to be shared
+            (tmp / "sections").mkdir()
+            receipt = _run_in(tmp, prof, overrides, env, nb_dir, per_nb, kernel_name)
+            if final.exists():  # os.rename would silently replace an empty directory
+                raise ReceiptError(f"run folder {final} appeared during the run; nothing was written")
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     print(f"[receipt] {receipt['status']}: {final}", file=sys.stderr, flush=True)
     return RunResult(folder=final, status=receipt["status"], receipt=receipt)
 
@@ -424,9 +417,9 @@ def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: d
     params = {**prof.parameters(), **overrides}
     env = {**env, "kernel_sets": params.get("kernel_sets")}
     entries = []
-    for nb, nb_params in per_nb.items():
+    for i, (nb, nb_params) in enumerate(per_nb.items(), 1):
         nb_params = {**nb_params, OUT_JSON: str(tmp / "sections" / f"{nb}.json")}
-        entries.append(_execute(nb, nb_dir / f"{nb}.ipynb", tmp, nb_params, kernel_name))
+        entries.append(_execute(nb, nb_dir / f"{nb}.ipynb", tmp, nb_params, kernel_name, f"{i}/{len(per_nb)}"))
     errors = [e.pop("error") for e in entries if "error" in e]
     sections = _collect(tmp, entries, errors)
     receipt = {"schema": SCHEMA, "status": "failed" if errors else "ok", "profile": prof.name,

@@ -1,8 +1,10 @@
-"""Rendering a receipt: ``receipt.md`` (GitHub markdown tables) and ``receipt.html`` (self-contained page).
+"""Rendering a receipt: ``receipt.md`` (GitHub markdown tables) and ``receipt.html`` (self-contained page,
+made in page.py and re-exported here).
 
-Markdown: a header (status, profile, environment, errors), then one block per section found in the receipt, made
-by ``RENDERERS[name](section_data) -> str`` or, for a section with no renderer, by :func:`render_generic`.
-To add a renderer: write ``def render_x(data) -> str`` (use :func:`table` for tables) and register it with
+Markdown: a header (status, summary, environment, errors, parameters), then one block per section found in the
+receipt, made by ``RENDERERS[name](section_data) -> str`` or, for a section with no renderer, by
+:func:`render_generic`. Each section block opens with what was compared and what its verdict means. To add a
+renderer: write ``def render_x(data) -> str`` (use :func:`table` or tables.Table for tables) and register it with
 ``RENDERERS["x"] = render_x`` (here or from the module that owns the section).
 """
 from __future__ import annotations
@@ -12,14 +14,13 @@ import json
 import importlib
 import re
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 from tabulate import tabulate
 
+from .tables import DASH, MAX_ROWS, cell_text, parameter_text
+
 MD_LIMIT = 65_536  # GitHub's cap on a comment
-MAX_ROWS = 200  # rows per table before truncation
-FLOAT_FMT = ".4g"
-RECEIPT_KEYS = ("schema", "status", "profile", "parameters", "env", "errors", "notebooks")
+RECEIPT_KEYS = ("schema", "status", "profile", "parameters", "env", "errors", "notebooks", "summary")
 DIFF_MARK = "✗"
 OPTIONAL_RUN_COLUMNS = ("prompt_logits_equal", "kv_equal", "max_prompt_logit_diff", "rerun_equal", "seconds")
 
@@ -27,31 +28,23 @@ OPTIONAL_RUN_COLUMNS = ("prompt_logits_equal", "kv_equal", "max_prompt_logit_dif
 # ------------------------------------------------------------------------------------------------------ helpers
 
 def cell(v) -> str:
-    """One table cell as text: floats with ``FLOAT_FMT``, None as ``–``, containers as compact JSON;
-    pipes escaped and newlines flattened so the GitHub table stays intact."""
-    if v is None:
-        s = "–"
-    elif isinstance(v, bool):
-        s = "yes" if v else "no"
-    elif isinstance(v, float):
-        s = format(v, FLOAT_FMT)
-    elif isinstance(v, (dict, list, tuple)):
-        s = json.dumps(v, separators=(",", ":"), default=str)
-    else:
-        s = str(v)
-    s = s.replace("\r", "").replace("\n", " ").replace("|", "\\|")
+    """One table cell as text (tables.cell_text: a dash for missing values, words for booleans, integers as
+    integers), pipes escaped and newlines flattened so the GitHub table stays intact, at most 160 characters."""
+    s = cell_text(v).replace("\r", "").replace("\n", " ").replace("|", "\\|")
     return s if len(s) <= 160 else s[:157] + "..."
 
 
-def table(rows: list[list], headers: list[str], max_rows: int = MAX_ROWS) -> str:
-    """A GitHub markdown table (tabulate, numbers left as written); over ``max_rows`` rows it is cut with a note."""
+def table(rows: list[list], headers: list[str], max_rows: int = MAX_ROWS, dash: str = "not recorded") -> str:
+    """A GitHub markdown table (tabulate, cells through :func:`cell`); over ``max_rows`` rows it is cut with a
+    note; when a cell shows a dash, a footnote says what the dash means (``dash``)."""
     note = ""
     if len(rows) > max_rows:
         note = f"\n\n_{len(rows) - max_rows} more rows not shown; see receipt.json._"
         rows = rows[:max_rows]
     body = [[cell(v) for v in r] for r in rows]
-    return tabulate(body, headers=[cell(h) for h in headers], tablefmt="github", disable_numparse=True,
-                    floatfmt=FLOAT_FMT) + note
+    if any(c == DASH for r in body for c in r):
+        note += f"\n\n_{DASH} : {dash}._"
+    return tabulate(body, headers=[cell(h) for h in headers], tablefmt="github", disable_numparse=True) + note
 
 
 def compact_tables(text: str) -> str:
@@ -81,19 +74,27 @@ def truncate(text: str, limit: int = MD_LIMIT) -> str:
 
 # ------------------------------------------------------------------------------------------------------ header
 
+def git_text(git: dict) -> str:
+    """The git row: commit and always the working tree's state ("clean", "dirty: uncommitted changes", or
+    "state unknown"), and who stated the commit when git did not (``source``)."""
+    sha = git.get("sha") or f"unknown ({git.get('error', 'no git repository')})"
+    state = {True: "dirty: uncommitted changes", False: "clean"}.get(git.get("dirty"), "state unknown")
+    source = f"; stated by {git['source']}" if git.get("source") else ""
+    return f"{sha} ({state}{source})"
+
+
 def _env_rows(receipt: dict) -> list[list]:
     env = receipt.get("env") or {}
-    git = env.get("git") or {}
-    sha = git.get("sha") or f"unknown ({git.get('error', 'no git')})"
-    dirty = {True: " (dirty)", False: ""}.get(git.get("dirty"), "")
     num = env.get("numerics") or {}
+    cuda, said = env.get("cuda") or "none", (lambda k: env.get(k) or "not recorded")  # noqa: E731
     return [["status", str(receipt.get("status", "?")).upper()], ["profile", receipt.get("profile")],
-            ["git", f"{sha}{dirty}"], ["python", env.get("python")],
-            ["torch", f"{env.get('torch')} (CUDA {env.get('cuda') or 'none'}, triton {env.get('triton') or 'none'})"],
-            ["device", env.get("device")], ["compute capability", env.get("compute_capability")],
+            ["git", git_text(env.get("git") or {})], ["python", env.get("python")],
+            ["torch", f"{said('torch')} (CUDA {cuda}, triton {env.get('triton') or 'none'})"],
+            ["device", env.get("device")],
+            ["compute capability", env.get("compute_capability") or "none (no CUDA device)"],
             ["kernel sets", ", ".join(env.get("kernel_sets") or []) or None],
             ["numerics", ", ".join(f"{k}={v}" for k, v in num.items())],
-            ["host, time (UTC)", f"{env.get('hostname')}, {env.get('time_utc')}"]]
+            ["host, time (UTC)", f"{said('hostname')}, {said('time_utc')}"]]
 
 
 def _provenance_rows(receipt: dict) -> list[list]:
@@ -125,31 +126,32 @@ def render_header(receipt: dict) -> str:
     summary = render_summary(receipt)
     if summary:
         parts += [summary, ""]
-    parts += [table(_env_rows(receipt), ["field", "value"])]
+    parts += ["## Environment", "", table(_env_rows(receipt), ["field", "value"])]
     prov = _provenance_rows(receipt)
     if prov:
         parts += ["", "## Where each section was computed", "",
                   "Sections computed elsewhere carry their own record (`provenance`); the environment above is the "
                   "precomputed folder's env.json, and the parameters below are the profile's: each section ran "
                   "with the command given here.", ""]
-        flat = lambda v: "–" if v is None else " ".join(str(v).split())  # noqa: E731  (a list: no cell limit)
+        flat = lambda v: DASH if v is None else " ".join(str(v).split())  # noqa: E731  (a list: no cell limit)
         parts += [f"- **{name}**: {flat(on)}; commit `{flat(commit)}`; `{flat(cmd)}`. {flat(notes)}"
                   for name, on, commit, cmd, notes in prov]
     if failed:
         parts += ["", render_errors(receipt.get("errors") or [])]
     params = receipt.get("parameters") or {}
     if params:
-        parts += ["", "## Parameters", "", table([[k, v] for k, v in params.items()], ["parameter", "value"])]
+        parts += ["", "## Parameters", "", table([[k, parameter_text(k, v)] for k, v in params.items()],
+                                                 ["parameter", "value"])]
     nbs = receipt.get("notebooks") or []
     if nbs:
         rows = [[n.get("name"), n.get("status"), n.get("seconds")] for n in nbs]
-        parts += ["", "## Notebooks", "", table(rows, ["notebook", "status", "seconds"])]
+        parts += ["", "## Notebooks", "", table(rows, ["notebook", "status", "time (s)"], dash="not timed")]
     return "\n".join(parts)
 
 
 def _count(rows, pred) -> str:
     rows = list(rows)
-    return f"{sum(1 for r in rows if pred(r))}/{len(rows)}" if rows else "–"
+    return f"{sum(1 for r in rows if pred(r))}/{len(rows)}" if rows else DASH
 
 
 def render_summary(receipt: dict) -> str:
@@ -176,8 +178,11 @@ def render_summary(receipt: dict) -> str:
         return ""
     head = ["kernel set", "runs with the oracle's tokens", "runs with the oracle's prompt-logit + KV bytes",
             "contract pairs byte-exact", "FP64 rows outside bound", "stream equalities holding"]
-    return "\n".join(["## Summary", "", "Oracle = serial decode through the same set's decode kernels; "
-                      "a set is exact only where bytes are equal (never on a tolerance).", "", table(rows, head)])
+    return "\n".join(["## Summary", "", "Each kernel set's paths against its oracle (serial decode through the same "
+                      "set's decode kernels) and its kernels against their decode kernels. A set is exact only where "
+                      "the bytes are equal, never within a tolerance: read n/N as n of N checks holding (for FP64, n "
+                      "of N rows outside their error bound).", "",
+                      table(rows, head, dash="this section was not run or holds no rows of this set")])
 
 
 # ------------------------------------------------------------------------------------------------------ hashes
@@ -236,9 +241,11 @@ def render_hashes(rows: list[dict]) -> str:
     each path actually served."""
     if not rows:
         return "## Token hashes\n\n_No hash rows._"
+    from .analysis.hashes_report import INTRO, verdict_md
+
     legend = ("Hash: first 12 hex digits of SHA-256 over the generated ids (int32 LE). "
               f"`{DIFF_MARK}`: differs from the decode (oracle) hash of the same prompt and kernels.")
-    parts = ["## Token hashes", "", legend, "", _hash_matrix(rows)]
+    parts = ["## Token hashes", "", INTRO, "", verdict_md(rows), "", legend, "", _hash_matrix(rows)]
     oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows
               if r.get("path") == "decode" and not r.get("offload")}
     diff = [r for r in rows if _differs(r, oracle)]
@@ -246,7 +253,8 @@ def render_hashes(rows: list[dict]) -> str:
     if diff:
         parts.append(table([[r.get("prompt"), r.get("kernels"), _col(r), r.get("first_divergence"),
                              r.get("oracle_margin"), _served(r.get("served"))] for r in diff],
-                           ["prompt", "kernels", "run", "first divergence", "oracle margin", "served"]))
+                           ["prompt", "kernels", "run", "first differing token (index)", "oracle margin (logit)",
+                            "served"], dash="not recorded"))
     else:
         parts.append("_Every run equals its oracle._")
     reruns = [r for r in rows if "rerun_equal" in r]
@@ -271,7 +279,8 @@ def _runs_table(rows: list[dict]) -> str:
             served = f"{served} ⚠ deep path served nothing"
         body.append([r.get("prompt"), r.get("kernels"), _col(r), r.get("prompt_tokens"),
                      r.get("gen_tokens"), r.get("equals_oracle"), served, *[r.get(k) for k in opt]])
-    return table(body, heads + [k.replace("_", " ") for k in opt])
+    return table(body, heads + [k.replace("_", " ").replace("seconds", "time (s)") for k in opt],
+                 dash="not applicable: the oracle itself, or a value this run did not record")
 
 
 # ----------------------------------------------------------------------------------------------------- generic
@@ -332,63 +341,18 @@ def render_markdown(receipt: dict) -> str:
 
 
 def render_extra(name: str, extra: dict) -> str:
-    """A section's extra keys: scalars as a key/value table; lists and dicts (plot data, ...) only named."""
+    """A section's extra keys: scalars as a key/value table; lists and dicts (plot data, provenance) stay in
+    receipt.json only. Empty when there are no scalars."""
     scalars = {k: v for k, v in extra.items() if not isinstance(v, (list, dict))}
-    rest = [k for k in extra if k not in scalars]
-    parts = [f"## {name}", "", table([[k, v] for k, v in scalars.items()], ["key", "value"])] if scalars else []
-    if rest:
-        parts += ["", f"_{name}: {', '.join(rest)} (in receipt.json)._"]
-    return "\n".join(parts).strip()
+    if not scalars:
+        return ""
+    return "\n".join([f"## {name[:-len('_extra')]}: further values", "",
+                      table([[k, v] for k, v in scalars.items()], ["key", "value"])])
 
 
 # -------------------------------------------------------------------------------------------------------- html
 
-# nbconvert's lab template, less everything that loads from a CDN (require.js, MathJax, mermaid, widgets).
-_TEMPLATE = """{%- extends 'index.html.j2' -%}
-{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
-{% block jupyter_widgets %}{% endblock jupyter_widgets %}
-{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
-{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
-"""
-_EXTERNAL = re.compile(r"<script[^>]*\bsrc=[\"']?(?:https?:)?//|import\(\s*[\"'](?:https?:)?//", re.IGNORECASE)
-
-
-def merge_notebooks(receipt: dict, notebook_files: list[Path]):
-    """One nbformat notebook: a header markdown cell (status, environment, errors), then for each executed
-    notebook a markdown title cell and its cells (cell ids renumbered to stay unique)."""
-    import nbformat
-
-    merged = nbformat.v4.new_notebook()
-    merged.cells.append(nbformat.v4.new_markdown_cell(render_header(receipt), id="receipt-header"))
-    for path in notebook_files:
-        nb = nbformat.read(str(path), as_version=4)
-        merged.metadata = merged.metadata or nb.metadata
-        merged.cells.append(nbformat.v4.new_markdown_cell(f"# Notebook `{Path(path).stem}`", id=f"{path.stem}-title"))
-        for i, c in enumerate(nb.cells):
-            c["id"] = f"{Path(path).stem}-{i}"[-64:]
-            merged.cells.append(c)
-    return merged
-
-
-def render_html(receipt: dict, notebook_files: list[Path]) -> str:
-    """``receipt.html``: the merged notebooks through nbconvert's ``HTMLExporter`` without code cells, MathJax and
-    other CDN scripts left out of the template, images inline as data URIs.
-
-    Raises:
-        RuntimeError: an external script is still present after removal (never a silently non-standalone page).
-    """
-    import jinja2
-    from nbconvert import HTMLExporter
-
-    exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"receipt.html.j2": _TEMPLATE})],
-                            template_file="receipt.html.j2", exclude_input=True, exclude_input_prompt=True,
-                            exclude_output_prompt=True, embed_images=True)
-    title = f"Exactness receipt {receipt.get('profile')} ({receipt.get('status')})"
-    body, _ = exporter.from_notebook_node(merge_notebooks(receipt, notebook_files),
-                                          resources={"metadata": {"name": title}})
-    if _EXTERNAL.search(body):
-        raise RuntimeError("receipt.html would load an external script; the template let one through")
-    return body
+from .page import merge_notebooks, render_html  # noqa: E402,F401  (receipt.html is assembled in page.py)
 
 
 def fallback_text(receipt: dict, html: bool = False) -> str:

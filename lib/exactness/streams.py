@@ -1,4 +1,4 @@
-"""Concurrent streams: N greedy requests decoded in one batch (../shared/guide/paths.md, "concurrent streams").
+"""Concurrent streams: N greedy requests decoded in one batch; with exact kernels each equals its run alone.
 
 Timeline (one global step counter t = 0, 1, ...): stream j joins at t = j * offset; its prefill runs alone through
 paths.prefill into cache slot j, and its first token comes from its last prompt row. Then, at every step, ONE decode

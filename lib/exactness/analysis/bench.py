@@ -1,4 +1,4 @@
-"""The ``bench`` section: the seed's bench receipts, with the definitions of ../shared/guide/paths.md.
+"""The ``bench`` section: serving speed and memory of each kernel set on the real prompts, defined below.
 
 Runs, per kernel set (greedy, temperature 0, end-of-sequence ignored; prefill on ``bench_path`` at ``bench_step``):
 
@@ -16,10 +16,10 @@ Runs, per kernel set (greedy, temperature 0, end-of-sequence ignored; prefill on
     memory      peak device memory per run (torch.cuda.max_memory_allocated; None on CPU), and on CUDA the peak of
                 a batched and a ``bench_path`` prefill of the longest prompt; the ring's reserved bytes (offload)
 
-Metrics (paths.md): TTFT = seconds from the request to the first generated token; prefill tok/s = prompt tokens /
+Metrics: TTFT = seconds from the request to the first generated token; prefill tok/s = prompt tokens /
 TTFT; decode tok/s = (generated - 1) / (time of last token - time of first token); mean ITL = that span /
 (generated - 1); ITL p50/p95 = numpy.percentile (linear interpolation) of the gaps between consecutive tokens.
-Drafted runs stamp every token of a verify round with the round's end, so their ITL p50 can be 0, as in the seed.
+Drafted runs stamp every token of a verify round with the round's end, so their ITL p50 can be 0.
 mtp.DraftedResult and streams.StreamsResult carry no timestamps, so the bench stamps them by wrapping the modules'
 prefill and round functions for the duration of a run (restored in ``finally``).
 """
@@ -36,9 +36,11 @@ from ..config import get_preset
 from ..kernels import get_set
 from ..offload import ExpertStore, prepare_hook
 from ..paths import PATHS, generate
+from ..progress import bar as progress_bar
 from ..prompts import build_prompt
 from ..sections import join_provenance
-from .bench_tables import config_line, render_md, tables  # noqa: F401  (the section's renderer and tables)
+from .bench_tables import (INTRO, config_line, expert_store_md, render_md, table,  # noqa: F401  (its views)
+                           tables)
 from .hashes import load_model, resolve_device, token_hash
 
 DEFAULTS = {"bench_gen_tokens": None, "bench_path": "deep", "bench_step": 2048, "bench_reps": 2, "bench_itl_reps": 3,
@@ -65,7 +67,7 @@ def bench_params(params: dict, max_positions: int | None = None) -> dict:
             ``max_positions`` (the model's; names the length and the limit).
     """
     p = {**DEFAULTS, **params}
-    if p["bench_gen_tokens"] is not None:  # the bench's own reply length (the seed's tables use 192)
+    if p["bench_gen_tokens"] is not None:  # the bench's own reply length (its tables are defined at 192)
         p["gen_tokens"] = p["bench_gen_tokens"]
     if p["bench_path"] not in PATHS:
         raise ValueError(f"bench_path {p['bench_path']!r} is not a path; allowed: {', '.join(PATHS)}")
@@ -113,7 +115,7 @@ def _sync(device: torch.device) -> None:
 
 
 def timing_metrics(n_prompt: int, ttft_s: float, token_times: list[float]) -> dict:
-    """Metrics of one stream (paths.md definitions).
+    """Metrics of one stream (defined in this module's docstring).
 
     Args:
         n_prompt: prompt tokens; ttft_s: seconds to the first token; token_times: seconds since the request of
@@ -413,7 +415,6 @@ def run_section(params: dict) -> dict:
         ValueError: see bench_params (checked before the model loads for presets), unknown kernel set, prompt,
             preset, device or dtype; PromptPinError: prompt text unpinned.
     """
-    from tqdm import tqdm
     p = bench_params(params, None if params.get("checkpoint") else get_preset(params["preset"]).max_positions)
     for ks in p["kernel_sets"]:
         get_set(ks)
@@ -428,7 +429,7 @@ def run_section(params: dict) -> dict:
     with ExitStack() as stack:
         if store is not None:
             stack.enter_context(prepare_hook())
-        bar = stack.enter_context(tqdm(total=total, desc="bench", unit="run", disable=None))
+        bar = stack.enter_context(progress_bar(total, "bench", "run"))
         for ks in p["kernel_sets"]:
             _bench_set(runner, prompts, sources, ks, p, not_run, data, bar)
     data.update(config=_config(p, w, store), not_run=not_run, offload=store.info() if store else None)

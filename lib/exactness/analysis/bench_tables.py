@@ -1,4 +1,4 @@
-"""Tables of the ``bench`` section (analysis/bench.py), laid out like the seed's bench receipts.
+"""Tables of the ``bench`` section (analysis/bench.py): one per measure, one row per kernel set and prompt.
 
 Every table function takes the section's ``data`` and returns a pandas DataFrame of display strings (numbers
 formatted here: seconds to 2 decimals, tok/s to 1 (decode tok/s 2), milliseconds to 2, memory in MiB); the notebook
@@ -11,7 +11,15 @@ import statistics
 import pandas as pd
 from tabulate import tabulate
 
+from ..tables import Table
+
 MIB = 2 ** 20
+INTRO = ("Serving speed and memory of each kernel set on this machine: time to the first token (TTFT), prefill "
+         "and decode throughput, inter-token latency (ITL), drafted against plain decode, cold-cache prefill at "
+         "exact lengths, concurrent streams and peak memory. These are measurements, not pass/fail checks (the "
+         "exactness verdicts are in the sections above); the *drafted == plain* and *equal-to-alone* columns repeat "
+         "the equality checks on the timed runs. Cold = the first request of a prompt since the model was loaded, "
+         "warm = the median of its identical repeats.")
 
 
 def _f(v, spec: str) -> str:
@@ -94,7 +102,8 @@ def cold_table(data: dict) -> pd.DataFrame:
     for row in data.get("cold", []):
         runs, c = row["runs"], row["runs"][0]
         ok = row["qualified"]
-        verdict = (f"qualified=True; repeats cold TTFT {'/'.join(_f(r['ttft_s'], '.2f') for r in runs[1:]) or '–'}"
+        verdict = (f"qualified (every rep cold); repeats' TTFT s: "
+                   f"{' / '.join(_f(r['ttft_s'], '.2f') for r in runs[1:]) or 'none'}"
                    if ok else f"refused: reps {row['refused_reps']} hit a cache ({c['cache_state']})")
         out.append({"kernels": row["kernels"], "requested tok": row["requested"], "prompt tok": c["prompt_tokens"],
                     "cold prefill TTFT s": _f(c["ttft_s"] if ok else None, ".2f"),
@@ -115,8 +124,8 @@ def streams_table(data: dict) -> pd.DataFrame:
                     "TTFT max s": g("ttft_max_s", ".2f"), "mean ITL ms": g("itl_mean_ms", ".2f"),
                     "ITL p95 ms": g("itl_p95_ms", ".1f"), "end-to-end tok/s": g("end_to_end_tps", ".1f"),
                     "failed": row["failed"],
-                    "equal-to-alone": f"{row['equal_to_alone']} eq / {row['not_equal_to_alone']} neq / "
-                                      f"{row['failed']} fail"})
+                    "equal-to-alone": f"{row['equal_to_alone']} of "
+                                      f"{row['equal_to_alone'] + row['not_equal_to_alone'] + row['failed']} streams"})
     return pd.DataFrame(out)
 
 
@@ -160,6 +169,21 @@ def tables(data: dict) -> dict[str, pd.DataFrame]:
     return {title: fn(data) for title, fn in TABLES}
 
 
+def table(df: pd.DataFrame) -> Table:
+    """One of :func:`tables`' frames as a receipt table (its cells are already display strings)."""
+    return Table(df, dash="not measured or not applicable: a rate needs two generated tokens, device memory a CUDA "
+                          "device, experts off the device offload, and a refused run has no timings")
+
+
+def expert_store_md(data: dict) -> str:
+    """Markdown: where the routed experts lived during the bench; with offload, the store's record as a table."""
+    off = data.get("offload")
+    if not off:
+        return "Expert store: resident on the device (no offload): every expert's weights stay in device memory."
+    return "Expert store: offloaded to host memory.\n\n" + Table([{"field": k, "value": v} for k, v in off.items()],
+                                                                   dash="not recorded").to_markdown()
+
+
 def config_line(data: dict) -> str:
     """One line: preset, device, dtype, prefill path, gen tokens, reps, offload, prompt cache, not-run notes."""
     c = data["config"]
@@ -177,7 +201,7 @@ def render_md(section: dict) -> str:
     """GitHub markdown of the bench section (the full section or its ``data``): the config line, then each
     table (tabulate github, numbers already formatted), a table that was not run replaced by its reason."""
     data = section.get("data", section) if "section" in section else section
-    parts = ["## Bench", config_line(data)]
+    parts = ["## Bench", INTRO, config_line(data)]
     not_run = data.get("not_run", {})
     skip = {"Drafted decode (MTP head, drafts enabled)": "drafted", "drafted == plain": "drafted",
             "Concurrent streams": "streams"}

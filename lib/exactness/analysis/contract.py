@@ -18,17 +18,18 @@ each pair (M, segmentation, row, element, ULP distance).
 from __future__ import annotations
 
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..progress import bar as progress_bar
 from ..kernels import KERNEL_CLASSES, KERNEL_SETS, KernelSpec, get_set
 from ..sections import join_provenance
 from .contract_cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SOURCES, Case, bucket,
                              check_sweep, make_pool, offloaded, plan, ranges)
-from .contract_report import coverage_frame, mismatch_frame, plot_heatmap, render_md, summary  # noqa: F401
+from .contract_report import (INTRO, coverage_frame, coverage_table, mismatch_frame, mismatch_table,  # noqa: F401
+                              offload_table, plot_heatmap, render_md, summary, summary_table, verdict_md)
 from .hashes import resolve_device, resolve_dtype
 
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
@@ -40,7 +41,7 @@ OUTPUT_NAMES = {"router": ("weights", "idx", "logits")}
 def ulp_distance(a: float, b: float, dtype: torch.dtype) -> int | None:
     """Distance in ULPs of the storage format ``dtype`` between two values representable in it.
 
-    Ordered-integer mapping of ../shared/guide/metrics.md ("ULPs"): bits as a signed int i, mapped to
+    Ordered-integer mapping (as in ulp.py): bits as a signed int i, mapped to
     ``i if i >= 0 else -(i & 0x7F..F)``; bf16 is widened to fp32 and the fp32 distance shifted right by 16.
     Returns None for non-float dtypes or NaN inputs.
     """
@@ -260,8 +261,23 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
     return res
 
 
+def selected_pairs(set_name: str, classes=None, offload: bool = False) -> list:
+    """The (prompt spec, decode spec) pairs of ``set_name`` that :func:`check_set` checks per dtype: those of
+    ``classes`` (default every class) that have an input builder, and with ``offload`` only the OFFLOAD_CLASSES.
+
+    Raises:
+        ValueError: an unknown set or class (listing the known ones).
+    """
+    classes = list(KERNEL_CLASSES if classes is None else classes)
+    unknown = [c for c in classes if c not in KERNEL_CLASSES]
+    if unknown:
+        raise ValueError(f"unknown kernel class(es) {unknown}; known: {', '.join(KERNEL_CLASSES)}")
+    return [(p, dec) for p, dec in get_set(set_name).pairs()
+            if p.cls in classes and p.cls in ADAPTED and (not offload or p.cls in OFFLOAD_CLASSES)]
+
+
 def check_set(set_name: str, device: str = "cpu", dtypes=("bfloat16", "float32"), sweep: str = "full",
-              classes=None, progress: bool = False, preset: str = "tiny", offload: bool = False) -> list[PairResult]:
+              classes=None, progress=None, preset: str = "tiny", offload: bool = False) -> list[PairResult]:
     """Check every pair of kernel set ``set_name`` (or only ``classes``) in each dtype; with ``offload`` only the
     OFFLOAD_CLASSES among them, their weights fetched as expert offload does.
 
@@ -270,22 +286,18 @@ def check_set(set_name: str, device: str = "cpu", dtypes=("bfloat16", "float32")
     device/dtype/sweep.
     """
     ks = get_set(set_name)
-    classes = list(KERNEL_CLASSES if classes is None else classes)
-    unknown = [c for c in classes if c not in KERNEL_CLASSES]
-    if unknown:
-        raise ValueError(f"unknown kernel class(es) {unknown}; known: {', '.join(KERNEL_CLASSES)}")
+    pairs = selected_pairs(set_name, classes, offload)
     check_sweep(sweep)
     for d in dtypes:
         resolve_dtype(d)
     out = []
     for d in dtypes:
-        for p, dec in ks.pairs():
-            if p.cls in classes and p.cls in ADAPTED and (not offload or p.cls in OFFLOAD_CLASSES):
-                r = check_pair(p, dec, device, d, sweep, ks.name, preset=preset, offload=offload)
-                if progress:   # stderr: the sections log of a device call shows how far a cut-off run came
-                    print(f"[contract] {ks.name:>10} {d:>8} {p.cls:>14}{' offloaded' if offload else ''}: "
-                          f"{r.mismatches}/{r.cases} rows differ ({r.seconds} s)", file=sys.stderr, flush=True)
-                out.append(r)
+        for p, dec in pairs:
+            if progress is not None:
+                progress.set_postfix_str(f"{ks.name} {d} {p.cls}{' offloaded' if offload else ''}", refresh=False)
+            out.append(check_pair(p, dec, device, d, sweep, ks.name, preset=preset, offload=offload))
+            if progress is not None:
+                progress.update(1)
     return out
 
 
@@ -337,14 +349,16 @@ def run_section(params: dict) -> dict:
     check_sweep(control)
     for s in sets:
         get_set(s)
-    kw = {"preset": params.get("preset", "tiny"), "classes": params.get("contract_classes") or None,
-          "progress": True}
+    kw = {"preset": params.get("preset", "tiny"), "classes": params.get("contract_classes") or None}
+    offloads = [False, True] if params.get("contract_offload", True) else [False]
+    total = len(dtypes) * sum(len(selected_pairs(s, kw["classes"], o)) for s in sets for o in offloads)
     rows, off = [], []
-    for s in sets:
-        sw = sweep if get_set(s).claims_exact else control
-        rows += [r.to_row() for r in check_set(s, device, dtypes, sw, **kw)]
-        if params.get("contract_offload", True):
-            off += [r.to_row() for r in check_set(s, device, dtypes, sw, offload=True, **kw)]
+    with progress_bar(total, "contract", "pair") as bar:
+        for s in sets:
+            sw = sweep if get_set(s).claims_exact else control
+            for o in offloads:
+                (off if o else rows).extend(r.to_row() for r in check_set(s, device, dtypes, sw, offload=o,
+                                                                          progress=bar, **kw))
     cov, unc = coverage(rows, sets, str(resolve_device(device)), dtypes)
     return {"section": "contract", "sweep": sweep, "control_sweep": control, "preset": kw["preset"], "rows": rows,
             "offload_rows": off, "coverage": cov, "uncovered": unc}

@@ -1,10 +1,20 @@
 """Rendering of the ``contract`` section (analysis/contract.py): the receipt's markdown and the notebook's views
-(coverage and first-mismatch frames, the mismatch heatmap). Re-exported by contract.py."""
+(intro and verdict, the summary, coverage, first-mismatch and offload tables, the mismatch heatmap). Re-exported by
+contract.py."""
 from __future__ import annotations
 
 from tabulate import tabulate
 
 from ..kernels import KERNEL_CLASSES
+from ..tables import DASH, Table
+
+INTRO = ("Every kernel class has a decode kernel (one row per call: the serial oracle runs on it) and a prompt "
+         "kernel that claims to replace it. For each such pair the same rows go through both, the prompt kernel "
+         "in blocks of M rows under many segmentations, tile positions and batch mates, and the outputs are "
+         "compared as bytes. A pair keeps its contract only when no row differs in any byte; the `invariant` set "
+         "claims this for every pair, `fast` claims nothing and is the control.")
+_MISMATCH_DASH = ("not applicable: T (KV length) exists only for attention, a ULP distance only for "
+                  "floating-point outputs")
 
 # ------------------------------------------------------------------------------------------------------- render
 
@@ -26,15 +36,31 @@ def summary(rows: list[dict]) -> list[dict]:
     return [out[k] for k in sorted(out)]
 
 
+def verdict_md(section) -> str:
+    """Markdown, one line per kernel set: pairs without a byte mismatch (offloaded expert pairs included) and the
+    rows that differ. Accepts the section dict or its ``rows`` list."""
+    rows = section["rows"] if isinstance(section, dict) else list(section)
+    rows = rows + (section.get("offload_rows", []) if isinstance(section, dict) else [])
+    lines = []
+    for ks in dict.fromkeys(r["set"] for r in rows):
+        rs = [r for r in rows if r["set"] == ks]
+        exact = sum(1 for r in rs if not r["mismatches"])
+        lines.append(f"- **{ks}**: {exact} of {len(rs)} pairs byte-exact; {sum(r['mismatches'] for r in rs):,} of "
+                     f"{sum(r['cases'] for r in rs):,} rows differ.")
+    return "**Verdict.**\n\n" + "\n".join(lines) if lines else "_No pairs were checked._"
+
+
 def render_md(section) -> str:
-    """Markdown: coverage summary per set, a class x (set, dtype) matrix of mismatching/checked rows, uncovered
-    classes, and the first mismatch of every mismatching pair. Accepts the section dict or its ``rows`` list."""
+    """Markdown: intro and verdict, coverage summary per set, a class x (set, dtype) matrix of mismatching/checked
+    rows, uncovered classes, and the first mismatch of every mismatching pair. Accepts the section dict or its
+    ``rows`` list."""
     rows = section["rows"] if isinstance(section, dict) else list(section)
     unc = section.get("uncovered", []) if isinstance(section, dict) else []
     sweep = section.get("sweep", "?") if isinstance(section, dict) else "?"
     control = section.get("control_sweep", sweep) if isinstance(section, dict) else sweep
     preset = section.get("preset", "tiny") if isinstance(section, dict) else "?"
-    out = ["## Kernel contract: prompt-kernel rows vs decode-kernel rows, compared as bytes", "",
+    out = ["## Kernel contract: prompt-kernel rows vs decode-kernel rows, compared as bytes", "", INTRO, "",
+           verdict_md(section), "",
            f"Sweep `{sweep}`" + (f" (sets that claim no exactness: `{control}`)" if control != sweep else "")
            + f", shapes of preset `{preset}`; a case is one row compared (all its outputs); inputs "
            f"random and captured (tapped from a forward over a real prompt).", "",
@@ -65,14 +91,59 @@ def render_md(section) -> str:
         for r in bad:
             f = r["first_mismatch"]
             cls = r["class"] + (" (offloaded)" if r.get("weights") == "offloaded" else "")
-            body.append([r["set"], r["dtype"], cls, f["M"], f.get("kv_len") or "–", f["segmentation"],
-                         f["row"], f["output"], f["element"], "–" if f["ulp"] is None else f["ulp"],
+            body.append([r["set"], r["dtype"], cls, f["M"], f.get("kv_len") or DASH, f["segmentation"],
+                         f["row"], f["output"], f["element"], DASH if f["ulp"] is None else f["ulp"],
                          format(f["prompt"], ".9g"), format(f["decode"], ".9g")])
         out += ["", "First mismatch per pair (checking order: M ascending, then T, then segmentation; a "
                 "segmentation lists the prompt calls' segment lengths joined by +, and `lead a tail b` the other rows "
                 "placed before and after the tested rows in each call):", "",
-                _md(body, hdr)]
+                _md(body, hdr), "", f"_{DASH} : {_MISMATCH_DASH}._"]
     return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------- notebook tables
+
+def summary_table(rows: list[dict]) -> Table:
+    """:func:`summary` as a table: per set, device and dtype, pairs and rows checked, and how many differ."""
+    return Table(summary(rows), {"set": "set", "device": "device", "dtype": "dtype", "pairs": "pairs checked",
+                                 "cases": "rows compared", "mismatching_pairs": "pairs with a mismatch",
+                                 "mismatching_rows": "rows that differ"},
+                 formats={"cases": ",", "mismatching_rows": ","})
+
+
+def coverage_table(section: dict) -> Table:
+    """Every class x set x dtype: rows M and KV lengths T covered, rows compared, and checked / uncovered."""
+    recs = [{**c, "m": c.get("m_ranges", "").replace(",", ", ") or None,
+             "t": (c.get("kv_lengths") or "").replace(",", ", ") or None} for c in section["coverage"]]
+    return Table(recs, {"class": "class", "set": "set", "dtype": "dtype", "m": "rows per call M",
+                        "t": "KV lengths T", "cases": "rows compared", "status": "status"},
+                 formats={"cases": ","}, dash="not applicable: only attention reads a KV cache, and an uncovered "
+                                                "class has no rows")
+
+
+def mismatch_table(section: dict, offload: bool = True) -> Table:
+    """The first mismatch of every pair that has one (checking order: M ascending, then T, then segmentation): M,
+    T, segmentation, row, output, element, ULPs and the two values; pairs without a mismatch are counted in a
+    note. With ``offload``, the pairs checked with offloaded expert weights are included."""
+    rows = section["rows"] + (section.get("offload_rows", []) if offload else [])
+    bad = [r for r in rows if r["first_mismatch"]]
+    recs = [{**r["first_mismatch"], "set": r["set"], "dtype": r["dtype"],
+             "class": r["class"] + (" (offloaded)" if r.get("weights") == "offloaded" else ""),
+             "differ": f"{r['mismatches']:,} of {r['cases']:,}"} for r in bad]
+    for rec in recs:
+        for k in ("prompt", "decode"):  # 9 significant digits tell fp32 neighbours apart
+            rec[k] = None if rec.get(k) is None else format(rec[k], ".9g")
+    return Table(recs, {"set": "set", "dtype": "dtype", "class": "class", "differ": "rows that differ",
+                        "M": "M", "kv_len": "T", "segmentation": "segmentation", "row": "row", "output": "output",
+                        "element": "element", "ulp": "ULPs", "prompt": "prompt kernel", "decode": "decode kernel"},
+                 dash=_MISMATCH_DASH,
+                 notes=[f"{len(rows) - len(bad)} of {len(rows)} pairs have no mismatch and are not listed."])
+
+
+def offload_table(section: dict) -> Table:
+    """The expert pairs checked with offloaded weights: rows that differ of rows compared."""
+    recs = [{**r, "differ": f"{r['mismatches']:,} of {r['cases']:,}"} for r in section.get("offload_rows", [])]
+    return Table(recs, {"set": "set", "dtype": "dtype", "class": "class", "differ": "rows that differ"})
 
 
 # ------------------------------------------------------------------------------------------- notebook views

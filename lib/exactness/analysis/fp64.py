@@ -1,5 +1,5 @@
 """FP64 per-class receipt: how far each path's arithmetic is from exact, per kernel class, against a certified
-FP64 reference (issue 4; ../shared/guide/metrics.md defines the metrics).
+FP64 reference.
 
 One row per (class, path, kernel set, dtype, input set); per output element i with reference y_i, stored value
 yhat_i, normaliser A_i (fp64_ref.py) and u_acc = 2^-24:
@@ -36,12 +36,14 @@ from ..config import get_preset
 from ..kernels import get_set
 from ..model import tapping
 from ..paths import PATHS, generate
+from ..progress import bar as progress_bar
 from ..prompts import build_prompt
 from ..weights import synthetic_weights
 from . import fp64_synth as synth
 from .fp64_cert import certify
 from .fp64_ref import CERT_MAX_ULPS, evaluate, gamma
-from .fp64_report import render_md  # noqa: F401  (the section's renderer lives beside its plots)
+from .fp64_report import (INTRO, LEGEND, captured_table, meta_md, notes_md, render_md,  # noqa: F401  (views)
+                          synthetic_table, verdict_md)
 from .hashes import resolve_device
 from .taps import TapRecorder
 from .ulp import U_ACC, distance_to_rounding_interval, round_to, ulp_distance, unit_roundoff
@@ -308,15 +310,22 @@ def run_section(params: dict) -> dict:
     cfg = get_preset(p["preset"])
     w = synthetic_weights(cfg, dtype, dev)
     plan = capture_plan(p)
-    t0 = time.perf_counter()
-    rec, secs = capture(w, plan, p["kernel_sets"], int(p["deep_threshold"]))
     out = {"section": "fp64", "rows": [], "hist": {}, "by_k": [], "per_layer": []}
     memo: dict = {}
-    t1 = time.perf_counter()
-    _captured_rows(rec, p, plan, out, memo)
-    t2 = time.perf_counter()
-    if p["fp64_synthetic"]:
-        _synthetic_rows(p, cfg, dev, out, memo)
+    with progress_bar(3 if p["fp64_synthetic"] else 2, "fp64", "stage") as bar:
+        bar.set_postfix_str("tapped runs")
+        t0 = time.perf_counter()
+        rec, secs = capture(w, plan, p["kernel_sets"], int(p["deep_threshold"]))
+        bar.update(1)
+        bar.set_postfix_str("captured inputs vs FP64")
+        t1 = time.perf_counter()
+        _captured_rows(rec, p, plan, out, memo)
+        bar.update(1)
+        t2 = time.perf_counter()
+        if p["fp64_synthetic"]:
+            bar.set_postfix_str("synthetic inputs vs FP64")
+            _synthetic_rows(p, cfg, dev, out, memo)
+            bar.update(1)
     out["meta"] = {"prompt": plan["prompt"], "tokens": plan["tokens"], "step": plan["step"],
                    "positions": len(plan["positions"]), "cert_per_row": int(p["fp64_cert"]),
                    "cert_max_ulps": CERT_MAX_ULPS, "hist_edges": list(HIST_EDGES),
@@ -326,7 +335,7 @@ def run_section(params: dict) -> dict:
 
 
 def check_certified(section: dict) -> int:
-    """Raise when any row's reference failed certification (issue 4: such a reference fails the receipt).
+    """Raise when any row's reference failed certification (such a reference fails the receipt).
 
     Returns the number of rows checked. Raises:
         RuntimeError: listing the uncertified (class, path, set, input set) rows and their first failure.

@@ -3,7 +3,7 @@
 Sum classes (dense, router, expert_down, lm_head, moe_combine, residual): the output is a sum of products of
 stored-dtype numbers. Each product is exact in fp64 (at most 48 significand bits), so the exact output, correctly
 rounded to fp64, is ``math.fsum`` of the products (Python docs: fsum tracks exact partials); it is recomputed with
-``mpmath.fsum`` at 320 bits and the two must be the same double (metrics.md, "Exact references").
+``mpmath.fsum`` at 320 bits and the two must be the same double.
 
 Transcendental classes (expert_gate_up: SiLU; attention: exp; rmsnorm: rsqrt; rope: cos/sin): the output is
 evaluated in mpmath at 320 and at 640 bits from the exact inputs (each inner sum of exact products enters as its

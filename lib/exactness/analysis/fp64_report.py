@@ -1,44 +1,47 @@
-"""Markdown tables and plots of the ``fp64`` section (analysis/fp64.py computes it).
+"""Tables and plots of the ``fp64`` section (analysis/fp64.py computes it).
 
-``render_md`` gives two GitHub tables: captured activations, one line per (class, path, kernel set); synthetic
-input sets, one line per (class, input set, dtype, K, kernel set) with the paths side by side. Plots (matplotlib,
-for notebooks/30_fp64_per_class.ipynb): ULP histograms per class and path, eta against the reduction length K with
-the gamma_K line (log-log), and max error per layer.
+Two tables (tables.Table, the notebook displays them and ``render_md`` prints them as GitHub markdown), cut to the
+columns a reviewer needs (every statistic stays in receipt.json): captured activations, one line per (class, kernel
+set, K) with the paths side by side; synthetic input sets, one line per (class, input set, dtype, K) with the kernel
+sets side by side. Plots (matplotlib, for notebooks/30_fp64_per_class.ipynb): ULP histograms per class, eta against
+the reduction length K with the gamma_K line (log-log), and max error per layer.
 """
 from __future__ import annotations
 
-from tabulate import tabulate
+from ..tables import Table
 
-PATH_ABBR = {"decode": "d", "batched": "b", "deep": "D"}
 GEMM_CLASSES = ("dense", "router", "expert_down", "lm_head")
-VERDICT_ABBR = {"exact": "=", "within bound": "ok", "outside bound": "OUT", "uncertified": "UNCERT"}
+VERDICT_WORD = {"exact": "exact", "within bound": "within", "outside bound": "OUTSIDE", "uncertified": "UNCERTIFIED"}
+INTRO = ("For every kernel class, path and kernel set, sampled outputs are compared with an FP64 reference computed "
+         "from the exact inputs the kernel saw; the reference is itself certified against exact arithmetic. A row is "
+         "*exact* only when its bytes equal the decode path's; otherwise it is *within bound* when its error before "
+         "the final rounding stays inside the class's worst-case bound β, and *outside bound* when it does not "
+         "(arithmetic that no fp32 accumulation order explains).")
+LEGEND = ("**Symbols.** u = 2⁻²⁴, the unit roundoff of fp32 accumulation. η = |ŷ − y| / A: the error of the stored "
+          "output ŷ against the exact value y, relative to the output's scale A (Σ|x·w| for a product), in units "
+          "of u. *pre*: the smallest error ŷ can have had before its final rounding to the stored dtype; β: the "
+          "class's bound on it, so *pre/β* ≤ 1 is within bound. γ_K = K·u / (1 − K·u): the worst-case error of any "
+          "fp32 sum of K terms (Higham). κ = A / |y|: the condition number (large κ: cancellation). K: the "
+          "reduction length. Verdicts are listed per path, decode / batched / deep (one word when all agree).")
+_DASH = ("not applicable: no flips for classes that make no top-k or argmax choice, no byte comparison for the "
+         "decode path (it is the reference), no row of that kernel set")
 
 
 def _g(v, fmt: str = ".3g") -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return "yes" if v else "NO"
-    if isinstance(v, float):
-        return format(v, fmt)
-    return str(v)
+    return "–" if v is None else format(v, fmt) if isinstance(v, float) else str(v)
 
 
-def _table(rows, headers) -> str:
-    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True, floatfmt=".3g")
-
-
-def _flips(rs) -> str:
+def _flips(rs) -> str | None:
     if all(r.get("flips") is None for r in rs):
-        return "–"
+        return None
     margin = min(r["min_margin"] for r in rs if r.get("min_margin") is not None)
     return _paths(str(r["flips"]) for r in rs) + f" ({_g(margin)})"
 
 
 def _paths(vals) -> str:
-    """Per-path values joined with '/', or one value when all paths agree."""
+    """Per-path values joined with ' / ', or one value when all paths agree."""
     vals = list(vals)
-    return vals[0] if vals and all(v == vals[0] for v in vals) else "/".join(vals)
+    return vals[0] if vals and all(v == vals[0] for v in vals) else " / ".join(vals)
 
 
 def _grouped(rows, keys) -> dict:
@@ -48,50 +51,64 @@ def _grouped(rows, keys) -> dict:
     return {k: [v[p] for p in ("decode", "batched", "deep") if p in v] for k, v in groups.items()}
 
 
-def _eq(rs) -> tuple[str, str]:
+def _eq(rs) -> str | None:
+    """Share of sampled outputs whose bytes equal decode's, per non-decode path (percent)."""
     rest = [r for r in rs if r["bitwise_equal_share"] is not None]
-    if not rest:
-        return "–", "–"
-    return (_paths(f"{100 * r['bitwise_equal_share']:.1f}" for r in rest),
-            _paths(str(r["max_ulp_vs_decode"]) for r in rest))
+    return _paths(f"{100 * r['bitwise_equal_share']:.1f}" for r in rest) if rest else None
 
 
-def _verdicts(rs) -> str:
-    return "/".join(VERDICT_ABBR.get(r["verdict"], r["verdict"]) for r in rs)
+def _verdicts(rs) -> str | None:
+    return _paths(VERDICT_WORD.get(r["verdict"], r["verdict"]) for r in rs) if rs else None
 
 
-def _cert(rs) -> str:
-    return _g(max(r["ref_cert_ulps"] for r in rs), ".2g") + ("" if all(r["ref_certified"] for r in rs) else " FAIL")
+def _uncertified(rs) -> str:
+    return "" if all(r["ref_certified"] for r in rs) else " (reference NOT certified)"
 
 
-def _captured(rows) -> str:
-    heads = ["class", "set", "K", "cert ulps", "η max u", "η p99 u (d)", "pre/γ_K", "pre/β", "bias u (d)",
-             "κ med/max (d)", "ULP 0%/1%/max (d)", "RMSE (d)", "=dec % (b/D)", "max ULP vs d (b/D)",
-             "flips vs fp64 (min margin)", "verdict"]
-    body = []
-    for (cls, ks, K), rs in _grouped(rows, ("class", "set", "K")).items():
-        d = rs[0]
-        eq, mx = _eq(rs)
-        body.append([cls, ks, K, _cert(rs), _paths(_g(r["eta_max_u"]) for r in rs), _g(d["eta_p99_u"]),
-                     _g(max(r["eta_over_gamma"] for r in rs)), _paths(_g(r["bound_use"]) for r in rs),
-                     _g(d["bias_u"]), f"{_g(d['kappa_median'])}/{_g(d['kappa_max'])}",
-                     f"{d['ulp0_pct']:.1f}/{d['ulp1_pct']:.1f}/{d['ulp_max']}", _g(d["rmse"]), eq, mx, _flips(rs),
-                     _verdicts(rs)])
-    return _table(body, heads)
+def captured_table(rows: list[dict]) -> Table:
+    """Captured activations: one line per (class, kernel set, K), the paths decode / batched / deep side by side:
+    verdict, the largest share of the bound used (pre/β), the largest η (units of u), the share of outputs whose
+    bytes equal decode's, and top-k / argmax flips against the FP64 choice (with the smallest margin)."""
+    recs = [{"class": cls + _uncertified(rs), "set": ks, "K": K, "verdict": _verdicts(rs),
+             "bound": max(r["bound_use"] for r in rs), "eta": max(r["eta_max_u"] for r in rs), "eq": _eq(rs),
+             "flips": _flips(rs)} for (cls, ks, K), rs in _grouped(rows, ("class", "set", "K")).items()]
+    return Table(recs, {"class": "class", "set": "kernel set", "K": "K", "verdict": "verdict (decode / batched / deep)",
+                        "bound": "bound used, max (pre/β)", "eta": "largest η (u)",
+                        "eq": "bytes equal to decode, batched / deep (%)",
+                        "flips": "choices flipped vs FP64 (smallest margin)"},
+                 formats={"bound": ".3g", "eta": ".3g"}, dash=_DASH)
 
 
-def _synthetic(rows) -> str:
-    heads = ["class", "input", "dtype", "K", "cert ulps", "η max u fast", "η max u inv.", "pre/γ_K max",
-             "pre/β max", "bias u (d)", "ULP 0% (d)", "=dec % fast (b/D)", "verdict fast", "verdict inv."]
-    body = []
+def synthetic_table(rows: list[dict]) -> Table:
+    """Synthetic input sets: one line per (class, input set, dtype, K), the kernel sets side by side: verdicts per
+    path, the largest share of the bound used, and the fast set's share of outputs equal to decode."""
+    recs = []
     for (cls, iset, dt, K), rs in _by_case(rows).items():
-        by = {ks: [r for r in rs if r["set"] == ks] for ks in ("fast", "invariant")}
-        f, i = by["fast"], by["invariant"]
-        body.append([cls, iset, dt, K, _cert(rs), _paths(_g(r["eta_max_u"]) for r in f) or "–",
-                     _paths(_g(r["eta_max_u"]) for r in i) or "–", _g(max(r["eta_over_gamma"] for r in rs)),
-                     _g(max(r["bound_use"] for r in rs)), _g(rs[0]["bias_u"]), f"{rs[0]['ulp0_pct']:.1f}",
-                     _eq(f)[0] if f else "–", _verdicts(f) or "–", _verdicts(i) or "–"])
-    return _table(body, heads)
+        f, i = ([r for r in rs if r["set"] == ks] for ks in ("fast", "invariant"))
+        recs.append({"class": cls + _uncertified(rs), "input": iset, "dtype": dt, "K": K, "vf": _verdicts(f),
+                     "vi": _verdicts(i), "bound": max(r["bound_use"] for r in rs), "eq": _eq(f)})
+    return Table(recs, {"class": "class", "input": "input set", "dtype": "dtype", "K": "K",
+                        "vf": "verdict fast (decode / batched / deep)", "vi": "verdict invariant",
+                        "bound": "bound used, max (pre/β)", "eq": "fast: bytes equal to decode, batched / deep (%)"},
+                 formats={"bound": ".3g"}, dash=_DASH)
+
+
+def verdict_md(rows: list[dict]) -> str:
+    """Markdown, one line per kernel set: how many rows are exact, within bound, outside bound, uncertified."""
+    lines = []
+    for ks in dict.fromkeys(r["set"] for r in rows):
+        rs = [r for r in rows if r["set"] == ks]
+        counts = {v: sum(1 for r in rs if r["verdict"] == v) for v in VERDICT_WORD}
+        lines.append(f"- **{ks}**: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n) + f" (of {len(rs)} rows).")
+    return "**Verdict.**\n\n" + "\n".join(lines) if lines else "_No rows._"
+
+
+def meta_md(meta: dict) -> str:
+    """One line: which prompt the activations were captured from, how many positions and outputs were sampled."""
+    return (f"Captured from prompt `{meta.get('prompt')}`, {meta.get('tokens')} tokens, prefill step "
+            f"{meta.get('step')}: {meta.get('positions')} sampled positions per class; {meta.get('cert_per_row')} "
+            f"outputs per row certified against exact arithmetic (failing above {_g(meta.get('cert_max_ulps'))} FP64 "
+            f"ulps of the normaliser).")
 
 
 def _by_case(rows) -> dict:
@@ -102,7 +119,7 @@ def _by_case(rows) -> dict:
     return {k: sorted(v, key=lambda r: (r["set"], order[r["path"]])) for k, v in out.items()}
 
 
-def _notes(section) -> list[str]:
+def notes_md(section) -> list[str]:
     rows = section.get("rows", [])
     notes = []
     bad = [r for r in rows if r["verdict"] in ("outside bound", "uncertified")]
@@ -128,31 +145,26 @@ def _notes(section) -> list[str]:
 
 def render_md(section: dict) -> str:
     """GitHub markdown for the ``fp64`` section (``{"section": "fp64", "rows": [...], "meta": {...}}``, or the
-    receipt's list of rows). Raises ValueError when there are no rows."""
+    receipt's list of rows): intro, verdict, symbols, the two tables and the rows outside bound.
+
+    Raises:
+        ValueError: there are no rows."""
     rows = section if isinstance(section, list) else section.get("rows", [])
     meta = {} if isinstance(section, list) else section.get("meta", {})
     if not rows:
         raise ValueError("fp64 section has no rows")
     cap = [r for r in rows if r["input_set"] == "captured"]
     syn = [r for r in rows if r["input_set"] != "captured"]
-    out = ["### FP64 per-class accumulation receipt", ""]
+    out = ["## FP64 per class: how far each kernel's arithmetic is from exact", "", INTRO, "", verdict_md(rows), "",
+           LEGEND]
     if meta:
-        out.append(f"Captured: prompt `{meta.get('prompt')}`, {meta.get('tokens')} tokens, step "
-                   f"{meta.get('step')}, {meta.get('positions')} sampled positions per class; "
-                   f"{meta.get('cert_per_row')} outputs certified per row (fail above "
-                   f"{_g(meta.get('cert_max_ulps'))} fp64 ulps of the normaliser).")
-    out.append("η in units of u_acc = 2^-24; pre = error before the final rounding to the stored dtype; "
-               "β = class bound (fp64_ref.py); verdict: exact (bytes = decode) / within bound (pre ≤ β) / "
-               "outside bound. pre/γ_K ≤ 1 is Higham's accumulation bound for the GEMM classes; composite "
-               "classes (gate_up, combine, attention, rmsnorm, rope) also carry their intermediate roundings.")
-    out.append("Paths are listed decode/batched/deep (d/b/D); verdict: `=` exact, `ok` within bound, `OUT` outside "
-               "bound, `UNCERT` reference not certified.")
+        out += ["", meta_md(meta)]
     if cap:
-        out += ["", "#### Captured activations", "", _captured(cap)]
+        out += ["", "#### Captured activations", "", captured_table(cap).to_markdown()]
     if syn:
-        out += ["", "#### Synthetic input sets (one kernel call per row = d, whole block = b, 64-row tiles = D)",
-                "", _synthetic(syn)]
-    notes = _notes({"rows": rows})
+        out += ["", "#### Synthetic input sets (decode: one kernel call per row; batched: the whole block; deep: "
+                "64-row tiles)", "", synthetic_table(syn).to_markdown()]
+    notes = notes_md({"rows": rows})
     if notes:
         out += ["", "#### Rows outside bound", ""] + notes
     return "\n".join(out) + "\n"
@@ -160,31 +172,52 @@ def render_md(section: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------------- plots
 
+def _hist_series(section: dict, input_set: str) -> dict[str, dict[tuple, list[int]]]:
+    """class -> {(path, kernel set): ULP-bin counts summed over K and dtype} for one input set."""
+    out: dict[str, dict[tuple, list[int]]] = {}
+    for key, counts in section["hist"].items():
+        cls, path, ks, iset = key.split("|")[:4]
+        if iset != input_set:
+            continue
+        acc = out.setdefault(cls, {}).setdefault((path, ks), [0] * len(counts))
+        for b, n in enumerate(counts):
+            acc[b] += n
+    return out
+
+
 def plot_ulp_hist(section: dict, input_set: str = "captured"):
-    """One panel per class: ULP-vs-RN(y) histograms (share of outputs per bin) for each path and kernel set."""
+    """One panel per class: the share of sampled outputs per ULP bin (distance from RN(y) in the stored dtype; K
+    and dtypes pooled), one bar series per path and kernel set, with one legend for the figure above the panels."""
     import matplotlib.pyplot as plt
     import numpy as np
 
     edges = section["meta"]["hist_edges"]
     labels = [f"{a}" if b - a == 1 else f"{a}-{b - 1}" for a, b in zip(edges, edges[1:])] + [f"{edges[-1]}+"]
-    hists = {k: v for k, v in section["hist"].items() if k.split("|")[3] == input_set}
-    classes = sorted({k.split("|")[0] for k in hists})
-    fig, axes = plt.subplots((len(classes) + 2) // 3, 3, figsize=(15, 3.2 * ((len(classes) + 2) // 3)),
-                             squeeze=False)
+    series = _hist_series(section, input_set)
+    classes = sorted(series)
+    order = {"decode": 0, "batched": 1, "deep": 2}
+    keys = sorted({k for cls in classes for k in series[cls]}, key=lambda k: (k[1], order.get(k[0], 9), k[0]))
+    nrows = max((len(classes) + 2) // 3, 1)
+    fig, axes = plt.subplots(nrows, 3, figsize=(12, 2.6 * nrows + 0.8), squeeze=False, layout="constrained")
+    handles = {}
+    w = 0.8 / max(len(keys), 1)
     for ax, cls in zip(axes.flat, classes):
-        series = [(k, v) for k, v in hists.items() if k.split("|")[0] == cls]
-        w = 0.8 / max(len(series), 1)
-        for i, (k, v) in enumerate(series):
+        for i, k in enumerate(keys):
+            v = series[cls].get(k)
+            if v is None:
+                continue
             tot = max(sum(v), 1)
-            ax.bar(np.arange(len(v)) + i * w, [c / tot for c in v], w, label="/".join(k.split("|")[1:3]))
+            handles[k] = ax.bar(np.arange(len(v)) + i * w, [c / tot for c in v], w, color=f"C{i}")
         ax.set_xticks(np.arange(len(labels)) + 0.4, labels, fontsize=7)
         ax.set_yscale("log")
+        ax.tick_params(axis="y", labelsize=7)
         ax.set_title(cls, fontsize=9)
-        ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(classes):]:
         ax.axis("off")
-    fig.suptitle(f"ULPs from RN(y) in the stored dtype ({input_set})")
-    fig.tight_layout()
+    fig.legend([handles[k] for k in keys if k in handles], [f"{p} / {ks}" for p, ks in keys if (p, ks) in handles],
+               loc="outside upper center", ncol=min(len(keys), 6), fontsize=8, title_fontsize=9,
+               title=f"ULPs from RN(y) in the stored dtype, {input_set} inputs (share of sampled outputs, log scale); "
+                     "path / kernel set:")
     return fig
 
 
@@ -221,18 +254,27 @@ def plot_per_layer(section: dict):
 
     pl = section["per_layer"]
     classes = sorted({p["class"] for p in pl})
-    fig, axes = plt.subplots((len(classes) + 4) // 5, 5, figsize=(16, 3 * ((len(classes) + 4) // 5)),
-                             squeeze=False)
+    order = {"decode": 0, "batched": 1, "deep": 2}
+    keys = sorted({(p["path"], p["set"]) for p in pl}, key=lambda k: (k[1], order.get(k[0], 9), k[0]))
+    nrows = max((len(classes) + 4) // 5, 1)
+    fig, axes = plt.subplots(nrows, 5, figsize=(14, 2.6 * nrows + 0.8), squeeze=False, layout="constrained")
+    # Paths that agree draw on top of each other: hollow markers shrinking from decode to deep keep each visible.
+    size = {"decode": 8, "batched": 5.5, "deep": 3}
+    handles = {}
     for ax, cls in zip(axes.flat, classes):
-        for key in sorted({(p["path"], p["set"]) for p in pl if p["class"] == cls}):
+        for i, key in enumerate(keys):
             ps = sorted((p for p in pl if p["class"] == cls and (p["path"], p["set"]) == key),
                         key=lambda p: p["layer"])
-            ax.plot([p["layer"] for p in ps], [p["eta_max_u"] for p in ps], marker="o", label="/".join(key))
+            if ps:
+                handles[key], = ax.plot([p["layer"] for p in ps], [p["eta_max_u"] for p in ps], marker="o",
+                                        ms=size.get(key[0], 4), mfc="none", mew=1.2, lw=1,
+                                        ls="-" if key[1] == "fast" else "--", color=f"C{i}")
         ax.set_title(cls, fontsize=9)
         ax.set_xlabel("layer (-1 = head)", fontsize=7)
-        ax.legend(fontsize=6)
+        ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(classes):]:
         ax.axis("off")
-    fig.suptitle("max η per layer (units of u_acc)")
-    fig.tight_layout()
+    fig.legend([handles[k] for k in keys if k in handles], [" / ".join(k) for k in keys if k in handles],
+               loc="outside upper center", ncol=min(len(keys), 6), fontsize=8, title_fontsize=9,
+               title="max η per layer (units of u); path / kernel set:")
     return fig

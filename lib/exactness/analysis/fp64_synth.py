@@ -1,6 +1,6 @@
 """Synthetic input sets for the FP64 receipt: the kernels called directly on drawn inputs.
 
-Input sets (../shared/guide/metrics.md): ``normal`` N(0,1); ``outliers`` N(0,1) with 0.1% of the entries replaced
+Input sets: ``normal`` N(0,1); ``outliers`` N(0,1) with 0.1% of the entries replaced
 by N(0, 10^2) (the FlashAttention-3 paper's test distribution); ``same_sign`` |N(0,1)| (every product positive, so
 a round-toward-zero accumulation shows as a negative bias instead of cancelling).
 

@@ -3,7 +3,8 @@
 The oracle of a kernel set is its serial ``decode`` path. For each other run the section records whether the
 generated tokens equal the oracle's (token hash), the first divergent generated index with the oracle's top-1/top-2
 logit margin there, whether every prompt row's logits and the KV cache are byte-identical, and per-position
-max |logit difference| of prompt rows (binned) for the plot.
+max |logit difference| of prompt rows (binned) for the plot. Tables and the plot: analysis/hashes_report.py
+(re-exported here).
 """
 from __future__ import annotations
 
@@ -13,18 +14,21 @@ import time
 import numpy as np
 import torch
 
+from ..progress import bar as progress_bar
 from ..config import get_preset
 from ..kernels import get_set
 from ..paths import PATHS, RunResult, generate
 from ..prompts import build_prompt
 from ..weights import synthetic_weights
+from .hashes_report import (INTRO, curve_groups, hash_matrix, hash_table, oracle_table, plot_curves,  # noqa: F401
+                            prompts_table, summary_table, verdict_md)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DIFF_BINS = 256  # the logit-difference curve keeps at most this many points per run
 
 
 def token_hash(ids) -> str:
-    """First 12 hex digits of SHA-256 over the token ids as little-endian int32 (../shared/guide/paths.md)."""
+    """First 12 hex digits of SHA-256 over the token ids as little-endian int32."""
     arr = np.asarray(torch.as_tensor(ids).cpu().numpy(), dtype="<i4")
     return hashlib.sha256(arr.tobytes()).hexdigest()[:12]
 
@@ -190,11 +194,9 @@ def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
                              offload_paths)
     for ks in (kernel_sets if rerun else []):
         row, logits = first[get_set(ks).name]
-        again = generate(w, prompt.ids, gen_tokens, ks, "batched", row["step"], deep_threshold)
+        again = generate(w, prompt.ids, gen_tokens, ks, "batched", row["step"], deep_threshold, progress=progress)
         row["rerun_equal"] = (token_hash(again.gen_ids) == row["hash"]
                               and bool(torch.equal(again.prompt_logits.view(torch.int32), logits.view(torch.int32))))
-        if progress is not None:
-            progress.update(1)
     return rows
 
 
@@ -208,7 +210,7 @@ def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
                 continue
             t0 = time.perf_counter()
             run = generate(store.weights if off else w, prompt.ids, gen_tokens, ks, path, step, deep_threshold,
-                           keep_cache=True, experts=store if off else None)
+                           keep_cache=True, experts=store if off else None, progress=progress)
             row = {**_row(prompt, run, time.perf_counter() - t0), "offload": off}
             if path == "decode" and not off:
                 oracle[run.kernels] = run
@@ -221,8 +223,6 @@ def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
                 if path == "batched" and not off:
                     first.setdefault(run.kernels, (row, run.prompt_logits))
             rows.append(row)
-            if progress is not None:
-                progress.update(1)
     return rows, first
 
 
@@ -240,7 +240,6 @@ def run_section(params: dict) -> dict:
     Raises:
         ValueError: bad preset/device/dtype/steps/kernel set/prompt name; PromptPinError: prompt text unpinned.
     """
-    from tqdm import tqdm
     for ks in params["kernel_sets"]:
         get_set(ks)  # fail before any work on an unknown set
     off_paths = params.get("hash_offload_paths")
@@ -262,10 +261,11 @@ def run_section(params: dict) -> dict:
     rerun = params.get("hash_rerun", True)
     if not isinstance(rerun, bool):
         raise ValueError(f"hash_rerun must be true or false, got {rerun!r}")
-    n_runs = len(prompts) * (len(configs) + (sum(c[1] in off_paths for c in configs) if store else 0)
-                             + (len(params["kernel_sets"]) if rerun else 0))
+    n_runs = (len(configs) + (sum(c[1] in off_paths for c in configs) if store else 0)
+              + (len(params["kernel_sets"]) if rerun else 0))
+    tokens = n_runs * sum(p.n_tokens + params["gen_tokens"] for p in prompts)   # rows through the model
     rows = []
-    with tqdm(total=n_runs, desc="hash matrix", unit="run", disable=None) as bar:
+    with progress_bar(tokens, "hash matrix", "token") as bar:
         for p in prompts:
             rows += run_prompt(w, p, params["kernel_sets"], params["steps"], params["gen_tokens"],
                                params["deep_threshold"], bar, store, off_paths, rerun)
@@ -274,57 +274,3 @@ def run_section(params: dict) -> dict:
                "bin_width": max(1, -(-r["prompt_tokens"] // DIFF_BINS)), "max_abs_diff": r.pop("_curve")}
               for r in rows]
     return {"section": "hashes", "rows": rows, "curves": [c for c in curves if c["max_abs_diff"] is not None]}
-
-
-def _col(path: str, step, offload: bool = False) -> str:
-    return (path if step is None else f"{path}@{step}") + ("+offload" if offload else "")
-
-
-def hash_matrix(rows: list[dict]):
-    """DataFrame: one row per (prompt, kernels), one column per path@step; a cell is the token hash, marked
-    with a trailing ' ≠' when it differs from that set's oracle (the decode column)."""
-    import pandas as pd
-    df = pd.DataFrame([{"prompt": r["prompt"], "kernels": r["kernels"],
-                        "run": _col(r["path"], r["step"], r.get("offload", False)),
-                        "cell": r["hash"] + ("" if r["equals_oracle"] else " ≠")} for r in rows])
-    order = list(dict.fromkeys(df["run"]))
-    return df.pivot(index=["prompt", "kernels"], columns="run", values="cell")[order]
-
-
-def oracle_table(rows: list[dict]):
-    """DataFrame of every non-oracle run: tokens, prompt-logit bytes and KV bytes against the oracle, with the
-    first divergent generated index and the oracle's top-1/top-2 margin there, and the rows each plan served."""
-    import pandas as pd
-    out = []
-    for r in rows:
-        if r["path"] == "decode" and not r.get("offload"):
-            continue
-        served = ", ".join(f"{k} {v['rows']} rows/{v['segments']} seg" for k, v in r["served"].items() if v["rows"])
-        out.append({"prompt": r["prompt"], "kernels": r["kernels"],
-                    "run": _col(r["path"], r["step"], r.get("offload", False)),
-                    "tokens equal": r["equals_oracle"], "first divergence": r["first_divergence"],
-                    "oracle margin": r["oracle_margin"], "prompt rows differing": r["prompt_rows_differing"],
-                    "of": r["prompt_tokens"], "max |Δlogit|": r["max_prompt_logit_diff"], "KV bytes equal": r["kv_equal"],
-                    "served": served})
-    return pd.DataFrame(out)
-
-
-def plot_curves(section: dict):
-    """Figure: per prompt, the per-position max |logit difference| of prompt rows against the oracle (binned
-    maxima), one line per run; exact runs (all zero) are listed in the legend as 'exact'."""
-    import matplotlib.pyplot as plt
-    prompts = list(dict.fromkeys(c["prompt"] for c in section["curves"]))
-    fig, axes = plt.subplots(len(prompts), 1, figsize=(9, 2.6 * len(prompts)), squeeze=False)
-    for ax, p in zip(axes[:, 0], prompts):
-        for c in (c for c in section["curves"] if c["prompt"] == p):
-            y = np.asarray(c["max_abs_diff"])
-            x = np.arange(len(y)) * c["bin_width"]
-            label = f"{c['kernels']} {_col(c['path'], c['step'], c.get('offload', False))}"
-            label += " (exact)" if not y.any() else ""
-            ax.plot(x, np.where(y > 0, y, np.nan), label=label, lw=1)
-        ax.set_yscale("log")
-        ax.set_title(f"{p}: max |logit − oracle logit| per prompt position", fontsize=9)
-        ax.set_xlabel("prompt position (tokens)")
-        ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return fig

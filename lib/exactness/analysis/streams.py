@@ -15,22 +15,25 @@ Choices stated in the receipt (``data["settings"]``): the prefill step is the pr
 prompt of P <= step tokens (so that short prompts still have a grid); the grid resume point is the largest multiple
 of the step below P (an earlier request of P - 1 tokens left it), the off-grid one is about P / 2 (an earlier request
 of exactly that prefix); stream j's prompt is the profile's prompt j mod n cut to ``stream_prompt_tokens`` (default
-a quarter of prompt_max_tokens, at most 256) minus 5·j tokens, and it joins after j·offset steps.
+a quarter of prompt_max_tokens, at most 256) minus 5·j tokens, and it joins after j·offset steps. Tables and
+markdown: analysis/streams_report.py (re-exported here).
 """
 from __future__ import annotations
 
 import time
 
 import torch
-from tabulate import tabulate
 
 from ..kernels import get_set
 from ..mtp import check_k, generate_drafted, resolve_mtp
 from ..paths import generate
+from ..progress import bar as progress_bar
 from ..prompt_cache import PromptCache, generate_cached
 from ..prompts import build_prompt
 from ..streams import BATCH_LIMIT, check_streams, run_streams
 from .hashes import first_divergence, load_model, token_hash
+from .streams_report import (INTRO, concurrent_table, drafted_table, render_md,  # noqa: F401  (its views)
+                             resumed_table, settings_md, summary_rows, summary_table, verdict_md)
 
 REPS = 2
 DEFAULTS = {"mtp_k": 2, "stream_counts": [1, 2, 4], "prompt_cache_gib": 1.0, "stream_offset": 2,
@@ -291,7 +294,6 @@ def run_section(params: dict) -> dict:
     Raises:
         ValueError: see section_params; unknown kernel set, preset, dtype or device.
     """
-    from tqdm import tqdm
     p = section_params(params)
     for ks in p["kernel_sets"]:
         get_set(ks)
@@ -299,7 +301,7 @@ def run_section(params: dict) -> dict:
     prompts = [build_prompt(n, p.get("prompt_max_tokens"), p.get("allow_unpinned", False), tok)
                for n in p["prompts"]]
     data = {"drafted": [], "resumed": [], "concurrent": []}
-    with tqdm(total=len(p["kernel_sets"]) * (len(prompts) + 1), desc="streams", unit="cfg", disable=None) as bar:
+    with progress_bar(len(p["kernel_sets"]) * (len(prompts) + 1), "streams", "cfg") as bar:
         for ks in p["kernel_sets"]:
             for pr in prompts:
                 step = prompt_step(p["steps"][0], pr.n_tokens)
@@ -323,115 +325,3 @@ def _settings(w, p) -> dict:
             "stream_counts": p["stream_counts"], "stream_offset": p["stream_offset"],
             "stream_prompt_tokens": p["stream_prompt_tokens"], "batch_limit": BATCH_LIMIT,
             "verify_plan": "batched (prompt kernels), k+1 rows per verify forward"}
-
-
-# ------------------------------------------------------------------------------------------------------ render
-
-def _rerun_cell(r: dict) -> str:
-    """``yes``, or ``**no**`` naming the runs whose repetitions differed."""
-    bad = [k for k, v in (r.get("reruns") or {}).items() if not v]
-    return "yes" if r["reruns_equal"] else "**no**" + (f" ({', '.join(bad)})" if bad else "")
-
-
-def _yn(v) -> str:
-    return "–" if v is None else ("yes" if v else "**no**")
-
-
-def _rate(v) -> str:
-    return "–" if v is None else f"{100 * v:.1f}%"
-
-
-def _opt(v) -> str:
-    return "–" if v is None else str(v)
-
-
-def _divs(v) -> str:
-    """Per-stream first divergent token index; ``=`` where the tokens are equal."""
-    return "–" if v is None else ", ".join("=" if d is None else str(d) for d in v)
-
-
-def _counts_cell(c: dict) -> str:
-    return f"{c['eq']} eq / {c['neq']} neq / {c['fail']} fail"
-
-
-def _md(body: list[list], heads: list[str]) -> str:
-    return tabulate(body, headers=heads, tablefmt="github", disable_numparse=True, floatfmt=".4g")
-
-
-def drafted_table(rows: list[dict]) -> str:
-    """GitHub table of the drafted rows (the seed's "drafted == plain")."""
-    body = [[r["set"], f"{r['prompt']} ({r['prompt_tokens']})", f"{r['draft']}, k={r['k']}", r["plain_hash"],
-             r["drafted_hash"], _yn(r["equal"]), _opt(r["first_divergence"]), _yn(r["logits_bytes_equal"]),
-             _yn(r["kv_bytes_equal"]), f"{r['accepted']}/{r['proposed']}", _rate(r["acceptance_rate"]),
-             _rerun_cell(r)] for r in rows]
-    return _md(body, ["set", "prompt (tok)", "draft", "plain hash", "drafted hash", "drafted == plain (all reps)",
-                      "1st div", "logits bytes", "KV bytes", "accepted", "acceptance", "reruns equal"])
-
-
-def resumed_table(rows: list[dict]) -> str:
-    """GitHub table of the resumed rows (resumed vs fresh)."""
-    body = [[r["set"], f"{r['prompt']} ({r['prompt_tokens']})", r["mode"],
-             f"{r['split']} ({'on' if r['on_grid'] else 'off'} grid {r['step']})", r["fresh_hash"],
-             r["resumed_hash"], _yn(r["tokens_equal"]), _yn(r["tail_logits_equal"] and r["gen_logits_equal"]),
-             _yn(r["kv_bytes_equal"]), _yn(r["equal"]),
-             f"{_opt(r['first_divergence'])} / {_opt(r['first_tail_row_diff'])} / {_opt(r['first_kv_position_diff'])}",
-             _rerun_cell(r)] for r in rows]
-    return _md(body, ["set", "prompt (tok)", "mode", "resume at", "fresh hash", "resumed hash", "tokens",
-                      "logits bytes", "KV bytes", "resumed == fresh", "1st diff tok / row / KV", "reruns equal"])
-
-
-def concurrent_table(rows: list[dict]) -> str:
-    """GitHub table of the concurrent rows (streams, equal-to-alone, equal-to-serial, failures)."""
-    body = [[r["set"], r["streams"], ", ".join(f"{s['prompt']}:{s['tokens']}@{s['join_step']}"
-                                                for s in r["stream_prompts"]),
-             _counts_cell(r["equal_to_alone"]), _counts_cell(r["equal_to_serial"]), r["failures"], _yn(r["equal"]),
-             _divs(r["first_divergence_alone"]), _divs(r["first_divergence_serial"]), _rerun_cell(r)]
-            for r in rows]
-    return _md(body, ["set", "N", "prompt:tok@join", "equal-to-alone", "equal-to-serial (no draft)", "failed",
-                      "all equal", "1st div alone", "1st div serial", "reruns equal"])
-
-
-def render_md(section: dict) -> str:
-    """Markdown of the section (accepts the section object or its ``data``): settings line and three tables."""
-    data = section.get("data", section)
-    st = data.get("settings", {})
-    head = (f"{st.get('reps', REPS)} repetitions per configuration; prefill {st.get('prefill_path')} at step "
-            f"{st.get('steps', ['?'])[0]} (P // 3 for shorter prompts); {st.get('gen_tokens')} generated tokens; "
-            f"MTP weights: {st.get('mtp_source')}; verify forward: {st.get('verify_plan')}. "
-            f"Equal = every compared quantity matched in every repetition.")
-    parts = ["## Drafted decode, prompt-cache resume, concurrent streams", "", head, "",
-             "### drafted == plain", "", "Compared: tokens; logits and KV bytes shown beside.", "",
-             drafted_table(data.get("drafted", [])), "",
-             "### resumed == fresh", "", f"Prompt cache {st.get('prompt_cache_gib')} GiB, {st.get('eviction')}; "
-             f"compared: tokens, logits bytes of the tail and generated rows, KV bytes; no rows when the budget is 0.",
-             "",
-             resumed_table(data.get("resumed", [])), "",
-             "### concurrent streams", "", f"Stream j joins after j·{st.get('stream_offset')} steps; prompts cut to "
-             f"{st.get('stream_prompt_tokens')} − 5·j tokens; compared: tokens and logits bytes; \"=\" marks equal "
-             f"tokens.", "",
-             concurrent_table(data.get("concurrent", [])), "", "### summary", "",
-             summary_table(data)]
-    return "\n".join(parts) + "\n"
-
-
-def summary_rows(data: dict) -> list[dict]:
-    """Per (part, kernel set): configurations, how many are equal, how many reruns are equal, and for drafted rows
-    the MTP acceptance rate over all prompts (accepted / proposed)."""
-    out = []
-    for part in ("drafted", "resumed", "concurrent"):
-        for ks in dict.fromkeys(r["set"] for r in data.get(part, [])):
-            rows = [r for r in data[part] if r["set"] == ks]
-            mtp = [r for r in rows if r.get("draft") == "mtp"]
-            prop = sum(r["proposed"] for r in mtp)
-            out.append({"part": part, "set": ks, "configurations": len(rows),
-                        "equal": sum(bool(r["equal"]) for r in rows),
-                        "reruns_equal": sum(bool(r["reruns_equal"]) for r in rows),
-                        "mtp_acceptance": sum(r["accepted"] for r in mtp) / prop if prop else None})
-    return out
-
-
-def summary_table(data: dict) -> str:
-    """GitHub table of summary_rows."""
-    body = [[r["part"], r["set"], r["configurations"], f"{r['equal']}/{r['configurations']}",
-             f"{r['reruns_equal']}/{r['configurations']}", _rate(r["mtp_acceptance"])] for r in summary_rows(data)]
-    return _md(body, ["part", "set", "configurations", "equal", "reruns equal", "MTP acceptance"])

@@ -1,6 +1,6 @@
 """ULP distances and correct rounding for bf16, fp16 and fp32 (and fp64 distances).
 
-Ordered-integer mapping (../shared/guide/metrics.md, "ULPs"): reinterpret a float's bits as a signed integer ``i``
+Ordered-integer mapping: reinterpret a float's bits as a signed integer ``i``
 of the same width and map it to ``i if i >= 0 else -(i & 0x7F..F)``. The map is monotone in the value, sends +0 and
 -0 to 0, and consecutive representable values (including subnormals and the infinities) to consecutive integers, so
 the ULP distance of two values of one format is the difference of their ordered integers. NaN has no place in the

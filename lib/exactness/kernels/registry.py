@@ -1,6 +1,6 @@
 """Kernel specs, kernel sets and lookup.
 
-Every kernel belongs to a *kernel class* (the list below, from ../shared/guide/paths.md) and has a role: ``decode``
+Every kernel belongs to a *kernel class* (the list below) and has a role: ``decode``
 (one row per stream per step; serial decode through these kernels is the oracle) or ``prompt`` (many prompt rows at
 once). A prompt kernel declares the decode kernel it ``replaces``: it claims to produce that kernel's bytes for every
 row, whatever the chunk or segment length. The contract checker (analysis/contract.py) tests each claim.

@@ -89,9 +89,9 @@ _DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
     ("linear", "fp32", "interp"): GemmConfig(32, 32, 16, 1, 4),
     ("gate_up", "fp32", "interp"): GemmConfig(32, 32, 16, 1, 4),
 }
-# Tuned on an H200 (benchmarks/bench_gpu_kernels.py --tune, 2026-11-29): per shape, the candidate with the best
-# GEMM/cuBLAS ratio at M = 4096 and 16384 (smaller M were dominated by host launch time in that sweep). GPU-time
-# ratios of this table (CUDA graphs) at M = 4096 / 16384: q 1.06/1.07, k/v 1.03/1.09, o 0.93/1.01, down 1.05/0.95.
+# Chosen on an H200 by benchmarks/bench_gpu_kernels.py --tune: per shape, the candidate with the best GEMM/cuBLAS
+# ratio at M = 4096 and 16384 (at smaller M host launch time dominates and does not separate the candidates). The
+# ratios this table reaches, with the command that measures them, are in docs/gpu/README.md.
 SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
     ("linear", 4096, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, persistent=True),   # q
     ("linear", 512, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8),                     # k, v

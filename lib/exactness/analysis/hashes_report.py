@@ -1,0 +1,199 @@
+"""Views of the ``hashes`` section (analysis/hashes.py computes it): the intro and verdict, the notebook's tables
+(tables.Table) and the plot of prompt-logit differences. Re-exported by hashes.py.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+
+from ..tables import Table
+
+INTRO = ("Each prompt runs through every path (batched and deep prefill at each step size, and with offloaded "
+         "experts where asked) and is compared with the serial-decode oracle of the same kernel set: the generated "
+         "tokens by hash, every prompt row's logits and the KV cache byte for byte. A run equals the oracle only "
+         "when the bytes are identical, never within a tolerance; the `invariant` set claims this for every path, "
+         "`fast` claims nothing and is shown for contrast.")
+_EQUAL = ("equal", "differs")
+
+
+def _col(path: str, step, offload: bool = False) -> str:
+    return (path if step is None else f"{path}@{step}") + ("+offload" if offload else "")
+
+
+def _runs(rows: list[dict]) -> list[dict]:
+    """The runs compared with an oracle: every row but the resident decode run (the oracle itself)."""
+    return [r for r in rows if not (r["path"] == "decode" and not r.get("offload"))]
+
+
+def _of(rows, pred) -> str:
+    return f"{sum(1 for r in rows if pred(r))} of {len(rows)}"
+
+
+def verdict_md(rows: list[dict]) -> str:
+    """Markdown, one line per kernel set: runs with the oracle's tokens, and with its prompt-logit and KV bytes."""
+    runs = _runs(rows)
+    out = []
+    for ks in dict.fromkeys(r["kernels"] for r in runs):
+        rs = [r for r in runs if r["kernels"] == ks]
+        out.append(f"- **{ks}**: {_of(rs, lambda r: r['equals_oracle'])} runs give the oracle's tokens; "
+                   f"{_of(rs, lambda r: r.get('prompt_logits_equal') and r.get('kv_equal'))} also its prompt-logit "
+                   f"and KV-cache bytes.")
+    return "**Verdict.**\n\n" + "\n".join(out) if out else "_No runs besides the oracles._"
+
+
+def prompts_table(rows: list[dict]) -> Table:
+    """The prompts: tokens, the first 12 hex digits of their text's SHA-256 and whether it matches the pin."""
+    first = rows[0]["kernels"] if rows else None
+    recs = [r for r in rows if r["path"] == "decode" and not r.get("offload") and r["kernels"] == first]
+    return Table([{**r, "sha": (r.get("prompt_sha256") or "")[:12] or None} for r in recs],
+                 {"prompt": "prompt", "prompt_tokens": "tokens", "sha": "text SHA-256 (first 12 hex)",
+                  "prompt_pin_ok": "text as pinned"}, words={"prompt_pin_ok": ("yes", "MISMATCH")},
+                 dash="not recorded")
+
+
+def hash_matrix(rows: list[dict]):
+    """DataFrame: one row per (prompt, kernels), one column per path@step; a cell is the token hash, marked
+    with a trailing ' ≠' when it differs from that set's oracle (the decode column)."""
+    import pandas as pd
+    df = pd.DataFrame([{"prompt": r["prompt"], "kernels": r["kernels"],
+                        "run": _col(r["path"], r["step"], r.get("offload", False)),
+                        "cell": r["hash"] + ("" if r["equals_oracle"] else " ≠")} for r in rows])
+    order = list(dict.fromkeys(df["run"]))
+    return df.pivot(index=["prompt", "kernels"], columns="run", values="cell")[order]
+
+
+def hash_table(rows: list[dict]) -> Table:
+    """The hash matrix as a receipt table: one row per prompt, kernel set and expert placement (resident or
+    offloaded), one column per path@step; a cell is the token hash, ``≠`` where it differs from the oracle."""
+    grid: dict[tuple, dict] = {}
+    cols: list[str] = []
+    offload = any(r.get("offload") for r in rows)
+    for r in rows:
+        key = (r["prompt"], r["kernels"], bool(r.get("offload")))
+        g = grid.setdefault(key, {"prompt": r["prompt"], "tokens": r["prompt_tokens"], "kernels": r["kernels"],
+                                  "experts": "offloaded" if r.get("offload") else "resident"})
+        col = _col(r["path"], r["step"])
+        cols += [col] if col not in cols else []
+        g[col] = r["hash"] + ("" if r["equals_oracle"] else " ≠")
+    head = {"prompt": "prompt", "tokens": "prompt tokens", "kernels": "kernel set"}
+    head.update({"experts": "experts"} if offload else {})
+    return Table(list(grid.values()), {**head, **{c: c for c in cols}},
+                 dash="path not repeated with offloaded experts (hash_offload_paths)",
+                 notes=["Hash: first 12 hex digits of SHA-256 over the generated token ids (int32, little-endian); "
+                        "`decode` is the oracle; ≠: the tokens differ from it."])
+
+
+def _served(served: dict) -> str:
+    return ", ".join(f"{k}: {v['rows']} rows in {v['segments']} segments" for k, v in served.items() if v.get("rows"))
+
+
+def oracle_table(rows: list[dict]) -> Table:
+    """Every run against its oracle: tokens, prompt-logit bytes and KV bytes, the first divergent generated token
+    and the oracle's top-1/top-2 margin there, and the rows each plan served."""
+    recs = [{**r, "run": _col(r["path"], r["step"], r.get("offload", False)),
+             "rows_differing": f"{r['prompt_rows_differing']} of {r['prompt_tokens']}",
+             "served_text": _served(r.get("served") or {})} for r in _runs(rows)]
+    return Table(recs, {"prompt": "prompt", "kernels": "kernel set", "run": "run", "equals_oracle": "tokens",
+                        "first_divergence": "first differing token (index)", "oracle_margin": "oracle margin (logit)",
+                        "rows_differing": "prompt rows with differing logits",
+                        "max_prompt_logit_diff": "max |Δlogit|", "kv_equal": "KV cache bytes",
+                        "served_text": "served"},
+                 words={"equals_oracle": _EQUAL, "kv_equal": _EQUAL}, formats={"max_prompt_logit_diff": ".3g"},
+                 dash="no divergence: the tokens equal the oracle's, so there is no position or margin to give")
+
+
+def summary_table(rows: list[dict]) -> Table:
+    """Per kernel set: runs compared, how many equal the oracle in tokens, prompt-logit bytes and KV bytes, and
+    (when the section has it) whether the rerun control repeated the set's first batched run identically."""
+    runs = _runs(rows)
+    recs = []
+    for ks in dict.fromkeys(r["kernels"] for r in runs):
+        rs = [r for r in runs if r["kernels"] == ks]
+        rerun = [r["rerun_equal"] for r in rs if "rerun_equal" in r]
+        recs.append({"set": ks, "runs": len(rs), "tok": _of(rs, lambda r: r["equals_oracle"]),
+                     "logits": _of(rs, lambda r: r.get("prompt_logits_equal")),
+                     "kv": _of(rs, lambda r: r.get("kv_equal")), "rerun": all(rerun) if rerun else None})
+    cols = {"set": "kernel set", "runs": "runs (oracle excluded)", "tok": "tokens equal",
+            "logits": "prompt-logit bytes equal", "kv": "KV-cache bytes equal"}
+    if any("rerun_equal" in r for r in rows):
+        cols["rerun"] = "rerun identical (run-to-run deterministic)"
+    return Table(recs, cols, words={"rerun": ("yes", "NO")}, dash="no rerun control for this set")
+
+
+# ------------------------------------------------------------------------------------------------------- plot
+
+def _describe(runs: list[tuple], every: dict[str, int]) -> list[str]:
+    """Short names for runs (kernels, path@step, offloaded): a set all of whose ``every[set]`` runs are listed is
+    "set: all N runs"; a run listed resident and offloaded is named once with "(resident and offloaded)"."""
+    out = []
+    for ks in dict.fromkeys(r[0] for r in runs):
+        mine = [r for r in runs if r[0] == ks]
+        if len(mine) == every.get(ks):
+            out.append(f"{ks}: all {len(mine)} runs")
+            continue
+        names = list(dict.fromkeys(r[1] for r in mine))
+        both = {n for n in names if {r[2] for r in mine if r[1] == n} == {False, True}}
+        out.append(f"{ks} " + ", ".join(n + (" (resident and offloaded)" if n in both else
+                                            " (offloaded)" if any(r[2] for r in mine if r[1] == n) else "")
+                                        for n in names))
+    return out
+
+
+def curve_groups(section: dict) -> dict[str, dict]:
+    """Per prompt: ``drawn``, a list of (labels, x [bins] in tokens, y [bins] max |Δlogit|) with runs whose curves
+    are identical joined under one entry, and ``exact``, the labels of runs whose every prompt row is
+    byte-identical to the oracle (nothing to draw)."""
+    out: dict[str, dict] = {}
+    for c in section.get("curves", []):
+        g = out.setdefault(c["prompt"], {"drawn": {}, "exact": [], "every": {}})
+        run = (c["kernels"], _col(c["path"], c["step"]), bool(c.get("offload")))
+        g["every"][run[0]] = g["every"].get(run[0], 0) + 1
+        y = np.asarray(c["max_abs_diff"], dtype=float)
+        if not np.any(y > 0):
+            g["exact"].append(run)
+            continue
+        g["drawn"].setdefault((c["bin_width"], tuple(y)), []).append(run)
+    return {p: {"drawn": [(_describe(runs, g["every"]), np.arange(len(key[1])) * key[0], np.asarray(key[1]))
+                          for key, runs in g["drawn"].items()], "exact": _describe(g["exact"], g["every"])}
+            for p, g in out.items()}
+
+
+def _wrap(labels: list[str], width: int = 40) -> str:
+    return "\n".join(line for label in labels for line in textwrap.wrap(label, width))
+
+
+def plot_curves(section: dict, columns: int = 4):
+    """Figure: per prompt, one small panel per distinct curve of per-position max |logit − oracle logit| (binned
+    maxima over prompt positions, log scale), titled with the runs it belongs to (runs with identical curves share
+    a panel), and a text panel naming the runs that are exact (every prompt row byte-identical: nothing drawn).
+    Every titled curve is drawn with markers, so a curve of isolated positions stays visible. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    groups = curve_groups(section)
+    ncols = min(columns, max([len(g["drawn"]) for g in groups.values()] + [1])) + 1
+    layout = [(p, i) for p, g in groups.items() for i in range(0, max(len(g["drawn"]), 1), ncols - 1)]
+    fig, axes = plt.subplots(len(layout) or 1, ncols, figsize=(3.1 * ncols, 2.5 * max(len(layout), 1)),
+                             squeeze=False, gridspec_kw={"width_ratios": [1] * (ncols - 1) + [0.9]})
+    for row, (p, start) in zip(axes, layout):
+        g = groups[p]
+        shown = g["drawn"][start:start + ncols - 1]
+        top = max((float(np.max(y)) for _, _, y in g["drawn"]), default=1.0)
+        for ax, (labels, x, y) in zip(row, shown):
+            ax.plot(x, np.where(y > 0, y, np.nan), lw=1, color="C0", marker="o", ms=2.5,
+                    markevery=None if np.count_nonzero(y) <= 40 else max(1, len(y) // 40))
+            ax.set_yscale("log")
+            ax.set_ylim(top=top * 1.5)
+            ax.set_title(f"{p}: {_wrap(labels)}", fontsize=7.5, loc="left")
+            ax.set_xlabel("prompt position (tokens)", fontsize=7)
+            ax.tick_params(labelsize=7)
+        if shown:
+            row[0].set_ylabel("max |Δlogit|", fontsize=7)
+        for ax in row[len(shown):]:
+            ax.axis("off")
+        if start == 0:
+            text = (f"{p}, exact (every prompt row\nbyte-identical; nothing drawn):\n{_wrap(g['exact'], 32)}"
+                    if g["exact"] else f"{p}: no run is exact")
+            row[-1].text(0.0, 1.0, text, va="top", ha="left", fontsize=7.5, transform=row[-1].transAxes)
+    fig.tight_layout()
+    return fig

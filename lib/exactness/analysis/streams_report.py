@@ -1,0 +1,150 @@
+"""Views of the ``streams`` section (analysis/streams.py computes it): intro and verdict, and its four tables
+(tables.Table: the notebook displays them, ``render_md`` prints them as GitHub markdown). Re-exported by streams.py.
+"""
+from __future__ import annotations
+
+from ..tables import Table
+
+INTRO = ("Three serving paths, each against the path it must reproduce, per kernel set: drafted (MTP) decode "
+         "against plain decode, a request resumed from the prompt cache against a fresh prefill, and N concurrent "
+         "streams against each stream run alone and against serial decode. Tokens are compared by hash, logits and "
+         "KV caches byte for byte; a configuration is *equal* only when every compared quantity matched in every "
+         "repetition (each runs twice), and *reruns equal* says the repetitions were byte-identical.")
+_EQ = ("equal", "differs")
+_DASH_DIV = "no divergence: the tokens are equal"
+PART_TITLES = {"drafted": "drafted == plain", "resumed": "resumed == fresh", "concurrent": "concurrent == alone"}
+
+
+def _reruns(r: dict) -> str:
+    """``yes``, or ``no`` naming the runs whose repetitions differed."""
+    bad = [k for k, v in (r.get("reruns") or {}).items() if not v]
+    return "yes" if r["reruns_equal"] else "no" + (f" ({', '.join(bad)})" if bad else "")
+
+
+def _rate(v) -> str | None:
+    return None if v is None else f"{100 * v:.1f}%"
+
+
+def drafted_table(rows: list[dict]) -> Table:
+    """The drafted rows: does drafted decode give plain decode's tokens (and logits and KV bytes)?"""
+    recs = [{**r, "prompt_text": f"{r['prompt']} ({r['prompt_tokens']})", "draft_text": f"{r['draft']}, k={r['k']}",
+             "acc": f"{r['accepted']} of {r['proposed']}", "rate": _rate(r["acceptance_rate"]),
+             "reruns_text": _reruns(r)} for r in rows]
+    return Table(recs, {"set": "set", "prompt_text": "prompt (tokens)", "draft_text": "draft",
+                        "plain_hash": "plain hash", "drafted_hash": "drafted hash",
+                        "equal": "drafted == plain (all reps)", "first_divergence": "first differing token",
+                        "logits_bytes_equal": "logits bytes", "kv_bytes_equal": "KV bytes",
+                        "acc": "drafts accepted", "rate": "acceptance", "reruns_text": "reruns equal"},
+                 words={"equal": ("yes", "no"), "logits_bytes_equal": _EQ, "kv_bytes_equal": _EQ},
+                 dash=_DASH_DIV, notes=["The `self (sanity)` rows draft with the main model itself: acceptance is "
+                                        "100% exactly when verify rows reproduce decode rows."])
+
+
+def resumed_table(rows: list[dict]) -> Table:
+    """The resumed rows: does a request resumed from the prompt cache equal a fresh one?"""
+    def first(r):
+        vals = (r["first_divergence"], r["first_tail_row_diff"], r["first_kv_position_diff"])
+        return None if all(v is None for v in vals) else " / ".join("none" if v is None else str(v) for v in vals)
+    recs = [{**r, "prompt_text": f"{r['prompt']} ({r['prompt_tokens']})",
+             "at": f"{r['split']} ({'on' if r['on_grid'] else 'off'} the grid of {r['step']})",
+             "logits": r["tail_logits_equal"] and r["gen_logits_equal"], "first": first(r),
+             "reruns_text": _reruns(r)} for r in rows]
+    return Table(recs, {"set": "set", "prompt_text": "prompt (tokens)", "mode": "mode",
+                        "at": "resumed at (tokens)", "fresh_hash": "fresh hash", "resumed_hash": "resumed hash",
+                        "tokens_equal": "tokens", "logits": "logits bytes", "kv_bytes_equal": "KV bytes",
+                        "equal": "resumed == fresh",
+                        "first": "first difference: token / logits row / KV position", "reruns_text": "reruns equal"},
+                 words={"tokens_equal": _EQ, "logits": _EQ, "kv_bytes_equal": _EQ},
+                 dash="no difference: tokens, logits and KV bytes all equal")
+
+
+def _streams_text(r: dict) -> str:
+    return ", ".join(f"{s['prompt']}:{s['tokens']}@{s['join_step']}" for s in r["stream_prompts"])
+
+
+def _count(c: dict) -> str:
+    n = c["eq"] + c["neq"] + c["fail"]
+    return f"{c['eq']} of {n}" + (f" ({c['fail']} failed)" if c["fail"] else "")
+
+
+def _divs(v) -> str | None:
+    return None if v is None else ", ".join("none" if d is None else str(d) for d in v)
+
+
+def concurrent_table(rows: list[dict]) -> Table:
+    """The concurrent rows: N streams decoded in one batch against each stream alone and against serial decode."""
+    recs = [{**r, "prompts": _streams_text(r), "alone": _count(r["equal_to_alone"]),
+             "serial": _count(r["equal_to_serial"]), "div_alone": _divs(r["first_divergence_alone"]),
+             "div_serial": _divs(r["first_divergence_serial"]), "reruns_text": _reruns(r)} for r in rows]
+    return Table(recs, {"set": "set", "streams": "streams N", "prompts": "stream prompts (prompt:tokens@join step)",
+                        "alone": "streams equal to alone (streams × reps)",
+                        "serial": "streams equal to serial decode (streams × reps)", "equal": "all equal",
+                        "div_alone": "first differing token vs alone, per stream",
+                        "div_serial": "first differing token vs serial, per stream", "reruns_text": "reruns equal"},
+                 dash="no run to compare (every repetition failed)",
+                 notes=["A stream counts as equal only when its tokens and its logits bytes (prompt and generated "
+                        "rows) are equal. \"none\" under first differing token means the stream's tokens are equal; "
+                        "a stream can keep its tokens while its logits bytes differ, and then it does not count as "
+                        "equal."])
+
+
+def summary_rows(data: dict) -> list[dict]:
+    """Per (part, kernel set): configurations, how many are equal, how many reruns are equal, and for drafted rows
+    the MTP acceptance rate over all prompts (accepted / proposed)."""
+    out = []
+    for part in ("drafted", "resumed", "concurrent"):
+        for ks in dict.fromkeys(r["set"] for r in data.get(part, [])):
+            rows = [r for r in data[part] if r["set"] == ks]
+            mtp = [r for r in rows if r.get("draft") == "mtp"]
+            prop = sum(r["proposed"] for r in mtp)
+            out.append({"part": part, "set": ks, "configurations": len(rows),
+                        "equal": sum(bool(r["equal"]) for r in rows),
+                        "reruns_equal": sum(bool(r["reruns_equal"]) for r in rows),
+                        "mtp_acceptance": sum(r["accepted"] for r in mtp) / prop if prop else None})
+    return out
+
+
+def summary_table(data: dict) -> Table:
+    """summary_rows as a table."""
+    recs = [{**r, "part": PART_TITLES.get(r["part"], r["part"]), "eq": f"{r['equal']} of {r['configurations']}",
+             "rr": f"{r['reruns_equal']} of {r['configurations']}", "acc": _rate(r["mtp_acceptance"])}
+            for r in summary_rows(data)]
+    return Table(recs, {"part": "equality", "set": "set", "configurations": "configurations", "eq": "equal",
+                        "rr": "reruns equal", "acc": "MTP acceptance"},
+                 dash="no MTP drafts in this part")
+
+
+def verdict_md(data: dict) -> str:
+    """Markdown, one line per equality: configurations equal, per kernel set."""
+    by: dict[str, list[str]] = {}
+    for r in summary_rows(data):
+        by.setdefault(r["part"], []).append(f"{r['set']} {r['equal']} of {r['configurations']}")
+    lines = [f"- **{PART_TITLES.get(p, p)}**: " + "; ".join(v) + " configurations equal." for p, v in by.items()]
+    return "**Verdict.**\n\n" + "\n".join(lines) if lines else "_No configurations were run._"
+
+
+def settings_md(data: dict) -> str:
+    """One line: repetitions, prefill path and step, generated tokens, MTP weights and the verify forward."""
+    st = data.get("settings", {})
+    return (f"{st.get('reps', '?')} repetitions per configuration; prefill {st.get('prefill_path')} at step "
+            f"{st.get('steps', ['?'])[0]} (P // 3 for shorter prompts); {st.get('gen_tokens')} generated tokens; "
+            f"MTP weights: {st.get('mtp_source')}; verify forward: {st.get('verify_plan')}.")
+
+
+def render_md(section: dict) -> str:
+    """Markdown of the section (accepts the section object or its ``data``): intro, verdict, settings and the
+    four tables."""
+    data = section.get("data", section)
+    st = data.get("settings", {})
+    parts = ["## Drafted decode, prompt-cache resume, concurrent streams", "", INTRO, "", verdict_md(data), "",
+             settings_md(data), "",
+             "### drafted == plain", "", "Compared: tokens; logits and KV bytes shown beside.", "",
+             drafted_table(data.get("drafted", [])).to_markdown(), "",
+             "### resumed == fresh", "", f"Prompt cache {st.get('prompt_cache_gib')} GiB, {st.get('eviction')}; "
+             f"compared: tokens, logits bytes of the tail and generated rows, KV bytes; no rows when the budget is 0.",
+             "", resumed_table(data.get("resumed", [])).to_markdown(), "",
+             "### concurrent streams", "", f"Stream j joins after j·{st.get('stream_offset')} steps; prompts cut to "
+             f"{st.get('stream_prompt_tokens')} − 5·j tokens; compared: tokens and logits bytes.", "",
+             concurrent_table(data.get("concurrent", [])).to_markdown(), "", "### summary", "",
+             summary_table(data).to_markdown()]
+    return "\n".join(parts) + "\n"

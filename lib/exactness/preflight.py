@@ -1,0 +1,100 @@
+"""Checks that a run can run, made before anything runs: the checkpoint folder (it exists and its config.json
+parses), that every section of the run takes the checkpoint it is given, and that prompt + generated tokens and the
+bench's cold-prefill lengths fit the model's ``max_positions``.
+
+The receipt runner (``receipt.plan_parameters``) and the per-section command line (``__main__.section_parameters``)
+call :func:`check_run`; each check raises :class:`PreflightError` with one line naming the value and the limit.
+"""
+from __future__ import annotations
+
+from .config import ModelConfig, get_preset
+
+# Sections that compute on the checkpoint they are given. The others (the kernel contract and the FP64 receipt)
+# draw their inputs from the synthetic weights of the preset, so a run that names a checkpoint must leave them out.
+CHECKPOINT_SECTIONS = ("hashes", "streams", "bench")
+
+
+class PreflightError(ValueError):
+    """A run's parameters that cannot run; raised before anything runs or is written."""
+
+
+def model_config(params: dict) -> tuple[ModelConfig, object, str]:
+    """(config, tokenizer or None for the byte tokenizer, a name for messages) of the model the run would load:
+    the checkpoint's config.json when ``checkpoint`` is set (no tensor is read), else the preset's.
+
+    Raises:
+        PreflightError: the checkpoint folder is missing, has no config.json, or config.json is bad (one line).
+    """
+    path = params.get("checkpoint") or ""
+    if not path:
+        return get_preset(params["preset"]), None, f"preset {params['preset']}"
+    from .checkpoint import CheckpointError, read_config, tokenizer_for
+
+    try:
+        cfg, _ = read_config(str(path))
+        return cfg, tokenizer_for(str(path), cfg), f"checkpoint {path}"
+    except CheckpointError as e:
+        raise PreflightError(f"checkpoint={path!r}: {e}") from None
+
+
+def check_checkpoint_sections(params: dict, sections: list[str]) -> None:
+    """Refuse a run that names a checkpoint and includes a section that would not compute on it.
+
+    Raises:
+        PreflightError: naming the sections that do not take a checkpoint and the ones that do.
+    """
+    if not params.get("checkpoint"):
+        return
+    other = [s for s in sections if s not in CHECKPOINT_SECTIONS]
+    if other:
+        raise PreflightError(
+            f"checkpoint={params['checkpoint']!r} is given, but section(s) {', '.join(other)} compute on the "
+            f"preset's synthetic weights, not on a checkpoint; run only sections that take it: "
+            f"SECTIONS={','.join(s for s in sections if s in CHECKPOINT_SECTIONS) or ','.join(CHECKPOINT_SECTIONS)}")
+
+
+def check_lengths(params: dict, cfg: ModelConfig, tokenizer, model: str, sections: list[str]) -> None:
+    """Refuse prompt + generated tokens past ``cfg.max_positions`` for the sections that generate (hashes,
+    streams, bench; prompts cut to ``hash_max_tokens`` / ``prompt_max_tokens`` as those sections cut them), and
+    bench cold-prefill lengths + its generated tokens past it.
+
+    Raises:
+        PreflightError: naming the prompt or length, the token counts, the limit and what would fit.
+    """
+    from .prompts import build_prompt
+
+    limit = cfg.max_positions
+    gens = {"hashes": params.get("gen_tokens"), "streams": params.get("gen_tokens"),
+            "bench": params.get("bench_gen_tokens") or params.get("gen_tokens")}
+    for section in (s for s in sections if gens.get(s) is not None):
+        gen = gens[section]
+        cut = (params.get("hash_max_tokens") if section == "hashes" else None) or params.get("prompt_max_tokens")
+        sizes = {name: build_prompt(name, cut, True, tokenizer).n_tokens for name in params.get("prompts") or []}
+        for name, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:1]:   # the longest prompt binds
+            if n + gen > limit:
+                raise PreflightError(
+                    f"{section}: prompt {name!r} has {n} tokens; with {gen} generated that is {n + gen} positions, "
+                    f"past the max_positions={limit} of {model}; at most {max(limit - n, 0)} generated tokens fit, "
+                    f"or cut the prompts with prompt_max_tokens")
+    if "bench" in sections:
+        gen = gens["bench"] or 0
+        for n in params.get("bench_cold_lengths") or []:
+            if isinstance(n, int) and n + gen > limit:
+                raise PreflightError(
+                    f"bench: bench_cold_lengths entry {n} with {gen} generated tokens is {n + gen} positions, past "
+                    f"the max_positions={limit} of {model}; allowed lengths: 2..{limit - gen}" if limit - gen >= 2
+                    else f"bench: {gen} generated tokens leave no room for a cold prompt within the "
+                         f"max_positions={limit} of {model}")
+
+
+def check_run(params: dict, sections: list[str]) -> None:
+    """Every check of this module for a run of ``sections`` with ``params`` (run after the type and value checks of
+    the common fields).
+
+    Raises:
+        PreflightError: the first failed check, one line.
+    """
+    check_checkpoint_sections(params, sections)
+    if params.get("checkpoint") or params.get("preset"):   # no model named: nothing to measure lengths against
+        cfg, tokenizer, model = model_config(params)
+        check_lengths(params, cfg, tokenizer, model, sections)
