@@ -29,7 +29,7 @@ from exactness.analysis.fp64_ref import evaluate  # noqa: E402
 from exactness.analysis.taps import TapRecorder  # noqa: E402
 from exactness.config import get_preset  # noqa: E402
 from exactness.model import tapping  # noqa: E402
-from exactness.paths import PATHS, generate  # noqa: E402
+from exactness.paths import PATHS, Schedule, generate  # noqa: E402
 from exactness.profiles import get_profile  # noqa: E402
 from exactness.weights import synthetic_weights  # noqa: E402
 
@@ -52,7 +52,8 @@ def bench(p: dict, reps: int) -> list[list]:
     dev = torch.device(p["device"])
     w = synthetic_weights(get_preset(p["preset"]), fp64.DTYPES[p["dtype"]], dev)
     plan = fp64.capture_plan(p)
-    run = lambda ks, path: generate(w, plan["ids"], 1, ks, path, plan["step"], int(p["deep_threshold"]))  # noqa
+    threshold = int(p["deep_threshold"])
+    run = lambda ks, path: generate(w, plan["ids"], 1, ks, Schedule(path, plan["step"], threshold))  # noqa: E731
     rows = []
     for ks in p["kernel_sets"]:
         run(ks, "batched")                                                      # warm-up (tables, kernels)

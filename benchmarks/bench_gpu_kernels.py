@@ -336,7 +336,7 @@ def decode_step(args) -> dict:
     out, P = [], 4096
     cache = KVCache(w.cfg, P + 64, 1, BF16, w.device)
     ids = torch.randint(0, 256, (P,), generator=torch.Generator().manual_seed(0))
-    paths.prefill(w, cache, ids, "fast", "batched", step=4096)
+    paths.prefill(w, cache, ids, "fast", paths.Schedule("batched", 4096))
     tok = ids[-1:].to(w.device)
     slots = torch.zeros(1, dtype=torch.int64, device=w.device)
     pos0 = torch.tensor([P], device=w.device)
@@ -393,7 +393,7 @@ def e2e(args) -> dict:
     def run(ks, path, step):
         cache = KVCache(w.cfg, P + 1, 1, w.dtype, w.device)
         served = {p: {"segments": 0, "rows": 0} for p in paths.PATHS}
-        logits = paths.prefill(w, cache, ids, ks, path, step, 512, served=served)
+        logits = paths.prefill(w, cache, ids, ks, paths.Schedule(path, step, 512), served=served).logits
         torch.cuda.synchronize()
         return logits, served
 

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from exactness.cache import KVCache  # noqa: E402
 from exactness.config import get_preset  # noqa: E402
-from exactness.offload import ExpertStore, prepare_hook  # noqa: E402
-from exactness.paths import prefill  # noqa: E402
+from exactness.offload import ExpertStore  # noqa: E402
+from exactness.paths import Schedule, prefill  # noqa: E402
 from exactness.prompts import build_prompt  # noqa: E402
 from exactness.weights import synthetic_weights  # noqa: E402
 
@@ -95,12 +95,11 @@ def time_prefill(store: ExpertStore, ids: torch.Tensor, kernels: str, path: str,
         store.reset_stats()
         cache = KVCache(w.cfg, ids.numel(), 1, w.dtype, w.device)
         served = {p: {"segments": 0, "rows": 0} for p in ("decode", "batched", "deep")}
-        prefill(w, cache, ids, kernels, path, step, threshold, served=served, experts=store)
+        prefill(w, cache, ids, kernels, Schedule(path, step, threshold), served=served, experts=store)
         return served
 
-    with prepare_hook():
-        seconds = _timed(run, w.device, reps)
-        served = run()
+    seconds = _timed(run, w.device, reps)
+    served = run()
     return {"seconds": seconds, "served": served, **store.info()["stats"]}
 
 

@@ -12,7 +12,7 @@ import torch
 
 from exactness.analysis import bench
 from exactness.analysis.bench_tables import cold_table, render_md, tables
-from exactness.offload import ExpertStore, prepare_hook
+from exactness.offload import ExpertStore
 from exactness.prompts import build_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,8 +131,7 @@ def test_offload_load_keeps_experts_on_the_host():
 def test_runner_says_when_the_ring_is_missing(tiny_weights):
     store = ExpertStore(tiny_weights, "offload", max_ring_bytes=0)
     runner = bench.Runner(store.weights, store, bench.bench_params(PARAMS))
-    with prepare_hook():
-        rec = runner.plain(build_prompt("short", 12).ids, "fast", 2)
+    rec = runner.plain(build_prompt("short", 12).ids, "fast", 2)
     assert "expert ring not reserved" in rec["path_served"] and "max_ring_bytes=0" in rec["path_served"]
 
 

@@ -33,6 +33,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 from exactness import paths  # noqa: E402
 from exactness.checkpoint import CheckpointError, config_from_hf, load_checkpoint  # noqa: E402
+from exactness.exact import bytes_equal, first_differing_row  # noqa: E402
 from exactness.prompts import build_prompt  # noqa: E402
 from exactness.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 
@@ -139,7 +140,7 @@ def hf_ref(hf_model, prompt_ids):
 @pytest.fixture(scope="module")
 def ours(loaded, prompt_ids):
     w, _ = loaded
-    return {p: paths.generate(w, prompt_ids, GEN_TOKENS, "fast", p) for p in ("batched", "decode")}
+    return {p: paths.generate(w, prompt_ids, GEN_TOKENS, "fast", paths.Schedule(p)) for p in ("batched", "decode")}
 
 
 # ---------------------------------------------------------------- the mapping
@@ -161,7 +162,7 @@ def test_bf16_load_rounds_the_file_tensors(ckpt, loaded):
     wb, _ = load_checkpoint(str(ckpt), dtype=torch.bfloat16)
     w, _ = loaded
     for name, a, b in [("embed", w.embed, wb.embed), ("layer 1 w_down", w.layers[1].w_down, wb.layers[1].w_down)]:
-        assert torch.equal(a.to(torch.bfloat16).view(torch.int16), b.view(torch.int16)), name
+        assert bytes_equal(a.to(torch.bfloat16), b), name
 
 
 def test_fused_expert_layout_loads_same_bytes(hf_model, ckpt, loaded, tmp_path):
@@ -175,7 +176,7 @@ def test_fused_expert_layout_loads_same_bytes(hf_model, ckpt, loaded, tmp_path):
     for i, (a, b) in enumerate(zip(w.layers, wf.layers)):
         for f in ("w_gate", "w_up", "w_down", "wq", "router"):
             ta, tb = getattr(a, f), getattr(b, f)
-            assert torch.equal(ta.view(torch.int32), tb.view(torch.int32)), f"layer {i} {f} differs between layouts"
+            assert bytes_equal(ta, tb), f"layer {i} {f} differs between layouts"
 
 
 # ---------------------------------------------------------------- (a) logits
@@ -201,7 +202,7 @@ def test_negative_control_one_bf16_ulp_is_caught(ckpt, hf_ref, prompt_ids):
     w, _ = load_checkpoint(str(ckpt), dtype=torch.float32)
     wv = w.layers[0].wv
     wv[0, 0] += abs(float(wv[0, 0])) * 2.0 ** -8
-    run = paths.generate(w, prompt_ids, 1, "fast", "batched")
+    run = paths.generate(w, prompt_ids, 1, "fast", paths.Schedule("batched"))
     ok, msg = logit_check(run.prompt_logits, hf_ref["prompt"], tolerance(hf_ref["prompt"], w.cfg, PROMPT_TOKENS))
     print(f"negative control: {msg}")
     assert not ok, f"a one-bf16-ulp weight change went unnoticed: {msg}"
@@ -214,9 +215,8 @@ def test_greedy_tokens_match_hf(ours, hf_ref, loaded, path):
     top2 = hf_ref["gen"].topk(2, dim=-1).values                                     # [N, 2]
     margins = top2[:, 0] - top2[:, 1]
     tol = tolerance(hf_ref["gen"], loaded[0].cfg, PROMPT_TOKENS + GEN_TOKENS)
-    diff = (got != ref).nonzero().flatten()
-    if diff.numel():
-        i = int(diff[0])
+    i = first_differing_row(got, ref)
+    if i is not None:
         why = "explained (margin below tol)" if float(margins[i]) <= tol else "NOT explained by rounding"
         pytest.fail(f"{path}: first divergence at generated index {i}: ours {int(got[i])}, HF {int(ref[i])}, "
                     f"HF top-1/top-2 margin {float(margins[i]):.3e} vs tol {tol:.3e}: {why}")
@@ -232,7 +232,7 @@ def test_tied_embeddings_reuse_embed(tmp_path):
     ids = build_prompt("short").ids
     with torch.no_grad():
         ref = model(ids[None]).logits[0].float()
-    ok, msg = logit_check(paths.generate(w, ids, 1, "fast", "batched").prompt_logits, ref,
+    ok, msg = logit_check(paths.generate(w, ids, 1, "fast", paths.Schedule("batched")).prompt_logits, ref,
                           tolerance(ref, w.cfg, ids.numel()))
     assert ok, f"tied model: {msg}"
 

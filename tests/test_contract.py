@@ -17,26 +17,28 @@ import pytest
 
 from exactness.analysis import contract as C
 from exactness.analysis import contract_cases as cc
+from exactness.exact import as_int
 from exactness.kernels import KERNEL_CLASSES, KERNEL_SETS, attention, dense, get_set, norm, register_set
 
 ROOT = Path(__file__).resolve().parents[1]
 CHEAP = tuple(c for c in KERNEL_CLASSES if c != "attention")
-INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}  # brute_first's own: it shares no code with exact.py
 
 
 # ------------------------------------------------------------------------------------------------- ULP distance
 
-def test_ulp_distance_neighbours_and_zero():
+def test_value_ulps_neighbours_and_zero():
     one_bf = torch.tensor(1.0, dtype=torch.bfloat16)
-    nxt_bf = (one_bf.view(torch.int16) + 1).view(torch.bfloat16)
-    assert C.ulp_distance(1.0, nxt_bf.item(), torch.bfloat16) == 1
+    nxt_bf = (as_int(one_bf) + 1).view(torch.bfloat16)
+    assert C.value_ulps(1.0, nxt_bf.item(), torch.bfloat16) == 1
     nxt32 = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
-    assert C.ulp_distance(1.0, nxt32, torch.float32) == 1
-    assert C.ulp_distance(0.0, -0.0, torch.float32) == 0
+    assert C.value_ulps(1.0, nxt32, torch.float32) == 1
+    assert C.value_ulps(0.0, -0.0, torch.float32) == 0
     tiny = torch.tensor(1, dtype=torch.int32).view(torch.float32).item()   # smallest subnormal
-    assert C.ulp_distance(tiny, -tiny, torch.float32) == 2
-    assert C.ulp_distance(1.0, 2.0, torch.bfloat16) == 128                  # 7 stored fraction bits
-    assert C.ulp_distance(float("nan"), 1.0, torch.float32) is None
+    assert C.value_ulps(tiny, -tiny, torch.float32) == 2
+    assert C.value_ulps(1.0, 2.0, torch.bfloat16) == 128                    # 7 stored fraction bits
+    assert C.value_ulps(float("nan"), 1.0, torch.float32) is None
+    assert C.value_ulps(1, 2, torch.int64) is None
     # lm_head's fp32 logits of a bf16 run are widened bf16 values: their ULPs are counted in bf16
     assert C._ulp_format(torch.float32, torch.bfloat16, 1.0, nxt_bf.item()) == torch.bfloat16
     assert C._ulp_format(torch.float32, torch.float32, 1.0, nxt32) == torch.float32
@@ -73,7 +75,7 @@ def rmsnorm_flip(x, w, eps):
     out = norm.rmsnorm_invariant(x, w, eps)
     if x.shape[0] == FLIP_CALL_ROWS:
         out = out.clone()
-        out.view(INT[out.dtype])[FLIP_ROW].view(-1)[FLIP_ELEMENT] += 1
+        as_int(out)[FLIP_ROW].view(-1)[FLIP_ELEMENT] += 1
     return out
 
 
@@ -396,7 +398,7 @@ def _ring_hands_out(monkeypatch, which: str):
             self.ring.source = lambda key: self.decoy
         else:
             bad = tuple(t.clone() for t in self.host)
-            bad[0].view(INT[bad[0].dtype]).view(-1)[5] += 1
+            as_int(bad[0]).view(-1)[5] += 1
             self.ring.source = lambda key: self.decoy if key[1] == "decoy" else bad
     monkeypatch.setattr(offload.StagedWeights, "__init__", planted)
 

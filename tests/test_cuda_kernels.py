@@ -187,13 +187,13 @@ def test_gpu_paths_prompt_logits_equal_decode(preset):
     cfg = get_preset(preset)
     w = cuda.device_random_weights(cfg, torch.bfloat16, "cuda", seed=1)
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2))
-    runs = [paths.generate(w, ids, 4, "invariant", p, s, deep_threshold=128)
+    runs = [paths.generate(w, ids, 4, "invariant", paths.Schedule(p, s, deep_threshold=128))
             for p, s in (("decode", None), ("batched", 100), ("deep", 256), ("batched", None))]
     assert runs[2].served["deep"]["rows"] == 256                                          # deep plan really ran
     for r in runs[1:]:
         assert row_mismatches(r.prompt_logits, [runs[0].prompt_logits]) == 0, (r.path, r.step)
         assert torch.equal(r.gen_ids, runs[0].gen_ids)
-    fast = paths.generate(w, ids, 4, "fast", "batched", None)
+    fast = paths.generate(w, ids, 4, "fast", paths.Schedule("batched", None))
     assert row_mismatches(fast.prompt_logits, [runs[0].prompt_logits]) > 0               # negative control
 
 

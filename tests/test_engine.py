@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from exactness import prompts as P
-from exactness.analysis.hashes import first_divergence, hash_matrix, resolve_device, resolve_dtype, token_hash
+from exactness.analysis.hashes import hash_matrix, resolve_device, resolve_dtype
 from exactness.config import ModelConfig, get_preset
 from exactness.model import tapping
-from exactness.paths import generate
+from exactness.paths import Schedule, generate
 from exactness.profiles import get_profile
 from exactness.tokenizer import ByteTokenizer
 
@@ -62,34 +62,20 @@ def test_cut_prompt_is_a_prefix_with_its_own_hash():
     assert cut.sha256 == hashlib.sha256(full.text[:99]).hexdigest()
 
 
-def test_token_hash_is_sha256_of_little_endian_int32():
-    ids = [1, 256, 65537]
-    raw = b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
-    assert token_hash(torch.tensor(ids)) == hashlib.sha256(raw).hexdigest()[:12]
-    assert token_hash(torch.tensor([1, 2])) != token_hash(torch.tensor([2, 1]))
-
-
-def test_first_divergence():
-    a = torch.tensor([1, 2, 3, 4])
-    assert first_divergence(a, a.clone()) is None
-    assert first_divergence(a, torch.tensor([1, 2, 9, 4])) == 2
-    assert first_divergence(a, a[:3]) == 3
-
-
 @pytest.mark.parametrize("step,threshold,expect", [
     (64, 64, {"deep": (2, 128), "batched": (1, 32)}),     # 160 = 64 + 64 + 32: the 32-row tail runs batched
     (100, 200, {"deep": (0, 0), "batched": (2, 160)}),    # below the threshold deep never runs, and says so
     (None, 100, {"deep": (1, 160), "batched": (0, 0)}),
 ])
 def test_deep_path_records_what_it_served(tiny_weights, code_prompt, step, threshold, expect):
-    r = generate(tiny_weights, code_prompt.ids, 2, "fast", "deep", step, threshold)
+    r = generate(tiny_weights, code_prompt.ids, 2, "fast", Schedule("deep", step, threshold))
     for plan, (segs, rows) in expect.items():
         assert (r.served[plan]["segments"], r.served[plan]["rows"]) == (segs, rows)
     assert r.served["decode"]["rows"] == 0
 
 
 def test_generate_shapes_and_decode_oracle_accounting(tiny_weights, code_prompt):
-    r = generate(tiny_weights, code_prompt.ids, 5, "fast", "decode")
+    r = generate(tiny_weights, code_prompt.ids, 5, "fast", Schedule("decode"))
     V = tiny_weights.cfg.vocab_size
     assert r.gen_ids.shape == (5,) and r.gen_ids.dtype == torch.int64
     assert r.prompt_logits.shape == (160, V) and r.prompt_logits.dtype == torch.float32
@@ -106,18 +92,18 @@ def test_generate_shapes_and_decode_oracle_accounting(tiny_weights, code_prompt)
 ])
 def test_bad_run_arguments(tiny_weights, code_prompt, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        generate(tiny_weights, code_prompt.ids, 2, "fast", **kwargs)
+        generate(tiny_weights, code_prompt.ids, 2, "fast", Schedule(**kwargs))
 
 
 def test_prompt_longer_than_positions_is_refused(tiny_weights):
     ids = torch.zeros(tiny_weights.cfg.max_positions, dtype=torch.int64)
     with pytest.raises(ValueError, match="exceeds the model's max_positions=32768"):
-        generate(tiny_weights, ids, 1, "fast", "batched")
+        generate(tiny_weights, ids, 1, "fast", Schedule("batched"))
 
 
 def test_unknown_kernel_set_lists_known_ones(tiny_weights, code_prompt):
     with pytest.raises(ValueError, match="known sets: fast, invariant"):
-        generate(tiny_weights, code_prompt.ids, 1, "exact-ish", "batched")
+        generate(tiny_weights, code_prompt.ids, 1, "exact-ish", Schedule("batched"))
 
 
 def test_taps_see_every_class_and_are_off_by_default(tiny_weights, code_prompt):
@@ -129,13 +115,13 @@ def test_taps_see_every_class_and_are_off_by_default(tiny_weights, code_prompt):
             self.seen.add((call["cls"], call["plan"]))
     rec = Rec()
     with tapping(rec):
-        generate(tiny_weights, code_prompt.ids[:70], 2, "invariant", "deep", 64, 64)
+        generate(tiny_weights, code_prompt.ids[:70], 2, "invariant", Schedule("deep", 64, 64))
     classes = {c for c, _ in rec.seen}
     assert classes == {"dense", "router", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm",
                        "rope", "residual", "lm_head"}
     assert {p for _, p in rec.seen} == {"deep", "batched", "decode"}
     before = len(rec.seen)
-    generate(tiny_weights, code_prompt.ids[:10], 2, "fast", "batched")  # outside the block: nothing recorded
+    generate(tiny_weights, code_prompt.ids[:10], 2, "fast", Schedule("batched"))  # outside the block: nothing recorded
     assert len(rec.seen) == before
 
 

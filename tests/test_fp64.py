@@ -15,9 +15,10 @@ from exactness.analysis import fp64_synth as synth
 from exactness.analysis.taps import TapRecorder
 from exactness.analysis.ulp import round_to, step
 from exactness.config import get_preset
+from exactness.exact import bytes_equal
 from exactness.kernels import get_set
 from exactness.model import tapping
-from exactness.paths import generate
+from exactness.paths import Schedule, generate
 from exactness.profiles import get_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,7 +148,7 @@ def tapped(tiny_weights, code_prompt):
     rec = TapRecorder(POSITIONS, tiny_weights)
     for path, step_, thr in (("decode", None, 512), ("batched", 48, 512), ("deep", None, 70)):
         with rec.run(path), tapping(rec):
-            generate(tiny_weights, ids, 1, "invariant", path, step_, thr)
+            generate(tiny_weights, ids, 1, "invariant", Schedule(path, step_, thr))
     return rec
 
 
@@ -183,7 +184,7 @@ def test_tapped_rows_reproduce_the_kernel_outputs(tapped):
         for s in samples:
             got, want = _recompute(s, tapped, kv)
             n += 1
-            if not torch.equal(got.reshape(-1).view(torch.int16), want.reshape(-1).view(torch.int16)):
+            if not bytes_equal(got.reshape(-1), want.reshape(-1)):
                 bad.append((path, cls, s.layer, s.tag, s.pos))
     assert n > 500 and not bad, f"{len(bad)} of {n} samples differ, first {bad[:3]}"
 

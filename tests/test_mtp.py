@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from exactness import mtp
-from exactness.analysis.streams import first_kv_diff, first_row_diff
+from exactness.exact import bytes_equal, first_differing_row, kv_first_difference
 from exactness.cache import KVCache
 from exactness.kernels import get_set
 from exactness.model import BATCHED
-from exactness.paths import generate
+from exactness.paths import Schedule, generate, prefill
 import brute
 from faults import row0_perturbed
 from exactness.prompts import build_prompt
@@ -28,28 +28,21 @@ def ids():
 @pytest.fixture(scope="module")
 def plain(tiny_weights, ids):
     """The plain run: batched prefill at STEP, then decode; invariant set."""
-    return generate(tiny_weights, ids, GEN, "invariant", "batched", STEP, keep_cache=True)
-
-
-
-
-
-def bytes_eq(a, b) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return generate(tiny_weights, ids, GEN, "invariant", Schedule("batched", STEP), keep_cache=True)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_drafted_equals_plain_invariant(tiny_weights, ids, plain, k):
-    r = mtp.generate_drafted(tiny_weights, ids, GEN, k, "invariant", "batched", STEP, keep_cache=True)
+    r = mtp.generate_drafted(tiny_weights, ids, GEN, "invariant", Schedule("batched", STEP), k=k, keep_cache=True)
     assert torch.equal(r.gen_ids, plain.gen_ids), f"k={k}: {r.gen_ids.tolist()} != {plain.gen_ids.tolist()}"
-    assert bytes_eq(r.gen_logits, plain.gen_logits), first_row_diff(r.gen_logits, plain.gen_logits)
-    assert first_kv_diff(r.cache, plain.cache) is None
+    assert bytes_equal(r.gen_logits, plain.gen_logits), first_differing_row(r.gen_logits, plain.gen_logits)
+    assert kv_first_difference(r.cache, plain.cache) is None
     assert r.stats.proposed > 0 and r.stats.rounds > 0 and 0 <= r.stats.accepted <= r.stats.proposed
     assert r.mtp_source.startswith("synthetic")
 
 
 def test_self_draft_accepts_every_draft_invariant(tiny_weights, ids, plain):
-    r = mtp.generate_drafted(tiny_weights, ids, GEN, 3, "invariant", "batched", STEP, draft="self")
+    r = mtp.generate_drafted(tiny_weights, ids, GEN, "invariant", Schedule("batched", STEP), k=3, draft="self")
     assert torch.equal(r.gen_ids, plain.gen_ids)
     assert r.stats.acceptance_rate == 1.0, r.stats
     # token 0 from the prefill, rounds of 3 drafts + 1 model token: 4 + 3 (2 drafts: never past GEN)
@@ -60,17 +53,16 @@ def test_mtp_cache_holds_exactly_the_accepted_rows(tiny_weights, ids):
     """After a drafted run the MTP cache equals one fresh head forward over (h_i, t_{i+1}) of the final sequence:
     rejected drafts were rolled back and every kept row pairs the main model's hidden row with the next token."""
     w = tiny_weights
-    r = mtp.generate_drafted(w, ids, GEN, 2, "invariant", "batched", STEP, keep_cache=True)
+    r = mtp.generate_drafted(w, ids, GEN, "invariant", Schedule("batched", STEP), k=2, keep_cache=True)
     n = r.mtp_cache.lengths[0]
     seq = torch.cat([ids, r.gen_ids])
     cache = KVCache(w.cfg, seq.numel(), 1, w.dtype)
-    served = {p: {"segments": 0, "rows": 0} for p in ("decode", "batched", "deep")}
-    hid = mtp.prefill_hidden(w, cache, seq[:n], get_set("invariant"), "batched", None, 512, served).hidden
+    hid = prefill(w, cache, seq[:n], get_set("invariant"), Schedule("batched")).hidden
     head = mtp.MTPHead(w, mtp.resolve_mtp(w), seq.numel())
     head.forward(seq[1:n + 1], hid, torch.arange(n), get_set("invariant"), BATCHED)
     assert n >= ids.numel()
     for a, b in zip(head.cache.k + head.cache.v, r.mtp_cache.k + r.mtp_cache.v):
-        assert torch.equal(a[:, :n].view(torch.int16), b[:, :n].view(torch.int16))
+        assert bytes_equal(a[:, :n], b[:, :n])
         assert not b[:, n:].any(), "positions past the accepted rows must be rolled back (zero)"
 
 
@@ -80,45 +72,45 @@ def test_fast_set_byte_difference_is_detected_at_a_verify_row(tiny_weights):
     streams section uses must agree: the same first differing row (after row 0, which the shared prefill makes) and
     KV position, or none. That they can fail is shown by the planted faults below, on every machine."""
     ids = build_prompt("code", max_tokens=110).ids
-    pl = generate(tiny_weights, ids, 4, "fast", "batched", 32, keep_cache=True)
-    r = mtp.generate_drafted(tiny_weights, ids, 4, 2, "fast", "batched", 32, keep_cache=True)
+    pl = generate(tiny_weights, ids, 4, "fast", Schedule("batched", 32), keep_cache=True)
+    r = mtp.generate_drafted(tiny_weights, ids, 4, "fast", Schedule("batched", 32), k=2, keep_cache=True)
     i = brute.first_row(r.gen_logits, pl.gen_logits)
-    assert first_row_diff(r.gen_logits, pl.gen_logits) == i
-    assert first_kv_diff(r.cache, pl.cache) == brute.first_kv_position(r.cache, pl.cache)
+    assert first_differing_row(r.gen_logits, pl.gen_logits) == i
+    assert kv_first_difference(r.cache, pl.cache) == brute.first_kv_position(r.cache, pl.cache)
     if i is not None:
         assert i >= 1, "row 0 comes from the shared prefill and must be equal"
-        assert bytes_eq(r.gen_logits[:i], pl.gen_logits[:i]) and not bytes_eq(r.gen_logits[i], pl.gen_logits[i])
+        assert bytes_equal(r.gen_logits[:i], pl.gen_logits[:i]) and not bytes_equal(r.gen_logits[i], pl.gen_logits[i])
 
 
 def test_perturbed_verify_kernel_is_caught(tiny_weights, ids, plain):
     """Negative controls: a verify-row perturbation must show up where it acts (gen index 1 = the first verify
     forward's row 0). One ulp on row 0's RMSNorm: logits bytes; a shifted lm_head row 0: the token comparison."""
     ulp = row0_perturbed("rmsnorm", lambda t: t * (1 + 2 ** -7))
-    r = mtp.generate_drafted(tiny_weights, ids, GEN, 2, ulp, "batched", STEP)
-    ref = generate(tiny_weights, ids, GEN, ulp, "batched", STEP)
-    assert first_row_diff(r.gen_logits, ref.gen_logits) == 1
+    r = mtp.generate_drafted(tiny_weights, ids, GEN, ulp, Schedule("batched", STEP), k=2)
+    ref = generate(tiny_weights, ids, GEN, ulp, Schedule("batched", STEP))
+    assert first_differing_row(r.gen_logits, ref.gen_logits) == 1
     shift = row0_perturbed("lm_head", lambda t: t.roll(1), roles=("prompt",))
-    r = mtp.generate_drafted(tiny_weights, ids, GEN, 2, shift, "batched", STEP)
-    ref = generate(tiny_weights, ids, GEN, shift, "batched", STEP)
+    r = mtp.generate_drafted(tiny_weights, ids, GEN, shift, Schedule("batched", STEP), k=2)
+    ref = generate(tiny_weights, ids, GEN, shift, Schedule("batched", STEP))
     assert torch.equal(r.gen_ids[:1], ref.gen_ids[:1]) and r.gen_ids[1] != ref.gen_ids[1]
 
 
 @pytest.mark.parametrize("k", [0, 5, -1, True, 2.0, "2"])
 def test_bad_k_is_refused(tiny_weights, ids, k):
     with pytest.raises(ValueError, match="draft count k"):
-        mtp.generate_drafted(tiny_weights, ids, 4, k, "invariant")
+        mtp.generate_drafted(tiny_weights, ids, 4, "invariant", k=k)
 
 
 def test_unknown_draft_source_is_refused(tiny_weights, ids):
     with pytest.raises(ValueError, match="unknown draft source 'eagle'"):
-        mtp.generate_drafted(tiny_weights, ids, 4, 2, "invariant", draft="eagle")
+        mtp.generate_drafted(tiny_weights, ids, 4, "invariant", k=2, draft="eagle")
 
 
 def test_synthetic_mtp_weights_are_seeded_and_separate(tiny_weights):
     cfg = tiny_weights.cfg
     a, b = mtp.synthetic_mtp_weights(cfg), mtp.synthetic_mtp_weights(cfg)
     assert a.proj.shape == (cfg.hidden, 2 * cfg.hidden) and a.layer.w_gate.shape == tiny_weights.layers[0].w_gate.shape
-    assert torch.equal(a.proj.view(torch.int16), b.proj.view(torch.int16))
+    assert bytes_equal(a.proj, b.proj)
     assert not torch.equal(a.layer.wq, tiny_weights.layers[0].wq)  # own generator (seed + 1000), not the decoder's
 
 

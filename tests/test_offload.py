@@ -1,5 +1,7 @@
-"""Expert offload (lib/exactness/offload.py): offloaded experts change no byte, the ring hands out the right expert
-whatever the slot count and announcement pattern, the fallback is recorded, and the benchmark script runs on CPU."""
+"""Expert offload (lib/exactness/offload.py): offloaded experts change no byte, the forward announces and fetches its
+experts through the provider it is given, deep segments stage them through the ring (counted), the ring hands out
+the right expert whatever the slot count and announcement pattern, the fallback is recorded, and the benchmark
+script runs on CPU."""
 from __future__ import annotations
 
 import subprocess
@@ -11,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exactness import model
-from exactness.offload import ExpertRing, ExpertStore, StagedWeights, moe_block_calls_prepare, prepare_hook
-from exactness.paths import generate
+from exactness.model import ResidentExperts
+from exactness.exact import as_int, bytes_equal, differing_rows
+from exactness.offload import ExpertRing, ExpertStore, StagedWeights
+from exactness.paths import Schedule, generate
 from exactness.prompts import build_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,15 +29,13 @@ def prompt():
 
 
 def _run(w, ids, ks, path, experts=None):
-    with prepare_hook():
-        return generate(w, ids, GEN, ks, path, STEP, THRESHOLD, keep_cache=True, experts=experts)
+    return generate(w, ids, GEN, ks, Schedule(path, STEP, THRESHOLD), keep_cache=True, experts=experts)
 
 
 def _differences(a, b) -> dict:
-    """Counts of differing prompt-logit rows (int32 bytes), generated ids and KV elements (int16 bytes)."""
-    rows = (a.prompt_logits.view(torch.int32) != b.prompt_logits.view(torch.int32)).any(dim=1)
-    kv = sum(int((x.view(torch.int16) != y.view(torch.int16)).sum())
-             for x, y in zip(a.cache.k + a.cache.v, b.cache.k + b.cache.v))
+    """Counts of differing prompt-logit rows, generated ids and KV elements (in bytes)."""
+    rows = differing_rows(a.prompt_logits, b.prompt_logits)
+    kv = sum(int((as_int(x) != as_int(y)).sum()) for x, y in zip(a.cache.k + a.cache.v, b.cache.k + b.cache.v))
     return {"prompt_rows": int(rows.sum()), "gen_ids": int((a.gen_ids != b.gen_ids).sum()), "kv": kv}
 
 
@@ -61,7 +62,7 @@ def test_offload_changes_no_byte(tiny_weights, prompt, ks, path):
 def test_resident_store_serves_the_weights_themselves(tiny_weights, prompt):
     store = ExpertStore(tiny_weights, "resident")
     lw = tiny_weights.layers[1]
-    for got, want in zip(store(1, 5), (lw.w_gate[5], lw.w_up[5], lw.w_down[5])):
+    for got, want in zip(store.fetch(1, 5), (lw.w_gate[5], lw.w_up[5], lw.w_down[5])):
         assert got.data_ptr() == want.data_ptr() and got.shape == want.shape   # a view, no copy
     assert store.deep_ready and store.ring_bytes == 0 and store.device_bytes_saved == 0
     ref = _run(tiny_weights, prompt.ids, "invariant", "deep")
@@ -72,7 +73,7 @@ def test_perturbed_host_expert_is_caught(tiny_weights, prompt):
     """Negative control: one ulp added to layer 0's host gate weights must show in logits."""
     ref = _run(tiny_weights, prompt.ids, "invariant", "deep")
     store = ExpertStore(tiny_weights, "offload")
-    store.host[0][0].view(torch.int16).add_(1)                              # w_gate of every layer-0 expert
+    as_int(store.host[0][0]).add_(1)                                        # w_gate of every layer-0 expert
     diff = _differences(_run(store.weights, prompt.ids, "invariant", "deep", store), ref)
     assert diff["prompt_rows"] > 0 and diff["kv"] > 0, diff
 
@@ -88,7 +89,7 @@ def test_offload_keeps_experts_off_the_device(tiny_weights):
         assert lw.w_gate.numel() == lw.w_up.numel() == lw.w_down.numel() == 0
         assert lw.wq.device.type == "cpu" and lw.wq.numel() > 0
     with pytest.raises(IndexError):  # the placeholders cannot be computed with: no provider, no forward
-        generate(store.weights, torch.tensor([256, 65]), 1, "fast", "batched")
+        generate(store.weights, torch.tensor([256, 65]), 1, "fast", Schedule("batched"))
 
 
 def test_fallback_when_the_ring_does_not_fit(tiny_weights, prompt):
@@ -125,18 +126,66 @@ def test_bad_arguments(tiny_weights):
     with pytest.raises(ValueError, match="max_ring_bytes"):
         ExpertStore(tiny_weights, "offload", max_ring_bytes=-1)
     with pytest.raises(IndexError, match=r"expert \(0, 8\) outside"):
-        ExpertStore(tiny_weights, "offload")(0, 8)
+        ExpertStore(tiny_weights, "offload").fetch(0, 8)
 
 
-def test_prepare_hook_wraps_and_restores():
-    original, built_in = model.moe_block, moe_block_calls_prepare()
-    with pytest.raises(RuntimeError):
-        with prepare_hook() as active:
-            assert active is not built_in
-            assert moe_block_calls_prepare()
-            assert (model.moe_block is not original) == active
-            raise RuntimeError("inside")
-    assert model.moe_block is original
+class _Recorder:
+    """A planted expert provider: records every prepare and fetch call, and serves them from ``inner``."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.deep_ready, self.fallback_reason = inner.deep_ready, inner.fallback_reason
+
+    def prepare(self, layer, expert_ids, plan):
+        self.calls.append(("prepare", layer, list(expert_ids), plan))
+        self.inner.prepare(layer, expert_ids, plan)
+
+    def fetch(self, layer, expert_id):
+        self.calls.append(("fetch", layer, expert_id))
+        return self.inner.fetch(layer, expert_id)
+
+    def prepared(self) -> list:
+        """(layer, announced ids, plan, the (layer, id) fetches that followed) per prepare call, in call order."""
+        out = []
+        for call in self.calls:
+            if call[0] == "prepare":
+                out.append((*call[1:], []))
+            else:
+                out[-1][3].append(call[1:])
+        return out
+
+
+def test_forward_asks_the_provider_it_is_given(tiny_weights, prompt):
+    """Every MoE call of every forward announces its experts with members (ascending ids, with the forward's plan)
+    and then fetches exactly those, in that order, from the provider; the bytes are the default provider's."""
+    rec = _Recorder(ResidentExperts(tiny_weights.layers))
+    run = _run(tiny_weights, prompt.ids, "invariant", "deep", rec)
+    assert _differences(run, _run(tiny_weights, prompt.ids, "invariant", "deep")) == NONE
+    L, prepared = tiny_weights.cfg.n_layers, rec.prepared()
+    # the 40-token prompt's two deep segments (24 and 16 rows), then one decode step per token after the first
+    assert [(layer, plan) for layer, _, plan, _ in prepared] == (
+        [(i, "deep") for _ in range(2) for i in range(L)] + [(i, "decode") for _ in range(GEN - 1) for i in range(L)])
+    for layer, ids, _, fetches in prepared:
+        assert ids and ids == sorted(set(ids))
+        assert fetches == [(layer, e) for e in ids]
+
+
+@pytest.mark.parametrize("path, slots", [("deep", 1), ("deep", 4), ("batched", 2)])
+def test_offloaded_run_stages_the_deep_experts_through_the_ring(tiny_weights, prompt, path, slots):
+    """Each expert announced by a deep forward is one ring fetch, every other fetch is synchronous, and every copy
+    and byte moved is accounted for."""
+    store = ExpertStore(tiny_weights, "offload", ring_slots=slots)
+    rec = _Recorder(store)
+    _run(store.weights, prompt.ids, "invariant", path, rec)
+    prepared = rec.prepared()
+    deep = sum(len(ids) for _, ids, plan, _ in prepared if plan == "deep")
+    other = sum(len(ids) for _, ids, plan, _ in prepared if plan != "deep")
+    s = store.stats
+    assert s["prepare_calls"] == len(prepared) == tiny_weights.cfg.n_layers * (2 + GEN - 1)  # 24 + 16 rows
+    assert (s["ring_fetches"], s["sync_fetches"], s["unannounced_calls"]) == (deep, other, 0)
+    assert (deep > 0) == (path == "deep")
+    assert s["copies"] == s["ring_fetches"] + s["dropped_copies"] + len(store.ring.slot_of)
+    assert s["bytes_moved"] == (s["copies"] + s["sync_fetches"]) * store.expert_bytes
 
 
 class _Source:
@@ -214,12 +263,12 @@ def test_staged_weights_hand_out_the_weights_behind_a_decoy(device):
     w = (torch.randn(8, 16, dtype=torch.bfloat16, device=device), torch.randn(8, 16, dtype=torch.bfloat16,
                                                                              device=device))
     staged = StagedWeights(w)
-    assert all(torch.equal(d.view(torch.int16) ^ h.view(torch.int16), torch.full_like(h.view(torch.int16), -32768))
+    assert all(torch.equal(as_int(d) ^ as_int(h), torch.full_like(as_int(h), -32768))   # the sign bits alone
                for d, h in zip(staged.decoy, staged.host))
     for n in range(1, 4):
         got = staged.fetch("ring")
-        assert all(torch.equal(g.view(torch.int16), t.view(torch.int16)) for g, t in zip(got, w))
+        assert all(bytes_equal(g, t) for g, t in zip(got, w))
         assert staged.stats["copies"] == 2 * n and len(staged.ring.bufs) == 1
-    assert all(torch.equal(g.view(torch.int16), t.view(torch.int16)) for g, t in zip(staged.fetch("sync"), w))
+    assert all(bytes_equal(g, t) for g, t in zip(staged.fetch("sync"), w))
     with pytest.raises(ValueError, match="unknown route 'rings'; allowed: ring, sync"):
         staged.fetch("rings")

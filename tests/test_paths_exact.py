@@ -13,8 +13,9 @@ import torch
 
 from exactness.cache import KVCache
 from exactness.config import get_preset
+from exactness.exact import bytes_equal, kv_first_difference
 from exactness.kernels import get_set
-from exactness.paths import decode_step, generate, prefill
+from exactness.paths import Schedule, decode_step, generate, prefill
 from exactness.prompts import build_prompt
 from exactness.weights import synthetic_weights
 
@@ -27,19 +28,11 @@ GEN = 8
 STEPS = (128, 77)
 DEEP_THRESHOLD = 32   # below every segment these prompts produce at these steps, so deep serves every segment
 SPLIT = 77
-INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bytes (floats viewed as same-width ints; ints compared exactly)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.view(INT[a.dtype]), b.view(INT[b.dtype])) if a.dtype in INT else torch.equal(a, b)
 
 
 def cache_bytes_equal(a: KVCache, b: KVCache, n: int) -> bool:
-    """Both caches hold the same bytes in the first ``n`` positions of slot 0, every layer, keys and values."""
-    return all(same_bytes(x[0, :n], y[0, :n]) for xs, ys in ((a.k, b.k), (a.v, b.v)) for x, y in zip(xs, ys))
+    """Both caches hold ``n`` positions in slot 0 with the same bytes, every layer, keys and values."""
+    return a.lengths[0] == n and kv_first_difference(a, b) is None
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +51,7 @@ def oracles(weights, prompt_ids):
     out = {}
     for dt in ("bfloat16", "float32"):
         w = weights if dt == "bfloat16" else weights.to(dtype=torch.float32)
-        out[dt] = (w, {p: generate(w, ids, GEN, "invariant", "decode", keep_cache=True)
+        out[dt] = (w, {p: generate(w, ids, GEN, "invariant", Schedule("decode"), keep_cache=True)
                        for p, ids in prompt_ids.items()})
     return out
 
@@ -70,14 +63,14 @@ def oracles(weights, prompt_ids):
 def test_invariant_prefill_paths_equal_the_oracle_in_bytes(prompt_ids, oracles, dtype, prompt, path, step):
     ids, (w, runs) = prompt_ids[prompt], oracles[dtype]
     oracle = runs[prompt]
-    run = generate(w, ids, GEN, "invariant", path, step, DEEP_THRESHOLD, keep_cache=True)
+    run = generate(w, ids, GEN, "invariant", Schedule(path, step, DEEP_THRESHOLD), keep_cache=True)
     if path == "deep":
         assert run.served["deep"]["rows"] == ids.numel() and run.served["batched"]["rows"] == 0, run.served
     else:
         assert run.served["batched"]["segments"] == -(-ids.numel() // step)
     assert torch.equal(run.gen_ids, oracle.gen_ids)
-    assert same_bytes(run.prompt_logits, oracle.prompt_logits)
-    assert same_bytes(run.gen_logits, oracle.gen_logits)
+    assert bytes_equal(run.prompt_logits, oracle.prompt_logits)
+    assert bytes_equal(run.gen_logits, oracle.gen_logits)
     assert cache_bytes_equal(run.cache, oracle.cache, ids.numel() + GEN - 1)
 
 
@@ -85,10 +78,10 @@ def test_fast_set_prompt_logits_against_its_oracle(weights, prompt_ids):
     """The fast set's batched prefill against its own oracle: whether its prompt rows differ depends on the CPU's
     instruction set, so plain loops measure first (tests/brute.py) and the comparison must agree with them."""
     ids = prompt_ids["code"]
-    oracle = generate(weights, ids, 1, "fast", "decode")
-    run = generate(weights, ids, 1, "fast", "batched", STEPS[1])
+    oracle = generate(weights, ids, 1, "fast", Schedule("decode"))
+    run = generate(weights, ids, 1, "fast", Schedule("batched", STEPS[1]))
     first = brute.first_row(run.prompt_logits, oracle.prompt_logits)
-    assert same_bytes(run.prompt_logits, oracle.prompt_logits) == (first is None)
+    assert bytes_equal(run.prompt_logits, oracle.prompt_logits) == (first is None)
 
 
 def test_planted_fault_prompt_logits_differ_from_the_oracle(weights, prompt_ids):
@@ -96,9 +89,9 @@ def test_planted_fault_prompt_logits_differ_from_the_oracle(weights, prompt_ids)
     batched prefill's prompt logits, and the comparison says so, from the first chunk's row 0 on."""
     ids = prompt_ids["code"]
     ks = row0_rmsnorm_perturbed()
-    oracle = generate(weights, ids, 1, ks, "decode")
-    run = generate(weights, ids, 1, ks, "batched", STEPS[1])
-    assert not same_bytes(run.prompt_logits, oracle.prompt_logits)
+    oracle = generate(weights, ids, 1, ks, Schedule("decode"))
+    run = generate(weights, ids, 1, ks, Schedule("batched", STEPS[1]))
+    assert not bytes_equal(run.prompt_logits, oracle.prompt_logits)
     assert brute.first_row(run.prompt_logits, oracle.prompt_logits) == 0
 
 
@@ -120,7 +113,7 @@ def split_vs_whole(w, ids: torch.Tensor, kernels: str):
     out = []
     for cuts in ((0, ids.numel()), (0, SPLIT, ids.numel())):
         cache = KVCache(w.cfg, ids.numel() + GEN, 1, w.dtype, w.device)
-        logits = torch.cat([prefill(w, cache, ids[a:b], kernels, "batched", start=a)
+        logits = torch.cat([prefill(w, cache, ids[a:b], kernels, Schedule("batched"), start=a).logits
                             for a, b in zip(cuts[:-1], cuts[1:])])
         toks, logs = greedy_after_prefill(w, cache, logits, ids.numel(), kernels, GEN)
         out.append((logits, cache, toks, logs))
@@ -131,7 +124,7 @@ def split_vs_whole(w, ids: torch.Tensor, kernels: str):
 def test_invariant_prefill_split_off_grid_equals_unsplit(weights, prompt_ids, prompt):
     ids = prompt_ids[prompt]
     (la, ca, ta, ga), (lb, cb, tb, gb) = split_vs_whole(weights, ids, "invariant")
-    assert same_bytes(la, lb) and same_bytes(ga, gb) and torch.equal(ta, tb)
+    assert bytes_equal(la, lb) and bytes_equal(ga, gb) and torch.equal(ta, tb)
     assert cache_bytes_equal(ca, cb, ids.numel() + GEN - 1)
 
 
@@ -139,12 +132,12 @@ def test_fast_prefill_split_off_grid_against_unsplit(weights, prompt_ids):
     """The fast set's split prefill against its unsplit one, measured first by plain loops (CPU-dependent), the
     comparison agreeing."""
     (la, _, _, _), (lb, _, _, _) = split_vs_whole(weights, prompt_ids["code"], "fast")
-    assert same_bytes(la, lb) == (brute.first_row(la, lb) is None)
+    assert bytes_equal(la, lb) == (brute.first_row(la, lb) is None)
 
 
 def test_planted_fault_split_prefill_differs_from_unsplit(weights, prompt_ids):
     """Negative control on every machine: with row 0 of every multi-row RMSNorm call one ULP off, the split
     prefill's second part starts with a perturbed row that the unsplit prefill computes unperturbed."""
     (la, _, _, _), (lb, _, _, _) = split_vs_whole(weights, prompt_ids["code"], row0_rmsnorm_perturbed())
-    assert not same_bytes(la, lb)
+    assert not bytes_equal(la, lb)
     assert brute.first_row(la, lb) == SPLIT

@@ -7,10 +7,11 @@ Tiny preset, bf16, CPU; the `code` prompt cut to 70 tokens, prefilled in chunks 
 import pytest
 import torch
 
-from exactness.analysis.streams import first_kv_diff, first_row_diff, resume_points
+from exactness.analysis.streams import resume_points
 from exactness.cache import KVCache
+from exactness.exact import first_differing_row, kv_first_difference
 
-from exactness.paths import generate
+from exactness.paths import Schedule, generate
 from exactness.prompt_cache import GIB, PromptCache, generate_cached, prefix_key
 import brute
 from faults import row0_rmsnorm_perturbed
@@ -31,18 +32,17 @@ def resume(w, ids, ks, mode, step=STEP):
     """(fresh run, resumed run, resume point): an earlier request leaves the state, the full prompt resumes."""
     split = resume_points(ids.numel(), step)[mode]
     pc = PromptCache(1.0, mode, step)
-    generate_cached(w, pc, ids[:ids.numel() - 1 if mode == "grid" else split], 1, ks, "batched", step)
-    run = generate_cached(w, pc, ids, GEN, ks, "batched", step, keep_cache=True)
-    fresh = generate(w, ids, GEN, ks, "batched", step, keep_cache=True)
+    generate_cached(w, pc, ids[:ids.numel() - 1 if mode == "grid" else split], 1, ks, Schedule("batched", step))
+    run = generate_cached(w, pc, ids, GEN, ks, Schedule("batched", step), keep_cache=True)
+    fresh = generate(w, ids, GEN, ks, Schedule("batched", step), keep_cache=True)
     return fresh, run, split
 
 
 def diffs(fresh, run):
     """(first differing token, tail row, generated-logits row, KV position); all None when resumed == fresh."""
-    tok = (run.gen_ids != fresh.gen_ids).nonzero()
-    tail = first_row_diff(run.tail_logits, fresh.prompt_logits[run.resumed_from:])
-    return (int(tok[0]) if tok.numel() else None, tail, first_row_diff(run.gen_logits, fresh.gen_logits),
-            first_kv_diff(run.cache, fresh.cache))
+    tail = first_differing_row(run.tail_logits, fresh.prompt_logits[run.resumed_from:])
+    return (first_differing_row(run.gen_ids, fresh.gen_ids), tail,
+            first_differing_row(run.gen_logits, fresh.gen_logits), kv_first_difference(run.cache, fresh.cache))
 
 
 @pytest.mark.parametrize("mode", ["grid", "any"])
@@ -141,6 +141,6 @@ def test_mismatched_prefix_is_never_reused(tiny_weights, ids):
     with pytest.raises(ValueError, match="token 5 is"):
         pc.get(key, other)
     with pytest.raises(ValueError, match="does not match the prompt"):
-        generate_cached(tiny_weights, pc, other, 2, "invariant", "batched", STEP, resume_key=key)
+        generate_cached(tiny_weights, pc, other, 2, "invariant", Schedule("batched", STEP), resume_key=key)
     with pytest.raises(ValueError, match="no cached prompt state"):
         pc.get("20:0000", ids)

@@ -18,7 +18,7 @@ from exactness.receipt import ReceiptError, merge_section, parse_overrides, run_
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def run(out: Path, notebooks: list[str], params: list[str] | None = None, **kw) -> receipt.RunResult:
+def run(out: Path, notebooks: list[str], params: list[str] | None = None, **kw) -> receipt.ReceiptRun:
     return run_receipts("ci", out, params or [], notebooks_dir=FIXTURES, notebooks=notebooks, **kw)
 
 
@@ -27,12 +27,12 @@ def leftovers(parent: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ok_run(tmp_path_factory) -> receipt.RunResult:
+def ok_run(tmp_path_factory) -> receipt.ReceiptRun:
     return run(tmp_path_factory.mktemp("ok") / "run", ["ok"], ["gen_tokens=8", "n_prompts=2"])
 
 
 @pytest.fixture(scope="module")
-def failed_run(tmp_path_factory) -> receipt.RunResult:
+def failed_run(tmp_path_factory) -> receipt.ReceiptRun:
     return run(tmp_path_factory.mktemp("failed") / "run", ["ok", "boom"])
 
 
@@ -358,6 +358,7 @@ def test_shared_synthetic_weights_are_the_same_bytes_and_never_aliased():
     caller that mutates its fp32 copy does not change what the next caller gets."""
     import torch
     from exactness.config import get_preset
+    from exactness.exact import bytes_equal
     from exactness.weights import sharing_synthetic_weights, synthetic_weights
     cfg = get_preset("tiny")
     fresh16, fresh32 = synthetic_weights(cfg), synthetic_weights(cfg, torch.float32)
@@ -365,8 +366,8 @@ def test_shared_synthetic_weights_are_the_same_bytes_and_never_aliased():
         a32 = synthetic_weights(cfg, torch.float32)
         a32.layers[0].wq.add_(1.0)                              # a caller mutating its copy
         b16, b32 = synthetic_weights(cfg), synthetic_weights(cfg, torch.float32)
-    assert torch.equal(b16.layers[0].wq.view(torch.int16), fresh16.layers[0].wq.view(torch.int16))
-    assert torch.equal(b32.layers[0].wq.view(torch.int32), fresh32.layers[0].wq.view(torch.int32))
+    assert bytes_equal(b16.layers[0].wq, fresh16.layers[0].wq)
+    assert bytes_equal(b32.layers[0].wq, fresh32.layers[0].wq)
     assert not torch.equal(a32.layers[0].wq, b32.layers[0].wq)  # negative control: the mutation is seen
 
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from exactness.analysis import streams as section
+from exactness.exact import bytes_equal, first_differing_row
 
-from exactness.paths import generate
+from exactness.paths import Schedule, generate
 from faults import row0_rmsnorm_perturbed
 from exactness.prompts import build_prompt
-from exactness.streams import run_streams
+from exactness.batch import run_streams
 
 GEN, STEP, OFFSET = 8, 16, 2
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,22 +29,18 @@ def prompts():
     return [ids for _, ids in section.stream_prompts(ps, 4, 40)]
 
 
-def bytes_eq(a, b) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
-
-
 def same(s, ref) -> bool:
-    return (torch.equal(s.gen_ids, ref.gen_ids) and bytes_eq(s.gen_logits, ref.gen_logits)
-            and bytes_eq(s.prompt_logits, ref.prompt_logits))
+    return (torch.equal(s.gen_ids, ref.gen_ids) and bytes_equal(s.gen_logits, ref.gen_logits)
+            and bytes_equal(s.prompt_logits, ref.prompt_logits))
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_concurrent_streams_equal_alone_and_serial_invariant(tiny_weights, prompts, n):
-    res = run_streams(tiny_weights, prompts[:n], GEN, "invariant", "batched", STEP, offset=OFFSET)
+    res = run_streams(tiny_weights, prompts[:n], GEN, "invariant", Schedule("batched", STEP), offset=OFFSET)
     assert res.max_batch_rows == n and len({int(p.numel()) for p in prompts[:n]}) == n  # a real mixed batch
     for j, s in enumerate(res.streams):
-        alone = generate(tiny_weights, prompts[j], GEN, "invariant", "batched", STEP)
-        serial = generate(tiny_weights, prompts[j], GEN, "invariant", "decode")
+        alone = generate(tiny_weights, prompts[j], GEN, "invariant", Schedule("batched", STEP))
+        serial = generate(tiny_weights, prompts[j], GEN, "invariant", Schedule("decode"))
         assert s.join_step == j * OFFSET
         assert same(s, alone), f"stream {j} differs from its run alone"
         assert same(s, serial), f"stream {j} differs from the serial oracle"
@@ -54,9 +51,9 @@ def test_batch_dependent_kernel_is_caught_where_it_acts(tiny_weights, prompts):
     decodes alone for steps 0-1; stream 1 joins at step 2, so stream 0's token 3 (decoded at step 2) is the first
     one from a two-row forward: its logits row is the first to differ. Stream 1 sits in row 1 and stays equal."""
     bad = row0_rmsnorm_perturbed()
-    res = run_streams(tiny_weights, prompts[:2], GEN, bad, "batched", STEP, offset=OFFSET)
-    alone = [generate(tiny_weights, p, GEN, bad, "batched", STEP) for p in prompts[:2]]
-    assert section.first_row_diff(res.streams[0].gen_logits, alone[0].gen_logits) == 3
+    res = run_streams(tiny_weights, prompts[:2], GEN, bad, Schedule("batched", STEP), offset=OFFSET)
+    alone = [generate(tiny_weights, p, GEN, bad, Schedule("batched", STEP)) for p in prompts[:2]]
+    assert first_differing_row(res.streams[0].gen_logits, alone[0].gen_logits) == 3
     assert same(res.streams[1], alone[1])
 
 

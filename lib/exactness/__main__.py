@@ -7,13 +7,12 @@
     profiles                                                    list the run profiles
 
 Exit codes: 0 ok; 1 a receipt was written but is marked failed; 2 bad input (nothing written).
-Every subcommand is one entry of ``SUBCOMMANDS``; analysis subcommands are registered with :func:`analysis_command`
-at the marked registration point below.
+Every subcommand is one entry of ``SUBCOMMANDS``; each section of ``sections.SECTIONS`` adds its own
+(:func:`analysis_command`).
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -30,6 +29,7 @@ from .env import match_onednn_isa  # noqa: E402  (imports no torch)
 match_onednn_isa()  # an emulated lower instruction set caps oneDNN too (env.match_onednn_isa), before torch loads
 
 from .profiles import DEFAULT_PROFILE, PROFILES, get_profile  # noqa: E402
+from .sections import SECTIONS, Section  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -89,25 +89,23 @@ def _profiles(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------------ analysis
 
-def analysis_command(module: str, help: str, func: str = "run_section",
-                     extra_params: tuple[str, ...] = (), section: str = "") -> Subcommand:
-    """A subcommand ``--profile P [--out file.json] [--param k=v ...]`` that calls ``<module>.<func>(params)``
-    with the profile's parameters updated by the overrides, and writes the returned dict as JSON (to stdout
-    without ``--out``; the file is replaced atomically).
+def analysis_command(section: Section) -> Subcommand:
+    """The subcommand of one section: ``--profile P [--out file.json] [--param k=v ...]`` calls the section's
+    ``run_section(params)`` with the profile's parameters updated by the overrides, and writes the returned dict as
+    JSON (to stdout without ``--out``; the file is replaced atomically).
 
-    Override names must be profile fields or ``extra_params``; otherwise exit 2 naming the allowed ones.
+    Override names must be profile fields or the section's own parameters; otherwise exit 2 naming the allowed ones.
     """
     def add(p: argparse.ArgumentParser) -> None:
         _profile_args(p)
         p.add_argument("--out", default=None, help="JSON file to write (default: stdout)")
 
     def run(args: argparse.Namespace) -> int:
-        params = section_parameters(args.profile, args.param, extra_params, [section] if section else [])
-        result = getattr(importlib.import_module(module), func)(params)
-        _write_json(result, args.out)
+        params = section_parameters(args.profile, args.param, section.params, [section.name])
+        _write_json(section.load().run_section(params), args.out)
         return 0
 
-    return Subcommand(help, add, run)
+    return Subcommand(section.help, add, run)
 
 
 def section_parameters(profile: str, overrides: list[str], extra_params, sections: list[str] = ()) -> dict:
@@ -151,12 +149,12 @@ def _sections(args: argparse.Namespace) -> int:
     from .receipt import ReceiptError
     from .weights import sharing_synthetic_weights
     names = [n for n in args.sections.split(",") if n]
-    bad = [n for n in names if n not in ANALYSES]
+    bad = [n for n in names if n not in SECTIONS]
     if not names:
-        raise ReceiptError(f"no sections given; allowed: {', '.join(ANALYSES)} (comma-separated)")
+        raise ReceiptError(f"no sections given; allowed: {', '.join(SECTIONS)} (comma-separated)")
     if bad:
-        raise ReceiptError(f"unknown sections {bad!r}; allowed: {', '.join(ANALYSES)}")
-    params = section_parameters(args.profile, args.param, [x for n in names for x in ANALYSES[n][2]], names)
+        raise ReceiptError(f"unknown sections {bad!r}; allowed: {', '.join(SECTIONS)}")
+    params = section_parameters(args.profile, args.param, [x for n in names for x in SECTIONS[n].params], names)
     out = Path(args.out)
     env = environment()
     _write_json(env, str(out / "env.json"))
@@ -165,7 +163,7 @@ def _sections(args: argparse.Namespace) -> int:
         for name in names:
             t0 = time.perf_counter()
             try:
-                section = importlib.import_module(ANALYSES[name][0]).run_section(dict(params))
+                section = SECTIONS[name].load().run_section(dict(params))
                 section["provenance"] = _provenance(env, name, args, time.perf_counter() - t0)
                 _write_json(section, str(out / f"{name}.json"))
             except Exception:  # noqa: BLE001 -- record it, go on with the next section
@@ -190,12 +188,10 @@ def _provenance(env: dict, name: str, args: argparse.Namespace, seconds: float) 
             "notes": f"{seconds:.1f} s"}
 
 
-MERGERS = {"bench": "exactness.analysis.bench", "contract": "exactness.analysis.contract"}
-
-
 def _merge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="the merged section JSON to write")
-    p.add_argument("parts", nargs="+", help=f"section JSONs of one kind ({', '.join(MERGERS)}), computed in separate "
+    mergeable = ", ".join(s.name for s in SECTIONS.values() if s.mergeable)
+    p.add_argument("parts", nargs="+", help=f"section JSONs of one kind ({mergeable}), computed in separate "
                    "calls (one kernel set or dtype each), in table order")
 
 
@@ -208,10 +204,11 @@ def _merge(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:   # missing file, not JSON
             raise ValueError(f"cannot read section part {f}: {e}") from None
     names = sorted({str(q.get("section")) for q in parts if isinstance(q, dict)})
-    if len(names) != 1 or names[0] not in MERGERS:
+    mergeable = [s.name for s in SECTIONS.values() if s.mergeable]
+    if len(names) != 1 or names[0] not in mergeable:
         raise ValueError(f"the parts hold sections {names}; merge joins parts of one section, one of "
-                         f"{', '.join(MERGERS)}")
-    _write_json(importlib.import_module(MERGERS[names[0]]).merge_sections(parts), args.out)
+                         f"{', '.join(mergeable)}")
+    _write_json(SECTIONS[names[0]].load().merge_sections(parts), args.out)
     return 0
 
 
@@ -236,31 +233,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                            _sections_args, _sections),
     "merge": Subcommand("join bench or contract sections computed in separate calls into one section JSON",
                         _merge_args, _merge),
-    # ---- analysis subcommands (engine side): one entry each in ANALYSES below
+    # ---- one analysis subcommand per section of sections.SECTIONS, added below
 }
 
-# section name -> (module with run_section(params), help, parameters beyond the profile fields it accepts)
-ANALYSES: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "hashes": ("exactness.analysis.hashes", "token hashes of every path -> section JSON",
-               ("checkpoint", "allow_unpinned", "hash_offload", "hash_offload_paths", "hash_max_tokens",
-                "hash_rerun")),
-    "contract": ("exactness.analysis.contract",
-                 "kernel contract: prompt rows vs decode bytes for every pair -> section JSON",
-                 ("contract_sweep", "contract_dtypes", "contract_control_sweep", "contract_classes",
-                  "contract_offload")),
-    "fp64": ("exactness.analysis.fp64", "FP64 per-class accumulation receipt -> section JSON",
-             ("fp64_rows", "fp64_cert", "fp64_tokens", "fp64_prompt", "fp64_synthetic", "fp64_k_max",
-              "fp64_synth_rows", "fp64_fp32_sweep", "fp64_synth_classes")),
-    "streams": ("exactness.analysis.streams",
-                "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON",
-                ("mtp_k", "stream_counts", "prompt_cache_gib", "stream_offset", "stream_prompt_tokens",
-                 "prefill_path", "drafts", "checkpoint", "allow_unpinned")),
-    "bench": ("exactness.analysis.bench", "the bench tables (TTFT, tok/s, ITL, streams, memory) -> section JSON",
-              ("bench_gen_tokens", "bench_path", "bench_step", "bench_reps", "bench_itl_reps", "bench_cold_lengths",
-               "offload", "checkpoint", "allow_unpinned")),
-}
-SUBCOMMANDS.update({name: analysis_command(mod, help_, extra_params=extra, section=name)
-                    for name, (mod, help_, extra) in ANALYSES.items()})
+SUBCOMMANDS.update({s.name: analysis_command(s) for s in SECTIONS.values()})
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,11 +4,15 @@ A *plan* says how the rows of this call are computed: ``decode`` rows (one per s
 decode kernels; ``batched`` and ``deep`` prompt rows use its prompt kernels. The deep plan additionally runs the dense
 projections on fixed ``tile_rows``-row tiles and each expert over its member rows in ``expert_tile``-member tiles
 (the deep prefill); with an invariant kernel set none of this changes a byte.
+
+The routed experts' weights come from an *expert provider* (ExpertProvider): ResidentExperts by default, or
+offload.ExpertStore, which keeps them in host memory and stages them through device buffers.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -47,6 +51,47 @@ class ForwardOut:
 
     logits: torch.Tensor
     hidden: torch.Tensor
+
+
+class ExpertProvider(Protocol):
+    """Where moe_block gets the routed experts' weights: ResidentExperts (the default) or offload.ExpertStore.
+
+    Attributes:
+        deep_ready: whether the deep plan can run; False when the provider could not reserve the device buffers
+            the deep plan stages experts through (paths.prefill then serves deep segments with the batched plan).
+        fallback_reason: why deep_ready is False (None when it is True).
+    """
+
+    deep_ready: bool
+    fallback_reason: str | None
+
+    def prepare(self, layer: int, expert_ids: list[int], plan: str) -> None:
+        """Announce the experts with members in this MoE call (ascending ids: the order ``fetch`` is then asked
+        in) and the forward's plan kind (``"decode"``, ``"batched"`` or ``"deep"``)."""
+        ...
+
+    def fetch(self, layer: int, expert_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w_gate [I, H], w_up [I, H], w_down [H, I]) of one expert on the compute device, storage dtype."""
+        ...
+
+
+class ResidentExperts:
+    """The default expert provider: experts read from resident layer weights (views of the stacked tensors, no
+    copy), so nothing needs staging and the deep plan is always available."""
+
+    deep_ready: bool = True
+    fallback_reason: str | None = None
+
+    def __init__(self, layers: list[LayerWeights]):
+        self.layers = layers
+
+    def prepare(self, layer: int, expert_ids: list[int], plan: str) -> None:
+        """Nothing to stage: resident experts are on the device already."""
+
+    def fetch(self, layer: int, expert_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views (w_gate [I, H], w_up [I, H], w_down [H, I]) of expert ``expert_id`` of ``layer``."""
+        lw = self.layers[layer]
+        return lw.w_gate[expert_id], lw.w_up[expert_id], lw.w_down[expert_id]
 
 
 _TAPS: list = []  # active tap recorders; empty (the default) means kernels are called unwrapped, at no cost
@@ -119,10 +164,11 @@ def attention_block(ops: Ops, lw: LayerWeights, cfg, x, positions, slots, cache:
     return ops.residual(x, ops.dense(o.reshape(M, -1), lw.wo))
 
 
-def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts=None, layer: int = 0):
+def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer: int):
     """Router -> top-k -> experts grouped by expert (expert-parallel) -> combine in slot order -> residual.
 
-    ``experts`` (optional) maps (layer, expert id) to device weights (wg, wu, wd); default: the resident weights.
+    The experts with members are announced to ``experts.prepare`` first (an offloaded provider stages them ahead of
+    use), then each one's weights come from ``experts.fetch``, in ascending expert id.
     """
     M, k = x.shape[0], cfg.top_k
     h = ops.rmsnorm(x, lw.mlp_norm, cfg.rms_eps)                                     # [M, H]
@@ -131,15 +177,14 @@ def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts=None, layer: int = 0):
     flat = idx.flatten()                                                             # [M*k], member = row*k + slot
     order = torch.sort(flat, stable=True).indices
     counts = torch.bincount(flat, minlength=cfg.n_experts).tolist()
-    if experts is not None and hasattr(experts, "prepare"):  # offload.ExpertStore stages these through its ring
-        experts.prepare(layer, [e for e, n in enumerate(counts) if n], ops.plan.kind)
+    experts.prepare(layer, [e for e, n in enumerate(counts) if n], ops.plan.kind)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         members = order[start:start + n]
         start += n
-        wg, wu, wd = experts(layer, e) if experts else (lw.w_gate[e], lw.w_up[e], lw.w_down[e])
+        wg, wu, wd = experts.fetch(layer, e)                                         # [I, H], [I, H], [H, I]
         y.view(M * k, -1)[members] = ops.expert(h[members // k], wg, wu, wd)
     shared = None
     if lw.shared_gate is not None:
@@ -148,8 +193,8 @@ def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts=None, layer: int = 0):
 
 
 def forward(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-            kernels: KernelSet | str, plan: Plan = BATCHED, slots: torch.Tensor | None = None,
-            experts=None) -> ForwardOut:
+            kernels: KernelSet | str, plan: Plan = BATCHED, *, slots: torch.Tensor | None = None,
+            experts: ExpertProvider | None = None) -> ForwardOut:
     """Run rows through the model and return their logits.
 
     Args:
@@ -158,7 +203,7 @@ def forward(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cache: KV
         cache: KV cache; rows' keys/values are written at (slots, positions) before attention reads them.
         kernels: kernel set (or its name); plan: decode / batched / deep.
         slots: [M] int64 cache slots (default all 0).
-        experts: optional expert provider (see moe_block), used by offloaded paths.
+        experts: where the routed experts' weights come from (default: ResidentExperts over ``w.layers``).
     Returns:
         ForwardOut(logits [M, V] fp32, hidden [M, H] storage dtype).
     Raises:
@@ -169,6 +214,7 @@ def forward(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cache: KV
         raise ValueError(f"positions {int(positions.min())}..{int(positions.max())} outside the cache capacity "
                          f"0..{cache.capacity - 1} (model max_positions {cfg.max_positions})")
     slots = torch.zeros_like(positions) if slots is None else slots
+    experts = ResidentExperts(w.layers) if experts is None else experts
     ops = Ops(get_set(kernels), plan)
     ops.positions = positions
     x = w.embed[tokens]                                                              # [M, H]

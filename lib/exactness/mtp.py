@@ -29,8 +29,9 @@ import torch
 from .cache import KVCache
 from .config import ModelConfig
 from .kernels import KernelSet, get_set
-from .model import BATCHED, DECODE, ForwardOut, Ops, attention_block, forward, moe_block
-from .paths import PATHS, check_run_args, prefill_out
+from .model import (BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, ResidentExperts, attention_block, forward,
+                    moe_block)
+from .paths import PATHS, Schedule, check_run_args, prefill
 from .weights import LayerWeights, Weights, _linear, _norm
 
 K_MIN, K_MAX = 1, 4
@@ -140,6 +141,7 @@ class MTPHead:
 
     def __init__(self, w: Weights, mtp: MTPWeights, capacity: int, slots: int = 1):
         self.w, self.m = w, mtp
+        self.experts = ResidentExperts([mtp.layer])  # the head's own experts, always on the device
         self.cfg1 = w.cfg.replace(n_layers=1)
         self.cache = KVCache(self.cfg1, capacity, slots, w.dtype, w.device)
 
@@ -155,7 +157,7 @@ class MTPHead:
         h = ops.rmsnorm(hidden, m.hidden_norm, cfg.rms_eps)                            # [M, H]
         x = ops.dense(torch.cat([e, h], dim=-1), m.proj)                               # [M, 2H] -> [M, H]
         x = attention_block(ops, m.layer, cfg, x, positions, slots, self.cache, 0)
-        x = moe_block(ops, m.layer, cfg, x, None, 0)
+        x = moe_block(ops, m.layer, cfg, x, self.experts, 0)
         self.cache.advance(slots, positions)
         ops.layer = -1
         logits = ops.lm_head(ops.rmsnorm(x, m.final_norm, cfg.rms_eps), self.w.lm_head)  # [M, V] fp32
@@ -204,17 +206,11 @@ class DraftedResult:
     mtp_cache: KVCache | None = None
 
 
-def prefill_hidden(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet, path: str,
-                   step: int | None, deep_threshold: int, served: dict, experts=None) -> ForwardOut:
-    """paths.prefill's segmentation and plan choice (same forwards, same bytes) returning logits [P, V] fp32 AND
-    hidden [P, H]; the MTP head needs the hidden rows, which paths.prefill does not return."""
-    return prefill_out(w, cache, ids, kernels, path, step, deep_threshold, 0, 0, served, experts)
-
-
 class _Drafter:
     """Proposes drafts for one stream (slot 0) and keeps the MTP cache in step with the accepted tokens."""
 
-    def __init__(self, w, ks, draft, mtp, capacity, step, experts):
+    def __init__(self, w: Weights, ks: KernelSet, draft: str, mtp: MTPWeights | None, *, capacity: int,
+                 step: int | None, experts: ExpertProvider | None):
         self.w, self.ks, self.draft, self.step, self.experts = w, ks, draft, step, experts
         self.head = MTPHead(w, mtp, capacity) if draft == "mtp" else None
         self.pend_h, self.pend_t, self.pend_pos = None, None, 0  # main hidden rows not yet run through the head
@@ -231,7 +227,7 @@ class _Drafter:
         out, t = [], last
         for j in range(kk):
             logits = forward(self.w, t, torch.tensor([L + j], device=self.w.device), cache, self.ks, DECODE,
-                             None, self.experts).logits                                # [1, V]
+                             experts=self.experts).logits                              # [1, V]
             t = self.ks.fn("argmax", "decode")(logits)
             out.append(t)
         cache.truncate(0, L)  # the verify forward rewrites positions L..L+kk
@@ -259,7 +255,7 @@ def _verify(w, cache, ks, last, drafts, L, experts):
     [a+1, V], hidden rows [a+1, H])."""
     rows = torch.cat([last, drafts])                                                   # [k+1]
     pos = torch.arange(L, L + rows.numel(), device=w.device)
-    out = forward(w, rows, pos, cache, ks, BATCHED, None, experts)
+    out = forward(w, rows, pos, cache, ks, BATCHED, experts=experts)
     g = ks.fn("argmax", "prompt")(out.logits)                                          # [k+1]
     agree = (g[:-1] == drafts).int()
     a = int(agree.cumprod(0).sum())
@@ -267,12 +263,29 @@ def _verify(w, cache, ks, last, drafts, L, experts):
     return a, g[:a + 1], out.logits[:a + 1], out.hidden[:a + 1]
 
 
-def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, k: int = 2,
-                     kernels: KernelSet | str = "fast", path: str = "batched", step: int | None = None,
-                     deep_threshold: int = 512, draft: str = "mtp", mtp: MTPWeights | None = None,
-                     keep_cache: bool = False, experts=None) -> DraftedResult:
-    """Prefill ``prompt_ids`` [P] on ``path`` (as paths.generate does) and generate ``gen_tokens`` greedy tokens
-    with k drafts per verify forward (module docstring).
+@dataclass
+class _Drafting:
+    """One drafted decode in progress (slot 0): what each _round reads, and the tokens it appends to."""
+
+    w: Weights
+    cache: KVCache                  # the main model's
+    ks: KernelSet
+    drafter: _Drafter
+    k: int                          # drafts per round
+    n_prompt: int                   # P
+    gen_tokens: int                 # tokens asked for
+    stats: DraftStats
+    experts: ExpertProvider | None
+    gen: list = field(default_factory=list)   # generated ids, [1] int64 each
+    glog: list = field(default_factory=list)  # the logits row each was chosen from, [1, V] fp32 each
+
+
+def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",
+                     schedule: Schedule = Schedule("batched"), *, k: int = 2, draft: str = "mtp",
+                     mtp: MTPWeights | None = None, keep_cache: bool = False,
+                     experts: ExpertProvider | None = None) -> DraftedResult:
+    """Prefill ``prompt_ids`` [P] int64 as ``schedule`` says (as paths.generate does) and generate ``gen_tokens``
+    greedy tokens with k drafts per verify forward (module docstring).
 
     Args:
         k: drafts per round, 1..4; draft: "mtp" (the MTP head; ``mtp`` weights or resolve_mtp's choice) or "self"
@@ -286,48 +299,49 @@ def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, k: i
     if draft not in DRAFTS:
         raise ValueError(f"unknown draft source {draft!r}; allowed: {', '.join(DRAFTS)}")
     ks, P = get_set(kernels), int(prompt_ids.numel())
-    check_run_args(w, P, gen_tokens, path, step, deep_threshold)
+    check_run_args(w, P, gen_tokens)
     t0, dev = time.perf_counter(), w.device
     ids = prompt_ids.to(dev)
     cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, dev)
     mw = resolve_mtp(w, mtp) if draft == "mtp" else None
-    res = DraftedResult(draft, k, ks.name, path, step, mw.source if mw else None, prompt_ids.cpu(),
-                        torch.zeros(0, dtype=torch.int64), torch.zeros(0, w.cfg.vocab_size))
-    pre = prefill_hidden(w, cache, ids, ks, path, step, deep_threshold, res.served, experts)
-    gen, glog = [], []
+    res = DraftedResult(draft, k, ks.name, schedule.path, schedule.step, mw.source if mw else None,
+                        prompt_ids.cpu(), torch.zeros(0, dtype=torch.int64), torch.zeros(0, w.cfg.vocab_size))
+    pre = prefill(w, cache, ids, ks, schedule, served=res.served, experts=experts)
+    drafter = _Drafter(w, ks, draft, mw, capacity=cache.capacity, step=schedule.step, experts=experts)
+    state = _Drafting(w, cache, ks, drafter, k, P, gen_tokens, res.stats, experts)
     if gen_tokens:
-        gen.append(ks.fn("argmax", "decode" if path == "decode" else "prompt")(pre.logits[-1:]))
-        glog.append(pre.logits[-1:])
-    drafter = _Drafter(w, ks, draft, mw, cache.capacity, step, experts)
-    if gen_tokens:
-        drafter.feed(pre.hidden, torch.cat([ids[1:], gen[0]]), 0)
-    while len(gen) < gen_tokens:
-        _round(w, cache, ks, drafter, gen, glog, P, gen_tokens, k, res.stats, experts)
-    res.gen_ids = torch.cat(gen).cpu() if gen else res.gen_ids
-    res.gen_logits = torch.cat(glog).cpu() if glog else res.gen_logits
+        state.gen.append(ks.fn("argmax", schedule.role)(pre.logits[-1:]))
+        state.glog.append(pre.logits[-1:])
+        drafter.feed(pre.hidden, torch.cat([ids[1:], state.gen[0]]), 0)
+    while len(state.gen) < gen_tokens:
+        _round(state)
+    res.gen_ids = torch.cat(state.gen).cpu() if state.gen else res.gen_ids
+    res.gen_logits = torch.cat(state.glog).cpu() if state.glog else res.gen_logits
     res.seconds = time.perf_counter() - t0
     if keep_cache:
         res.cache, res.mtp_cache = cache, (drafter.head.cache if drafter.head else None)
     return res
 
 
-def _round(w, cache, ks, drafter, gen, glog, P, gen_tokens, k, stats, experts) -> None:
-    """One draft-and-verify round (or a plain decode step when one token is left); appends to gen / glog."""
-    L = P + len(gen) - 1                      # position of the newest token, not yet fed
-    kk = min(k, gen_tokens - len(gen) - 1)    # never draft past the requested length
+def _round(state: _Drafting) -> None:
+    """One draft-and-verify round (or a plain decode step when one token is left); appends to state.gen / glog."""
+    w, cache, ks, gen, stats = state.w, state.cache, state.ks, state.gen, state.stats
+    L = state.n_prompt + len(gen) - 1              # position of the newest token, not yet fed
+    kk = min(state.k, state.gen_tokens - len(gen) - 1)  # never draft past the requested length
     last = gen[-1]
     if kk == 0:
-        logits = forward(w, last, torch.tensor([L], device=w.device), cache, ks, DECODE, None, experts).logits
+        pos = torch.tensor([L], device=w.device)
+        logits = forward(w, last, pos, cache, ks, DECODE, experts=state.experts).logits  # [1, V] fp32
         gen.append(ks.fn("argmax", "decode")(logits))
-        glog.append(logits)
+        state.glog.append(logits)
         stats.plain_steps += 1
         return
-    drafts = drafter.propose(cache, last, L, kk)
-    a, new, logits, hidden = _verify(w, cache, ks, last, drafts, L, experts)
+    drafts = state.drafter.propose(cache, last, L, kk)
+    a, new, logits, hidden = _verify(w, cache, ks, last, drafts, L, state.experts)
     stats.proposed, stats.accepted, stats.rounds = stats.proposed + kk, stats.accepted + a, stats.rounds + 1
     gen.extend(new.split(1))
-    glog.extend(logits.split(1))
-    drafter.feed(hidden, new, L)
+    state.glog.extend(logits.split(1))
+    state.drafter.feed(hidden, new, L)
 
 
 def mtp_nbytes(m: MTPWeights) -> int:

@@ -1,7 +1,7 @@
 """Expert offload: routed experts kept in (pinned) host memory and staged through a ring of device buffers.
 
-An :class:`ExpertStore` is the expert provider that ``model.forward(..., experts=store)`` and ``model.moe_block``
-accept: ``store(layer, e) -> (w_gate [I, H], w_up [I, H], w_down [H, I])`` on the compute device.
+An :class:`ExpertStore` is an expert provider (model.ExpertProvider) for ``model.forward(..., experts=store)``:
+``store.fetch(layer, e) -> (w_gate [I, H], w_up [I, H], w_down [H, I])`` on the compute device.
 
     resident  every expert stays on the device; the provider returns views of the stacked weights (no copy).
     offload   the experts of every layer live in host memory (pinned when the device is CUDA) and the Weights
@@ -29,9 +29,7 @@ with the batched pass and records ``served["fallback"]``.
 """
 from __future__ import annotations
 
-import inspect
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import fields
 
 import torch
@@ -242,7 +240,7 @@ def _strip_experts(w: Weights, device: torch.device) -> Weights:
 
 
 class ExpertStore:
-    """The expert provider of a model, resident or offloaded (see the module docstring).
+    """The expert provider (model.ExpertProvider) of a model, resident or offloaded (see the module docstring).
 
     Args:
         weights: the model's weights, on any device (pass CPU weights in offload mode so that the experts never
@@ -320,7 +318,7 @@ class ExpertStore:
             return layer, e + 1
         return ((layer + 1) % self.cfg.n_layers, 0)
 
-    def prepare(self, layer: int, expert_ids, plan: str = "deep") -> None:
+    def prepare(self, layer: int, expert_ids: list[int], plan: str) -> None:
         """Announce the experts (ascending ids with members) that moe_block will ask for next, and the plan kind
         (``"decode"``, ``"batched"``, ``"deep"``) of the forward; only the deep plan stages through the ring."""
         self.stats["prepare_calls"] += 1
@@ -332,7 +330,7 @@ class ExpertStore:
         else:
             self.ring.clear()
 
-    def __call__(self, layer: int, e: int):
+    def fetch(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w_gate [I, H], w_up [I, H], w_down [H, I]) of expert ``e`` of ``layer`` on the compute device
         (storage dtype). Raises IndexError for a layer or expert id out of range."""
         if not (0 <= layer < self.cfg.n_layers and 0 <= e < self.cfg.n_experts):
@@ -363,47 +361,11 @@ class ExpertStore:
         self.touched.clear()
 
     def info(self) -> dict:
-        """JSON-ready summary: mode, ring slots and bytes, device bytes saved, deep_ready, fallback_reason,
-        whether moe_block announces experts itself, one expert's bytes, and the counters."""
+        """JSON-ready summary: mode, ring slots and bytes, device bytes saved, deep_ready, fallback_reason, one
+        expert's bytes, and the counters."""
         return {"mode": self.mode, "ring_slots": self.ring_slots if self.ring is not None else 0,
                 "ring_bytes": self.ring_bytes, "expert_bytes": self.expert_bytes,
                 "device_bytes_saved": self.device_bytes_saved, "deep_ready": self.deep_ready,
-                "fallback_reason": self.fallback_reason, "moe_block_calls_prepare": moe_block_calls_prepare(),
+                "fallback_reason": self.fallback_reason,
                 "stats": {**self.stats, "unique_experts": len(self.touched)}}
 
-
-def moe_block_calls_prepare() -> bool:
-    """Whether model.moe_block announces its experts to the provider (``experts.prepare(...)``) itself."""
-    from . import model
-    return "prepare(" in inspect.getsource(model.moe_block)
-
-
-@contextmanager
-def prepare_hook():
-    """Within the block, model.moe_block announces the experts with members to ``experts.prepare(layer, ids,
-    plan)`` before computing them. A no-op when moe_block calls ``experts.prepare`` itself (model.moe_block
-    does); otherwise it wraps moe_block (running the router kernels once more per layer, untapped) and restores
-    it on exit.
-
-    Yields:
-        True when the wrapper is active, False when moe_block already calls prepare.
-    """
-    from . import model
-    if moe_block_calls_prepare():
-        yield False
-        return
-    original = model.moe_block
-
-    def announcing(ops, lw, cfg, x, experts=None, layer=0):
-        if experts is not None and hasattr(experts, "prepare"):
-            role = ops.plan.role
-            h = ops.k.fn("rmsnorm", role)(x, lw.mlp_norm, cfg.rms_eps)                     # [M, H]
-            _, idx, _ = ops.k.fn("router", role)(h, lw.router, cfg.top_k, cfg.norm_topk_prob)  # [M, k]
-            experts.prepare(layer, sorted(set(idx.flatten().tolist())), ops.plan.kind)
-        return original(ops, lw, cfg, x, experts, layer)
-
-    model.moe_block = announcing
-    try:
-        yield True
-    finally:
-        model.moe_block = original

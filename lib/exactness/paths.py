@@ -5,8 +5,9 @@
     deep     prompt segments of the step size; segments of >= deep_threshold rows run the deep plan (64-row dense
              tiles, expert-parallel MoE in 64-member tiles), shorter ones the batched plan
 
-Every run records how many segments and rows each plan actually served, so a deep run that never ran deep shows.
-Generation is greedy (the set's argmax kernel), end-of-sequence ignored.
+A Schedule names the path with its step and deep threshold. Every run records how many segments and rows each plan
+actually served, so a deep run that never ran deep shows. Generation is greedy (the set's argmax kernel),
+end-of-sequence ignored.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from .cache import KVCache
 from .kernels import KernelSet, get_set
-from .model import BATCHED, DECODE, DEEP, ForwardOut, forward
+from .model import BATCHED, DECODE, DEEP, ExpertProvider, ForwardOut, Plan, ResidentExperts, forward
 from .weights import Weights
 
 PATHS = ("decode", "batched", "deep")
@@ -25,6 +26,49 @@ PATHS = ("decode", "batched", "deep")
 
 def _served() -> dict:
     return {p: {"segments": 0, "rows": 0} for p in PATHS}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a prompt is prefilled: the path, its step size and the deep threshold.
+
+    Attributes:
+        path: ``"decode"``, ``"batched"`` or ``"deep"`` (PATHS).
+        step: rows per prefill segment, None = the whole prompt as one segment (the decode path runs one row per
+            segment whatever the step).
+        deep_threshold: on the deep path, segments of at least this many rows run the deep plan, shorter ones the
+            batched plan.
+    Raises:
+        ValueError: unknown path, step not a positive int or None, deep_threshold not a positive int; each message
+            names the value and what is allowed.
+    """
+
+    path: str
+    step: int | None = None
+    deep_threshold: int = 512
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise ValueError(f"unknown path {self.path!r}; known paths: {', '.join(PATHS)}")
+        if self.step is not None and (not isinstance(self.step, int) or self.step <= 0):
+            raise ValueError(f"step size must be a positive int or None (unbounded), got {self.step!r}")
+        if not isinstance(self.deep_threshold, int) or self.deep_threshold <= 0:
+            raise ValueError(f"deep_threshold must be a positive int (rows), got {self.deep_threshold!r}")
+
+    @property
+    def role(self) -> str:
+        """Kernel role of the prompt's rows (``"decode"`` on the decode path, else ``"prompt"``)."""
+        return "decode" if self.path == "decode" else "prompt"
+
+    def segment_rows(self, n_rows: int) -> int:
+        """Rows per prefill segment of a prompt of ``n_rows`` rows."""
+        return 1 if self.path == "decode" else (self.step or n_rows)
+
+    def plan(self, rows: int) -> Plan:
+        """The plan that computes a segment of ``rows`` rows."""
+        if self.path == "decode":
+            return DECODE
+        return DEEP if self.path == "deep" and rows >= self.deep_threshold else BATCHED
 
 
 @dataclass
@@ -57,20 +101,13 @@ class RunResult:
     cache: KVCache | None = None
 
 
-def check_run_args(w: Weights, n_prompt: int, gen_tokens: int, path: str, step: int | None,
-                   deep_threshold: int) -> None:
-    """Validate a run's arguments.
+def check_run_args(w: Weights, n_prompt: int, gen_tokens: int) -> None:
+    """Validate a run's lengths (the Schedule validates itself).
 
     Raises:
-        ValueError: unknown path, step <= 0, deep_threshold <= 0, gen_tokens < 0, an empty prompt, or prompt +
-            generated tokens past the model's max_positions; each message names the value and what is allowed.
+        ValueError: gen_tokens < 0, an empty prompt, or prompt + generated tokens past the model's max_positions;
+            each message names the value and what is allowed.
     """
-    if path not in PATHS:
-        raise ValueError(f"unknown path {path!r}; known paths: {', '.join(PATHS)}")
-    if step is not None and (not isinstance(step, int) or step <= 0):
-        raise ValueError(f"step size must be a positive int or None (unbounded), got {step!r}")
-    if not isinstance(deep_threshold, int) or deep_threshold <= 0:
-        raise ValueError(f"deep_threshold must be a positive int (rows), got {deep_threshold!r}")
     if gen_tokens < 0:
         raise ValueError(f"gen_tokens must be >= 0, got {gen_tokens}")
     if n_prompt < 1:
@@ -85,45 +122,40 @@ def _sync(w: Weights) -> None:
         torch.cuda.synchronize(w.device)
 
 
-def prefill(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | str, path: str,
-            step: int | None = None, deep_threshold: int = 512, start: int = 0, slot: int = 0,
-            served: dict | None = None, experts=None, *, progress=None) -> torch.Tensor:
-    """Write prompt rows ``ids`` [P] at positions start..start+P-1 of ``slot`` and return their logits [P, V] fp32.
+def prefill(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | str, schedule: Schedule, *,
+            start: int = 0, slot: int = 0, served: dict | None = None, experts: ExpertProvider | None = None,
+            progress=None) -> ForwardOut:
+    """Write prompt rows ``ids`` [P] int64 at positions start..start+P-1 of cache slot ``slot``.
 
-    ``served`` (plan -> counts) is updated in place when given; ``progress`` (a tqdm bar) advances by each
-    segment's rows.
-    """
-    return prefill_out(w, cache, ids, kernels, path, step, deep_threshold, start, slot, served, experts,
-                       progress=progress).logits
+    The rows run in segments of ``schedule.segment_rows(P)``, each through ``schedule.plan(rows)``; a deep segment
+    runs the batched plan instead when the expert provider is not deep_ready (``served["fallback"]`` counts it).
 
-
-def prefill_out(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | str, path: str,
-                step: int | None = None, deep_threshold: int = 512, start: int = 0, slot: int = 0,
-                served: dict | None = None, experts=None, *, progress=None) -> ForwardOut:
-    """As ``prefill``, returning ForwardOut(logits [P, V] fp32, hidden [P, H]) (the MTP head reads the hidden rows).
-
-    Segments: one row each on the decode path, else chunks of ``step`` rows (None = all); on the deep path a
-    segment of >= deep_threshold rows runs the deep plan unless the expert provider could not reserve its buffers
-    (then the batched plan serves and ``served["fallback"]`` says so).
+    Args:
+        served: plan kind -> {"segments", "rows"}, updated in place (None: counted and dropped).
+        experts: the expert provider (None: the resident weights of ``w``).
+        progress: a tqdm bar, advanced by each segment's rows.
+    Returns:
+        ForwardOut(logits [P, V] fp32, hidden [P, H] storage dtype); the MTP head reads the hidden rows.
+    Raises:
+        ValueError: a position outside the cache (model.forward).
     """
     served = _served() if served is None else served
+    experts = ResidentExperts(w.layers) if experts is None else experts
     dev = w.device
     ids = ids.to(dev)
-    P = ids.numel()
-    seg = 1 if path == "decode" else (step or P)
+    seg = schedule.segment_rows(ids.numel())
     out = []
-    for a in range(0, P, seg):
+    for a in range(0, ids.numel(), seg):
         rows = ids[a:a + seg]
         n = rows.numel()
-        plan = DECODE if path == "decode" else (DEEP if path == "deep" and n >= deep_threshold else BATCHED)
-        if plan is DEEP and experts is not None and not getattr(experts, "deep_ready", True):
+        plan = schedule.plan(n)
+        if plan is DEEP and not experts.deep_ready:
             plan = BATCHED  # the deep buffers (expert ring) could not be reserved: the batched pass serves
             fb = served.setdefault("fallback", {"segments": 0, "rows": 0, "reason": experts.fallback_reason})
             fb["segments"] += 1
             fb["rows"] += n
         pos = torch.arange(start + a, start + a + n, device=dev)
-        slots = torch.full_like(pos, slot)
-        out.append(forward(w, rows, pos, cache, kernels, plan, slots, experts))
+        out.append(forward(w, rows, pos, cache, kernels, plan, slots=torch.full_like(pos, slot), experts=experts))
         served[plan.kind]["segments"] += 1
         served[plan.kind]["rows"] += n
         if progress is not None:
@@ -132,33 +164,34 @@ def prefill_out(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSe
 
 
 def decode_step(w: Weights, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                kernels: KernelSet | str, experts=None) -> torch.Tensor:
-    """One decode step for len(tokens) streams (one row each): logits [B, V] fp32."""
-    return forward(w, tokens, positions, cache, kernels, DECODE, slots, experts).logits
+                kernels: KernelSet | str, *, experts: ExpertProvider | None = None) -> torch.Tensor:
+    """One decode step for len(tokens) streams: tokens, positions, slots [B] int64 -> logits [B, V] fp32."""
+    return forward(w, tokens, positions, cache, kernels, DECODE, slots=slots, experts=experts).logits
 
 
 def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",
-             path: str = "decode", step: int | None = None, deep_threshold: int = 512,
-             keep_cache: bool = False, experts=None, *, progress=None) -> RunResult:
-    """Prefill ``prompt_ids`` [P] on ``path`` and greedily generate ``gen_tokens`` tokens; ``progress`` (a tqdm bar)
-    advances by one per prompt row and per generated token.
+             schedule: Schedule = Schedule("decode"), *, keep_cache: bool = False,
+             experts: ExpertProvider | None = None, progress=None) -> RunResult:
+    """Prefill ``prompt_ids`` [P] int64 as ``schedule`` says and greedily generate ``gen_tokens`` tokens.
 
+    Args:
+        keep_cache: keep the KV cache in the result; experts: the expert provider (None: the resident weights);
+        progress: a tqdm bar, advanced by one per prompt row and per generated token.
     Raises:
-        ValueError: see check_run_args.
+        ValueError: see check_run_args; an unknown kernel set.
     """
     ks = get_set(kernels)
     P = int(prompt_ids.numel())
-    check_run_args(w, P, gen_tokens, path, step, deep_threshold)
+    check_run_args(w, P, gen_tokens)
     cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, w.device)
     served = _served()
     t0 = time.perf_counter()
-    plog = prefill(w, cache, prompt_ids, ks, path, step, deep_threshold, 0, 0, served, experts, progress=progress)
-    role = "decode" if path == "decode" else "prompt"
+    plog = prefill(w, cache, prompt_ids, ks, schedule, served=served, experts=experts, progress=progress).logits
     gen, glog = [], []
     last = plog[-1:]
     times = []
     if gen_tokens:
-        gen.append(ks.fn("argmax", role)(last))
+        gen.append(ks.fn("argmax", schedule.role)(last))
         glog.append(last)
         _sync(w)
         times.append(time.perf_counter())
@@ -167,7 +200,7 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
     slots = torch.zeros(1, dtype=torch.int64, device=w.device)
     for i in range(1, gen_tokens):
         pos = torch.tensor([P + i - 1], device=w.device)
-        last = decode_step(w, cache, gen[-1], pos, slots, ks, experts)
+        last = decode_step(w, cache, gen[-1], pos, slots, ks, experts=experts)
         gen.append(ks.fn("argmax", "decode")(last))
         glog.append(last)
         _sync(w)
@@ -176,8 +209,8 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
             progress.update(1)
     V = w.cfg.vocab_size
     return RunResult(
-        path=path, step=step, kernels=ks.name, deep_threshold=deep_threshold, prompt_ids=prompt_ids.cpu(),
-        gen_ids=torch.cat(gen).cpu() if gen else torch.zeros(0, dtype=torch.int64),
+        path=schedule.path, step=schedule.step, kernels=ks.name, deep_threshold=schedule.deep_threshold,
+        prompt_ids=prompt_ids.cpu(), gen_ids=torch.cat(gen).cpu() if gen else torch.zeros(0, dtype=torch.int64),
         prompt_logits=plog.cpu(), gen_logits=torch.cat(glog).cpu() if glog else torch.zeros(0, V),
         served=served, ttft_s=(times[0] - t0) if times else 0.0,
         decode_s=(times[-1] - times[0]) if len(times) > 1 else 0.0, token_times=[t - t0 for t in times],

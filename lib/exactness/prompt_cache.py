@@ -28,7 +28,8 @@ import torch
 
 from .cache import KVCache, KVState
 from .kernels import KernelSet, get_set
-from .paths import PATHS, check_run_args, decode_step, prefill
+from .model import ExpertProvider
+from .paths import PATHS, Schedule, check_run_args, decode_step, prefill
 from .weights import Weights
 
 MODES = ("grid", "any")
@@ -195,7 +196,8 @@ class CachedRun:
 
 
 def continue_greedy(w: Weights, cache: KVCache, last_logits: torch.Tensor, n_prompt: int, gen_tokens: int,
-                    kernels: KernelSet | str, slot: int = 0, experts=None) -> tuple[torch.Tensor, torch.Tensor]:
+                    kernels: KernelSet | str, *, slot: int = 0,
+                    experts: ExpertProvider | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy tokens after a prefill, as paths.generate decodes them: token 0 from ``last_logits`` [1, V] fp32, then
     one decode step per token at positions n_prompt.. of ``slot``. Returns (ids [N] int64, logits [N, V] fp32)."""
     ks = get_set(kernels)
@@ -204,26 +206,29 @@ def continue_greedy(w: Weights, cache: KVCache, last_logits: torch.Tensor, n_pro
     gen, glog = [ks.fn("argmax", "prompt")(last_logits)], [last_logits]
     slots = torch.tensor([slot], device=w.device)
     for i in range(1, gen_tokens):
-        last = decode_step(w, cache, gen[-1], torch.tensor([n_prompt + i - 1], device=w.device), slots, ks, experts)
+        pos = torch.tensor([n_prompt + i - 1], device=w.device)
+        last = decode_step(w, cache, gen[-1], pos, slots, ks, experts=experts)
         gen.append(ks.fn("argmax", "decode")(last))
         glog.append(last)
     return torch.cat(gen).cpu(), torch.cat(glog).cpu()
 
 
 def generate_cached(w: Weights, pc: PromptCache, prompt_ids: torch.Tensor, gen_tokens: int,
-                    kernels: KernelSet | str = "fast", path: str = "batched", step: int | None = None,
-                    deep_threshold: int = 512, resume_key: str | None = None, keep_cache: bool = False,
-                    experts=None) -> CachedRun:
-    """One request: restore the longest cached prefix (or the state ``resume_key``), prefill only the tail with
-    paths.prefill(start=n), keep this prompt's states in ``pc``, then decode ``gen_tokens`` greedy tokens.
+                    kernels: KernelSet | str = "fast", schedule: Schedule = Schedule("batched"), *,
+                    resume_key: str | None = None, keep_cache: bool = False,
+                    experts: ExpertProvider | None = None) -> CachedRun:
+    """One request: restore the longest cached prefix (or the state ``resume_key``), prefill only the tail
+    ``prompt_ids[n:]`` with paths.prefill(start=n), keep this prompt's states in ``pc``, then decode ``gen_tokens``
+    greedy tokens.
 
-    The tail's chunks of ``step`` rows start at the resume point n, so they line up with a fresh prefill's chunks
-    exactly when n is a multiple of ``step`` (grid mode); elsewhere only row-invariant kernels keep the bytes.
+    The tail's chunks of ``schedule.step`` rows start at the resume point n, so they line up with a fresh prefill's
+    chunks exactly when n is a multiple of the step (grid mode); elsewhere only row-invariant kernels keep the
+    bytes.
     Raises:
         ValueError: what paths.check_run_args raises, or PromptCache.get's mismatch errors.
     """
     ks, P = get_set(kernels), int(prompt_ids.numel())
-    check_run_args(w, P, gen_tokens, path, step, deep_threshold)
+    check_run_args(w, P, gen_tokens)
     entry = pc.get(resume_key, prompt_ids) if resume_key is not None else pc.lookup(prompt_ids)
     cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, w.device)
     start = 0
@@ -232,8 +237,9 @@ def generate_cached(w: Weights, pc: PromptCache, prompt_ids: torch.Tensor, gen_t
         start = entry.length
     run = CachedRun(start, entry.key if entry else None, prompt_ids.cpu(), torch.zeros(0, dtype=torch.int64),
                     torch.zeros(0), torch.zeros(0))
-    tail = prefill(w, cache, prompt_ids[start:], ks, path, step, deep_threshold, start, 0, run.served, experts)
+    tail = prefill(w, cache, prompt_ids[start:], ks, schedule, start=start, served=run.served,
+                   experts=experts).logits                                             # [P - start, V] fp32
     run.tail_logits, run.stored = tail.cpu(), pc.store(prompt_ids, cache, 0)
-    run.gen_ids, run.gen_logits = continue_greedy(w, cache, tail[-1:], P, gen_tokens, ks, 0, experts)
+    run.gen_ids, run.gen_logits = continue_greedy(w, cache, tail[-1:], P, gen_tokens, ks, experts=experts)
     run.cache = cache if keep_cache else None
     return run

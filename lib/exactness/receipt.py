@@ -28,20 +28,20 @@ from .env import REPO_ROOT, environment, git_state  # noqa: F401  (re-exported: 
 from .preflight import check_run
 from .profiles import PROFILES, get_profile
 from .runfolder import ReceiptError, remove_stale_temporaries, run_folder, sigterm_as_interrupt
+from .sections import SECTIONS, section_of
 
 SCHEMA = 1
 KERNEL_NAME = "exactness"
 DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 # Notebooks each profile runs, in order: every profile runs every section.
-_ALL_NOTEBOOKS = ["10_output_hashes", "20_kernel_contract", "30_fp64_per_class", "40_streams", "50_bench"]
-RUN_NOTEBOOKS: dict[str, list[str]] = {name: list(_ALL_NOTEBOOKS) for name in PROFILES}
+RUN_NOTEBOOKS: dict[str, list[str]] = {name: [s.notebook for s in SECTIONS.values()] for name in PROFILES}
 OUT_JSON = "out_json"  # the parameter through which the runner tells a notebook where to write its section
 RESERVED_KEYS = {"schema", "status", "profile", "parameters", "env", "errors", "notebooks", "summary"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 @dataclass
-class RunResult:
+class ReceiptRun:
     """Outcome of :func:`run_receipts`: the final run folder, ``"ok"`` or ``"failed"``, and the receipt dict."""
 
     folder: Path
@@ -178,7 +178,7 @@ def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) 
     check_override_types(base, overrides)
     merged = {**base, **overrides}
     check_common_values(merged)
-    check_run(merged, [NOTEBOOK_SECTIONS.get(nb, nb) for nb in declared])
+    check_run(merged, [section_of(nb) for nb in declared])
     return {nb: {k: v for k, v in merged.items() if k in names} for nb, names in declared.items()}
 
 
@@ -293,9 +293,6 @@ def _write_outputs(receipt: dict, tmp: Path, notebook_files: list[Path]) -> None
     (tmp / "receipt.json").write_text(json.dumps(receipt, indent=1, default=str) + "\n", encoding="utf-8")
 
 
-NOTEBOOK_SECTIONS = {"10_output_hashes": "hashes", "20_kernel_contract": "contract", "30_fp64_per_class": "fp64",
-                     "40_streams": "streams", "50_bench": "bench"}
-
 
 def precomputed_parameters(folder: Path | str, per_nb: dict[str, dict], env: dict) -> dict:
     """Point each notebook at ``<folder>/<section>.json`` (written by ``python -m exactness <section> --out`` on
@@ -306,13 +303,13 @@ def precomputed_parameters(folder: Path | str, per_nb: dict[str, dict], env: dic
         ReceiptError: the folder or a notebook's section file is missing.
     """
     folder = Path(folder).absolute()
-    missing = [f"{NOTEBOOK_SECTIONS.get(nb, nb)}.json" for nb in per_nb
-               if not (folder / f"{NOTEBOOK_SECTIONS.get(nb, nb)}.json").is_file()]
+    missing = [f"{section_of(nb)}.json" for nb in per_nb
+               if not (folder / f"{section_of(nb)}.json").is_file()]
     if not folder.is_dir() or missing:
         raise ReceiptError(f"precomputed folder {folder} lacks {', '.join(missing) or 'itself'}; "
-                           f"expected one file per notebook: {', '.join(NOTEBOOK_SECTIONS.values())} (.json)")
+                           f"expected one file per notebook: {', '.join(SECTIONS)} (.json)")
     for nb, params in per_nb.items():
-        params["precomputed_json"] = str(folder / f"{NOTEBOOK_SECTIONS.get(nb, nb)}.json")
+        params["precomputed_json"] = str(folder / f"{section_of(nb)}.json")
     _check_precomputed_matches(folder, per_nb)
     if (folder / "env.json").is_file():
         computed = json.loads((folder / "env.json").read_text(encoding="utf-8"))
@@ -353,7 +350,7 @@ def _check_precomputed_matches(folder: Path, per_nb: dict[str, dict]) -> None:
 def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | list[str] | None = None, *,
                  notebooks_dir: Path | str | None = None, notebooks: list[str] | None = None,
                  receipts_dir: Path | str | None = None, kernel_name: str = KERNEL_NAME,
-                 precomputed: Path | str | None = None, sections: list[str] | None = None) -> RunResult:
+                 precomputed: Path | str | None = None, sections: list[str] | None = None) -> ReceiptRun:
     """Run the notebooks of ``profile`` and write one run folder atomically.
 
     Args:
@@ -366,10 +363,10 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
         kernel_name: registered Jupyter kernel to run them with.
         precomputed: a folder of section JSONs computed elsewhere (see :func:`precomputed_parameters`); the
             notebooks render them instead of computing.
-        sections: run only these sections (names of ``NOTEBOOK_SECTIONS``' values, in run order); default all.
+        sections: run only these sections (names in ``sections.SECTIONS``, run in its order); default all.
 
     Returns:
-        :class:`RunResult`; ``status`` is ``"failed"`` when any notebook, section or rendering failed (the folder
+        :class:`ReceiptRun`; ``status`` is ``"failed"`` when any notebook, section or rendering failed (the folder
         is still written and renamed into place, marked failed).
 
     Raises:
@@ -382,11 +379,11 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
     nb_dir = Path(notebooks_dir or DEFAULT_NOTEBOOKS_DIR).absolute()
     names = list(notebooks or RUN_NOTEBOOKS[prof.name])
     if sections:
-        unknown = [x for x in sections if x not in NOTEBOOK_SECTIONS.values()]
+        unknown = [x for x in sections if x not in SECTIONS]
         if unknown:
             raise ReceiptError(f"unknown section(s) {', '.join(map(str, unknown))}; "
-                               f"allowed: {', '.join(NOTEBOOK_SECTIONS.values())}")
-        names = [nb for nb in names if NOTEBOOK_SECTIONS.get(nb) in sections]
+                               f"allowed: {', '.join(SECTIONS)}")
+        names = [nb for nb in names if section_of(nb) in sections]
     per_nb = plan_parameters(prof.parameters(), overrides, declared_parameters(nb_dir, names))
     _check_kernel(kernel_name)
     env = environment()
@@ -408,7 +405,7 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     print(f"[receipt] {receipt['status']}: {final}", file=sys.stderr, flush=True)
-    return RunResult(folder=final, status=receipt["status"], receipt=receipt)
+    return ReceiptRun(folder=final, status=receipt["status"], receipt=receipt)
 
 
 def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: dict[str, dict],

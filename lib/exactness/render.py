@@ -2,27 +2,24 @@
 made in page.py and re-exported here).
 
 Markdown: a header (status, summary, environment, errors, parameters), then one block per section found in the
-receipt, made by ``RENDERERS[name](section_data) -> str`` or, for a section with no renderer, by
-:func:`render_generic`. Each section block opens with what was compared and what its verdict means. To add a
-renderer: write ``def render_x(data) -> str`` (use :func:`table` or tables.Table for tables) and register it with
-``RENDERERS["x"] = render_x`` (here or from the module that owns the section).
+receipt: a section of ``sections.SECTIONS`` is rendered by its analysis module's ``render_md(section)``, any other
+by ``RENDERERS[name](section_data) -> str`` when registered, else by :func:`render_generic`. Each section block
+opens with what was compared and what its verdict means.
 """
 from __future__ import annotations
 
 import html as _html
 import json
-import importlib
 import re
 from collections.abc import Callable, Iterable
 
 from tabulate import tabulate
 
+from .sections import SECTIONS
 from .tables import DASH, MAX_ROWS, cell_text, parameter_text
 
 MD_LIMIT = 65_536  # GitHub's cap on a comment
 RECEIPT_KEYS = ("schema", "status", "profile", "parameters", "env", "errors", "notebooks", "summary")
-DIFF_MARK = "✗"
-OPTIONAL_RUN_COLUMNS = ("prompt_logits_equal", "kv_equal", "max_prompt_logit_diff", "rerun_equal", "seconds")
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -185,104 +182,6 @@ def render_summary(receipt: dict) -> str:
                       table(rows, head, dash="this section was not run or holds no rows of this set")])
 
 
-# ------------------------------------------------------------------------------------------------------ hashes
-
-def _col(row: dict) -> str:
-    step = row.get("step")
-    col = str(row.get("path")) if step is None else f"{row.get('path')}@{step}"
-    return col + ("+offload" if row.get("offload") else "")
-
-
-def _differs(row: dict, oracle: dict[tuple, str]) -> bool:
-    if row.get("equals_oracle") is not None:
-        return not row["equals_oracle"]
-    ref = oracle.get((row.get("prompt"), row.get("kernels")))
-    return ref is not None and row.get("hash") != ref
-
-
-def _served(served) -> str | None:
-    if not isinstance(served, dict):
-        return None if served is None else str(served)
-    parts = []
-    for path, s in served.items():
-        s = s if isinstance(s, dict) else {"rows": s}
-        if s.get("rows") == 0:
-            continue  # a path that served nothing is left out
-        seg = f"{s['segments']} seg / " if "segments" in s and path != "decode" else ""
-        parts.append(f"{path} {seg}{s.get('rows', '?')} rows")
-    return "; ".join(parts) or "nothing"
-
-
-def _col_key(row: dict) -> tuple:
-    step = row.get("step")
-    order = {"decode": 0, "batched": 1, "deep": 2}.get(row.get("path"), 9)
-    return (bool(row.get("offload")), order, str(row.get("path")),
-            step is not None, step if isinstance(step, (int, float)) else 0, str(step))
-
-
-def _hash_matrix(rows: list[dict]) -> str:
-    cols = [_col(r) for r in sorted(rows, key=_col_key)]
-    cols = list(dict.fromkeys(cols))
-    oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows
-              if r.get("path") == "decode" and not r.get("offload")}
-    grid: dict[tuple, dict] = {}
-    for r in rows:
-        key = (r.get("prompt"), r.get("kernels"))
-        sha = (r.get("prompt_sha256") or "")[:12] + (" ⚠ unpinned" if r.get("prompt_pin_ok") is False else "")
-        g = grid.setdefault(key, {"tokens": r.get("prompt_tokens"), "sha": sha})
-        g[_col(r)] = f"`{r.get('hash')}`" + (f" {DIFF_MARK}" if _differs(r, oracle) else "")
-    body = [[p, g["tokens"], g["sha"] or None, k, *[g.get(c, "") for c in cols]] for (p, k), g in grid.items()]
-    return table(body, ["prompt", "tokens", "prompt sha256", "kernels", *cols])
-
-
-def render_hashes(rows: list[dict]) -> str:
-    """The ``hashes`` section: the hash matrix (one row per prompt and kernel set, one column per path@step,
-    ``✗`` where a hash differs from that kernel set's decode oracle), the runs that differ from the oracle, and what
-    each path actually served."""
-    if not rows:
-        return "## Token hashes\n\n_No hash rows._"
-    from .analysis.hashes_report import INTRO, verdict_md
-
-    legend = ("Hash: first 12 hex digits of SHA-256 over the generated ids (int32 LE). "
-              f"`{DIFF_MARK}`: differs from the decode (oracle) hash of the same prompt and kernels.")
-    parts = ["## Token hashes", "", INTRO, "", verdict_md(rows), "", legend, "", _hash_matrix(rows)]
-    oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows
-              if r.get("path") == "decode" and not r.get("offload")}
-    diff = [r for r in rows if _differs(r, oracle)]
-    parts += ["", "### Runs that differ from the oracle", ""]
-    if diff:
-        parts.append(table([[r.get("prompt"), r.get("kernels"), _col(r), r.get("first_divergence"),
-                             r.get("oracle_margin"), _served(r.get("served"))] for r in diff],
-                           ["prompt", "kernels", "run", "first differing token (index)", "oracle margin (logit)",
-                            "served"], dash="not recorded"))
-    else:
-        parts.append("_Every run equals its oracle._")
-    reruns = [r for r in rows if "rerun_equal" in r]
-    if reruns:
-        parts += ["", "Rerun control (each set's first batched run repeated identically; tokens and every prompt-logit "
-                  "byte compared): " + "; ".join(f"{r.get('prompt')} {r.get('kernels')} "
-                                                  f"{'identical' if r['rerun_equal'] else 'NOT identical'}"
-                                                  for r in reruns)
-                  + ". A set whose reruns differ is not run-to-run deterministic: its other differences (offload "
-                    "included) cannot be told from noise."]
-    return "\n".join(parts + ["", "### Runs", "", _runs_table(rows)])
-
-
-def _runs_table(rows: list[dict]) -> str:
-    heads = ["prompt", "kernels", "run", "tokens", "gen", "equals oracle", "served"]
-    opt = [k for k in OPTIONAL_RUN_COLUMNS if any(k in r for r in rows)]
-    body = []
-    for r in rows:
-        served = _served(r.get("served"))
-        deep = r["served"].get("deep") if isinstance(r.get("served"), dict) else None
-        if r.get("path") == "deep" and isinstance(r.get("served"), dict) and not (deep or {}).get("rows"):
-            served = f"{served} ⚠ deep path served nothing"
-        body.append([r.get("prompt"), r.get("kernels"), _col(r), r.get("prompt_tokens"),
-                     r.get("gen_tokens"), r.get("equals_oracle"), served, *[r.get(k) for k in opt]])
-    return table(body, heads + [k.replace("_", " ").replace("seconds", "time (s)") for k in opt],
-                 dash="not applicable: the oracle itself, or a value this run did not record")
-
-
 # ----------------------------------------------------------------------------------------------------- generic
 
 def render_generic(data, title: str = "") -> str:
@@ -297,18 +196,8 @@ def render_generic(data, title: str = "") -> str:
     return "\n".join(head + [table([[data]], ["value"])])
 
 
-RENDERERS: dict[str, Callable[[object], str]] = {
-    "hashes": render_hashes,
-}
-
-# Sections whose analysis module renders them: ``module.render_md(section_object)`` gets the section as the module
-# wrote it (main rows/data plus its extra keys), so the module's own tables are used here and in its notebook.
-SECTION_MODULES: dict[str, str] = {
-    "contract": "exactness.analysis.contract",
-    "fp64": "exactness.analysis.fp64",
-    "streams": "exactness.analysis.streams",
-    "bench": "exactness.analysis.bench",
-}
+# Renderers of sections outside sections.SECTIONS (whose analysis modules render their own with render_md).
+RENDERERS: dict[str, Callable[[object], str]] = {}
 
 
 def section_object(receipt: dict, name: str) -> dict:
@@ -327,10 +216,10 @@ def render_markdown(receipt: dict) -> str:
     """``receipt.md``: header plus one block per section, under ``MD_LIMIT`` characters."""
     parts = [render_header(receipt)]
     for name, data in sections(receipt):
-        if name.endswith("_extra") and name[:-6] in SECTION_MODULES:
+        if name.endswith("_extra") and name[:-6] in SECTIONS:
             continue  # rendered with its section
-        if name in SECTION_MODULES:
-            parts.append(importlib.import_module(SECTION_MODULES[name]).render_md(section_object(receipt, name)))
+        if name in SECTIONS:
+            parts.append(SECTIONS[name].load().render_md(section_object(receipt, name)))
         elif name.endswith("_extra") and name[:-6] in receipt:
             parts.append(render_extra(name, data))
         elif name in RENDERERS:

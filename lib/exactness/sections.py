@@ -1,13 +1,76 @@
-"""Section JSON files: how a notebook (or the CLI) hands its results to the receipt runner.
+"""The receipt's sections, described once, and their JSON files.
+
+:data:`SECTIONS` is the one table of sections: its name in receipt.json, the analysis module that computes it
+(``run_section(params) -> dict``) and renders it (``render_md(section) -> str``), its notebook, the parameters it
+takes beyond the profile's common fields, and whether parts computed separately can be merged
+(``merge_sections(parts)``). The command line, the receipt runner and the markdown renderer all read it.
 
 Each analysis returns one JSON-ready object ``{"section": "<name>", ...}``; notebooks write it to the path the runner
 passes as ``out_json`` and may render a section computed elsewhere (``precomputed_json``, e.g. on the GPU machine).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import tempfile
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Section:
+    """One receipt section.
+
+    Attributes:
+        name: its key in receipt.json and its subcommand (``python -m exactness <name>``).
+        module: the analysis module: ``run_section(params: dict) -> dict`` computes the section object,
+            ``render_md(section: dict) -> str`` renders it as GitHub markdown.
+        notebook: the notebook (``notebooks/<notebook>.ipynb``) that computes or renders it in a receipt run.
+        help: one line for the command line.
+        params: parameter names it takes beyond the profile's fields.
+        mergeable: parts computed in separate calls (one kernel set each) join with ``module.merge_sections``.
+    """
+
+    name: str
+    module: str
+    notebook: str
+    help: str
+    params: tuple[str, ...] = ()
+    mergeable: bool = False
+
+    def load(self) -> ModuleType:
+        """The analysis module (imported on first use: analyses import this module)."""
+        return importlib.import_module(self.module)
+
+
+_CHECKPOINT = ("checkpoint", "allow_unpinned")
+SECTIONS: dict[str, Section] = {s.name: s for s in (
+    Section("hashes", "exactness.analysis.hashes", "10_output_hashes", "token hashes of every path -> section JSON",
+            _CHECKPOINT + ("hash_offload", "hash_offload_paths", "hash_max_tokens", "hash_rerun")),
+    Section("contract", "exactness.analysis.contract", "20_kernel_contract",
+            "kernel contract: prompt rows vs decode bytes for every pair -> section JSON",
+            ("contract_sweep", "contract_dtypes", "contract_control_sweep", "contract_classes", "contract_offload"),
+            mergeable=True),
+    Section("fp64", "exactness.analysis.fp64", "30_fp64_per_class",
+            "FP64 per-class accumulation receipt -> section JSON",
+            ("fp64_rows", "fp64_cert", "fp64_tokens", "fp64_prompt", "fp64_synthetic", "fp64_k_max",
+             "fp64_synth_rows", "fp64_fp32_sweep", "fp64_synth_classes")),
+    Section("streams", "exactness.analysis.streams", "40_streams",
+            "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON",
+            ("mtp_k", "stream_counts", "prompt_cache_gib", "stream_offset", "stream_prompt_tokens", "prefill_path",
+             "drafts") + _CHECKPOINT),
+    Section("bench", "exactness.analysis.bench", "50_bench",
+            "the bench tables (TTFT, tok/s, ITL, streams, memory) -> section JSON",
+            ("bench_gen_tokens", "bench_path", "bench_step", "bench_reps", "bench_itl_reps", "bench_cold_lengths",
+             "offload") + _CHECKPOINT, mergeable=True),
+)}
+BY_NOTEBOOK: dict[str, Section] = {s.notebook: s for s in SECTIONS.values()}
+
+
+def section_of(notebook: str) -> str:
+    """The section name a notebook writes; a notebook outside the table (a test fixture) names its own."""
+    return BY_NOTEBOOK[notebook].name if notebook in BY_NOTEBOOK else notebook
 
 
 def save_section(section: dict, path: str) -> None:

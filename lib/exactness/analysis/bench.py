@@ -11,7 +11,7 @@ Runs, per kernel set (greedy, temperature 0, end-of-sequence ignored; prefill on
     cold        exact token-id prompts of ``bench_cold_lengths`` tokens (code then docs ids, repeated as needed),
                 ``bench_reps`` fresh requests each; a run qualifies as cold only if its prefill served every prompt
                 row (nothing came from a cache), otherwise it is refused and not reported
-    streams     1 and 2 concurrent streams of each prompt (streams.run_streams, all joining at step 0), each stream
+    streams     1 and 2 concurrent streams of each prompt (batch.run_streams, all joining at step 0), each stream
                 compared with the plain run alone
     memory      peak device memory per run (torch.cuda.max_memory_allocated; None on CPU), and on CUDA the peak of
                 a batched and a ``bench_path`` prefill of the longest prompt; the ring's reserved bytes (offload)
@@ -20,7 +20,7 @@ Metrics: TTFT = seconds from the request to the first generated token; prefill t
 TTFT; decode tok/s = (generated - 1) / (time of last token - time of first token); mean ITL = that span /
 (generated - 1); ITL p50/p95 = numpy.percentile (linear interpolation) of the gaps between consecutive tokens.
 Drafted runs stamp every token of a verify round with the round's end, so their ITL p50 can be 0.
-mtp.DraftedResult and streams.StreamsResult carry no timestamps, so the bench stamps them by wrapping the modules'
+mtp.DraftedResult and batch.StreamsResult carry no timestamps, so the bench stamps them by wrapping the modules'
 prefill and round functions for the duration of a run (restored in ``finally``).
 """
 from __future__ import annotations
@@ -28,14 +28,15 @@ from __future__ import annotations
 import inspect
 import time
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from ..config import get_preset
 from ..kernels import get_set
-from ..offload import ExpertStore, prepare_hook
-from ..paths import PATHS, generate
+from ..offload import ExpertStore
+from ..paths import PATHS, Schedule, generate
 from ..progress import bar as progress_bar
 from ..prompts import build_prompt
 from ..sections import join_provenance
@@ -203,13 +204,14 @@ class Runner:
 
     def __init__(self, w, experts, p: dict):
         self.w, self.experts, self.device = w, experts, w.device
-        self.path, self.step, self.threshold = p["bench_path"], p["bench_step"], p["deep_threshold"]
+        self.schedule = Schedule(p["bench_path"], p["bench_step"], p["deep_threshold"])
         self.mtp = None
 
     def plain(self, ids: torch.Tensor, ks: str, gen: int, path: str | None = None) -> dict:
         """One paths.generate request (``path`` overrides the bench path, e.g. for the memory comparison)."""
+        schedule = self.schedule if path is None else replace(self.schedule, path=path)
         with peak_memory(self.device) as mem:
-            r = generate(self.w, ids, gen, ks, path or self.path, self.step, self.threshold, experts=self.experts)
+            r = generate(self.w, ids, gen, ks, schedule, experts=self.experts)
         return self._note(_record("plain", ids, r.gen_ids, r.served, r.ttft_s, list(r.token_times),
                                   mem["peak_bytes"]))
 
@@ -230,23 +232,23 @@ class Runner:
             stamps.append(time.perf_counter())
 
         def round_done(args, out):
-            stamps.extend([time.perf_counter()] * (len(args["gen"]) - len(stamps)))
+            stamps.extend([time.perf_counter()] * (len(args["state"].gen) - len(stamps)))
 
         with ExitStack() as stack, peak_memory(self.device) as mem:
-            stack.enter_context(after_calls(mtp, "prefill_hidden", first, self.device))
+            stack.enter_context(after_calls(mtp, "prefill", first, self.device))
             stack.enter_context(after_calls(mtp, "_round", round_done, self.device))
             t0 = time.perf_counter()
-            r = mtp.generate_drafted(self.w, ids, gen, MTP_K, ks, self.path, self.step, self.threshold,
-                                     "mtp", self.mtp, experts=self.experts)
+            r = mtp.generate_drafted(self.w, ids, gen, ks, self.schedule, k=MTP_K, draft="mtp", mtp=self.mtp,
+                                     experts=self.experts)
         times = [t - t0 for t in stamps[:gen]]
         rec = _record("drafted", ids, r.gen_ids, r.served, times[0], times, mem["peak_bytes"])
         rec["acceptance"] = r.stats.acceptance_rate
         return self._note(rec)
 
     def streams(self, ids: torch.Tensor, n: int, ks: str, gen: int) -> list[dict]:
-        """``n`` concurrent streams of the same prompt joining at step 0 (streams.run_streams); one record per
+        """``n`` concurrent streams of the same prompt joining at step 0 (batch.run_streams); one record per
         stream (TTFT counted from the start of the whole run)."""
-        from .. import streams
+        from .. import batch
         stamps: list[list[float]] = [[] for _ in range(n)]
 
         def prefilled(args, out):
@@ -258,11 +260,10 @@ class Runner:
                 stamps[j].append(now)
 
         with ExitStack() as stack, peak_memory(self.device) as mem:
-            stack.enter_context(after_calls(streams, "prefill", prefilled, self.device))
-            stack.enter_context(after_calls(streams, "_batched_step", stepped, self.device))
+            stack.enter_context(after_calls(batch, "prefill", prefilled, self.device))
+            stack.enter_context(after_calls(batch, "_batched_step", stepped, self.device))
             t0 = time.perf_counter()
-            res = streams.run_streams(self.w, [ids] * n, gen, ks, self.path, self.step, self.threshold, offset=0,
-                                      experts=self.experts)
+            res = batch.run_streams(self.w, [ids] * n, gen, ks, self.schedule, offset=0, experts=self.experts)
         out = []
         for j, s in enumerate(res.streams):
             times = [t - t0 for t in stamps[j]]
@@ -422,13 +423,11 @@ def run_section(params: dict) -> dict:
     p = bench_params(p, w.cfg.max_positions)
     prompts = [build_prompt(n, p.get("prompt_max_tokens"), p["allow_unpinned"], tok) for n in p["prompts"]]
     sources = [build_prompt(n, None, p["allow_unpinned"], tok).ids for n in ("code", "docs")]
-    not_run = {k: r for k, r in (("drafted", _available("mtp")), ("streams", _available("streams"))) if r}
+    not_run = {k: r for k, r in (("drafted", _available("mtp")), ("streams", _available("batch"))) if r}
     runner = Runner(w, store, p)
     data = {k: [] for k in ("plain", "drafted", "itl", "cold", "streams", "memory")}
     total = _n_runs(p, len(prompts), "drafted" not in not_run, "streams" not in not_run, runner.device.type == "cuda")
     with ExitStack() as stack:
-        if store is not None:
-            stack.enter_context(prepare_hook())
         bar = stack.enter_context(progress_bar(total, "bench", "run"))
         for ks in p["kernel_sets"]:
             _bench_set(runner, prompts, sources, ks, p, not_run, data, bar)

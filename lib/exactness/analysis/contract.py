@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..exact import INT_VIEW, differing_rows, first_differing_row, ulp_distance
 from ..progress import bar as progress_bar
 from ..kernels import KERNEL_CLASSES, KERNEL_SETS, KernelSpec, get_set
 from ..sections import join_provenance
@@ -32,34 +33,18 @@ from .contract_report import (INTRO, coverage_frame, coverage_table, mismatch_fr
                               offload_table, plot_heatmap, render_md, summary, summary_table, verdict_md)
 from .hashes import resolve_device, resolve_dtype
 
-_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
-             torch.float64: torch.int64}
-_SIGN_MASK = {torch.int16: 0x7FFF, torch.int32: 0x7FFFFFFF, torch.int64: 0x7FFFFFFFFFFFFFFF}
 OUTPUT_NAMES = {"router": ("weights", "idx", "logits")}
 
 
-def ulp_distance(a: float, b: float, dtype: torch.dtype) -> int | None:
-    """Distance in ULPs of the storage format ``dtype`` between two values representable in it.
+def value_ulps(a: float, b: float, dtype: torch.dtype) -> int | None:
+    """exact.ulp_distance between two Python floats exact in the storage format ``dtype``, for a mismatch record.
 
-    Ordered-integer mapping (as in ulp.py): bits as a signed int i, mapped to
-    ``i if i >= 0 else -(i & 0x7F..F)``; bf16 is widened to fp32 and the fp32 distance shifted right by 16.
-    Returns None for non-float dtypes or NaN inputs.
+    None for non-float dtypes and for NaN (neither has an ULP order): the record then still shows both values.
     """
-    if dtype not in _INT_VIEW or a != a or b != b:
+    if dtype not in INT_VIEW or a != a or b != b:
         return None
-    wide = torch.float32 if dtype == torch.bfloat16 else dtype
-    iv = _INT_VIEW[wide]
-    t = torch.tensor([a, b], dtype=torch.float64).to(dtype).to(wide).view(iv).to(torch.int64)   # [2] int64
-    o = torch.where(t >= 0, t, -(t & _SIGN_MASK[iv]))
-    d = int((o[0] - o[1]).abs())
-    return d >> 16 if dtype == torch.bfloat16 else d
-
-
-def as_int(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as the same-width signed integer (integer tensors unchanged, bool as uint8)."""
-    if t.dtype == torch.bool:
-        return t.to(torch.uint8)
-    return t.view(_INT_VIEW[t.dtype]) if t.dtype in _INT_VIEW else t
+    t = torch.tensor([a, b], dtype=torch.float64).to(dtype)
+    return int(ulp_distance(t[0], t[1]))
 
 
 @dataclass
@@ -163,9 +148,8 @@ def _locate(case: Case, source: str, got, ref, bad: torch.Tensor, cls: str, dtyp
     names = OUTPUT_NAMES.get(cls, ("out",) * len(got))
     for name, g, r in zip(names, got, ref):
         a, b = g[row].reshape(-1), r[row].reshape(-1)
-        diff = (as_int(a) != as_int(b)).nonzero()
-        if diff.numel():
-            e = int(diff[0])
+        e = first_differing_row(a, b)  # of the flattened row: the first differing element
+        if e is not None:
             pv, dv = a[e].item(), b[e].item()
             fmt = _ulp_format(a.dtype, dtype, pv, dv)
             lead = case.variant.leads[seg]
@@ -173,7 +157,7 @@ def _locate(case: Case, source: str, got, ref, bad: torch.Tensor, cls: str, dtyp
                     "variant": case.variant.name, "segment": seg, "lead": lead,
                     "call_rows": lead + case.variant.segments[seg] + case.variant.tails[seg], "row": row,
                     "position": case.start + row if cls == "attention" else None, "source": source,
-                    "output": name, "element": e, "ulp": None if fmt is None else ulp_distance(pv, dv, fmt),
+                    "output": name, "element": e, "ulp": None if fmt is None else value_ulps(pv, dv, fmt),
                     "ulp_format": None if fmt is None else str(fmt).replace("torch.", ""), "prompt": pv, "decode": dv}
     raise AssertionError("rows flagged as differing compare equal")  # unreachable: bad came from these tensors
 
@@ -194,7 +178,7 @@ def _check_case(res: PairResult, prompt_fn, pool, refs: DecodeRefs, case: Case, 
     ref = refs.get(case.start, case.M)
     bad = torch.zeros(case.M, dtype=torch.bool, device=dev)
     for g, r in zip(got, ref):
-        bad |= (as_int(g) != as_int(r)).reshape(case.M, -1).any(dim=1)
+        bad |= differing_rows(g, r)
     n_bad = int(bad.sum())
     b = res.buckets.setdefault(bucket(case.M), [0, 0])
     b[0] += case.M

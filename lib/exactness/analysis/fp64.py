@@ -33,9 +33,10 @@ import time
 import torch
 
 from ..config import get_preset
+from ..exact import as_int, ulp_distance
 from ..kernels import get_set
 from ..model import tapping
-from ..paths import PATHS, generate
+from ..paths import PATHS, Schedule, generate
 from ..progress import bar as progress_bar
 from ..prompts import build_prompt
 from ..weights import synthetic_weights
@@ -46,7 +47,7 @@ from .fp64_report import (INTRO, LEGEND, captured_table, meta_md, notes_md, rend
                           synthetic_table, verdict_md)
 from .hashes import resolve_device
 from .taps import TapRecorder
-from .ulp import U_ACC, distance_to_rounding_interval, round_to, ulp_distance, unit_roundoff
+from .ulp import U_ACC, distance_to_rounding_interval, round_to, unit_roundoff
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CLASSES = ("dense", "router", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope",
@@ -103,8 +104,7 @@ def vs_decode(ev, dec) -> dict:
         return {"bitwise_equal_share": None, "max_ulp_vs_decode": None, "matched": 0, "flips_vs_decode": None}
     ia, ib = torch.cat([a[k] for k in keys]), torch.cat([b[k] for k in keys])
     ya, yb = ev.yhat[ia], dec.yhat[ib]
-    iview = torch.int16 if ya.element_size() == 2 else torch.int32
-    eq = ya.view(iview) == yb.view(iview)
+    eq = as_int(ya) == as_int(yb)
     flips = None
     if ev.decisions:
         da = {s.key: d for s, d in zip(ev.samples, ev.decisions)}
@@ -201,7 +201,7 @@ def capture(w, plan: dict, kernel_sets, deep_threshold: int) -> tuple[TapRecorde
         for path in PATHS:
             t0 = time.perf_counter()
             with rec.run(path), tapping(rec):
-                generate(w, plan["ids"], 1, ks, path, plan["step"], deep_threshold)
+                generate(w, plan["ids"], 1, ks, Schedule(path, plan["step"], deep_threshold))
             secs[f"{ks}/{path}"] = time.perf_counter() - t0
     return rec, secs
 

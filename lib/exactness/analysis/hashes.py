@@ -8,29 +8,23 @@ max |logit difference| of prompt rows (binned) for the plot. Tables and the plot
 """
 from __future__ import annotations
 
-import hashlib
 import time
 
-import numpy as np
 import torch
 
+from ..exact import bytes_equal, differing_rows, first_differing_row, kv_first_difference, token_hash
 from ..progress import bar as progress_bar
 from ..config import get_preset
 from ..kernels import get_set
-from ..paths import PATHS, RunResult, generate
+from ..paths import PATHS, RunResult, Schedule, generate
 from ..prompts import build_prompt
 from ..weights import synthetic_weights
+from .hashes_md import render_md  # noqa: F401  (the section's markdown)
 from .hashes_report import (INTRO, curve_groups, hash_matrix, hash_table, oracle_table, plot_curves,  # noqa: F401
                             prompts_table, summary_table, verdict_md)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DIFF_BINS = 256  # the logit-difference curve keeps at most this many points per run
-
-
-def token_hash(ids) -> str:
-    """First 12 hex digits of SHA-256 over the token ids as little-endian int32."""
-    arr = np.asarray(torch.as_tensor(ids).cpu().numpy(), dtype="<i4")
-    return hashlib.sha256(arr.tobytes()).hexdigest()[:12]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -57,32 +51,10 @@ def resolve_dtype(dtype: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}") from None
 
 
-def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
-    """First index where token sequences a, b [N] differ (None if equal)."""
-    n = min(a.numel(), b.numel())
-    diff = (a[:n] != b[:n]).nonzero()
-    if diff.numel():
-        return int(diff[0])
-    return None if a.numel() == b.numel() else n
-
-
 def margin(logits: torch.Tensor) -> float:
     """top-1 minus top-2 logit of one row [V] (fp32)."""
     top = torch.topk(logits.float(), 2).values
     return float(top[0] - top[1])
-
-
-def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
-
-
-def _cache_equal(a, b) -> bool | None:
-    if a is None or b is None:
-        return None
-    n = a.lengths[0]
-    return all(_bytes_equal(x[:, :n], y[:, :n]) for x, y in zip(a.k + a.v, b.k + b.v))
 
 
 def _binned_max(diff: torch.Tensor) -> list[float]:
@@ -96,9 +68,10 @@ def _binned_max(diff: torch.Tensor) -> list[float]:
 
 def compare(run: RunResult, oracle: RunResult) -> dict:
     """Row fields comparing ``run`` with ``oracle`` (tokens, prompt-logit bytes, KV bytes, margins)."""
-    div = first_divergence(run.gen_ids, oracle.gen_ids)
+    div = first_differing_row(run.gen_ids, oracle.gen_ids)
     row_diff = (run.prompt_logits - oracle.prompt_logits).abs().amax(dim=1)          # [P] fp32
-    differing = (run.prompt_logits.view(torch.int32) != oracle.prompt_logits.view(torch.int32)).any(dim=1)
+    differing = differing_rows(run.prompt_logits, oracle.prompt_logits)               # [P] bool
+    caches = run.cache is not None and oracle.cache is not None   # None: a run kept no cache, KV not compared
     return {
         "equals_oracle": div is None,
         "first_divergence": div,
@@ -107,7 +80,7 @@ def compare(run: RunResult, oracle: RunResult) -> dict:
         "prompt_rows_differing": int(differing.sum()),
         "first_differing_prompt_row": int(differing.nonzero()[0]) if differing.any() else None,
         "max_prompt_logit_diff": float(row_diff.max()),
-        "kv_equal": _cache_equal(run.cache, oracle.cache),
+        "kv_equal": kv_first_difference(run.cache, oracle.cache) is None if caches else None,
         "_curve": _binned_max(row_diff),
     }
 
@@ -194,9 +167,10 @@ def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
                              offload_paths)
     for ks in (kernel_sets if rerun else []):
         row, logits = first[get_set(ks).name]
-        again = generate(w, prompt.ids, gen_tokens, ks, "batched", row["step"], deep_threshold, progress=progress)
+        again = generate(w, prompt.ids, gen_tokens, ks, Schedule("batched", row["step"], deep_threshold),
+                         progress=progress)
         row["rerun_equal"] = (token_hash(again.gen_ids) == row["hash"]
-                              and bool(torch.equal(again.prompt_logits.view(torch.int32), logits.view(torch.int32))))
+                              and bytes_equal(again.prompt_logits, logits))
     return rows
 
 
@@ -209,8 +183,9 @@ def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
             if off and path not in offload_paths:
                 continue
             t0 = time.perf_counter()
-            run = generate(store.weights if off else w, prompt.ids, gen_tokens, ks, path, step, deep_threshold,
-                           keep_cache=True, experts=store if off else None, progress=progress)
+            run = generate(store.weights if off else w, prompt.ids, gen_tokens, ks,
+                           Schedule(path, step, deep_threshold), keep_cache=True,
+                           experts=store if off else None, progress=progress)
             row = {**_row(prompt, run, time.perf_counter() - t0), "offload": off}
             if path == "decode" and not off:
                 oracle[run.kernels] = run

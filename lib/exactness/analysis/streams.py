@@ -24,14 +24,15 @@ import time
 
 import torch
 
+from ..batch import BATCH_LIMIT, check_streams, run_streams
+from ..exact import bytes_equal, first_differing_row, kv_first_difference, token_hash
 from ..kernels import get_set
 from ..mtp import check_k, generate_drafted, resolve_mtp
-from ..paths import generate
+from ..paths import Schedule, generate
 from ..progress import bar as progress_bar
 from ..prompt_cache import PromptCache, generate_cached
 from ..prompts import build_prompt
-from ..streams import BATCH_LIMIT, check_streams, run_streams
-from .hashes import first_divergence, load_model, token_hash
+from .hashes import load_model
 from .streams_report import (INTRO, concurrent_table, drafted_table, render_md,  # noqa: F401  (its views)
                              resumed_table, settings_md, summary_rows, summary_table, verdict_md)
 
@@ -43,36 +44,6 @@ STREAM_CUT = 5  # stream j's prompt is STREAM_CUT * j tokens shorter, so the str
 
 
 # --------------------------------------------------------------------------------------------------- comparisons
-
-def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape, dtype and bytes (compared as uint8)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
-
-
-def first_row_diff(a: torch.Tensor, b: torch.Tensor) -> int | None:
-    """First row index where fp32 rows a [n, V], b [m, V] differ in bytes (None if equal; min(n, m) on a length
-    mismatch with an equal common part)."""
-    n = min(a.shape[0], b.shape[0])
-    diff = (a[:n].view(torch.int32) != b[:n].view(torch.int32)).any(dim=1).nonzero()
-    if diff.numel():
-        return int(diff[0])
-    return None if a.shape[0] == b.shape[0] else n
-
-
-def first_kv_diff(a, b) -> int | None:
-    """First position where two KV caches' slot-0 keys/values differ in bytes over the written positions
-    (None if equal; -1 when the written lengths differ)."""
-    if a.lengths[0] != b.lengths[0]:
-        return -1
-    n, first = a.lengths[0], None
-    for x, y in zip(a.k + a.v, b.k + b.v):
-        d = (x[0, :n].view(torch.int16) != y[0, :n].view(torch.int16)).flatten(1).any(dim=1).nonzero()
-        if d.numel():
-            first = int(d[0]) if first is None else min(first, int(d[0]))
-    return first
-
 
 def run_equal(a_ids, a_logits, b_ids, b_logits) -> bool:
     """Tokens and logits bytes equal."""
@@ -109,6 +80,11 @@ def prompt_step(step: int, n_prompt: int) -> int:
     return step if n_prompt > step else max(1, n_prompt // 3)
 
 
+def _schedule(p: dict, step: int) -> Schedule:
+    """The section's prefill: ``prefill_path`` at ``step`` with the profile's deep threshold."""
+    return Schedule(p["prefill_path"], step, p["deep_threshold"])
+
+
 def resume_points(n_prompt: int, step: int) -> dict[str, int]:
     """mode -> resume position: grid = largest multiple of ``step`` below n_prompt (0 if none); any = about
     n_prompt / 2, moved off the grid when it falls on it (and below n_prompt)."""
@@ -125,11 +101,11 @@ def drafted_rows(w, prompt, ks: str, plain: list, p: dict, step: int) -> list[di
     rows = []
     for draft in p["drafts"]:
         t0 = time.perf_counter()
-        runs = [generate_drafted(w, prompt.ids, p["gen_tokens"], p["mtp_k"], ks, p["prefill_path"], step,
-                                 p["deep_threshold"], draft, keep_cache=True) for _ in range(REPS)]
+        runs = [generate_drafted(w, prompt.ids, p["gen_tokens"], ks, _schedule(p, step), k=p["mtp_k"], draft=draft,
+                                 keep_cache=True) for _ in range(REPS)]
         ref, pairs = plain[0], list(zip(runs, plain))  # repetition i against plain repetition i
-        div = next((first_divergence(r.gen_ids, q.gen_ids) for r, q in pairs if not torch.equal(r.gen_ids,
-                                                                                                q.gen_ids)), None)
+        div = next((first_differing_row(r.gen_ids, q.gen_ids) for r, q in pairs
+                    if not torch.equal(r.gen_ids, q.gen_ids)), None)
         s = runs[0].stats
         rows.append({
             "set": ks, "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "gen_tokens": p["gen_tokens"],
@@ -138,8 +114,8 @@ def drafted_rows(w, prompt, ks: str, plain: list, p: dict, step: int) -> list[di
             "drafted_hash": token_hash(runs[0].gen_ids), "drafted_hashes": [token_hash(r.gen_ids) for r in runs],
             "equal": all(torch.equal(r.gen_ids, q.gen_ids) for r, q in pairs), "first_divergence": div,
             "logits_bytes_equal": all(bytes_equal(r.gen_logits, q.gen_logits) for r, q in pairs),
-            "first_logits_row_diff": first_row_diff(runs[0].gen_logits, ref.gen_logits),
-            "kv_bytes_equal": all(first_kv_diff(r.cache, q.cache) is None for r, q in pairs),
+            "first_logits_row_diff": first_differing_row(runs[0].gen_logits, ref.gen_logits),
+            "kv_bytes_equal": all(kv_first_difference(r.cache, q.cache) is None for r, q in pairs),
             "proposed": s.proposed, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
             "rounds": s.rounds, **_reruns(_drafted_reruns(runs, plain)),
             "seconds": round(time.perf_counter() - t0, 3),
@@ -169,9 +145,9 @@ def resumed_rows(w, prompt, ks: str, fresh: list, p: dict, step: int) -> list[di
         pc = PromptCache(p["prompt_cache_gib"], mode, step)
         earlier = P - 1 if mode == "grid" else split
         if split > 0:
-            generate_cached(w, pc, prompt.ids[:earlier], 1, ks, p["prefill_path"], step, p["deep_threshold"])
-        runs = [generate_cached(w, pc, prompt.ids, p["gen_tokens"], ks, p["prefill_path"], step,
-                                p["deep_threshold"], keep_cache=True) for _ in range(REPS)]
+            generate_cached(w, pc, prompt.ids[:earlier], 1, ks, _schedule(p, step))
+        runs = [generate_cached(w, pc, prompt.ids, p["gen_tokens"], ks, _schedule(p, step), keep_cache=True)
+                for _ in range(REPS)]
         rows.append(_resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p))
         rows[-1]["seconds"] = round(time.perf_counter() - t0, 3)
     return rows
@@ -183,8 +159,8 @@ def _resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p) -> 
     tok = all(torch.equal(r.gen_ids, f.gen_ids) for r, f in pairs)
     tail_eq = all(bytes_equal(r.tail_logits, t) for r, t in zip(runs, tail))
     gen_eq = all(bytes_equal(r.gen_logits, f.gen_logits) for r, f in pairs)
-    kv = [first_kv_diff(r.cache, f.cache) for r, f in pairs]
-    row_diff = first_row_diff(r0.tail_logits, tail[0])
+    kv = [kv_first_difference(r.cache, f.cache) for r, f in pairs]
+    row_diff = first_differing_row(r0.tail_logits, tail[0])
     reruns = {"fresh": all(run_equal(f.gen_ids, f.gen_logits, ref.gen_ids, ref.gen_logits) for f in fresh),
               "resumed": all(run_equal(r.gen_ids, r.gen_logits, r0.gen_ids, r0.gen_logits) and r.resumed_from ==
                              r0.resumed_from and bytes_equal(r.tail_logits, r0.tail_logits) for r in runs)}
@@ -198,7 +174,7 @@ def _resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p) -> 
         "kv_bytes_equal": all(d is None for d in kv),
         "equal": tok and tail_eq and gen_eq and all(d is None for d in kv) and all(r.resumed_from == split
                                                                                   for r in runs),
-        "first_divergence": first_divergence(r0.gen_ids, ref.gen_ids),
+        "first_divergence": first_differing_row(r0.gen_ids, ref.gen_ids),
         "first_tail_row_diff": None if row_diff is None else r0.resumed_from + row_diff,
         "first_kv_position_diff": kv[0], **_reruns(reruns),
         "resumed_as_planned": all(r.resumed_from == split for r in runs), "state_bytes": pc.nbytes,
@@ -223,17 +199,16 @@ def concurrent_rows(w, prompts: list, ks: str, p: dict) -> list[dict]:
     N_max = max(p["stream_counts"])
     sp = stream_prompts(prompts, N_max, p["stream_prompt_tokens"])
     step = p["steps"][0]
-    alone = [[generate(w, ids, p["gen_tokens"], ks, p["prefill_path"], step, p["deep_threshold"])
-              for _ in range(REPS)] for _, ids in sp]
-    serial = [[generate(w, ids, p["gen_tokens"], ks, "decode") for _ in range(REPS)] for _, ids in sp]
+    alone = [[generate(w, ids, p["gen_tokens"], ks, _schedule(p, step)) for _ in range(REPS)] for _, ids in sp]
+    serial = [[generate(w, ids, p["gen_tokens"], ks, Schedule("decode")) for _ in range(REPS)] for _, ids in sp]
     rows = []
     for N in p["stream_counts"]:
         t0 = time.perf_counter()
         runs, errors = [], []
         for _ in range(REPS):
             try:
-                runs.append(run_streams(w, [ids for _, ids in sp[:N]], p["gen_tokens"], ks, p["prefill_path"],
-                                        step, p["deep_threshold"], p["stream_offset"]))
+                runs.append(run_streams(w, [ids for _, ids in sp[:N]], p["gen_tokens"], ks, _schedule(p, step),
+                                        offset=p["stream_offset"]))
             except RuntimeError as e:  # a run that fails is reported, not hidden (bad input still raises)
                 errors.append(f"{type(e).__name__}: {e}")
         rows.append(_concurrent_row(ks, N, sp[:N], step, runs, errors, alone, serial, p))
@@ -254,7 +229,7 @@ def _counts(runs, refs, N, n_fail) -> dict:
 
 def _first_divs(r0, refs, N) -> list | None:
     """Per stream: first generated index where repetition 0 differs from the reference's repetition 0."""
-    return [first_divergence(r0.streams[j].gen_ids, refs[j][0].gen_ids) for j in range(N)] if r0 else None
+    return [first_differing_row(r0.streams[j].gen_ids, refs[j][0].gen_ids) for j in range(N)] if r0 else None
 
 
 def _concurrent_row(ks, N, sp, step, runs, errors, alone, serial, p) -> dict:
@@ -305,8 +280,8 @@ def run_section(params: dict) -> dict:
         for ks in p["kernel_sets"]:
             for pr in prompts:
                 step = prompt_step(p["steps"][0], pr.n_tokens)
-                plain = [generate(w, pr.ids, p["gen_tokens"], ks, p["prefill_path"], step, p["deep_threshold"],
-                                  keep_cache=True) for _ in range(REPS)]
+                plain = [generate(w, pr.ids, p["gen_tokens"], ks, _schedule(p, step), keep_cache=True)
+                         for _ in range(REPS)]
                 data["drafted"] += drafted_rows(w, pr, ks, plain, p, step)
                 if p["prompt_cache_gib"] > 0:  # 0 GiB disables the cache: nothing to resume, no rows
                     data["resumed"] += resumed_rows(w, pr, ks, plain, p, step)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..exact import as_int
+
 NORM_TO_ROPE = {"q_norm": "q", "k_norm": "k"}
 
 
@@ -76,7 +78,7 @@ def weight_names(weights) -> dict[int, str]:
 def _row_hash(x: torch.Tensor) -> torch.Tensor:
     """[n, ...] -> [n] int64 hash of each row's bits (wrapping arithmetic; equal rows give equal hashes)."""
     flat = x.reshape(x.shape[0], -1).contiguous()
-    ints = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32).to(torch.int64)
+    ints = as_int(flat).to(torch.int64)
     coef = torch.arange(1, flat.shape[1] + 1, device=x.device, dtype=torch.int64) * 0x9E3779B1 + 0x7F4A7C15
     return (ints * coef).sum(dim=1)
 

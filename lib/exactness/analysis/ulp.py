@@ -1,10 +1,8 @@
-"""ULP distances and correct rounding for bf16, fp16 and fp32 (and fp64 distances).
+"""Formats, ULP steps and correct rounding for bf16, fp16 and fp32 (steps in fp64 too).
 
-Ordered-integer mapping: reinterpret a float's bits as a signed integer ``i``
-of the same width and map it to ``i if i >= 0 else -(i & 0x7F..F)``. The map is monotone in the value, sends +0 and
--0 to 0, and consecutive representable values (including subnormals and the infinities) to consecutive integers, so
-the ULP distance of two values of one format is the difference of their ordered integers. NaN has no place in the
-order: every function here raises ``ValueError`` on NaN.
+The ordered-integer map and the ULP distance it gives live in ../exact.py (``ordered``, ``ulp_distance``) with the
+suite's other byte primitives; this module walks that order (``from_ordered``, ``step``, ``neighbours``). NaN has
+no place in the order: every function here raises ``ValueError`` on NaN.
 
 Correct rounding (:func:`round_to`) takes fp64 values to bf16/fp16/fp32 with round-to-nearest, ties-to-even, in
 integer arithmetic on the fp64 bit pattern (one rounding; converting fp64 -> fp32 -> bf16 instead rounds twice and
@@ -17,24 +15,25 @@ from dataclasses import dataclass
 
 import torch
 
+from ..exact import INT_VIEW, ordered
+
 
 @dataclass(frozen=True)
 class Format:
-    """A binary floating-point format: ``p`` significand bits (with the implicit one), exponents emin..emax,
-    ``int_dtype`` the signed integer of the same width."""
+    """A binary floating-point format: ``p`` significand bits (with the implicit one), exponents emin..emax (the
+    signed integer of the same width: exact.INT_VIEW)."""
 
     name: str
     p: int
     emin: int
     emax: int
-    int_dtype: torch.dtype
 
 
 FORMATS: dict[torch.dtype, Format] = {
-    torch.bfloat16: Format("bfloat16", 8, -126, 127, torch.int16),
-    torch.float16: Format("float16", 11, -14, 15, torch.int16),
-    torch.float32: Format("float32", 24, -126, 127, torch.int32),
-    torch.float64: Format("float64", 53, -1022, 1023, torch.int64),
+    torch.bfloat16: Format("bfloat16", 8, -126, 127),
+    torch.float16: Format("float16", 11, -14, 15),
+    torch.float32: Format("float32", 24, -126, 127),
+    torch.float64: Format("float64", 53, -1022, 1023),
 }
 ROUNDABLE = (torch.bfloat16, torch.float16, torch.float32)
 U_ACC = 2.0 ** -24  # unit roundoff of fp32 accumulation
@@ -58,26 +57,8 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return 2.0 ** -fmt(dtype).p
 
 
-def _check_finite_order(x: torch.Tensor) -> None:
-    if x.is_floating_point() and bool(torch.isnan(x).any()):
-        raise ValueError(f"NaN at flat index {int(torch.isnan(x).flatten().nonzero()[0])}: NaN has no ULP order")
-
-
-def ordered(x: torch.Tensor) -> torch.Tensor:
-    """Ordered integers of ``x`` (any shape, bf16/fp16/fp32/fp64) as int64 of the same shape.
-
-    Raises:
-        ValueError: unsupported dtype or a NaN in ``x``.
-    """
-    f = fmt(x.dtype)
-    _check_finite_order(x)
-    bits = x.contiguous().view(f.int_dtype).to(torch.int64)                       # same shape, int64
-    mask = (1 << (8 * x.element_size() - 1)) - 1
-    return torch.where(bits >= 0, bits, -(bits & mask))
-
-
 def from_ordered(o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`ordered`: int64 ordered integers -> values of ``dtype`` (0 maps to +0).
+    """Inverse of exact.ordered: int64 ordered integers -> values of ``dtype`` (0 maps to +0).
 
     Raises:
         ValueError: unsupported dtype, or an integer outside the format's range (past the infinities).
@@ -89,21 +70,7 @@ def from_ordered(o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise ValueError(f"ordered integer {int(o.abs().max())} beyond +-inf ({top}) of {f.name}")
     sign = -(1 << (width - 1))  # the sign bit as a negative number of the signed integer type
     bits = torch.where(o >= 0, o, (-o) | sign) if width == 64 else torch.where(o >= 0, o, (-o) + sign)
-    return bits.to(f.int_dtype).view(dtype)
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Number of representable values stepped over from ``a`` to ``b``: |ordered(a) - ordered(b)|, int64.
-
-    ``a`` and ``b`` share one dtype (bf16/fp16/fp32/fp64) and broadcast. +0 and -0 are 0 apart; the largest finite
-    value is 1 from infinity. (For bf16 this equals the fp32 ordered distance of the widened values >> 16.)
-
-    Raises:
-        ValueError: different dtypes, an unsupported dtype, or a NaN.
-    """
-    if a.dtype != b.dtype:
-        raise ValueError(f"ulp_distance needs one dtype, got {a.dtype} and {b.dtype}")
-    return (ordered(a) - ordered(b)).abs()
+    return bits.to(INT_VIEW[dtype]).view(dtype)
 
 
 def step(x: torch.Tensor, n: int | torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Concurrent streams: N greedy requests decoded in one batch; with exact kernels each equals its run alone.
+"""The engine's concurrent streams: N greedy requests decoded in one batch; with exact kernels each equals its run
+alone. (The receipt's ``streams`` section, which compares them, is analysis/streams.py.)
 
 Timeline (one global step counter t = 0, 1, ...): stream j joins at t = j * offset; its prefill runs alone through
 paths.prefill into cache slot j, and its first token comes from its last prompt row. Then, at every step, ONE decode
@@ -15,7 +16,8 @@ import torch
 
 from .cache import KVCache
 from .kernels import KernelSet, get_set
-from .paths import check_run_args, decode_step, prefill
+from .model import ExpertProvider
+from .paths import Schedule, check_run_args, decode_step, prefill
 from .weights import Weights
 
 BATCH_LIMIT = 4  # streams one batch (one cache with this many slots) may hold
@@ -53,13 +55,14 @@ def check_streams(n: int, offset: int, max_batch: int = BATCH_LIMIT) -> None:
 
 
 def run_streams(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernels: KernelSet | str = "fast",
-                path: str = "batched", step: int | None = None, deep_threshold: int = 512, offset: int = 2,
-                max_batch: int = BATCH_LIMIT, experts=None) -> StreamsResult:
+                schedule: Schedule = Schedule("batched"), *, offset: int = 2, max_batch: int = BATCH_LIMIT,
+                experts: ExpertProvider | None = None) -> StreamsResult:
     """Decode ``len(prompts)`` streams concurrently (module docstring).
 
     Args:
         prompts: token ids [P_j] int64 per stream (stream j = prompts[j]); gen_tokens: tokens per stream (>= 1).
-        path, step, deep_threshold: each stream's prefill (as paths.prefill); offset: steps between joins.
+        schedule: each stream's prefill (as paths.prefill); offset: steps between joins.
+        experts: the expert provider (None: the resident weights).
     Returns:
         StreamsResult with one StreamRun per stream.
     Raises:
@@ -69,7 +72,7 @@ def run_streams(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernel
     if isinstance(gen_tokens, bool) or not isinstance(gen_tokens, int) or gen_tokens < 1:
         raise ValueError(f"gen_tokens must be an int >= 1 for concurrent streams, got {gen_tokens!r}")
     for p in prompts:
-        check_run_args(w, int(p.numel()), gen_tokens, path, step, deep_threshold)
+        check_run_args(w, int(p.numel()), gen_tokens)
     ks, N = get_set(kernels), len(prompts)
     cache = KVCache(w.cfg, max(int(p.numel()) for p in prompts) + gen_tokens, N, w.dtype, w.device)
     gen: list[list] = [[] for _ in prompts]
@@ -79,8 +82,8 @@ def run_streams(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernel
     while any(len(g) < gen_tokens for g in gen):
         for j in range(N):
             if j * offset == t:  # join: prefill alone into slot j
-                plog[j] = prefill(w, cache, prompts[j], ks, path, step, deep_threshold, 0, j, None, experts)
-                gen[j].append(ks.fn("argmax", "decode" if path == "decode" else "prompt")(plog[j][-1:]))
+                plog[j] = prefill(w, cache, prompts[j], ks, schedule, slot=j, experts=experts).logits  # [P_j, V]
+                gen[j].append(ks.fn("argmax", schedule.role)(plog[j][-1:]))
                 glog[j].append(plog[j][-1:])
         active = [j for j in range(N) if gen[j] and len(gen[j]) < gen_tokens]
         if active:
@@ -100,7 +103,7 @@ def _batched_step(w, cache, ks, prompts, gen, glog, active, experts) -> None:
     tokens = torch.cat([gen[j][-1] for j in active])                                   # [B] int64
     pos = torch.tensor([int(prompts[j].numel()) + len(gen[j]) - 1 for j in active], device=dev)  # [B]
     slots = torch.tensor(active, device=dev)                                           # [B]
-    logits = decode_step(w, cache, tokens, pos, slots, ks, experts)                    # [B, V] fp32
+    logits = decode_step(w, cache, tokens, pos, slots, ks, experts=experts)            # [B, V] fp32
     ids = ks.fn("argmax", "decode")(logits)                                            # [B]
     for r, j in enumerate(active):
         gen[j].append(ids[r:r + 1])

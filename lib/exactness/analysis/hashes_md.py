@@ -1,0 +1,112 @@
+"""The ``hashes`` section as GitHub markdown: the hash matrix (one row per prompt and kernel set, one column per
+path@step, ``✗`` where a hash differs from that kernel set's decode oracle), the runs that differ from the oracle,
+the rerun control and what each path actually served.
+"""
+from __future__ import annotations
+
+from ..render import render_extra, table
+from .hashes_report import INTRO, verdict_md
+
+DIFF_MARK = "✗"
+OPTIONAL_RUN_COLUMNS = ("prompt_logits_equal", "kv_equal", "max_prompt_logit_diff", "rerun_equal", "seconds")
+
+
+def render_md(section: dict) -> str:
+    """receipt.md's block of a ``hashes`` section object (``{"section": "hashes", "rows": [...], ...}``): the
+    tables of :func:`render_hashes`, then the section's further scalar values (plot data stays in receipt.json)."""
+    extra = {k: v for k, v in section.items() if k not in ("section", "rows")}
+    return "\n\n".join(p for p in (render_hashes(section.get("rows") or []), render_extra("hashes_extra", extra)) if p)
+
+
+def _col(row: dict) -> str:
+    step = row.get("step")
+    col = str(row.get("path")) if step is None else f"{row.get('path')}@{step}"
+    return col + ("+offload" if row.get("offload") else "")
+
+
+def _differs(row: dict, oracle: dict[tuple, str]) -> bool:
+    if row.get("equals_oracle") is not None:
+        return not row["equals_oracle"]
+    ref = oracle.get((row.get("prompt"), row.get("kernels")))
+    return ref is not None and row.get("hash") != ref
+
+
+def _served(served) -> str | None:
+    if not isinstance(served, dict):
+        return None if served is None else str(served)
+    parts = []
+    for path, s in served.items():
+        s = s if isinstance(s, dict) else {"rows": s}
+        if s.get("rows") == 0:
+            continue  # a path that served nothing is left out
+        seg = f"{s['segments']} seg / " if "segments" in s and path != "decode" else ""
+        parts.append(f"{path} {seg}{s.get('rows', '?')} rows")
+    return "; ".join(parts) or "nothing"
+
+
+def _col_key(row: dict) -> tuple:
+    step = row.get("step")
+    order = {"decode": 0, "batched": 1, "deep": 2}.get(row.get("path"), 9)
+    return (bool(row.get("offload")), order, str(row.get("path")),
+            step is not None, step if isinstance(step, (int, float)) else 0, str(step))
+
+
+def _hash_matrix(rows: list[dict]) -> str:
+    cols = [_col(r) for r in sorted(rows, key=_col_key)]
+    cols = list(dict.fromkeys(cols))
+    oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows
+              if r.get("path") == "decode" and not r.get("offload")}
+    grid: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r.get("prompt"), r.get("kernels"))
+        sha = (r.get("prompt_sha256") or "")[:12] + (" ⚠ unpinned" if r.get("prompt_pin_ok") is False else "")
+        g = grid.setdefault(key, {"tokens": r.get("prompt_tokens"), "sha": sha})
+        g[_col(r)] = f"`{r.get('hash')}`" + (f" {DIFF_MARK}" if _differs(r, oracle) else "")
+    body = [[p, g["tokens"], g["sha"] or None, k, *[g.get(c, "") for c in cols]] for (p, k), g in grid.items()]
+    return table(body, ["prompt", "tokens", "prompt sha256", "kernels", *cols])
+
+
+def render_hashes(rows: list[dict]) -> str:
+    """The ``hashes`` section: the hash matrix (one row per prompt and kernel set, one column per path@step,
+    ``✗`` where a hash differs from that kernel set's decode oracle), the runs that differ from the oracle, and what
+    each path actually served."""
+    if not rows:
+        return "## Token hashes\n\n_No hash rows._"
+    legend = ("Hash: first 12 hex digits of SHA-256 over the generated ids (int32 LE). "
+              f"`{DIFF_MARK}`: differs from the decode (oracle) hash of the same prompt and kernels.")
+    parts = ["## Token hashes", "", INTRO, "", verdict_md(rows), "", legend, "", _hash_matrix(rows)]
+    oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows
+              if r.get("path") == "decode" and not r.get("offload")}
+    diff = [r for r in rows if _differs(r, oracle)]
+    parts += ["", "### Runs that differ from the oracle", ""]
+    if diff:
+        parts.append(table([[r.get("prompt"), r.get("kernels"), _col(r), r.get("first_divergence"),
+                             r.get("oracle_margin"), _served(r.get("served"))] for r in diff],
+                           ["prompt", "kernels", "run", "first differing token (index)", "oracle margin (logit)",
+                            "served"], dash="not recorded"))
+    else:
+        parts.append("_Every run equals its oracle._")
+    reruns = [r for r in rows if "rerun_equal" in r]
+    if reruns:
+        parts += ["", "Rerun control (each set's first batched run repeated identically; tokens and every prompt-logit "
+                  "byte compared): " + "; ".join(f"{r.get('prompt')} {r.get('kernels')} "
+                                                  f"{'identical' if r['rerun_equal'] else 'NOT identical'}"
+                                                  for r in reruns)
+                  + ". A set whose reruns differ is not run-to-run deterministic: its other differences (offload "
+                    "included) cannot be told from noise."]
+    return "\n".join(parts + ["", "### Runs", "", _runs_table(rows)])
+
+
+def _runs_table(rows: list[dict]) -> str:
+    heads = ["prompt", "kernels", "run", "tokens", "gen", "equals oracle", "served"]
+    opt = [k for k in OPTIONAL_RUN_COLUMNS if any(k in r for r in rows)]
+    body = []
+    for r in rows:
+        served = _served(r.get("served"))
+        deep = r["served"].get("deep") if isinstance(r.get("served"), dict) else None
+        if r.get("path") == "deep" and isinstance(r.get("served"), dict) and not (deep or {}).get("rows"):
+            served = f"{served} ⚠ deep path served nothing"
+        body.append([r.get("prompt"), r.get("kernels"), _col(r), r.get("prompt_tokens"),
+                     r.get("gen_tokens"), r.get("equals_oracle"), served, *[r.get(k) for k in opt]])
+    return table(body, heads + [k.replace("_", " ").replace("seconds", "time (s)") for k in opt],
+                 dash="not applicable: the oracle itself, or a value this run did not record")

@@ -1,0 +1,74 @@
+"""The one table of sections (sections.SECTIONS): the command line, the receipt runner, the notebooks and the
+markdown renderer all read it, and a parameter is accepted by every entry point or by none."""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import papermill
+import pytest
+
+from exactness import receipt, render
+from exactness.__main__ import SUBCOMMANDS, section_parameters
+from exactness.profiles import get_profile
+from exactness.receipt import ReceiptError
+from exactness.sections import SECTIONS, section_of
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+RUNNER_ONLY = {"out_json", "precomputed_json"}   # set by the runner, never by a user
+
+
+def declared(section) -> dict:
+    """name -> default value of the section's notebook parameters cell."""
+    info = papermill.inspect_notebook(str(NOTEBOOKS / f"{section.notebook}.ipynb"))
+    return {k: ast.literal_eval(v["default"]) for k, v in info.items()}
+
+
+def code_of(section) -> str:
+    nb = json.loads((NOTEBOOKS / f"{section.notebook}.ipynb").read_text())
+    return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+                     and "parameters" not in c["metadata"].get("tags", []))
+
+
+def test_the_table_drives_the_runner_the_cli_and_the_renderer():
+    nbs = [s.notebook for s in SECTIONS.values()]
+    assert all(receipt.RUN_NOTEBOOKS[p] == nbs for p in receipt.RUN_NOTEBOOKS)
+    assert all(section_of(s.notebook) == s.name for s in SECTIONS.values()) and section_of("fixture") == "fixture"
+    for s in SECTIONS.values():
+        assert s.name in SUBCOMMANDS and SUBCOMMANDS[s.name].help == s.help
+        mod = s.load()
+        assert callable(mod.run_section) and callable(mod.render_md)
+        assert callable(getattr(mod, "merge_sections", None)) == s.mergeable
+        assert (NOTEBOOKS / f"{s.notebook}.ipynb").is_file()
+    assert not render.RENDERERS.keys() & SECTIONS.keys()
+
+
+@pytest.mark.parametrize("name", list(SECTIONS))
+def test_every_section_parameter_is_accepted_by_every_entry_point(name):
+    """Each parameter a section takes is declared by its notebook, passed on by the notebook to the section, and
+    accepted by the section's subcommand and by the receipt runner, with the notebook's default as the value."""
+    s = SECTIONS[name]
+    defaults = declared(s)
+    profile = get_profile("ci").parameters()
+    code = code_of(s)
+    for p in s.params:
+        assert p in defaults, f"{s.notebook} does not declare {p}"
+        assert f"{p}={p}" in code, f"{s.notebook} does not pass {p} to its section"
+        value = json.dumps(defaults[p])
+        assert section_parameters("ci", [f"{p}={value}"], s.params, [name])[p] == defaults[p]
+        per_nb = receipt.plan_parameters(profile, {p: defaults[p]},
+                                         {s.notebook: set(defaults) | RUNNER_ONLY})
+        assert per_nb[s.notebook][p] == defaults[p]
+    stray = set(defaults) - set(s.params) - set(profile) - RUNNER_ONLY
+    assert stray == set(), f"{s.notebook} declares parameters that no entry point accepts: {stray}"
+
+
+@pytest.mark.parametrize("name", list(SECTIONS))
+def test_a_name_no_section_takes_is_refused_by_every_entry_point(name):
+    s = SECTIONS[name]
+    with pytest.raises(ReceiptError, match="unknown parameter 'bogus'"):
+        section_parameters("ci", ["bogus=1"], s.params, [name])
+    with pytest.raises(ReceiptError, match="unknown parameter 'bogus'"):
+        receipt.plan_parameters(get_profile("ci").parameters(), {"bogus": 1},
+                                {s.notebook: set(declared(s)) | RUNNER_ONLY})
