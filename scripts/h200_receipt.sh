@@ -15,7 +15,7 @@
 #   scripts/h200_receipt.sh 4        the kernel bench's decode-step and end-to-end prefill ratios
 #
 # On an H200 the contract leaves part 2 too little time for streams and fp64: run them as a part of their own
-# (CONTRACT_SETS= SECTIONS2=streams, then CONTRACT_SETS= SECTIONS2=fp64). docs/gpu/README.md lists how long each
+# (CONTRACT_SETS= SECTIONS2=streams, then CONTRACT_SETS= SECTIONS2=fp64). measurements/h200/README.md lists how long each
 # part took there.
 #
 # Each section JSON carries a provenance record (machine, commit, command, seconds) that receipt.md lists. Then

@@ -372,8 +372,8 @@ def test_shared_synthetic_weights_are_the_same_bytes_and_never_aliased():
 
 
 def test_sections_computed_elsewhere_show_their_provenance():
-    """A section carrying a ``provenance`` record (docs/gpu/assemble.py) gets a row in receipt.md's provenance
-    table; a receipt without one has no such table."""
+    """A section carrying a ``provenance`` record (measurements/h200/assemble.py) gets a row in receipt.md's
+    provenance table; a receipt without one has no such table."""
     base = {"schema": 1, "status": "ok", "profile": "gpu", "parameters": {}, "env": {}, "errors": [],
             "notebooks": []}
     plain = render.render_markdown({**base, "custom": {"x": 1}})

@@ -91,7 +91,7 @@ _DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
 }
 # Chosen on an H200 by benchmarks/bench_gpu_kernels.py --tune: per shape, the candidate with the best GEMM/cuBLAS
 # ratio at M = 4096 and 16384 (at smaller M host launch time dominates and does not separate the candidates). The
-# ratios this table reaches, with the command that measures them, are in docs/gpu/README.md.
+# ratios this table reaches, with the command that measures them, are in measurements/h200/README.md.
 SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
     ("linear", 4096, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, persistent=True),   # q
     ("linear", 512, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8),                     # k, v

@@ -1,11 +1,13 @@
-"""Assemble docs/gpu/sections/ (the five section JSONs of the GPU receipt) from the H200 outputs kept in docs/gpu/.
+"""Assemble measurements/h200/sections/ (the five section JSONs of the GPU receipt) from the H200 outputs kept in
+measurements/h200/.
 
-    make setup && .venv/bin/python docs/gpu/assemble.py   # writes docs/gpu/sections/{env,hashes,...}.json
-    .venv/bin/python -m exactness receipts --profile gpu --precomputed docs/gpu/sections --out /tmp/gpu-receipt
-    cp /tmp/gpu-receipt/receipt.{md,json,html} docs/gpu/receipt/
+    make setup && .venv/bin/python measurements/h200/assemble.py   # writes measurements/h200/sections/*.json
+    .venv/bin/python -m exactness receipts --profile gpu --precomputed measurements/h200/sections --out /tmp/gpu-receipt
+    cp /tmp/gpu-receipt/receipt.{md,json,html} measurements/h200/receipt/
 
 Each section gets a ``provenance`` record (machine, commit, command, notes) that receipt.md shows in its "Where each
-section was computed" table. Sources (all from one H200 on 2026-11-29; docs/gpu/README.md names the three runs):
+section was computed" table. Sources (all from one H200 on 2026-11-29; measurements/h200/README.md names the three
+runs):
 
     device3/contract.json, device3/bench.json    the 0db0fbb run: one invocation per part (scripts/h200_receipt.sh
                                                  2, 3 fast, 3 invariant), the parts joined by ``python -m exactness
@@ -24,7 +26,8 @@ lib/exactness/kernels, model.py, paths.py and cache.py are identical at 5d1be2c,
 section ran the same kernels. The environment record is the 0db0fbb run's first invocation (device3/env_call1.json);
 its ``git`` comes from EXACTNESS_GIT_SHA (the tree reached the GPU machine with an older checkout's ``.git``, so git
 there named fdab6c6, dirty, for a tree that was exactly 0db0fbb; the record keeps what git said).
-Other outputs kept in docs/gpu but not in the receipt: device/bench.json (the 9bbc9f3 run's bench at 64 generated
+Other outputs kept in measurements/h200 but not in the receipt: device/bench.json (the 9bbc9f3 run's bench at 64
+generated
 tokens) and contract_cuda_tiny_shapes.json (the early run's quick sweep at the tiny preset's shapes, bf16).
 """
 from __future__ import annotations
@@ -92,8 +95,8 @@ def main() -> int:
                           "scripts/h200_receipt.sh 2 (one process per kernel set in one invocation), then the "
                           "expert classes with offloaded weights (a fourth invocation, --param 'kernel_sets=[invariant,"
                           "fast]' --param 'contract_classes=[expert_gate_up,expert_down]'), joined by "
-                          "docs/gpu/assemble.py with merge_sections; full sweep for invariant, quick for the fast "
-                          "control; seconds per part"),
+                          "measurements/h200/assemble.py with merge_sections; full sweep for invariant, quick for "
+                          "the fast control; seconds per part"),
         "fp64": with_provenance(
             load("fp64_small_2064tok.json"), H200 + ", 2026-11-29 (early run)", EARLY_TREE,
             PREFIX_EARLY + "fp64 --profile gpu --param fp64_tokens=2064",
