@@ -27,8 +27,7 @@ section ran the same kernels. The environment record is the 0db0fbb run's first 
 its ``git`` comes from EXACTNESS_GIT_SHA (the tree reached the GPU machine with an older checkout's ``.git``, so git
 there named fdab6c6, dirty, for a tree that was exactly 0db0fbb; the record keeps what git said).
 Other outputs kept in measurements/h200 but not in the receipt: device/bench.json (the 9bbc9f3 run's bench at 64
-generated
-tokens) and contract_cuda_tiny_shapes.json (the early run's quick sweep at the tiny preset's shapes, bf16).
+generated tokens) and contract_cuda_tiny_shapes.json (the early run's quick sweep at the tiny preset's shapes, bf16).
 """
 from __future__ import annotations
 
