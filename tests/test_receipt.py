@@ -14,6 +14,7 @@ import pytest
 from exactness import receipt, render
 from exactness.__main__ import main
 from exactness.receipt import ReceiptError, merge_section, parse_overrides, run_receipts
+from exactness.sections import SECTIONS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -323,7 +324,10 @@ def test_sections_command_runs_sections_in_one_process_and_records_failures(tmp_
 
     def fake(name, fail=False):
         def run_section(params):
-            calls.append((name, params["hash_max_tokens"], params["contract_control_sweep"]))
+            # each section gets its typed parameters (sections.Section.params_class), its own fields only
+            assert isinstance(params, SECTIONS[name].params_class)
+            calls.append((name, getattr(params, "hash_max_tokens", None), getattr(params, "contract_control_sweep",
+                                                                                 None)))
             if fail:
                 raise RuntimeError(f"{name} broke")
             return {"section": name, "ok": True}
@@ -337,7 +341,7 @@ def test_sections_command_runs_sections_in_one_process_and_records_failures(tmp_
     rc = cli.main(["sections", "--profile", "gpu", "--out", str(out), "--sections", "hashes,contract",
                    "--param", "hash_max_tokens=12", "--param", "contract_control_sweep=full"])
     assert rc == 1
-    assert calls == [("hashes", 12, "full"), ("contract", 12, "full")]
+    assert calls == [("hashes", 12, None), ("contract", None, "full")]
     assert "hashes broke" in (out / "hashes.error.txt").read_text()
     assert not (out / "hashes.json").exists()
     written = json.loads((out / "contract.json").read_text())

@@ -3,6 +3,7 @@ markdown renderer all read it, and a parameter is accepted by every entry point 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 
 from exactness import receipt, render
 from exactness.__main__ import SUBCOMMANDS, section_parameters
-from exactness.profiles import get_profile
+from exactness.params import Common, ParamError
+from exactness.profiles import PROFILES, Profile, get_profile
 from exactness.receipt import ReceiptError
 from exactness.sections import SECTIONS, section_of
 
@@ -72,3 +74,46 @@ def test_a_name_no_section_takes_is_refused_by_every_entry_point(name):
     with pytest.raises(ReceiptError, match="unknown parameter 'bogus'"):
         receipt.plan_parameters(get_profile("ci").parameters(), {"bogus": 1},
                                 {s.notebook: set(declared(s)) | RUNNER_ONLY})
+
+
+def test_the_parameter_names_are_the_fields_of_the_typed_parameters():
+    """Each section's names are its params class's fields beyond Common; the profile's fields are Common's and
+    every extra a profile sets is a field of some section."""
+    common = {f.name for f in dataclasses.fields(Common)}
+    assert {f.name for f in dataclasses.fields(Profile)} - {"name", "extra"} | {"profile"} == common
+    for s in SECTIONS.values():
+        assert issubclass(s.params_class, Common) and s.params_class.SECTION == s.name
+        assert set(s.params) == s.params_class.names() - common
+    for prof in PROFILES.values():
+        for key, _ in prof.extra:
+            assert any(key in s.params for s in SECTIONS.values()), (prof.name, key)
+
+
+@pytest.mark.parametrize("name", list(SECTIONS))
+def test_the_typed_parameters_are_frozen_and_refuse_unknown_names(name):
+    cls = SECTIONS[name].params_class
+    p = cls.from_dict(get_profile("ci").parameters())   # another section's names are left to it
+    assert cls.from_dict(p) is p
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.preset = "small"
+    with pytest.raises(ParamError, match=f"unknown parameter 'bogus' for section {name}; allowed: .*deep_threshold"):
+        cls.from_dict({**get_profile("ci").parameters(), "bogus": 1})
+
+
+@pytest.mark.parametrize("name, param, match", [
+    ("bench", "bench_path=fastest", "bench_path 'fastest' is not a path; allowed: decode, batched, deep"),
+    ("bench", "bench_reps=0", "bench_reps must be an int >= 1, got 0"),
+    ("streams", "drafts=[eagle]", "unknown draft sources \\['eagle'\\]; allowed: mtp, self"),
+    ("hashes", "hash_offload_paths=[prefill]", "hash_offload_paths must be a non-empty list"),
+    ("fp64", "fp64_rows=0", "fp64_rows and fp64_cert must be >= 1, got 0, "),
+])
+def test_a_bad_section_value_is_refused_by_every_entry_point_before_it_runs(name, param, match):
+    s = SECTIONS[name]
+    with pytest.raises(ReceiptError, match=f"{name}: {match}"):
+        section_parameters("ci", [param], s.params, [name])
+    key, value = receipt.parse_overrides([param]).popitem()
+    with pytest.raises(ReceiptError, match=f"{name}: {match}"):
+        receipt.plan_parameters(get_profile("ci").parameters(), {key: value},
+                                {s.notebook: set(declared(s)) | RUNNER_ONLY})
+    with pytest.raises(ValueError, match=match):
+        s.params_class.from_dict({**get_profile("ci").parameters(), key: value})

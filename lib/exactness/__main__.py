@@ -91,8 +91,8 @@ def _profiles(args: argparse.Namespace) -> int:
 
 def analysis_command(section: Section) -> Subcommand:
     """The subcommand of one section: ``--profile P [--out file.json] [--param k=v ...]`` calls the section's
-    ``run_section(params)`` with the profile's parameters updated by the overrides, and writes the returned dict as
-    JSON (to stdout without ``--out``; the file is replaced atomically).
+    ``run_section(params)`` with its typed parameters (the profile's updated by the overrides), and writes the
+    returned dict as JSON (to stdout without ``--out``; the file is replaced atomically).
 
     Override names must be profile fields or the section's own parameters; otherwise exit 2 naming the allowed ones.
     """
@@ -102,7 +102,7 @@ def analysis_command(section: Section) -> Subcommand:
 
     def run(args: argparse.Namespace) -> int:
         params = section_parameters(args.profile, args.param, section.params, [section.name])
-        _write_json(section.load().run_section(params), args.out)
+        _write_json(section.load().run_section(section.params_class.from_dict(params)), args.out)
         return 0
 
     return Subcommand(section.help, add, run)
@@ -114,11 +114,13 @@ def section_parameters(profile: str, overrides: list[str], extra_params, section
 
     Raises:
         ReceiptError: an override name that is neither a profile field nor in ``extra_params`` (lists the allowed
-            ones), or a value of another type than the profile's (receipt.check_override_types).
+            ones), a value of another type than the profile's (receipt.check_override_types), or a value a
+            section's typed parameters refuse (receipt.check_section_values).
         ValueError: unknown profile; preflight.PreflightError: a checkpoint or length the run cannot use.
     """
     from .preflight import check_run
-    from .receipt import ReceiptError, check_common_values, check_override_types, parse_overrides
+    from .receipt import (ReceiptError, check_common_values, check_override_types, check_section_values,
+                          parse_overrides)
 
     params = get_profile(profile).parameters()
     parsed = parse_overrides(overrides)
@@ -128,6 +130,7 @@ def section_parameters(profile: str, overrides: list[str], extra_params, section
             raise ReceiptError(f"unknown parameter {key!r}; allowed: {', '.join(sorted(allowed))}")
     check_override_types(params, parsed)
     check_common_values({**params, **parsed})
+    check_section_values({**params, **parsed}, list(sections))
     check_run({**params, **parsed}, list(sections))
     return {**params, **parsed}
 
@@ -163,7 +166,7 @@ def _sections(args: argparse.Namespace) -> int:
         for name in names:
             t0 = time.perf_counter()
             try:
-                section = SECTIONS[name].load().run_section(dict(params))
+                section = SECTIONS[name].load().run_section(SECTIONS[name].params_class.from_dict(params))
                 section["provenance"] = _provenance(env, name, args, time.perf_counter() - t0)
                 _write_json(section, str(out / f"{name}.json"))
             except Exception:  # noqa: BLE001 -- record it, go on with the next section

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from .cache import KVCache
-from .kernels import KernelSet, get_set
+from .kernels import KERNEL_CLASSES, KernelSet, get_set
 from .weights import LayerWeights, Weights
 
 
@@ -113,15 +113,19 @@ def tapping(recorder):
 
 
 class Ops:
-    """The kernel callables of one (set, plan), with the deep plan's tiling applied where it belongs."""
+    """The kernel callables of one (set, plan), with the deep plan's tiling applied where it belongs.
+
+    Every class of the set is an attribute named after it (``ops.router(...)``); a class that Ops wraps in a method
+    of its name (``dense``: deep-plan tiling) keeps its kernel under ``_<class>`` for that method to call.
+    """
 
     def __init__(self, kernels: KernelSet, plan: Plan):
         self.k, self.plan, role = kernels, plan, plan.role
         self.layer, self.positions = -1, None
-        for cls in ("router", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope",
-                    "residual", "lm_head", "argmax"):
-            setattr(self, cls, self._tap(cls, kernels.fn(cls, role)))
-        self._dense = self._tap("dense", kernels.fn("dense", role))
+        for cls in KERNEL_CLASSES:
+            if cls in kernels.decode:   # a set registered before a class was added has no kernel of it
+                attr = "_" + cls if callable(getattr(Ops, cls, None)) else cls
+                setattr(self, attr, self._tap(cls, kernels.fn(cls, role)))
 
     def _tap(self, cls: str, fn):
         if not _TAPS:

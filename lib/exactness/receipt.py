@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from .env import REPO_ROOT, environment, git_state  # noqa: F401  (re-exported: receipt.environment, ...)
+from .params import ParamError, check_common
 from .preflight import check_run
 from .profiles import PROFILES, get_profile
 from .runfolder import ReceiptError, remove_stale_temporaries, run_folder, sigterm_as_interrupt
@@ -123,43 +124,33 @@ def check_override_types(base: dict, overrides: dict) -> None:
                                f"{base[key]!r} is of type {want}, so type {want} is expected")
 
 
-def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
 def check_common_values(params: dict) -> None:
-    """Refuse, before anything runs, the values every section would refuse later: an unknown preset (unless a
-    checkpoint is given), dtype, prompt or kernel set; a device string other than cpu / cuda / cuda:N; steps that
-    are not a non-empty list of positive ints (tokens); gen_tokens, deep_threshold or prompt_max_tokens that are not
-    positive ints (prompt_max_tokens may be null).
+    """Refuse, before anything runs, the values every section would refuse later (params.check_common: an unknown
+    preset unless a checkpoint is given, dtype, prompt or kernel set; a device other than cpu / cuda / cuda:N;
+    steps, gen_tokens, deep_threshold, prompt_max_tokens that are not positive ints).
 
     Raises:
         ReceiptError: naming the parameter, the bad value and what is allowed.
     """
-    from .config import PRESETS
-    from .kernels import KERNEL_SETS
-    from .prompts import PROMPTS
+    try:
+        check_common(params)
+    except ParamError as e:
+        raise ReceiptError(str(e)) from None
 
-    def bad(key, allowed):
-        raise ReceiptError(f"parameter {key}={params[key]!r} is not allowed; allowed: {allowed}")
-    if "preset" in params and not params.get("checkpoint") and params["preset"] not in PRESETS:
-        bad("preset", ", ".join(sorted(PRESETS)))
-    if "dtype" in params and params["dtype"] not in ("bfloat16", "float32"):
-        bad("dtype", "bfloat16, float32")
-    if "device" in params and not re.fullmatch(r"cpu|cuda(:\d+)?", str(params["device"])):
-        bad("device", "cpu, cuda, cuda:N")
-    for key, known in (("prompts", PROMPTS), ("kernel_sets", KERNEL_SETS)):
-        if key in params and (not isinstance(params[key], list) or not params[key]
-                              or any(v not in known for v in params[key])):
-            bad(key, f"a non-empty list drawn from {', '.join(known)}")
-    if "steps" in params and (not isinstance(params["steps"], list) or not params["steps"]
-                              or not all(_positive_int(v) for v in params["steps"])):
-        bad("steps", "a non-empty list of positive ints (tokens per prefill chunk)")
-    for key in ("gen_tokens", "deep_threshold"):
-        if key in params and not _positive_int(params[key]):
-            bad(key, "a positive int")
-    if params.get("prompt_max_tokens") is not None and not _positive_int(params["prompt_max_tokens"]):
-        bad("prompt_max_tokens", "null (the full prompt) or a positive int (tokens)")
+
+def check_section_values(params: dict, sections: list[str]) -> None:
+    """Build each section's typed parameters (sections.Section.params_class) from ``params`` (the profile's and the
+    overrides), so that a value a section refuses is refused before any section runs.
+
+    Raises:
+        ReceiptError: the section and the refusal (names the value and what is allowed).
+    """
+    for name in sections:
+        cls = SECTIONS[name].params_class
+        try:
+            cls.from_dict({k: v for k, v in params.items() if k in cls.names()})
+        except ValueError as e:
+            raise ReceiptError(f"{name}: {e}") from None
 
 
 def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) -> dict[str, dict]:
@@ -178,6 +169,7 @@ def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) 
     check_override_types(base, overrides)
     merged = {**base, **overrides}
     check_common_values(merged)
+    check_section_values(merged, [section_of(nb) for nb in declared if section_of(nb) in SECTIONS])
     check_run(merged, [section_of(nb) for nb in declared])
     return {nb: {k: v for k, v in merged.items() if k in names} for nb, names in declared.items()}
 

@@ -1,8 +1,8 @@
 """The receipt's sections, described once, and their JSON files.
 
 :data:`SECTIONS` is the one table of sections: its name in receipt.json, the analysis module that computes it
-(``run_section(params) -> dict``) and renders it (``render_md(section) -> str``), its notebook, the parameters it
-takes beyond the profile's common fields, and whether parts computed separately can be merged
+(``run_section(params) -> dict``) and renders it (``render_md(section) -> str``), its notebook, its parameters class
+(params.py: the profile's common fields and the section's own), and whether parts computed separately can be merged
 (``merge_sections(parts)``). The command line, the receipt runner and the markdown renderer all read it.
 
 Each analysis returns one JSON-ready object ``{"section": "<name>", ...}``; notebooks write it to the path the runner
@@ -17,6 +17,8 @@ import tempfile
 from dataclasses import dataclass
 from types import ModuleType
 
+from .params import BenchParams, Common, ContractParams, Fp64Params, HashesParams, StreamsParams
+
 
 @dataclass(frozen=True)
 class Section:
@@ -24,11 +26,12 @@ class Section:
 
     Attributes:
         name: its key in receipt.json and its subcommand (``python -m exactness <name>``).
-        module: the analysis module: ``run_section(params: dict) -> dict`` computes the section object,
+        module: the analysis module: ``run_section(params) -> dict`` computes the section object (``params``: the
+            section's params class, or a dict it is built from),
             ``render_md(section: dict) -> str`` renders it as GitHub markdown.
         notebook: the notebook (``notebooks/<notebook>.ipynb``) that computes or renders it in a receipt run.
         help: one line for the command line.
-        params: parameter names it takes beyond the profile's fields.
+        params_class: its typed parameters (params.py); :attr:`params` are the names of its own fields.
         mergeable: parts computed in separate calls (one kernel set each) join with ``module.merge_sections``.
     """
 
@@ -36,34 +39,31 @@ class Section:
     module: str
     notebook: str
     help: str
-    params: tuple[str, ...] = ()
+    params_class: type[Common] = Common
     mergeable: bool = False
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Parameter names it takes beyond the profile's fields: the fields of its params class."""
+        return self.params_class.own_names()
 
     def load(self) -> ModuleType:
         """The analysis module (imported on first use: analyses import this module)."""
         return importlib.import_module(self.module)
 
 
-_CHECKPOINT = ("checkpoint", "allow_unpinned")
 SECTIONS: dict[str, Section] = {s.name: s for s in (
     Section("hashes", "exactness.analysis.hashes", "10_output_hashes", "token hashes of every path -> section JSON",
-            _CHECKPOINT + ("hash_offload", "hash_offload_paths", "hash_max_tokens", "hash_rerun")),
+            HashesParams),
     Section("contract", "exactness.analysis.contract", "20_kernel_contract",
-            "kernel contract: prompt rows vs decode bytes for every pair -> section JSON",
-            ("contract_sweep", "contract_dtypes", "contract_control_sweep", "contract_classes", "contract_offload"),
+            "kernel contract: prompt rows vs decode bytes for every pair -> section JSON", ContractParams,
             mergeable=True),
     Section("fp64", "exactness.analysis.fp64", "30_fp64_per_class",
-            "FP64 per-class accumulation receipt -> section JSON",
-            ("fp64_rows", "fp64_cert", "fp64_tokens", "fp64_prompt", "fp64_synthetic", "fp64_k_max",
-             "fp64_synth_rows", "fp64_fp32_sweep", "fp64_synth_classes")),
+            "FP64 per-class accumulation receipt -> section JSON", Fp64Params),
     Section("streams", "exactness.analysis.streams", "40_streams",
-            "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON",
-            ("mtp_k", "stream_counts", "prompt_cache_gib", "stream_offset", "stream_prompt_tokens", "prefill_path",
-             "drafts") + _CHECKPOINT),
+            "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON", StreamsParams),
     Section("bench", "exactness.analysis.bench", "50_bench",
-            "the bench tables (TTFT, tok/s, ITL, streams, memory) -> section JSON",
-            ("bench_gen_tokens", "bench_path", "bench_step", "bench_reps", "bench_itl_reps", "bench_cold_lengths",
-             "offload") + _CHECKPOINT, mergeable=True),
+            "the bench tables (TTFT, tok/s, ITL, streams, memory) -> section JSON", BenchParams, mergeable=True),
 )}
 BY_NOTEBOOK: dict[str, Section] = {s.notebook: s for s in SECTIONS.values()}
 

@@ -36,6 +36,7 @@ import torch
 from ..config import get_preset
 from ..kernels import get_set
 from ..offload import ExpertStore
+from ..params import BenchParams
 from ..paths import PATHS, Schedule, generate
 from ..progress import bar as progress_bar
 from ..prompts import build_prompt
@@ -44,8 +45,6 @@ from .bench_tables import (INTRO, config_line, expert_store_md, render_md, table
                            tables)
 from .hashes import load_model, resolve_device, token_hash
 
-DEFAULTS = {"bench_gen_tokens": None, "bench_path": "deep", "bench_step": 2048, "bench_reps": 2, "bench_itl_reps": 3,
-            "bench_cold_lengths": [2048, 8192, 30000], "offload": False, "checkpoint": "", "allow_unpinned": False}
 MTP_K = 2                # drafts per verify round
 STREAM_COUNTS = (1, 2)   # concurrent streams
 RING_SLOTS = 4           # expert ring slots when offload is on
@@ -53,39 +52,18 @@ RING_SLOTS = 4           # expert ring slots when offload is on
 
 # ------------------------------------------------------------------------------------------------- parameters
 
-def _positive_int(name: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
-    return v
-
-
-def bench_params(params: dict, max_positions: int | None = None) -> dict:
-    """``params`` with DEFAULTS filled in, validated.
+def bench_params(params: BenchParams | dict, max_positions: int | None = None) -> BenchParams:
+    """The typed parameters of this section (BenchParams: defaults filled in, checked), and with
+    ``max_positions`` (the model's) every cold length + gen_tokens within it.
 
     Raises:
         ValueError: bench_path not a path, bench_step not a positive int or None, bench_reps / bench_itl_reps
             / gen_tokens < 1, offload not a bool, a cold length < 2, or a cold length + gen_tokens above
-            ``max_positions`` (the model's; names the length and the limit).
+            ``max_positions`` (names the length and the limit).
     """
-    p = {**DEFAULTS, **params}
-    if p["bench_gen_tokens"] is not None:  # the bench's own reply length (its tables are defined at 192)
-        p["gen_tokens"] = p["bench_gen_tokens"]
-    if p["bench_path"] not in PATHS:
-        raise ValueError(f"bench_path {p['bench_path']!r} is not a path; allowed: {', '.join(PATHS)}")
-    if p["bench_step"] is not None:
-        _positive_int("bench_step", p["bench_step"])
-    for name in ("bench_reps", "bench_itl_reps", "gen_tokens"):
-        _positive_int(name, p[name])
-    if not isinstance(p["offload"], bool):
-        raise ValueError(f"offload must be true or false, got {p['offload']!r}")
-    lengths = p["bench_cold_lengths"]
-    if not isinstance(lengths, (list, tuple)):
-        raise ValueError(f"bench_cold_lengths must be a list of ints (tokens), got {lengths!r}")
-    for n in lengths:
-        _positive_int("every bench_cold_lengths entry", n, 2)
-        if max_positions is not None and n + p["gen_tokens"] > max_positions:
-            raise ValueError(f"bench_cold_lengths entry {n} + gen_tokens {p['gen_tokens']} exceeds the model's "
-                             f"max_positions={max_positions}; allowed lengths: 2..{max_positions - p['gen_tokens']}")
+    p = BenchParams.from_dict(params)
+    if max_positions is not None:
+        p.check_lengths(max_positions)
     return p
 
 
@@ -202,9 +180,9 @@ class Runner:
     cache_state, peak_mem_bytes, the timing_metrics fields and ``_gen_ids`` (dropped before the JSON).
     """
 
-    def __init__(self, w, experts, p: dict):
+    def __init__(self, w, experts, p: BenchParams):
         self.w, self.experts, self.device = w, experts, w.device
-        self.schedule = Schedule(p["bench_path"], p["bench_step"], p["deep_threshold"])
+        self.schedule = Schedule(p.bench_path, p.bench_step, p.deep_threshold)
         self.mtp = None
 
     def plain(self, ids: torch.Tensor, ks: str, gen: int, path: str | None = None) -> dict:
@@ -293,19 +271,19 @@ def _reps(runner_fn, n: int, bar) -> list[dict]:
     return out
 
 
-def _prompt_rows(runner: Runner, prompts, ks: str, p: dict, kind: str, bar) -> list[dict]:
+def _prompt_rows(runner: Runner, prompts, ks: str, p: BenchParams, kind: str, bar) -> list[dict]:
     """One row per prompt: ``bench_reps`` requests (cold, then warm repeats) of ``kind`` (plain / drafted)."""
     fn = runner.plain if kind == "plain" else runner.drafted
-    return [{"kernels": ks, "prompt": pr.name, "runs": _reps(lambda: fn(pr.ids, ks, p["gen_tokens"]),
-                                                             p["bench_reps"], bar)} for pr in prompts]
+    return [{"kernels": ks, "prompt": pr.name, "runs": _reps(lambda: fn(pr.ids, ks, p.gen_tokens),
+                                                             p.bench_reps, bar)} for pr in prompts]
 
 
-def _itl_rows(runner: Runner, prompts, ks: str, p: dict, kinds, bar) -> list[dict]:
+def _itl_rows(runner: Runner, prompts, ks: str, p: BenchParams, kinds, bar) -> list[dict]:
     rows = []
     for kind in kinds:
         fn = runner.plain if kind == "plain" else runner.drafted
         for pr in prompts:
-            runs = _reps(lambda: fn(pr.ids, ks, p["gen_tokens"]), p["bench_itl_reps"], bar)
+            runs = _reps(lambda: fn(pr.ids, ks, p.gen_tokens), p.bench_itl_reps, bar)
             rows.append({"kernels": ks, "mode": kind, "prompt": pr.name, "runs": runs, **_pooled_itl(runs)})
     return rows
 
@@ -331,25 +309,25 @@ def _stream_summary(streams: list[dict]) -> dict:
             "end_to_end_tps": sum(s["generated"] for s in streams) / last if last else None}
 
 
-def _cold_rows(runner: Runner, sources, ks: str, p: dict, bar) -> list[dict]:
+def _cold_rows(runner: Runner, sources, ks: str, p: BenchParams, bar) -> list[dict]:
     """Exact-length prompts; runs whose prefill did not serve every row are refused (kept as refused)."""
     rows = []
-    for n in p["bench_cold_lengths"]:
+    for n in p.bench_cold_lengths:
         ids = exact_length_ids(n, sources)
-        runs = _reps(lambda: runner.plain(ids, ks, p["gen_tokens"]), p["bench_reps"], bar)
+        runs = _reps(lambda: runner.plain(ids, ks, p.gen_tokens), p.bench_reps, bar)
         refused = [i for i, r in enumerate(runs) if r["cache_state"] != "cold"]
         rows.append({"kernels": ks, "requested": n, "runs": runs, "qualified": not refused, "refused_reps": refused})
     return rows
 
 
-def _stream_rows(runner: Runner, prompts, ks: str, p: dict, alone: dict, bar) -> list[dict]:
+def _stream_rows(runner: Runner, prompts, ks: str, p: BenchParams, alone: dict, bar) -> list[dict]:
     rows = []
     for pr in prompts:
         for n in STREAM_COUNTS:
             reps, errors = [], []
-            for _ in range(p["bench_reps"]):
+            for _ in range(p.bench_reps):
                 try:
-                    streams = runner.streams(pr.ids, n, ks, p["gen_tokens"])
+                    streams = runner.streams(pr.ids, n, ks, p.gen_tokens)
                     reps.append({"streams": streams, **_stream_summary(streams)})
                 except RuntimeError as e:  # a failed run is reported, not hidden
                     errors.append(f"{type(e).__name__}: {e}")
@@ -361,7 +339,7 @@ def _stream_rows(runner: Runner, prompts, ks: str, p: dict, alone: dict, bar) ->
     return rows
 
 
-def _memory(runner: Runner, prompts, ks: str, p: dict, bar) -> dict:
+def _memory(runner: Runner, prompts, ks: str, p: BenchParams, bar) -> dict:
     """Peak of a batched and a bench-path prefill (1 token) of the longest prompt; None on CPU."""
     if runner.device.type != "cuda":
         return {"kernels": ks, "batched_peak_bytes": None, "path_peak_bytes": None, "extra_bytes": None}
@@ -373,21 +351,21 @@ def _memory(runner: Runner, prompts, ks: str, p: dict, bar) -> dict:
             "extra_bytes": d - b}
 
 
-def _n_runs(p: dict, n_prompts: int, drafted: bool, streams: bool, cuda: bool) -> int:
+def _n_runs(p: BenchParams, n_prompts: int, drafted: bool, streams: bool, cuda: bool) -> int:
     kinds = 2 if drafted else 1
-    per_set = (kinds * n_prompts * (p["bench_reps"] + p["bench_itl_reps"]) + len(p["bench_cold_lengths"])
-               * p["bench_reps"] + (n_prompts * len(STREAM_COUNTS) * p["bench_reps"] if streams else 0)
+    per_set = (kinds * n_prompts * (p.bench_reps + p.bench_itl_reps) + len(p.bench_cold_lengths)
+               * p.bench_reps + (n_prompts * len(STREAM_COUNTS) * p.bench_reps if streams else 0)
                + (2 if cuda else 0))
-    return per_set * len(p["kernel_sets"])
+    return per_set * len(p.kernel_sets)
 
 
-def _load(p: dict):
+def _load(p: BenchParams):
     """(weights for forward, expert store or None, tokenizer) as the ``offload`` parameter asks."""
-    if not p["offload"]:
-        w, tok = load_model(p["preset"], p["device"], p["dtype"], p["checkpoint"])
+    if not p.offload:
+        w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint)
         return w, None, tok
-    device = resolve_device(p["device"])
-    w_host, tok = load_model(p["preset"], "cpu", p["dtype"], p["checkpoint"])
+    device = resolve_device(p.device)
+    w_host, tok = load_model(p.preset, "cpu", p.dtype, p.checkpoint)
     store = ExpertStore(w_host, "offload", RING_SLOTS, device)
     return store.weights, store, tok
 
@@ -401,12 +379,12 @@ def _strip(obj):
     return obj
 
 
-def run_section(params: dict) -> dict:
+def run_section(params: BenchParams | dict) -> dict:
     """The ``bench`` section from profile/notebook parameters.
 
-    params keys: preset, device, dtype, prompts, prompt_max_tokens, gen_tokens (replaced by bench_gen_tokens when
-    that is set), deep_threshold, kernel_sets,
-    and (DEFAULTS) bench_path, bench_step, bench_reps, bench_itl_reps, bench_cold_lengths, offload, checkpoint,
+    params (BenchParams, or a dict of its fields): preset, device, dtype, prompts, prompt_max_tokens, gen_tokens
+    (replaced by bench_gen_tokens when that is set), deep_threshold, kernel_sets,
+    and (with defaults) bench_path, bench_step, bench_reps, bench_itl_reps, bench_cold_lengths, offload, checkpoint,
     allow_unpinned.
     Returns:
         {"section": "bench", "data": {"config", "not_run", "plain", "drafted", "itl", "cold", "streams",
@@ -416,20 +394,22 @@ def run_section(params: dict) -> dict:
         ValueError: see bench_params (checked before the model loads for presets), unknown kernel set, prompt,
             preset, device or dtype; PromptPinError: prompt text unpinned.
     """
-    p = bench_params(params, None if params.get("checkpoint") else get_preset(params["preset"]).max_positions)
-    for ks in p["kernel_sets"]:
+    p = BenchParams.from_dict(params)
+    if not p.checkpoint:   # a preset's length limit is known before the model loads
+        p.check_lengths(get_preset(p.preset).max_positions)
+    for ks in p.kernel_sets:
         get_set(ks)
     w, store, tok = _load(p)
-    p = bench_params(p, w.cfg.max_positions)
-    prompts = [build_prompt(n, p.get("prompt_max_tokens"), p["allow_unpinned"], tok) for n in p["prompts"]]
-    sources = [build_prompt(n, None, p["allow_unpinned"], tok).ids for n in ("code", "docs")]
+    p.check_lengths(w.cfg.max_positions)
+    prompts = [build_prompt(n, p.prompt_max_tokens, p.allow_unpinned, tok) for n in p.prompts]
+    sources = [build_prompt(n, None, p.allow_unpinned, tok).ids for n in ("code", "docs")]
     not_run = {k: r for k, r in (("drafted", _available("mtp")), ("streams", _available("batch"))) if r}
     runner = Runner(w, store, p)
     data = {k: [] for k in ("plain", "drafted", "itl", "cold", "streams", "memory")}
     total = _n_runs(p, len(prompts), "drafted" not in not_run, "streams" not in not_run, runner.device.type == "cuda")
     with ExitStack() as stack:
         bar = stack.enter_context(progress_bar(total, "bench", "run"))
-        for ks in p["kernel_sets"]:
+        for ks in p.kernel_sets:
             _bench_set(runner, prompts, sources, ks, p, not_run, data, bar)
     data.update(config=_config(p, w, store), not_run=not_run, offload=store.info() if store else None)
     return {"section": "bench", "data": _strip(data)}
@@ -474,7 +454,7 @@ def merge_sections(parts: list[dict]) -> dict:
     return merged
 
 
-def _bench_set(runner: Runner, prompts, sources, ks: str, p: dict, not_run: dict, data: dict, bar) -> None:
+def _bench_set(runner: Runner, prompts, sources, ks: str, p: BenchParams, not_run: dict, data: dict, bar) -> None:
     """Every table's runs for kernel set ``ks``, appended to ``data`` in place (order: plain, drafted, ITL
     repetitions, cold-cache lengths, streams, memory pair)."""
     kinds = ["plain"] + ([] if "drafted" in not_run else ["drafted"])
@@ -488,11 +468,11 @@ def _bench_set(runner: Runner, prompts, sources, ks: str, p: dict, not_run: dict
     data["memory"].append(_memory(runner, prompts, ks, p, bar))
 
 
-def _config(p: dict, w, store) -> dict:
-    return {"preset": p["preset"], "device": str(w.device), "dtype": p["dtype"], "kernel_sets": list(p["kernel_sets"]),
-            "path": p["bench_path"], "step": p["bench_step"], "deep_threshold": p["deep_threshold"],
-            "gen_tokens": p["gen_tokens"], "reps": p["bench_reps"], "itl_reps": p["bench_itl_reps"],
-            "cold_lengths": list(p["bench_cold_lengths"]), "offload": p["offload"], "mtp_k": MTP_K,
+def _config(p: BenchParams, w, store) -> dict:
+    return {"preset": p.preset, "device": str(w.device), "dtype": p.dtype, "kernel_sets": list(p.kernel_sets),
+            "path": p.bench_path, "step": p.bench_step, "deep_threshold": p.deep_threshold,
+            "gen_tokens": p.gen_tokens, "reps": p.bench_reps, "itl_reps": p.bench_itl_reps,
+            "cold_lengths": list(p.bench_cold_lengths), "offload": p.offload, "mtp_k": MTP_K,
             "stream_counts": list(STREAM_COUNTS), "prompt_cache": "off (paths.generate holds no prompt cache)",
             "temperature": 0, "eos": "ignored", "weights_device_bytes": w.nbytes(),
             "ring_bytes": store.ring_bytes if store else 0,

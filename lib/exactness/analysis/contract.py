@@ -26,6 +26,7 @@ import torch
 from ..exact import INT_VIEW, differing_rows, first_differing_row, ulp_distance
 from ..progress import bar as progress_bar
 from ..kernels import KERNEL_CLASSES, KERNEL_SETS, KernelSpec, get_set
+from ..params import ContractParams
 from ..sections import join_provenance
 from .contract_cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SOURCES, Case, bucket,
                              check_sweep, make_pool, offloaded, plan, ranges)
@@ -310,11 +311,11 @@ def coverage(rows: list[dict], set_names, device: str, dtypes) -> tuple[list[dic
     return cov, unc
 
 
-def run_section(params: dict) -> dict:
+def run_section(params: ContractParams | dict) -> dict:
     """The ``contract`` section from profile/notebook parameters.
 
-    params keys: kernel_sets (list of set names), device, preset (input shapes; default "tiny"), dtype (the
-    profile's; checked first), optional
+    params (ContractParams, or a dict of its fields): kernel_sets (list of set names), device, preset (input
+    shapes; default "tiny"), dtype (the profile's; checked first), optional
     contract_dtypes (default: the profile's dtype plus the other of bfloat16/float32), contract_sweep ("full" |
     "quick", default "full"), contract_control_sweep (the sweep of sets that claim no exactness, e.g. ``fast``:
     they are the negative control, whose mismatches any sweep shows; default contract_sweep), contract_classes
@@ -323,18 +324,19 @@ def run_section(params: dict) -> dict:
     "control_sweep", "preset", "rows": [PairResult.to_row()...], "offload_rows": [...], "coverage": [...],
     "uncovered": [...]}``. Raises ValueError on an unknown set/device/dtype/sweep/class.
     """
-    sets = list(params.get("kernel_sets") or KERNEL_SETS)
-    device = params.get("device", "cpu")
-    base = params.get("dtype", "bfloat16")
-    dtypes = list(params.get("contract_dtypes") or [base] + [d for d in ("bfloat16", "float32") if d != base])
-    sweep = params.get("contract_sweep", "full")
-    control = params.get("contract_control_sweep") or sweep
-    check_sweep(sweep)
+    p = ContractParams.from_dict(params)
+    sets = list(p.kernel_sets or KERNEL_SETS)
+    device = p.device
+    base = p.dtype
+    dtypes = list(p.contract_dtypes or [base] + [d for d in ("bfloat16", "float32") if d != base])
+    sweep = p.contract_sweep
+    control = p.contract_control_sweep or sweep
+    check_sweep(sweep)   # the sweeps are defined beside the cases (contract_cases), so checked here
     check_sweep(control)
     for s in sets:
         get_set(s)
-    kw = {"preset": params.get("preset", "tiny"), "classes": params.get("contract_classes") or None}
-    offloads = [False, True] if params.get("contract_offload", True) else [False]
+    kw = {"preset": p.preset, "classes": p.contract_classes or None}
+    offloads = [False, True] if p.contract_offload else [False]
     total = len(dtypes) * sum(len(selected_pairs(s, kw["classes"], o)) for s in sets for o in offloads)
     rows, off = [], []
     with progress_bar(total, "contract", "pair") as bar:

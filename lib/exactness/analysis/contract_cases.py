@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import get_preset
+from ..kernels.registry import ClassNames, class_record, resolve
 from ..weights import synthetic_weights
+from .contract_inputs import RandomInputs
 
 FULL_M: tuple[int, ...] = tuple(range(1, 131)) + (255, 256, 257, 511, 512, 513, 1024, 4097)
 SWEEPS = ("full", "quick")
@@ -198,11 +200,6 @@ def _plain(rows, fixed):
     return (*rows, *fixed)
 
 
-def _attention_args(rows, fixed):
-    q, slots, positions = rows
-    return (q, fixed[0], fixed[1], slots, positions)
-
-
 def _pool_rows() -> int:
     return N_REAL + 2 * N_MATES
 
@@ -258,12 +255,12 @@ def _captured_pool(cls: str, dtype: torch.dtype, device: str, preset: str) -> Po
         pos = torch.cat([torch.arange(N_REAL + N_MATES, device=device), tail_pos])
         slots = torch.cat([torch.zeros(N_REAL + N_MATES, dtype=torch.int64, device=device),
                            torch.ones(N_MATES, dtype=torch.int64, device=device)])
-        return Pool(cls, "captured", (q, slots, pos), (kc, vc), _attention_args)
+        return Pool(cls, "captured", (q, slots, pos), (kc, vc), class_record(cls).arrange)
     if cls == "argmax":
         logits = calls["lm_head"][0][2]                                         # [P, V] fp32
         return Pool(cls, "captured", (logits.to(dtype),), (), _plain)
     args = _largest(calls[cls], -1 if cls == "lm_head" else 0)
-    rows = {"router": 1, "moe_combine": 3, "rope": 2, "residual": 2}.get(cls, 1)
+    rows = len(class_record(cls).row_args)   # leading per-row arguments (attention and argmax are built above)
     if cls == "moe_combine" and args[2] is None:   # no shared expert (e.g. the small preset): shared stays fixed
         rows = 2
     return Pool(cls, "captured", tuple(_rows_of(a, n) for a in args[:rows]), tuple(args[rows:]), _plain)
@@ -275,53 +272,15 @@ def _weights32(preset: str):
 
 
 def _random_pool(cls: str, dtype: torch.dtype, device: str, preset: str) -> Pool:
-    """Seeded N(0, 1) activations with the preset's layer-0 weights (Kaiming-scaled, weights.py)."""
-    cfg = get_preset(preset)
-    lw = _weights32(preset).layers[0]
+    """The class record's builder (contract_inputs.py) on a generator seeded by the class's place in ADAPTED."""
+    rec = class_record(cls)
     g = torch.Generator().manual_seed(1000 + ADAPTED.index(cls))
-    n, H, D, Hq = _pool_rows(), cfg.hidden, cfg.head_dim, cfg.n_heads
-    rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-
-    def cast(*ts):
-        return tuple(t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device) for t in ts)
-
-    if cls == "dense":
-        return Pool(cls, "random", cast(rn(n, H)), cast(lw.wq), _plain)
-    if cls == "router":
-        wr = lw.router.clone()
-        wr[1] = wr[0]  # experts 0 and 1 tie in every row: exercises the top-k tie-break
-        return Pool(cls, "random", cast(rn(n, H)), (*cast(wr), cfg.top_k, cfg.norm_topk_prob), _plain)
-    if cls == "expert_gate_up":
-        return Pool(cls, "random", cast(rn(n, H)), cast(lw.w_gate[0], lw.w_up[0]), _plain)
-    if cls == "expert_down":
-        return Pool(cls, "random", cast(0.5 * rn(n, cfg.expert_inter)), cast(lw.w_down[0]), _plain)
-    if cls == "moe_combine":
-        wts = torch.softmax(rn(n, cfg.top_k), dim=-1)
-        return Pool(cls, "random", cast(rn(n, cfg.top_k, H), wts, rn(n, H)), (), _plain)
-    if cls == "attention":
-        kc, vc = rn(2, n, cfg.n_kv_heads, D), rn(2, n, cfg.n_kv_heads, D)
-        pos = torch.cat([torch.arange(N_REAL), torch.randint(0, n, (2 * N_MATES,), generator=g)])
-        slots = torch.cat([torch.zeros(N_REAL + N_MATES, dtype=torch.int64), torch.ones(N_MATES, dtype=torch.int64)])
-        return Pool(cls, "random", cast(rn(n, Hq, D), slots, pos), cast(kc, vc), _attention_args)
-    if cls == "rmsnorm":   # per-head q-norm shape [M, Hq, D]: rows are flattened to M*Hq inside the kernels
-        return Pool(cls, "random", cast(rn(n, Hq, D)), (*cast(lw.q_norm), cfg.rms_eps), _plain)
-    if cls == "rope":
-        pos = torch.randint(0, cfg.max_positions, (n,), generator=g)
-        return Pool(cls, "random", cast(rn(n, Hq, D), pos), (cfg.rope_theta,), _plain)
-    if cls == "residual":
-        return Pool(cls, "random", cast(rn(n, H), rn(n, H)), (), _plain)
-    if cls == "lm_head":
-        w_head = _weights32(preset).lm_head
-        return Pool(cls, "random", cast(rn(n, H)), cast(w_head), _plain)
-    if cls == "argmax":   # half the rows small integers (many exact ties: first maximum wins), half N(0, 1)
-        ties = torch.randint(-4, 5, (n, cfg.vocab_size), generator=g).float()
-        logits = torch.where(torch.arange(n)[:, None] % 2 == 0, ties, rn(n, cfg.vocab_size))
-        return Pool(cls, "random", cast(logits), (), _plain)
-    raise ValueError(f"no input builder for kernel class {cls!r}")
+    inp = RandomInputs(get_preset(preset), _weights32(preset), g, _pool_rows(), N_REAL, N_MATES, dtype, device)
+    rows, fixed = resolve(rec.contract_inputs)(inp)
+    return Pool(cls, "random", tuple(rows), tuple(fixed), rec.arrange)
 
 
-ADAPTED = ("dense", "router", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope",
-           "residual", "lm_head", "argmax")
+ADAPTED = ClassNames(lambda r: r.contract_inputs is not None)   # the classes with an input builder, class order
 
 
 OFFLOAD_CLASSES = ("expert_gate_up", "expert_down")   # the classes whose weights offload moves

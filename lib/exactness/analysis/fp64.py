@@ -27,6 +27,7 @@ output (for GEMMs: |z - y| <= gamma_K·sum|x·w| for the fp32 value z before sto
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -35,7 +36,9 @@ import torch
 from ..config import get_preset
 from ..exact import as_int, ulp_distance
 from ..kernels import get_set
+from ..kernels.registry import ClassNames
 from ..model import tapping
+from ..params import Fp64Params
 from ..paths import PATHS, Schedule, generate
 from ..progress import bar as progress_bar
 from ..prompts import build_prompt
@@ -50,12 +53,8 @@ from .taps import TapRecorder
 from .ulp import U_ACC, distance_to_rounding_interval, round_to, unit_roundoff
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-CLASSES = ("dense", "router", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope",
-           "residual", "lm_head")
+CLASSES = ClassNames(lambda r: r.fp64 is not None)   # the classes with an FP64 evaluator, in class order
 HIST_EDGES = (0, 1, 2, 3, 4, 8, 16, 64)  # ULP histogram bins [e_i, e_{i+1}), the last open
-DEFAULTS = {"fp64_rows": 64, "fp64_cert": 12, "fp64_tokens": None, "fp64_prompt": None, "fp64_synthetic": True,
-            "fp64_k_max": 16384, "fp64_synth_rows": 128, "fp64_fp32_sweep": True,
-            "fp64_synth_classes": None}
 
 
 def _finite_max(t: torch.Tensor) -> float | None:
@@ -161,16 +160,10 @@ def ulp_hist(ulps: torch.Tensor) -> list[int]:
     return torch.bincount(torch.bucketize(ulps, edges, right=True), minlength=len(HIST_EDGES)).tolist()
 
 
-def _params(params: dict) -> dict:
-    p = {**DEFAULTS, **params}
-    for k in ("preset", "device", "dtype", "prompts", "steps", "deep_threshold", "kernel_sets"):
-        if k not in p:
-            raise ValueError(f"fp64 section parameter {k!r} missing; profile fields are required")
-    if p["dtype"] not in DTYPES:
-        raise ValueError(f"dtype {p['dtype']!r} not supported; allowed: {', '.join(DTYPES)}")
-    if int(p["fp64_rows"]) < 1 or int(p["fp64_cert"]) < 1:
-        raise ValueError(f"fp64_rows and fp64_cert must be >= 1, got {p['fp64_rows']}, {p['fp64_cert']}")
-    return p
+def _params(params: Fp64Params | dict) -> dict:
+    """The checked parameters (Fp64Params: defaults, required profile fields, values) as the dict this module's
+    helpers read."""
+    return dataclasses.asdict(Fp64Params.from_dict(params))
 
 
 def capture_plan(p: dict) -> dict:
@@ -291,7 +284,7 @@ def _synthetic_rows(p, cfg, dev, out, memo):
             _emit(out, ev, evs.get((ks, "decode")), cert, meta, sts[(ks, path)])
 
 
-def run_section(params: dict) -> dict:
+def run_section(params: Fp64Params | dict) -> dict:
     """The ``fp64`` receipt section.
 
     Args:

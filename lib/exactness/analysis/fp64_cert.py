@@ -22,10 +22,12 @@ import mpmath
 import torch
 from mpmath import mp, mpf
 
+from ..kernels.registry import ClassNames
 from .fp64_ref import CERT_MAX_ULPS, CERT_PRECS, MP_AGREE, Eval, rope_angles, weight_key
 
-SUM_CLASSES = ("dense", "router", "expert_down", "lm_head", "moe_combine", "residual")
-MP_CLASSES = ("expert_gate_up", "attention", "rmsnorm", "rope")
+# The groups come from the class records' ``fp64_cert``; the terms (sum_terms) and values (mp_value) are per class.
+SUM_CLASSES = ClassNames(lambda r: r.fp64_cert == "sum")
+MP_CLASSES = ClassNames(lambda r: r.fp64_cert == "mpmath")
 
 
 class CertificationError(ArithmeticError):
@@ -148,8 +150,9 @@ def certify(ev: Eval, picks, params: dict, kv: dict, memo: dict | None = None) -
     Raises:
         ValueError: a class with no certification method.
     """
-    if ev.cls not in SUM_CLASSES + MP_CLASSES:
-        raise ValueError(f"no certification for class {ev.cls!r}; known: {', '.join(SUM_CLASSES + MP_CLASSES)}")
+    known = [*SUM_CLASSES, *MP_CLASSES]
+    if ev.cls not in known:
+        raise ValueError(f"no certification for class {ev.cls!r}; known: {', '.join(known)}")
     memo = {} if memo is None else memo
     worst, failures, cache, digests = 0.0, [], {}, {}
     for i in picks:

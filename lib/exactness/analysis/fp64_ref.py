@@ -30,14 +30,17 @@ of the fp32 accumulation's unit, so the reference judges errors it is far smalle
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.registry import ClassNames, class_record, resolve
 from .taps import Sample
 from .ulp import U_ACC, unit_roundoff
 
+FP64_CLASSES = ClassNames(lambda r: r.fp64 is not None)
 CERT_MAX_ULPS = 2.0 ** 10
 CERT_PRECS = (320, 640)
 MP_AGREE = 2.0 ** -100
@@ -283,10 +286,11 @@ def _residual(samples, params, kv):
     return parts.build("residual", samples)
 
 
-EVALUATORS = {"dense": lambda *a: _eval_gemm("dense", *a), "router": lambda *a: _eval_gemm("router", *a),
-              "expert_down": lambda *a: _eval_gemm("expert_down", *a), "lm_head": lambda *a: _eval_gemm("lm_head", *a),
-              "expert_gate_up": _gate_up, "moe_combine": _combine, "attention": _attention, "rmsnorm": _rmsnorm,
-              "rope": _rope, "residual": _residual}
+# The evaluators the kernel-class records (kernels/registry.py, field ``fp64``) name: (samples, params, kv) -> Eval.
+eval_dense, eval_router, eval_expert_down, eval_lm_head = (functools.partial(_eval_gemm, c) for c in
+                                                           ("dense", "router", "expert_down", "lm_head"))
+eval_expert_gate_up, eval_moe_combine, eval_attention = _gate_up, _combine, _attention
+eval_rmsnorm, eval_rope, eval_residual = _rmsnorm, _rope, _residual
 
 
 def evaluate(cls: str, samples: list[Sample], params: dict, kv: dict) -> Eval:
@@ -294,9 +298,10 @@ def evaluate(cls: str, samples: list[Sample], params: dict, kv: dict) -> Eval:
 
     Args:
         params: (layer, tag) -> weight tensor (taps.TapRecorder.params); kv: layer -> (k [T, Hkv, D], v) of the run.
+    The evaluator is the class record's ``fp64`` (kernels/registry.py).
     Raises:
-        ValueError: unknown class (lists the known ones) or no samples.
+        ValueError: a class with no FP64 evaluator (lists the known ones) or no samples.
     """
-    if cls not in EVALUATORS:
-        raise ValueError(f"no FP64 reference for class {cls!r}; known: {', '.join(EVALUATORS)}")
-    return EVALUATORS[cls](samples, params, kv)
+    if cls not in FP64_CLASSES:
+        raise ValueError(f"no FP64 reference for class {cls!r}; known: {', '.join(FP64_CLASSES)}")
+    return resolve(class_record(cls).fp64)(samples, params, kv)

@@ -18,12 +18,12 @@ import torch
 
 from ..config import ModelConfig
 from ..kernels import get_set
+from ..kernels.registry import ClassNames, class_record
 from .taps import Sample
 
 INPUT_SETS = ("normal", "outliers", "same_sign")
-TILED = ("dense", "expert_gate_up", "expert_down")
-ROW_ARGS = {"dense": (0,), "expert_gate_up": (0,), "expert_down": (0,), "moe_combine": (0, 1, 2),
-            "attention": (0, 3, 4), "rmsnorm": (0,), "rope": (0, 1)}
+TILED = ClassNames(lambda r: r.deep_tiles)
+SYNTH_CLASSES = ("dense", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope")
 TILE = 64
 
 
@@ -93,7 +93,7 @@ def make_case(cls: str, input_set: str, cfg: ModelConfig, dtype, device, M: int 
         pos = torch.randint(0, 16384, (M,), generator=g).to(device)
         return Case(cls, input_set, 2, (d((M, cfg.n_heads, cfg.head_dim)), pos, cfg.rope_theta), {}, {},
                     pos.tolist())
-    raise ValueError(f"no synthetic case for class {cls!r}; known: {', '.join(ROW_ARGS)}")
+    raise ValueError(f"no synthetic case for class {cls!r}; known: {', '.join(SYNTH_CLASSES)}")
 
 
 def _full_args(case: Case) -> tuple:
@@ -107,7 +107,7 @@ def _full_args(case: Case) -> tuple:
 
 
 def _call(fn, cls, args, a, b):
-    rows = ROW_ARGS[cls]
+    rows = class_record(cls).row_args   # slice the per-row arguments, pass the fixed ones whole
     return fn(*[x[a:b] if i in rows else x for i, x in enumerate(args)])
 
 

@@ -16,6 +16,7 @@ from ..exact import bytes_equal, differing_rows, first_differing_row, kv_first_d
 from ..progress import bar as progress_bar
 from ..config import get_preset
 from ..kernels import get_set
+from ..params import HashesParams, check_offload_paths, offload_modes  # noqa: F401  (offload_modes: its API)
 from ..paths import PATHS, RunResult, Schedule, generate
 from ..prompts import build_prompt
 from ..weights import synthetic_weights
@@ -126,30 +127,6 @@ def _row(prompt, run: RunResult, seconds: float) -> dict:
     }
 
 
-def offload_modes(offload) -> list[bool]:
-    """The expert-offload modes to run: False (resident) always first, since it gives the oracle; ``offload`` is a
-    bool or a list of bools.
-
-    Raises:
-        ValueError: anything else.
-    """
-    modes = offload if isinstance(offload, (list, tuple)) else [offload]
-    if not all(isinstance(m, bool) for m in modes):
-        raise ValueError(f"offload must be true, false or a list of them, got {offload!r}")
-    return [False] + ([True] if True in modes else [])
-
-
-def check_offload_paths(paths) -> list[str]:
-    """The paths whose runs are repeated with offloaded experts: a non-empty list drawn from decode/batched/deep.
-
-    Raises:
-        ValueError: anything else (names the bad value and the allowed ones).
-    """
-    if (not isinstance(paths, (list, tuple)) or not paths or any(p not in PATHS for p in paths)):
-        raise ValueError(f"hash_offload_paths must be a non-empty list drawn from {list(PATHS)}, got {paths!r}")
-    return list(paths)
-
-
 def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress=None,
                store=None, offload_paths=("decode", "batched", "deep"), rerun: bool = False) -> list[dict]:
     """All runs of one prompt; rows as documented in the module docstring (``_curve`` holds the plot data).
@@ -201,49 +178,46 @@ def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
     return rows, first
 
 
-def run_section(params: dict) -> dict:
+def run_section(params: HashesParams | dict) -> dict:
     """The ``hashes`` section from profile/notebook parameters.
 
-    params keys: preset, device, dtype, prompts, prompt_max_tokens (int|None), steps, gen_tokens, deep_threshold,
-    kernel_sets, optional checkpoint ("" = synthetic), allow_unpinned (False), hash_offload (False, True or
-    [False, True]: True repeats runs with the experts in host memory, offload.ExpertStore), hash_offload_paths
-    (the paths repeated offloaded, default all three), hash_max_tokens (int|None: cuts the prompts of this section
-    only, default prompt_max_tokens; the serial oracle costs one decode step per prompt token), hash_rerun (True:
-    repeat each set's first batched run once and record ``rerun_equal`` on its row, see run_prompt).
+    params: HashesParams, or a dict of its fields (built with HashesParams.from_dict): preset, device, dtype,
+    prompts, prompt_max_tokens (int|None), steps, gen_tokens, deep_threshold, kernel_sets, optional checkpoint
+    ("" = synthetic), allow_unpinned (False), hash_offload (False, True or [False, True]: True repeats runs with
+    the experts in host memory, offload.ExpertStore), hash_offload_paths (the paths repeated offloaded, default all
+    three), hash_max_tokens (int|None: cuts the prompts of this section only, default prompt_max_tokens; the serial
+    oracle costs one decode step per prompt token), hash_rerun (True: repeat each set's first batched run once and
+    record ``rerun_equal`` on its row, see run_prompt).
     Returns:
         {"section": "hashes", "rows": [...], "curves": [{prompt, kernels, path, step, bin_width, max_abs_diff}]}.
     Raises:
         ValueError: bad preset/device/dtype/steps/kernel set/prompt name; PromptPinError: prompt text unpinned.
     """
-    for ks in params["kernel_sets"]:
+    p = HashesParams.from_dict(params)   # refuses bad values before any work
+    for ks in p.kernel_sets:
         get_set(ks)  # fail before any work on an unknown set
-    off_paths = params.get("hash_offload_paths")
-    off_paths = check_offload_paths(list(PATHS) if off_paths is None else off_paths)
-    max_tokens = params.get("hash_max_tokens") or params.get("prompt_max_tokens")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ValueError(f"hash_max_tokens / prompt_max_tokens must be a positive int or None, got {max_tokens!r}")
-    w, tok = load_model(params["preset"], params["device"], params["dtype"], params.get("checkpoint", ""))
-    prompts = [build_prompt(p, max_tokens, params.get("allow_unpinned", False), tok) for p in params["prompts"]]
-    for p in prompts:
-        if p.n_tokens + params["gen_tokens"] > w.cfg.max_positions:
-            raise ValueError(f"prompt {p.name!r} has {p.n_tokens} tokens; with {params['gen_tokens']} generated it "
+    off_paths = list(PATHS) if p.hash_offload_paths is None else check_offload_paths(p.hash_offload_paths)
+    max_tokens = p.max_tokens
+    w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint)
+    prompts = [build_prompt(n, max_tokens, p.allow_unpinned, tok) for n in p.prompts]
+    for pr in prompts:
+        if pr.n_tokens + p.gen_tokens > w.cfg.max_positions:
+            raise ValueError(f"prompt {pr.name!r} has {pr.n_tokens} tokens; with {p.gen_tokens} generated it "
                              f"exceeds max_positions={w.cfg.max_positions}")
     store = None
-    if True in offload_modes(params.get("hash_offload", False)):
+    if True in offload_modes(p.hash_offload):
         from ..offload import ExpertStore
         store = ExpertStore(w.to(device="cpu"), "offload", device=w.device)
-    configs = run_configs(params["steps"], params["kernel_sets"])
-    rerun = params.get("hash_rerun", True)
-    if not isinstance(rerun, bool):
-        raise ValueError(f"hash_rerun must be true or false, got {rerun!r}")
+    configs = run_configs(p.steps, p.kernel_sets)
+    rerun = p.hash_rerun
     n_runs = (len(configs) + (sum(c[1] in off_paths for c in configs) if store else 0)
-              + (len(params["kernel_sets"]) if rerun else 0))
-    tokens = n_runs * sum(p.n_tokens + params["gen_tokens"] for p in prompts)   # rows through the model
+              + (len(p.kernel_sets) if rerun else 0))
+    tokens = n_runs * sum(pr.n_tokens + p.gen_tokens for pr in prompts)   # rows through the model
     rows = []
     with progress_bar(tokens, "hash matrix", "token") as bar:
-        for p in prompts:
-            rows += run_prompt(w, p, params["kernel_sets"], params["steps"], params["gen_tokens"],
-                               params["deep_threshold"], bar, store, off_paths, rerun)
+        for pr in prompts:
+            rows += run_prompt(w, pr, p.kernel_sets, p.steps, p.gen_tokens, p.deep_threshold, bar, store,
+                               off_paths, rerun)
     curves = [{"prompt": r["prompt"], "kernels": r["kernels"], "path": r["path"], "step": r["step"],
                "offload": r["offload"],
                "bin_width": max(1, -(-r["prompt_tokens"] // DIFF_BINS)), "max_abs_diff": r.pop("_curve")}

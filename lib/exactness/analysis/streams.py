@@ -24,10 +24,11 @@ import time
 
 import torch
 
-from ..batch import BATCH_LIMIT, check_streams, run_streams
+from ..batch import BATCH_LIMIT, run_streams
 from ..exact import bytes_equal, first_differing_row, kv_first_difference, token_hash
 from ..kernels import get_set
-from ..mtp import check_k, generate_drafted, resolve_mtp
+from ..params import StreamsParams
+from ..mtp import generate_drafted, resolve_mtp
 from ..paths import Schedule, generate
 from ..progress import bar as progress_bar
 from ..prompt_cache import PromptCache, generate_cached
@@ -37,9 +38,6 @@ from .streams_report import (INTRO, concurrent_table, drafted_table, render_md, 
                              resumed_table, settings_md, summary_rows, summary_table, verdict_md)
 
 REPS = 2
-DEFAULTS = {"mtp_k": 2, "stream_counts": [1, 2, 4], "prompt_cache_gib": 1.0, "stream_offset": 2,
-            "stream_prompt_tokens": None, "prefill_path": "batched", "drafts": ["mtp", "self"], "checkpoint": "",
-            "allow_unpinned": False}
 STREAM_CUT = 5  # stream j's prompt is STREAM_CUT * j tokens shorter, so the streams' lengths differ
 
 
@@ -52,27 +50,14 @@ def run_equal(a_ids, a_logits, b_ids, b_logits) -> bool:
 
 # --------------------------------------------------------------------------------------------------- parameters
 
-def section_params(params: dict) -> dict:
-    """``params`` with this section's defaults filled in and validated.
+def section_params(params: StreamsParams | dict) -> StreamsParams:
+    """The typed parameters of this section (StreamsParams: its defaults filled in, checked).
 
     Raises:
         ValueError: mtp_k outside 1..4, a stream count outside 1..BATCH_LIMIT, a negative prompt cache budget,
-            an unknown draft source, or an empty steps list.
+            an unknown draft source, an empty steps list, or any bad common field.
     """
-    p = {**DEFAULTS, **params}
-    check_k(p["mtp_k"])
-    for n in p["stream_counts"]:
-        check_streams(n, p["stream_offset"], BATCH_LIMIT)
-    PromptCache(p["prompt_cache_gib"], "any")  # validates the budget
-    bad = [d for d in p["drafts"] if d not in ("mtp", "self")]
-    if bad:
-        raise ValueError(f"unknown draft sources {bad}; allowed: mtp, self")
-    if not p["steps"]:
-        raise ValueError("steps must hold at least one step size (tokens)")
-    if p["stream_prompt_tokens"] is None:
-        pm = p.get("prompt_max_tokens")
-        p["stream_prompt_tokens"] = min(256, max(8, pm // 4)) if pm else 256
-    return p
+    return StreamsParams.from_dict(params)
 
 
 def prompt_step(step: int, n_prompt: int) -> int:
@@ -80,9 +65,9 @@ def prompt_step(step: int, n_prompt: int) -> int:
     return step if n_prompt > step else max(1, n_prompt // 3)
 
 
-def _schedule(p: dict, step: int) -> Schedule:
+def _schedule(p: StreamsParams, step: int) -> Schedule:
     """The section's prefill: ``prefill_path`` at ``step`` with the profile's deep threshold."""
-    return Schedule(p["prefill_path"], step, p["deep_threshold"])
+    return Schedule(p.prefill_path, step, p.deep_threshold)
 
 
 def resume_points(n_prompt: int, step: int) -> dict[str, int]:
@@ -96,21 +81,21 @@ def resume_points(n_prompt: int, step: int) -> dict[str, int]:
 
 # ------------------------------------------------------------------------------------------------------ drafted
 
-def drafted_rows(w, prompt, ks: str, plain: list, p: dict, step: int) -> list[dict]:
+def drafted_rows(w, prompt, ks: str, plain: list, p: StreamsParams, step: int) -> list[dict]:
     """One row per draft source: drafted (REPS runs) against ``plain`` (REPS paths.generate runs, cache kept)."""
     rows = []
-    for draft in p["drafts"]:
+    for draft in p.drafts:
         t0 = time.perf_counter()
-        runs = [generate_drafted(w, prompt.ids, p["gen_tokens"], ks, _schedule(p, step), k=p["mtp_k"], draft=draft,
+        runs = [generate_drafted(w, prompt.ids, p.gen_tokens, ks, _schedule(p, step), k=p.mtp_k, draft=draft,
                                  keep_cache=True) for _ in range(REPS)]
         ref, pairs = plain[0], list(zip(runs, plain))  # repetition i against plain repetition i
         div = next((first_differing_row(r.gen_ids, q.gen_ids) for r, q in pairs
                     if not torch.equal(r.gen_ids, q.gen_ids)), None)
         s = runs[0].stats
         rows.append({
-            "set": ks, "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "gen_tokens": p["gen_tokens"],
-            "path": p["prefill_path"], "step": step, "draft": draft if draft == "mtp" else "self (sanity)",
-            "mtp_source": runs[0].mtp_source, "k": p["mtp_k"], "plain_hash": token_hash(ref.gen_ids),
+            "set": ks, "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "gen_tokens": p.gen_tokens,
+            "path": p.prefill_path, "step": step, "draft": draft if draft == "mtp" else "self (sanity)",
+            "mtp_source": runs[0].mtp_source, "k": p.mtp_k, "plain_hash": token_hash(ref.gen_ids),
             "drafted_hash": token_hash(runs[0].gen_ids), "drafted_hashes": [token_hash(r.gen_ids) for r in runs],
             "equal": all(torch.equal(r.gen_ids, q.gen_ids) for r, q in pairs), "first_divergence": div,
             "logits_bytes_equal": all(bytes_equal(r.gen_logits, q.gen_logits) for r, q in pairs),
@@ -137,16 +122,16 @@ def _drafted_reruns(runs, plain) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ resumed
 
-def resumed_rows(w, prompt, ks: str, fresh: list, p: dict, step: int) -> list[dict]:
+def resumed_rows(w, prompt, ks: str, fresh: list, p: StreamsParams, step: int) -> list[dict]:
     """One row per prompt-cache mode: a request resumed from the cache (REPS runs) against ``fresh``."""
     P, rows = prompt.n_tokens, []
     for mode, split in resume_points(P, step).items():
         t0 = time.perf_counter()
-        pc = PromptCache(p["prompt_cache_gib"], mode, step)
+        pc = PromptCache(p.prompt_cache_gib, mode, step)
         earlier = P - 1 if mode == "grid" else split
         if split > 0:
             generate_cached(w, pc, prompt.ids[:earlier], 1, ks, _schedule(p, step))
-        runs = [generate_cached(w, pc, prompt.ids, p["gen_tokens"], ks, _schedule(p, step), keep_cache=True)
+        runs = [generate_cached(w, pc, prompt.ids, p.gen_tokens, ks, _schedule(p, step), keep_cache=True)
                 for _ in range(REPS)]
         rows.append(_resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p))
         rows[-1]["seconds"] = round(time.perf_counter() - t0, 3)
@@ -165,7 +150,7 @@ def _resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p) -> 
               "resumed": all(run_equal(r.gen_ids, r.gen_logits, r0.gen_ids, r0.gen_logits) and r.resumed_from ==
                              r0.resumed_from and bytes_equal(r.tail_logits, r0.tail_logits) for r in runs)}
     return {
-        "set": ks, "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "gen_tokens": p["gen_tokens"],
+        "set": ks, "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "gen_tokens": p.gen_tokens,
         "mode": mode, "step": step, "split": split, "on_grid": split > 0 and split % step == 0,
         "earlier_request_tokens": earlier if split > 0 else None,
         "resumed_from": [r.resumed_from for r in runs], "tail_rows": prompt.n_tokens - r0.resumed_from,
@@ -178,7 +163,7 @@ def _resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p) -> 
         "first_tail_row_diff": None if row_diff is None else r0.resumed_from + row_diff,
         "first_kv_position_diff": kv[0], **_reruns(reruns),
         "resumed_as_planned": all(r.resumed_from == split for r in runs), "state_bytes": pc.nbytes,
-        "cache_stats": dict(pc.stats), "budget_gib": p["prompt_cache_gib"],
+        "cache_stats": dict(pc.stats), "budget_gib": p.prompt_cache_gib,
     }
 
 
@@ -194,21 +179,21 @@ def stream_prompts(prompts: list, n: int, cap: int) -> list[tuple[str, torch.Ten
     return out
 
 
-def concurrent_rows(w, prompts: list, ks: str, p: dict) -> list[dict]:
+def concurrent_rows(w, prompts: list, ks: str, p: StreamsParams) -> list[dict]:
     """One row per stream count N: N concurrent streams (REPS runs) against each stream alone and serial."""
-    N_max = max(p["stream_counts"])
-    sp = stream_prompts(prompts, N_max, p["stream_prompt_tokens"])
-    step = p["steps"][0]
-    alone = [[generate(w, ids, p["gen_tokens"], ks, _schedule(p, step)) for _ in range(REPS)] for _, ids in sp]
-    serial = [[generate(w, ids, p["gen_tokens"], ks, Schedule("decode")) for _ in range(REPS)] for _, ids in sp]
+    N_max = max(p.stream_counts)
+    sp = stream_prompts(prompts, N_max, p.stream_prompt_tokens)
+    step = p.steps[0]
+    alone = [[generate(w, ids, p.gen_tokens, ks, _schedule(p, step)) for _ in range(REPS)] for _, ids in sp]
+    serial = [[generate(w, ids, p.gen_tokens, ks, Schedule("decode")) for _ in range(REPS)] for _, ids in sp]
     rows = []
-    for N in p["stream_counts"]:
+    for N in p.stream_counts:
         t0 = time.perf_counter()
         runs, errors = [], []
         for _ in range(REPS):
             try:
-                runs.append(run_streams(w, [ids for _, ids in sp[:N]], p["gen_tokens"], ks, _schedule(p, step),
-                                        offset=p["stream_offset"]))
+                runs.append(run_streams(w, [ids for _, ids in sp[:N]], p.gen_tokens, ks, _schedule(p, step),
+                                        offset=p.stream_offset))
             except RuntimeError as e:  # a run that fails is reported, not hidden (bad input still raises)
                 errors.append(f"{type(e).__name__}: {e}")
         rows.append(_concurrent_row(ks, N, sp[:N], step, runs, errors, alone, serial, p))
@@ -240,8 +225,8 @@ def _concurrent_row(ks, N, sp, step, runs, errors, alone, serial, p) -> dict:
               "alone": all(_same(x, refs[0]) for refs in alone[:N] for x in refs),
               "serial": all(_same(x, refs[0]) for refs in serial[:N] for x in refs)}
     return {
-        "set": ks, "streams": N, "offset": p["stream_offset"], "step": step, "gen_tokens": p["gen_tokens"],
-        "stream_prompts": [{"prompt": name, "tokens": int(ids.numel()), "join_step": j * p["stream_offset"]}
+        "set": ks, "streams": N, "offset": p.stream_offset, "step": step, "gen_tokens": p.gen_tokens,
+        "stream_prompts": [{"prompt": name, "tokens": int(ids.numel()), "join_step": j * p.stream_offset}
                            for j, (name, ids) in enumerate(sp)],
         "hashes": [token_hash(x.gen_ids) for x in r0.streams] if r0 else None,
         "alone_hashes": [token_hash(alone[j][0].gen_ids) for j in range(N)],
@@ -257,10 +242,11 @@ def _concurrent_row(ks, N, sp, step, runs, errors, alone, serial, p) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ section
 
-def run_section(params: dict) -> dict:
+def run_section(params: StreamsParams | dict) -> dict:
     """The ``streams`` section from profile/notebook parameters.
 
-    params: preset, device, dtype, prompts, prompt_max_tokens, steps, gen_tokens, deep_threshold, kernel_sets, and
+    params (StreamsParams, or a dict of its fields): preset, device, dtype, prompts, prompt_max_tokens, steps,
+    gen_tokens, deep_threshold, kernel_sets, and
     optionally mtp_k (2), stream_counts ([1, 2, 4]), prompt_cache_gib (1.0), stream_offset (2 steps),
     stream_prompt_tokens (None = a quarter of prompt_max_tokens, at most 256), prefill_path ("batched"), drafts
     (["mtp", "self"]), checkpoint (""), allow_unpinned (False).
@@ -270,20 +256,19 @@ def run_section(params: dict) -> dict:
         ValueError: see section_params; unknown kernel set, preset, dtype or device.
     """
     p = section_params(params)
-    for ks in p["kernel_sets"]:
+    for ks in p.kernel_sets:
         get_set(ks)
-    w, tok = load_model(p["preset"], p["device"], p["dtype"], p.get("checkpoint", ""))
-    prompts = [build_prompt(n, p.get("prompt_max_tokens"), p.get("allow_unpinned", False), tok)
-               for n in p["prompts"]]
+    w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint)
+    prompts = [build_prompt(n, p.prompt_max_tokens, p.allow_unpinned, tok) for n in p.prompts]
     data = {"drafted": [], "resumed": [], "concurrent": []}
-    with progress_bar(len(p["kernel_sets"]) * (len(prompts) + 1), "streams", "cfg") as bar:
-        for ks in p["kernel_sets"]:
+    with progress_bar(len(p.kernel_sets) * (len(prompts) + 1), "streams", "cfg") as bar:
+        for ks in p.kernel_sets:
             for pr in prompts:
-                step = prompt_step(p["steps"][0], pr.n_tokens)
-                plain = [generate(w, pr.ids, p["gen_tokens"], ks, _schedule(p, step), keep_cache=True)
+                step = prompt_step(p.steps[0], pr.n_tokens)
+                plain = [generate(w, pr.ids, p.gen_tokens, ks, _schedule(p, step), keep_cache=True)
                          for _ in range(REPS)]
                 data["drafted"] += drafted_rows(w, pr, ks, plain, p, step)
-                if p["prompt_cache_gib"] > 0:  # 0 GiB disables the cache: nothing to resume, no rows
+                if p.prompt_cache_gib > 0:  # 0 GiB disables the cache: nothing to resume, no rows
                     data["resumed"] += resumed_rows(w, pr, ks, plain, p, step)
                 bar.update(1)
             data["concurrent"] += concurrent_rows(w, prompts, ks, p)
@@ -293,10 +278,10 @@ def run_section(params: dict) -> dict:
 
 
 def _settings(w, p) -> dict:
-    mtp_source = resolve_mtp(w).source if "mtp" in p["drafts"] else None
-    return {"reps": REPS, "prefill_path": p["prefill_path"], "steps": p["steps"], "gen_tokens": p["gen_tokens"],
-            "mtp_k": p["mtp_k"], "mtp_source": mtp_source, "drafts": p["drafts"],
-            "prompt_cache_gib": p["prompt_cache_gib"], "eviction": "LRU by bytes",
-            "stream_counts": p["stream_counts"], "stream_offset": p["stream_offset"],
-            "stream_prompt_tokens": p["stream_prompt_tokens"], "batch_limit": BATCH_LIMIT,
+    mtp_source = resolve_mtp(w).source if "mtp" in p.drafts else None
+    return {"reps": REPS, "prefill_path": p.prefill_path, "steps": p.steps, "gen_tokens": p.gen_tokens,
+            "mtp_k": p.mtp_k, "mtp_source": mtp_source, "drafts": p.drafts,
+            "prompt_cache_gib": p.prompt_cache_gib, "eviction": "LRU by bytes",
+            "stream_counts": p.stream_counts, "stream_offset": p.stream_offset,
+            "stream_prompt_tokens": p.stream_prompt_tokens, "batch_limit": BATCH_LIMIT,
             "verify_plan": "batched (prompt kernels), k+1 rows per verify forward"}

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..exact import as_int
+from ..kernels.registry import ClassNames
 
 NORM_TO_ROPE = {"q_norm": "q", "k_norm": "k"}
 
@@ -89,7 +90,7 @@ class TapRecorder:
     Args:
         positions: prompt positions to keep (ints >= 0).
         weights: the model's ``Weights`` (optional; names the weights and experts).
-        classes: kernel classes to record (default all but argmax).
+        classes: kernel classes to record (default CLASSES: those with an FP64 evaluator, i.e. all but argmax).
     Attributes:
         samples: (kernels, path, cls) -> list[Sample].
         params: (layer, tag) -> the weight tensor a sample's tag refers to (a reference, not a copy).
@@ -100,8 +101,7 @@ class TapRecorder:
         ValueError: an empty or negative position set.
     """
 
-    CLASSES = ("dense", "router", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope",
-               "residual", "lm_head")
+    CLASSES = ClassNames(lambda r: r.fp64 is not None)
 
     def __init__(self, positions, weights=None, classes=CLASSES):
         pos = sorted({int(p) for p in positions})

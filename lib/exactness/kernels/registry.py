@@ -1,31 +1,159 @@
 """Kernel specs, kernel sets and lookup.
 
-Every kernel belongs to a *kernel class* (the list below) and has a role: ``decode``
-(one row per stream per step; serial decode through these kernels is the oracle) or ``prompt`` (many prompt rows at
-once). A prompt kernel declares the decode kernel it ``replaces``: it claims to produce that kernel's bytes for every
-row, whatever the chunk or segment length. The contract checker (analysis/contract.py) tests each claim.
+Every kernel belongs to a *kernel class* (a KernelClass record in KERNEL_CLASS_RECORDS: its row arguments, its
+reduction, the contract's input builder and the FP64 evaluator; the engine's and analyses' per-class tables derive
+from it) and has a role: ``decode`` (one row per stream per step; serial decode through these kernels is the
+oracle) or ``prompt`` (many prompt rows at once). A prompt kernel declares the decode kernel it ``replaces``: it
+claims to produce that kernel's bytes for every row, whatever the chunk or segment length. The contract checker
+(analysis/contract.py) tests each claim. Adding a class: its kernel module, one ``register_class`` (or built-in
+record), the kernels in the sets, and its call site in model.py.
 
 A *kernel set* maps every class to one decode and one prompt kernel. Sets are registered by name and passed to the
 paths as an argument; adding a set is one ``register_set`` call.
 """
 from __future__ import annotations
 
+import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
-KERNEL_CLASSES: tuple[str, ...] = (
-    "dense",           # q/k/v/o projections and the shared expert: y[M,N] = x[M,K] @ w[N,K]^T
-    "router",          # router logits + softmax + top-k selection + renormalised weights
-    "expert_gate_up",  # SiLU(x @ w_gate^T) * (x @ w_up^T) for one expert's rows
-    "expert_down",     # h @ w_down^T for one expert's rows
-    "moe_combine",     # sum over the k selected experts (and the shared expert) with the routing weights
-    "attention",       # scores and values: softmax(q k^T / sqrt(D)) v over the cached keys, causal by position
-    "rmsnorm",         # RMSNorm (hidden and per-head q/k norms)
-    "rope",            # rotary position embedding
-    "residual",        # residual add
-    "lm_head",         # final projection to vocabulary logits
-    "argmax",          # greedy sampling
-)
+_PACKAGE = __package__.rsplit(".", 1)[0]   # "exactness": record references are relative to it
+
+
+@dataclass(frozen=True)
+class KernelClass:
+    """Everything the engine and the analyses key by kernel class, in one record.
+
+    Attributes:
+        name: class id (``"dense"``); doc: what the class computes, with shapes.
+        row_args: indices of the call arguments that carry one entry per row (leading dim M); the other arguments
+            are fixed for the call (weights, eps, the KV cache). attention: (0, 3, 4) = q, slots, positions.
+        reduction: the reduction axis and its length (``"K: in features"``), for readers of the receipts.
+        contract_inputs: the contract's random-input builder (analysis/contract_inputs.py documents its
+            signature), or ``"module:attr"`` naming it under the package (imported on first use: kernels/ does
+            not import analysis/); None = the contract cannot feed the class and reports it uncovered.
+        fp64: the FP64 evaluator ``(samples, params, kv) -> fp64_ref.Eval`` or a ``"module:attr"`` naming it;
+            None = no FP64 row.
+        fp64_cert: how fp64_cert.py certifies its reference: ``"sum"`` (exact fp64 products, fsum) or
+            ``"mpmath"`` (two precisions); None = not certified.
+        deep_tiles: the deep plan calls it on fixed row tiles (model.Ops), so it has a ``deep`` synthetic path.
+    """
+
+    name: str
+    doc: str
+    row_args: tuple[int, ...] = (0,)
+    reduction: str = ""
+    contract_inputs: Callable | str | None = None
+    fp64: Callable | str | None = None
+    fp64_cert: str | None = None
+    deep_tiles: bool = False
+
+    def arrange(self, rows: tuple, fixed: tuple) -> tuple:
+        """The call's positional arguments from its per-row arguments (``row_args`` order) and the fixed ones."""
+        rows, fixed, n = list(rows), list(fixed), len(self.row_args) + len(fixed)
+        return tuple(rows.pop(0) if i in self.row_args else fixed.pop(0) for i in range(n))
+
+
+def _class(name, doc, row_args=(0,), reduction="", fp64: str | None = None, **kw) -> KernelClass:
+    """A built-in record: its contract builder is contract_inputs.<name>, its evaluator fp64_ref.<fp64>."""
+    return KernelClass(name, doc, tuple(row_args), reduction, f"analysis.contract_inputs:{name}",
+                       f"analysis.fp64_ref:{fp64}" if fp64 else None, **kw)
+
+
+# Registration order is the class order everywhere (pairs, contract rows and seeds, FP64 rows): keep it stable.
+KERNEL_CLASS_RECORDS: dict[str, KernelClass] = {r.name: r for r in (
+    _class("dense", "q/k/v/o projections and the shared expert: y[M,N] = x[M,K] @ w[N,K]^T",
+           reduction="K: in features", fp64="eval_dense", fp64_cert="sum", deep_tiles=True),
+    _class("router", "router logits + softmax + top-k selection + renormalised weights", reduction="H: hidden",
+           fp64="eval_router", fp64_cert="sum"),
+    _class("expert_gate_up", "SiLU(x @ w_gate^T) * (x @ w_up^T) for one expert's rows", reduction="H: hidden",
+           fp64="eval_expert_gate_up", fp64_cert="mpmath", deep_tiles=True),
+    _class("expert_down", "h @ w_down^T for one expert's rows", reduction="I: expert intermediate",
+           fp64="eval_expert_down", fp64_cert="sum", deep_tiles=True),
+    _class("moe_combine", "sum over the k selected experts (and the shared expert) with the routing weights",
+           (0, 1, 2), "k + 1: routed slots and the shared expert", fp64="eval_moe_combine", fp64_cert="sum"),
+    _class("attention", "scores and values: softmax(q k^T / sqrt(D)) v over the cached keys, causal by position",
+           (0, 3, 4), "T: cached keys (and D in each score)", fp64="eval_attention", fp64_cert="mpmath"),
+    _class("rmsnorm", "RMSNorm (hidden and per-head q/k norms)", reduction="last dim: H or D",
+           fp64="eval_rmsnorm", fp64_cert="mpmath"),
+    _class("rope", "rotary position embedding", (0, 1), "none (2 products per element)", fp64="eval_rope",
+           fp64_cert="mpmath"),
+    _class("residual", "residual add", (0, 1), "none (a + b)", fp64="eval_residual", fp64_cert="sum"),
+    _class("lm_head", "final projection to vocabulary logits", reduction="H: hidden", fp64="eval_lm_head",
+           fp64_cert="sum"),
+    _class("argmax", "greedy sampling", reduction="V: vocabulary (first maximum)"),
+)}
+
+
+class ClassNames(Sequence):
+    """The names of the registered classes whose record passes ``keep`` (all when None), in registration order.
+
+    A live view: it reads KERNEL_CLASS_RECORDS on every use, so tables derived from it (contract_cases.ADAPTED,
+    fp64.CLASSES, ...) include a class registered later and lose it when it is removed.
+    """
+
+    def __init__(self, keep: Callable[[KernelClass], bool] | None = None):
+        self._keep = keep
+
+    def _names(self) -> list[str]:
+        return [n for n, r in KERNEL_CLASS_RECORDS.items() if self._keep is None or self._keep(r)]
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __contains__(self, name) -> bool:
+        return name in self._names()
+
+    def __repr__(self) -> str:
+        return f"ClassNames({self._names()})"
+
+
+KERNEL_CLASSES = ClassNames()
+
+
+def register_class(record: KernelClass) -> KernelClass:
+    """Add a kernel class (after the built-in ones). Sets registered before it have no kernel of it.
+
+    Raises:
+        ValueError: a class of that name is registered already.
+    """
+    if record.name in KERNEL_CLASS_RECORDS:
+        raise ValueError(f"kernel class {record.name!r} is registered twice")
+    KERNEL_CLASS_RECORDS[record.name] = record
+    return record
+
+
+def class_record(name: str) -> KernelClass:
+    """The record of class ``name``.
+
+    Raises:
+        ValueError: unknown class; the message lists the known ones.
+    """
+    try:
+        return KERNEL_CLASS_RECORDS[name]
+    except KeyError:
+        raise ValueError(f"unknown kernel class {name!r}; known: {', '.join(KERNEL_CLASSES)}") from None
+
+
+def resolve(ref: Callable | str | None) -> Callable | None:
+    """A record's builder or evaluator: a callable (or None) as is; ``"module:attr"`` imported from the package.
+
+    Raises:
+        ImportError, AttributeError: the reference names no module or attribute.
+    """
+    if ref is None or callable(ref):
+        return ref
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(f"{_PACKAGE}.{module}"), attr)
+
+
 ROLES = ("decode", "prompt")
 
 
@@ -74,8 +202,9 @@ class KernelSet:
         return (self.decode if role == "decode" else self.prompt)[cls].fn
 
     def pairs(self) -> list[tuple[KernelSpec, KernelSpec]]:
-        """(prompt kernel, decode kernel it replaces) for every class, in KERNEL_CLASSES order."""
-        return [(self.prompt[c], self.decode[c]) for c in KERNEL_CLASSES]
+        """(prompt kernel, decode kernel it replaces) for every class of the set, in KERNEL_CLASSES order (a class
+        registered after the set has no pair in it)."""
+        return [(self.prompt[c], self.decode[c]) for c in KERNEL_CLASSES if c in self.prompt]
 
 
 KERNELS: dict[str, KernelSpec] = {}

@@ -1,0 +1,309 @@
+"""Typed parameters: one frozen dataclass per receipt section, checked when it is built.
+
+:class:`Common` holds the profile's fields every section reads (profiles.Profile); each section class adds the
+section's own parameters with their defaults. ``__post_init__`` refuses a bad value with one line naming the value
+and what is allowed, so a run is refused before anything runs, whichever entry point built the object: the command
+line, the receipt runner (both build it from the merged parameters) or a notebook (``run_section(dict)``, which goes
+through :meth:`Common.from_dict`).
+
+The section table (sections.SECTIONS) names each section's class; the parameter names a section accepts anywhere
+are its class's fields. This module imports no analysis (the analyses import it); the checks that need a model
+module import it when they run, so that importing this module stays cheap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+class ParamError(ValueError):
+    """A parameter value that no section can run with."""
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _at_least(name: str, v, minimum: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ParamError(f"{name} must be an int >= {minimum}, got {v!r}")
+
+
+def _bool(name: str, v) -> None:
+    if not isinstance(v, bool):
+        raise ParamError(f"{name} must be true or false, got {v!r}")
+
+
+def check_common(values: dict) -> None:
+    """Check the common fields present in ``values``: a known preset (unless a checkpoint is given), dtype, prompt
+    and kernel set; a device cpu / cuda / cuda:N; steps a non-empty list of positive ints; gen_tokens and
+    deep_threshold positive ints; prompt_max_tokens null or a positive int. Absent names are not checked (a caller
+    may hold only some of them).
+
+    Raises:
+        ParamError: ``parameter <name>=<value> is not allowed; allowed: <what is>``.
+    """
+    from .config import PRESETS
+    from .kernels import KERNEL_SETS
+    from .prompts import PROMPTS
+
+    def bad(key, allowed):
+        raise ParamError(f"parameter {key}={values[key]!r} is not allowed; allowed: {allowed}")
+    if values.get("preset") is not None and not values.get("checkpoint") and values["preset"] not in PRESETS:
+        bad("preset", ", ".join(sorted(PRESETS)))
+    if values.get("dtype") is not None and values["dtype"] not in ("bfloat16", "float32"):
+        bad("dtype", "bfloat16, float32")
+    if values.get("device") is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(values["device"])):
+        bad("device", "cpu, cuda, cuda:N")
+    for key, known in (("prompts", PROMPTS), ("kernel_sets", KERNEL_SETS)):
+        if values.get(key) is not None and (not isinstance(values[key], (list, tuple)) or not values[key]
+                                            or any(v not in known for v in values[key])):
+            bad(key, f"a non-empty list drawn from {', '.join(known)}")
+    if values.get("steps") is not None and (not isinstance(values["steps"], (list, tuple)) or not values["steps"]
+                                            or not all(_positive_int(v) for v in values["steps"])):
+        bad("steps", "a non-empty list of positive ints (tokens per prefill chunk)")
+    for key in ("gen_tokens", "deep_threshold"):
+        if values.get(key) is not None and not _positive_int(values[key]):
+            bad(key, "a positive int")
+    if values.get("prompt_max_tokens") is not None and not _positive_int(values["prompt_max_tokens"]):
+        bad("prompt_max_tokens", "null (the full prompt) or a positive int (tokens)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Common:
+    """The profile's fields (profiles.Profile documents each). None means not given: a section refuses a None in
+    a field it ``NEEDS``; the others it does not read. ``profile`` only names the run."""
+
+    SECTION: ClassVar[str] = ""
+    NEEDS: ClassVar[tuple[str, ...]] = ("preset", "device", "dtype", "prompts", "steps", "gen_tokens",
+                                        "deep_threshold", "kernel_sets")
+
+    profile: str = ""
+    preset: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    prompts: list[str] | None = None
+    prompt_max_tokens: int | None = None
+    steps: list[int] | None = None
+    gen_tokens: int | None = None
+    deep_threshold: int | None = None
+    kernel_sets: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        missing = [k for k in self.NEEDS if getattr(self, k) is None]
+        if missing:
+            raise ParamError(f"{self.SECTION} section parameter(s) {', '.join(map(repr, missing))} missing; profile "
+                             "fields are required")
+        check_common({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @classmethod
+    def own_names(cls) -> tuple[str, ...]:
+        """The section's own parameter names (its fields beyond the common ones)."""
+        common = {f.name for f in dataclasses.fields(Common)}
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in common)
+
+    @classmethod
+    def names(cls) -> set[str]:
+        """Every parameter name of the section, common ones included."""
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_dict(cls, values: dict):
+        """The typed parameters from a dict (a notebook's, or the command line's merged profile and overrides):
+        names of this class are taken, names another section takes are left to it, any other name is refused."""
+        if isinstance(values, cls):
+            return values
+        mine = cls.names()
+        unknown = sorted(set(values) - mine - known_names())
+        if unknown:
+            raise ParamError(f"unknown parameter {unknown[0]!r} for section {cls.SECTION}; allowed: "
+                             f"{', '.join(sorted(mine))}")
+        return cls(**{k: v for k, v in values.items() if k in mine})
+
+
+def offload_modes(offload) -> list[bool]:
+    """The expert-offload modes to run: False (resident) always first, since it gives the oracle; ``offload`` is a
+    bool or a list of bools.
+
+    Raises:
+        ValueError: anything else.
+    """
+    modes = offload if isinstance(offload, (list, tuple)) else [offload]
+    if not all(isinstance(m, bool) for m in modes):
+        raise ParamError(f"offload must be true, false or a list of them, got {offload!r}")
+    return [False] + ([True] if True in modes else [])
+
+
+def check_offload_paths(paths) -> list[str]:
+    """The paths whose runs are repeated with offloaded experts: a non-empty list drawn from decode/batched/deep.
+
+    Raises:
+        ValueError: anything else (names the bad value and the allowed ones).
+    """
+    from .paths import PATHS
+
+    if (not isinstance(paths, (list, tuple)) or not paths or any(p not in PATHS for p in paths)):
+        raise ParamError(f"hash_offload_paths must be a non-empty list drawn from {list(PATHS)}, got {paths!r}")
+    return list(paths)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HashesParams(Common):
+    """The hash matrix (analysis/hashes.py documents each parameter)."""
+
+    SECTION: ClassVar[str] = "hashes"
+
+    checkpoint: str = ""
+    allow_unpinned: bool = False
+    hash_offload: bool | list[bool] = False
+    hash_offload_paths: list[str] | None = None
+    hash_max_tokens: int | None = None
+    hash_rerun: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        offload_modes(self.hash_offload)
+        if self.hash_offload_paths is not None:
+            check_offload_paths(self.hash_offload_paths)
+        cut = self.max_tokens
+        if cut is not None and not _positive_int(cut):
+            raise ParamError(f"hash_max_tokens / prompt_max_tokens must be a positive int or None, got {cut!r}")
+        _bool("hash_rerun", self.hash_rerun)
+
+    @property
+    def max_tokens(self) -> int | None:
+        """This section's prompt cut: hash_max_tokens, else prompt_max_tokens."""
+        return self.hash_max_tokens or self.prompt_max_tokens
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContractParams(Common):
+    """The kernel contract (analysis/contract.py documents each parameter). It draws synthetic inputs of the
+    preset's shapes, so the profile's fields have defaults here and prompts, steps and tokens are not read."""
+
+    SECTION: ClassVar[str] = "contract"
+    NEEDS: ClassVar[tuple[str, ...]] = ()
+
+    preset: str = "tiny"
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    contract_sweep: str = "full"
+    contract_dtypes: list[str] | None = None
+    contract_control_sweep: str | None = None
+    contract_classes: list[str] | None = None
+    contract_offload: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp64Params(Common):
+    """The FP64 per-class receipt (analysis/fp64.py run_section documents each parameter)."""
+
+    SECTION: ClassVar[str] = "fp64"
+    NEEDS: ClassVar[tuple[str, ...]] = ("preset", "device", "dtype", "prompts", "steps", "deep_threshold",
+                                        "kernel_sets")
+
+    fp64_rows: int = 64
+    fp64_cert: int = 12
+    fp64_tokens: int | None = None
+    fp64_prompt: str | None = None
+    fp64_synthetic: bool = True
+    fp64_k_max: int = 16384
+    fp64_synth_rows: int = 128
+    fp64_fp32_sweep: bool = True
+    fp64_synth_classes: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if int(self.fp64_rows) < 1 or int(self.fp64_cert) < 1:
+            raise ParamError(f"fp64_rows and fp64_cert must be >= 1, got {self.fp64_rows}, {self.fp64_cert}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamsParams(Common):
+    """Drafted, resumed and concurrent streams (analysis/streams.py documents each parameter).
+    ``stream_prompt_tokens`` None becomes a quarter of prompt_max_tokens within 8..256 (256 without a cut)."""
+
+    SECTION: ClassVar[str] = "streams"
+
+    mtp_k: int = 2
+    stream_counts: list[int] = field(default_factory=lambda: [1, 2, 4])
+    prompt_cache_gib: float = 1.0
+    stream_offset: int = 2
+    stream_prompt_tokens: int | None = None
+    prefill_path: str = "batched"
+    drafts: list[str] = field(default_factory=lambda: ["mtp", "self"])
+    checkpoint: str = ""
+    allow_unpinned: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from .batch import BATCH_LIMIT, check_streams
+        from .mtp import check_k
+        from .prompt_cache import PromptCache
+
+        check_k(self.mtp_k)
+        for n in self.stream_counts:
+            check_streams(n, self.stream_offset, BATCH_LIMIT)
+        PromptCache(self.prompt_cache_gib, "any")  # validates the budget
+        bad = [d for d in self.drafts if d not in ("mtp", "self")]
+        if bad:
+            raise ParamError(f"unknown draft sources {bad}; allowed: mtp, self")
+        if self.stream_prompt_tokens is None:   # derived once here, so every reader sees the same length
+            pm = self.prompt_max_tokens
+            object.__setattr__(self, "stream_prompt_tokens", min(256, max(8, pm // 4)) if pm else 256)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchParams(Common):
+    """The bench tables (analysis/bench.py documents each parameter). ``bench_gen_tokens``, when set, replaces
+    gen_tokens: the bench's tables are defined at their own reply length."""
+
+    SECTION: ClassVar[str] = "bench"
+    NEEDS: ClassVar[tuple[str, ...]] = ("preset", "device", "dtype", "prompts", "gen_tokens", "deep_threshold",
+                                        "kernel_sets")
+
+    bench_gen_tokens: int | None = None
+    bench_path: str = "deep"
+    bench_step: int | None = 2048
+    bench_reps: int = 2
+    bench_itl_reps: int = 3
+    bench_cold_lengths: list[int] = field(default_factory=lambda: [2048, 8192, 30000])
+    offload: bool = False
+    checkpoint: str = ""
+    allow_unpinned: bool = False
+
+    def __post_init__(self) -> None:
+        from .paths import PATHS
+
+        if self.bench_gen_tokens is not None:
+            object.__setattr__(self, "gen_tokens", self.bench_gen_tokens)
+        super().__post_init__()
+        if self.bench_path not in PATHS:
+            raise ParamError(f"bench_path {self.bench_path!r} is not a path; allowed: {', '.join(PATHS)}")
+        if self.bench_step is not None:
+            _at_least("bench_step", self.bench_step)
+        for name in ("bench_reps", "bench_itl_reps", "gen_tokens"):
+            _at_least(name, getattr(self, name))
+        _bool("offload", self.offload)
+        if not isinstance(self.bench_cold_lengths, (list, tuple)):
+            raise ParamError(f"bench_cold_lengths must be a list of ints (tokens), got {self.bench_cold_lengths!r}")
+        for n in self.bench_cold_lengths:
+            _at_least("every bench_cold_lengths entry", n, 2)
+
+    def check_lengths(self, max_positions: int) -> None:
+        """Refuse a cold length whose prompt and reply pass the model's ``max_positions``."""
+        for n in self.bench_cold_lengths:
+            if n + self.gen_tokens > max_positions:
+                raise ParamError(f"bench_cold_lengths entry {n} + gen_tokens {self.gen_tokens} exceeds the model's "
+                                 f"max_positions={max_positions}; allowed lengths: "
+                                 f"2..{max_positions - self.gen_tokens}")
+
+
+SECTION_PARAMS: tuple[type[Common], ...] = (HashesParams, ContractParams, Fp64Params, StreamsParams, BenchParams)
+
+
+def known_names() -> set[str]:
+    """Every parameter name some section takes."""
+    return {f.name for c in SECTION_PARAMS for f in dataclasses.fields(c)}
