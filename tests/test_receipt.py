@@ -436,8 +436,8 @@ def test_sections_command_with_no_sections(tmp_path, capsys):
 
 
 def test_malformed_yaml_value_gets_a_one_line_error():
-    with pytest.raises(ReceiptError, match=r"bad value in parameter 'steps=\[1,2': not valid YAML \(.*\); e\.g\. "
-                                           r"steps=\[64,100\]") as e:
+    with pytest.raises(ReceiptError, match=r"bad value in parameter 'steps=\[1,2': not valid YAML \(.*\); no spaces "
+                                           r"inside a value, e\.g\. steps=\[64,100\]") as e:
         receipt.parse_overrides(["steps=[1,2"])
     assert "\n" not in str(e.value)
 

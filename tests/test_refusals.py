@@ -6,6 +6,7 @@ test runs the command in a subprocess and stops it while its first notebook runs
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -49,11 +50,24 @@ def test_bench_cold_length_past_max_positions(tmp_path, capsys, no_notebook_runs
     assert "leave no room" in err or "past the max_positions=32768" in err
 
 
+# A config.json our loader accepts (the tensors are never read before a run starts).
+TINY_CONFIG = dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   norm_topk_prob=True, max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
+                   vocab_size=258, bos_token_id=256, eos_token_id=257)
+
+
 def test_missing_checkpoint_and_sections_that_would_not_use_it(tmp_path, capsys, no_notebook_runs):
-    err = refused(tmp_path, capsys, "--param", "checkpoint=/nonexistent")
+    for sections in ([], ["--sections", "hashes,streams,bench"]):
+        err = refused(tmp_path, capsys, *sections, "--param", "checkpoint=/nonexistent")
+        assert "checkpoint folder '/nonexistent' does not exist" in err
+    ck = tmp_path.parent / f"{tmp_path.name}-ck"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps(TINY_CONFIG))
+    err = refused(tmp_path, capsys, "--param", f"checkpoint={ck}")
     assert "contract, fp64 compute on the preset's synthetic weights" in err and "SECTIONS=hashes,streams,bench" in err
-    err = refused(tmp_path, capsys, "--sections", "hashes,streams,bench", "--param", "checkpoint=/nonexistent")
-    assert "checkpoint folder '/nonexistent' does not exist" in err
+    err = refused(tmp_path, capsys, "--sections", "hashes", "--param", f"checkpoint={ck}", "--param", "gen_tokens=4000")
+    assert "past the max_positions=4096 of checkpoint" in err
 
 
 def test_garbage_config_json_is_named(tmp_path, capsys, no_notebook_runs):
@@ -112,7 +126,7 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     assert kernels, "the notebook kernel should be running"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 128 + signal.SIGTERM, err
     assert "stopped: terminated by signal 15; nothing was written" in err
     assert list(tmp_path.iterdir()) == [], "the temporary folder must be removed"
     time.sleep(1)

@@ -79,9 +79,12 @@ def _env(args: argparse.Namespace) -> int:
 def _profiles(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
+    from .tables import parameter_text
+
     params = {name: prof.parameters() for name, prof in PROFILES.items()}
     keys = list(dict.fromkeys(k for p in params.values() for k in p if k != "profile"))
-    rows = [[k] + [str(p.get(k, "(notebook default)")) for p in params.values()] for k in keys]
+    rows = [[k] + [parameter_text(k, p[k]) if k in p else "(section default)" for p in params.values()]
+            for k in keys]
     heads = ["parameter"] + [n + (" (default)" if n == DEFAULT_PROFILE else "") for n in params]
     print(tabulate(rows, headers=heads, disable_numparse=True))
     return 0
@@ -225,6 +228,7 @@ def _write_json(obj, out: str | None) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -266,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as e:   # Ctrl-C, or SIGTERM during a receipt run (runfolder.sigterm_as_interrupt)
         print(f"stopped: {e or 'interrupted'}; nothing was written", file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", 2)   # the shell's status for a process ended by that signal
 
 
 if __name__ == "__main__":

@@ -94,7 +94,9 @@ def check_run(params: dict, sections: list[str]) -> None:
     Raises:
         PreflightError: the first failed check, one line.
     """
-    check_checkpoint_sections(params, sections)
     if params.get("checkpoint") or params.get("preset"):   # no model named: nothing to measure lengths against
-        cfg, tokenizer, model = model_config(params)
+        cfg, tokenizer, model = model_config(params)       # a missing or broken checkpoint is named first
+        check_checkpoint_sections(params, sections)
         check_lengths(params, cfg, tokenizer, model, sections)
+    else:
+        check_checkpoint_sections(params, sections)

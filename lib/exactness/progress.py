@@ -16,5 +16,7 @@ MIN_INTERVAL_S = 2.0  # at most one refresh every 2 s: a forwarded line per refr
 def bar(total: int, desc: str, unit: str) -> tqdm:
     """A tqdm bar over ``total`` units of work (``unit``: "token", "pair", "run", ...) written to stderr, with a
     rate and an ETA; use it as a context manager and call ``update(n)``."""
+    # ncols/nrows fixed: tqdm hides a bar whose terminal reports 0 rows (a pseudo-terminal never sized), and a
+    # forwarded line has no terminal width to measure.
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=False, mininterval=MIN_INTERVAL_S,
-                ascii=True, ncols=100)
+                ascii=True, ncols=100, nrows=50)

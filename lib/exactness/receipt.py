@@ -37,6 +37,8 @@ DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 # Notebooks each profile runs, in order: every profile runs every section.
 RUN_NOTEBOOKS: dict[str, list[str]] = {name: [s.notebook for s in SECTIONS.values()] for name in PROFILES}
 OUT_JSON = "out_json"  # the parameter through which the runner tells a notebook where to write its section
+# Notebook parameters the runner sets itself (--profile, --precomputed, the section file), never a user's override.
+RUNNER_SET = {OUT_JSON, "precomputed_json", "profile"}
 RESERVED_KEYS = {"schema", "status", "profile", "parameters", "env", "errors", "notebooks", "summary"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -68,8 +70,8 @@ def parse_overrides(items: list[str] | None) -> dict:
             out[key] = yaml.safe_load(value)
         except yaml.YAMLError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ReceiptError(f"bad value in parameter {item!r}: not valid YAML ({first}); e.g. steps=[64,100], "
-                               "gen_tokens=32, prompts=[code]") from None
+            raise ReceiptError(f"bad value in parameter {item!r}: not valid YAML ({first}); no spaces inside a value, "
+                               "e.g. steps=[64,100], gen_tokens=32, prompts=[code]") from None
     return out
 
 
@@ -161,9 +163,9 @@ def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) 
         ReceiptError: an override names a parameter no notebook of the run declares (the message lists the
             allowed names), or overrides ``out_json`` (the runner sets it).
     """
-    allowed = set().union(*declared.values()) - {OUT_JSON}
+    allowed = set().union(*declared.values()) - RUNNER_SET
     for key in overrides:
-        if key == OUT_JSON or key not in allowed:
+        if key in RUNNER_SET or key not in allowed:
             raise ReceiptError(f"unknown parameter {key!r} for notebooks {', '.join(declared)}; "
                                f"allowed: {', '.join(sorted(allowed))}")
     check_override_types(base, overrides)

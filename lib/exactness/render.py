@@ -90,7 +90,7 @@ def _env_rows(receipt: dict) -> list[list]:
             ["device", env.get("device")],
             ["compute capability", env.get("compute_capability") or "none (no CUDA device)"],
             ["kernel sets", ", ".join(env.get("kernel_sets") or []) or None],
-            ["numerics", ", ".join(f"{k}={v}" for k, v in num.items())],
+            *[[f"numerics: {k}", v] for k, v in num.items()],   # one row each: a joined row was cut in the table
             ["host, time (UTC)", f"{said('hostname')}, {said('time_utc')}"]]
 
 

@@ -71,6 +71,15 @@ def remove_stale_temporaries(parent: Path) -> list[Path]:
     return removed
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a run, raised as an interrupt so that the cleanup of Ctrl-C runs; ``signum`` gives the exit
+    status 128 + signum that a process killed by the signal would have."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """Within this block SIGTERM raises KeyboardInterrupt in the main thread, so a terminated run cleans up (its
@@ -81,7 +90,7 @@ def sigterm_as_interrupt():
         return
 
     def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"terminated by signal {signum}")
+        raise Terminated(signum)
     old = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield

@@ -205,7 +205,8 @@ def _kv_summary(cases: list[Case]) -> str:
 
 def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "cpu", dtype: str = "bfloat16",
                sweep: str = "full", set_name: str | None = None, sources=SOURCES,
-               stop_at_first: bool = False, preset: str = "tiny", offload: bool = False) -> PairResult:
+               stop_at_first: bool = False, preset: str = "tiny", offload: bool = False,
+               progress=None) -> PairResult:
     """Check one pair on every case of ``plan(cls, sweep)`` and every input source.
 
     Args:
@@ -217,6 +218,7 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
             the cases run; m_ranges still describes the whole plan).
         preset: model preset whose shapes (and weights) the inputs use.
         offload: fetch the weights per call as expert offload does (contract_cases.offloaded).
+        progress: a tqdm bar advanced by one per case (all its input sources).
     Raises:
         ValueError: mismatched pair, a class with no input builder, unknown device/dtype/sweep/source, offload
             of a class whose weights offload does not move.
@@ -240,6 +242,8 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
         for case in cases:
             for s in sources:
                 _check_case(res, prompt_spec.fn, pools[s], refs[s], case, s, dt)
+            if progress is not None:
+                progress.update(1)
             if stop_at_first and res.first_mismatch is not None:
                 break
     res.seconds = round(time.perf_counter() - t0, 3)
@@ -280,9 +284,8 @@ def check_set(set_name: str, device: str = "cpu", dtypes=("bfloat16", "float32")
         for p, dec in pairs:
             if progress is not None:
                 progress.set_postfix_str(f"{ks.name} {d} {p.cls}{' offloaded' if offload else ''}", refresh=False)
-            out.append(check_pair(p, dec, device, d, sweep, ks.name, preset=preset, offload=offload))
-            if progress is not None:
-                progress.update(1)
+            out.append(check_pair(p, dec, device, d, sweep, ks.name, preset=preset, offload=offload,
+                                  progress=progress))
     return out
 
 
@@ -337,13 +340,14 @@ def run_section(params: ContractParams | dict) -> dict:
         get_set(s)
     kw = {"preset": p.preset, "classes": p.contract_classes or None}
     offloads = [False, True] if p.contract_offload else [False]
-    total = len(dtypes) * sum(len(selected_pairs(s, kw["classes"], o)) for s in sets for o in offloads)
+    sweeps = {s: sweep if get_set(s).claims_exact else control for s in sets}
+    total = len(dtypes) * sum(len(plan(pr.cls, sweeps[s])) for s in sets for o in offloads
+                              for pr, _ in selected_pairs(s, kw["classes"], o))
     rows, off = [], []
-    with progress_bar(total, "contract", "pair") as bar:
+    with progress_bar(total, "contract", "case") as bar:
         for s in sets:
-            sw = sweep if get_set(s).claims_exact else control
             for o in offloads:
-                (off if o else rows).extend(r.to_row() for r in check_set(s, device, dtypes, sw, offload=o,
+                (off if o else rows).extend(r.to_row() for r in check_set(s, device, dtypes, sweeps[s], offload=o,
                                                                           progress=bar, **kw))
     cov, unc = coverage(rows, sets, str(resolve_device(device)), dtypes)
     return {"section": "contract", "sweep": sweep, "control_sweep": control, "preset": kw["preset"], "rows": rows,
