@@ -29,7 +29,7 @@ from .env import match_onednn_isa  # noqa: E402  (imports no torch)
 match_onednn_isa()  # an emulated lower instruction set caps oneDNN too (env.match_onednn_isa), before torch loads
 
 from .profiles import DEFAULT_PROFILE, PROFILES, get_profile  # noqa: E402
-from .sections import SECTIONS, Section  # noqa: E402
+from .sections import SECTIONS, Section, write_json  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -219,16 +219,12 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _write_json(obj, out: str | None) -> None:
-    text = json.dumps(obj, indent=1, default=str) + "\n"
+    """``obj`` as JSON to stdout, or to the file ``out`` (sections.write_json), naming it on stderr."""
     if out is None:
-        sys.stdout.write(text)
+        sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
         return
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    print(f"wrote {path}", file=sys.stderr)
+    write_json(obj, out)
+    print(f"wrote {out}", file=sys.stderr)
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {

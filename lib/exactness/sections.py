@@ -73,8 +73,23 @@ def section_of(notebook: str) -> str:
     return BY_NOTEBOOK[notebook].name if notebook in BY_NOTEBOOK else notebook
 
 
+def write_json(obj, path: str) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically: a hidden temporary file beside it, renamed into place,
+    so a reader never sees half a file (values JSON cannot hold are written as their ``str``)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(obj, indent=1, default=str) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def save_section(section: dict, path: str) -> None:
-    """Write ``section`` as JSON to ``path`` atomically (temporary file + rename); "" writes nothing.
+    """Write ``section`` as JSON to ``path`` (:func:`write_json`); "" writes nothing.
 
     Raises:
         ValueError: ``section`` lacks its "section" name.
@@ -83,12 +98,7 @@ def save_section(section: dict, path: str) -> None:
         return
     if not isinstance(section, dict) or "section" not in section:
         raise ValueError("a section object must be a dict with a 'section' name")
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(section, fh, indent=1, allow_nan=True)
-    os.replace(tmp, path)
+    write_json(section, path)
 
 
 def load_section(path: str, name: str) -> dict:
