@@ -108,8 +108,8 @@ def test_exact_length_ids():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"bench_cold_lengths": [64, 40000]}, "bench_cold_lengths entry 40000 \\+ gen_tokens 3 exceeds the model's "
-                                          "max_positions=32768"),
+    ({"bench_cold_lengths": [64, 40000]}, "bench_cold_lengths entry 40000 with 3 generated tokens is 40003 "
+                                          "positions, past the max_positions=32768"),
     ({"bench_cold_lengths": [1]}, "every bench_cold_lengths entry must be an int >= 2, got 1"),
     ({"bench_path": "fastest"}, "bench_path 'fastest' is not a path; allowed: decode, batched, deep"),
     ({"bench_reps": 0}, "bench_reps must be an int >= 1, got 0"),

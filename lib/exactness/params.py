@@ -292,13 +292,19 @@ class BenchParams(Common):
         for n in self.bench_cold_lengths:
             _at_least("every bench_cold_lengths entry", n, 2)
 
-    def check_lengths(self, max_positions: int) -> None:
-        """Refuse a cold length whose prompt and reply pass the model's ``max_positions``."""
+    def check_lengths(self, max_positions: int, model: str = "the model") -> None:
+        """Refuse a cold length whose prompt and reply pass ``max_positions`` (``model`` names it in the message).
+
+        Raises:
+            ParamError: naming the length, the positions it needs, the limit and the lengths allowed.
+        """
+        room = max_positions - self.gen_tokens
         for n in self.bench_cold_lengths:
-            if n + self.gen_tokens > max_positions:
-                raise ParamError(f"bench_cold_lengths entry {n} + gen_tokens {self.gen_tokens} exceeds the model's "
-                                 f"max_positions={max_positions}; allowed lengths: "
-                                 f"2..{max_positions - self.gen_tokens}")
+            if n > room:
+                raise ParamError(
+                    f"bench: bench_cold_lengths entry {n} with {self.gen_tokens} generated tokens is "
+                    f"{n + self.gen_tokens} positions, past the max_positions={max_positions} of {model}; "
+                    + (f"allowed lengths: 2..{room}" if room >= 2 else "the generated tokens leave no room"))
 
 
 SECTION_PARAMS: tuple[type[Common], ...] = (HashesParams, ContractParams, Fp64Params, StreamsParams, BenchParams)

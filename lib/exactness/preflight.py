@@ -77,14 +77,12 @@ def check_lengths(params: dict, cfg: ModelConfig, tokenizer, model: str, section
                     f"past the max_positions={limit} of {model}; at most {max(limit - n, 0)} generated tokens fit, "
                     f"or cut the prompts with prompt_max_tokens")
     if "bench" in sections:
-        gen = gens["bench"] or 0
-        for n in params.get("bench_cold_lengths") or []:
-            if isinstance(n, int) and n + gen > limit:
-                raise PreflightError(
-                    f"bench: bench_cold_lengths entry {n} with {gen} generated tokens is {n + gen} positions, past "
-                    f"the max_positions={limit} of {model}; allowed lengths: 2..{limit - gen}" if limit - gen >= 2
-                    else f"bench: {gen} generated tokens leave no room for a cold prompt within the "
-                         f"max_positions={limit} of {model}")
+        from .params import BenchParams, ParamError
+
+        try:
+            BenchParams.from_dict(params).check_lengths(limit, model)
+        except ParamError as e:
+            raise PreflightError(str(e)) from None
 
 
 def check_run(params: dict, sections: list[str]) -> None:
