@@ -1,6 +1,8 @@
 # Set-up and entry points. `make receipts` and `make test` run `setup` themselves when needed.
 #
 #   make receipts [PROFILE=standard|ci|full|gpu] [OUT=dir] [SECTIONS=hashes,streams] [PARAMS="gen_tokens=8 steps=[64,100]"]
+#                 [ENGINE="reference transformers:/path/to/model llamacpp:/path/model.gguf openai:URL"]
+#   make diff BASE=receipt-folder PR=receipt-folder [OUT=dir]   (what moved, as markdown; exit 1 when it did)
 #   make test | make lab [LAB_ARGS="--port=8890"] | make clean
 #
 # torch is pinned (TORCH_VERSION). Where pip finds a local CPU wheel of that version (find-links), the pin resolves
@@ -19,12 +21,13 @@ PROFILE       ?= standard
 SECTIONS      ?=
 OUT           ?=
 PARAMS        ?=
+ENGINE        ?=
 LAB_ARGS      ?=
 # One CPU thread by default: the tiny preset's kernels are too small to gain from threads, and a second OpenMP
 # thread spin-waits badly on a busy 2-core machine. Receipts record the thread count (env.numerics.cpu_threads).
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup receipts test lab clean
+.PHONY: setup receipts diff test lab clean
 
 setup: $(STAMP)
 
@@ -36,7 +39,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 receipts: setup
-	$(PY) -m exactness receipts --profile $(PROFILE) $(if $(OUT),--out $(OUT)) $(if $(SECTIONS),--sections $(SECTIONS)) $(foreach p,$(PARAMS),--param '$(p)')
+	$(PY) -m exactness receipts --profile $(PROFILE) $(if $(OUT),--out $(OUT)) $(if $(SECTIONS),--sections $(SECTIONS)) $(foreach p,$(PARAMS),--param '$(p)') $(if $(ENGINE),--engine $(foreach e,$(ENGINE),'$(e)'))
+
+diff: setup
+	$(PY) -m exactness diff '$(BASE)' '$(PR)' $(if $(OUT),--out '$(OUT)')
 
 test: setup
 	$(PY) -m pytest -q

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 from exactness import receipt, render
 from exactness.__main__ import main
-from exactness.receipt import ReceiptError, merge_section, parse_overrides, run_receipts
+from exactness.receipt import ReceiptError, add_section, parse_overrides, run_receipts
 from exactness.sections import SECTIONS
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -50,17 +50,18 @@ def test_ok_run_writes_complete_folder(ok_run):
 
 def test_receipt_json_schema(ok_run):
     data = json.loads((ok_run.folder / "receipt.json").read_text())
-    assert data["schema"] == 1 and data["status"] == "ok" and data["profile"] == "ci"
+    assert data["schema"] == 2 and data["status"] == "ok" and data["profile"] == "ci"
     assert data["errors"] == []
     assert data["parameters"]["gen_tokens"] == 8 and data["parameters"]["n_prompts"] == 2
     env = data["env"]
     for key in ("git", "python", "torch", "cuda", "device", "compute_capability", "numerics", "kernel_sets"):
         assert key in env
     assert {"sha", "dirty"} <= set(env["git"])
-    rows = data["hashes"]
+    section = data["sections"]["hashes"]
+    rows = section["rows"]
     assert len(rows) == 2 * 2 * 5  # prompts x kernel sets x (decode + 2 batched + 2 deep)
     assert {r["gen_tokens"] for r in rows} == {8}
-    assert data["hashes_extra"] == {"note": "fixture"}
+    assert section["note"] == "fixture"   # stored exactly as the notebook computed it
 
 
 def test_notebook_gets_only_declared_parameters(ok_run):
@@ -113,7 +114,7 @@ def test_failed_run_is_marked_and_shows_the_error(failed_run):
     (err,) = data["errors"]
     assert err["notebook"] == "boom" and err["ename"] == "ValueError" and "boom on purpose" in err["evalue"]
     assert err["cell"] is not None and any("boom on purpose" in line for line in err["traceback"])
-    assert "hashes" in data  # the notebook that worked still reports
+    assert "hashes" in data["sections"]  # the notebook that worked still reports
     md = (folder / "receipt.md").read_text()
     assert md.startswith("# Exactness receipt: ci — FAILED")
     assert md.index("boom on purpose") < md.index("## Token hashes")
@@ -207,16 +208,16 @@ def test_parse_overrides():
 
 # ------------------------------------------------------------------------------------------- sections, rendering
 
-def test_merge_section_contract():
+def test_sections_are_stored_as_computed():
     r: dict = {}
-    merge_section(r, {"section": "hashes", "rows": [{"a": 1}], "note": "x"}, "nb")
-    merge_section(r, {"section": "streams", "data": {"k": [1, 2]}}, "nb")
-    merge_section(r, {"section": "bench", "seconds": 1.5}, "nb")
-    assert r == {"hashes": [{"a": 1}], "hashes_extra": {"note": "x"}, "streams": {"k": [1, 2]},
-                 "bench": {"seconds": 1.5}}
-    for bad in ({"rows": []}, {"section": "status", "rows": []}, {"section": "hashes", "rows": []}):
+    objs = [{"section": "hashes", "rows": [{"a": 1}], "note": "x"}, {"section": "streams", "data": {"k": [1, 2]}},
+            {"section": "bench", "seconds": 1.5}]
+    for obj in objs:
+        add_section(r, obj, "nb")
+    assert r == {o["section"]: o for o in objs}
+    for bad in ({"rows": []}, {"section": "", "rows": []}, {"section": "hashes", "rows": []}, ["hashes"]):
         with pytest.raises(ValueError):
-            merge_section(r, bad, "nb")
+            add_section(r, bad, "nb")
 
 
 def _huge_receipt(n: int) -> dict:
@@ -224,8 +225,9 @@ def _huge_receipt(n: int) -> dict:
              "kernels": "fast", "gen_tokens": 192, "hash": f"{i:012x}", "equals_oracle": path == "decode",
              "first_divergence": None if path == "decode" else 7, "oracle_margin": 0.5}
             for i in range(n) for path, step in (("decode", None), ("batched", 100), ("deep", 1000))]
-    return {"schema": 1, "status": "ok", "profile": "ci", "parameters": {}, "env": {}, "hashes": rows,
-            "widgets": [{"kernel": "k", "equal": True}] * 50, "errors": [], "notebooks": []}
+    return {"schema": 2, "status": "ok", "profile": "ci", "parameters": {}, "env": {}, "errors": [], "notebooks": [],
+            "sections": {"hashes": {"section": "hashes", "rows": rows},
+                         "widgets": {"section": "widgets", "rows": [{"kernel": "k", "equal": True}] * 50}}}
 
 
 def test_markdown_stays_under_github_limit():
@@ -251,7 +253,7 @@ def test_markdown_over_the_limit_compacts_its_tables_before_cutting():
 def test_generic_renderer_and_registry(monkeypatch):
     md = render.render_markdown(_huge_receipt(2))
     assert "## widgets" in md and "| kernel " in md
-    monkeypatch.setitem(render.RENDERERS, "widgets", lambda data: f"## Widgets: {len(data)} pairs")
+    monkeypatch.setitem(render.RENDERERS, "widgets", lambda obj: f"## Widgets: {len(obj['rows'])} pairs")
     assert "## Widgets: 50 pairs" in render.render_markdown(_huge_receipt(2))
 
 
@@ -287,7 +289,8 @@ def test_summary_counts_runs_and_pairs_per_kernel_set():
             dict(prompt="p", kernels="invariant", path="batched", step=8, hash="a", equals_oracle=True,
                  prompt_logits_equal=True, kv_equal=True)]
     contract = [dict(set="fast", mismatches=3), dict(set="invariant", mismatches=0)]
-    md = render.render_summary({"hashes": rows, "contract": contract})
+    md = render.render_summary({"sections": {"hashes": {"section": "hashes", "rows": rows},
+                                             "contract": {"section": "contract", "rows": contract}}})
     assert "| fast         | 0/1" in md and "| invariant    | 1/1" in md
     assert md.count("0/1") >= 2 and render.render_summary({}) == ""
 
@@ -380,11 +383,11 @@ def test_sections_computed_elsewhere_show_their_provenance():
     provenance table; a receipt without one has no such table."""
     base = {"schema": 1, "status": "ok", "profile": "gpu", "parameters": {}, "env": {}, "errors": [],
             "notebooks": []}
-    plain = render.render_markdown({**base, "custom": {"x": 1}})
+    plain = render.render_markdown({**base, "sections": {"custom": {"section": "custom", "x": 1}}})
     assert "Where each section was computed" not in plain
     prov = {"computed_on": "NVIDIA H200", "commit": "abc1234", "command": "python -m exactness bench",
             "notes": "64 tokens"}
-    md = render.render_markdown({**base, "custom": {"x": 1}, "custom_extra": {"provenance": prov}})
+    md = render.render_markdown({**base, "sections": {"custom": {"section": "custom", "x": 1, "provenance": prov}}})
     assert "Where each section was computed" in md
     assert "- **custom**: NVIDIA H200; commit `abc1234`; `python -m exactness bench`. 64 tokens" in md
 
@@ -494,7 +497,9 @@ def test_header_states_the_git_state_and_never_null():
 
 
 def test_section_extras_add_no_meta_lines():
-    md = render.render_markdown({**_huge_receipt(2), "hashes_extra": {"curves": [1, 2], "note": "fixture"}})
+    rec = _huge_receipt(2)
+    rec["sections"]["hashes"].update(curves=[1, 2], note="fixture")
+    md = render.render_markdown(rec)
     assert "(in receipt.json)" not in md and "## hashes: further values" in md and "| note" in md
 
 

@@ -5,6 +5,8 @@
     merge --out bench.json A.json B.json ...                    join bench (or contract) sections computed per call
     env                                                         print the environment record as JSON
     profiles                                                    list the run profiles
+    diff BASE PR [--out DIR]                                    what moved between two receipts (markdown; exit 1)
+    serve [--preset tiny] [--kernels K] [--path P] [--step N]   the reference engine behind an OpenAI API (serve.py)
 
 Exit codes: 0 ok; 1 a receipt was written but is marked failed; 2 bad input (nothing written).
 Every subcommand is one entry of ``SUBCOMMANDS``; each section of ``sections.SECTIONS`` adds its own
@@ -55,13 +57,17 @@ def _receipts_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precomputed", default=None, help="folder of section JSONs computed elsewhere (hashes.json, "
                    "contract.json, fp64.json, streams.json, bench.json, optional env.json): render, don't compute")
     p.add_argument("--sections", default="", help="comma-separated sections to run (default: all of "
-                   "hashes,contract,fp64,streams,bench)")
+                   "hashes,contract,fp64,streams,bench; with --engine: engines)")
+    p.add_argument("--engine", nargs="+", default=None, metavar="SPEC",
+                   help="engines under test (reference, transformers:/path, openai:URL, llamacpp:/path.gguf, or a "
+                   "YAML engine file): runs the engines section on them (same as --param engine=[...])")
 
 
 def _receipts(args: argparse.Namespace) -> int:
     from .receipt import run_receipts
 
-    result = run_receipts(args.profile, args.out, args.param, precomputed=args.precomputed,
+    params = list(args.param) + ([f"engine={json.dumps(args.engine)}"] if args.engine else [])
+    result = run_receipts(args.profile, args.out, params, precomputed=args.precomputed,
                           sections=[x for x in args.sections.split(",") if x] or None)
     print(result.folder)
     return 0 if result.status == "ok" else 1
@@ -227,6 +233,12 @@ def _write_json(obj, out: str | None) -> None:
     print(f"wrote {out}", file=sys.stderr)
 
 
+def _diff_module():
+    from . import diff   # diff.py: the receipt diff (BASE PR [--out DIR])
+
+    return diff
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "receipts": Subcommand("run the notebooks of a profile into one receipt run folder", _receipts_args, _receipts),
     "env": Subcommand("print the environment record (git, versions, device, numerics flags) as JSON",
@@ -236,6 +248,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                            _sections_args, _sections),
     "merge": Subcommand("join bench or contract sections computed in separate calls into one section JSON",
                         _merge_args, _merge),
+    "diff": Subcommand("compare two receipts: what moved, as markdown for a pull-request comment (exit 1: moved)",
+                       lambda p: _diff_module().add_arguments(p), lambda args: _diff_module().run(args)),
     # ---- one analysis subcommand per section of sections.SECTIONS, added below
 }
 
@@ -258,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failed receipt, 2 bad input with a message on stderr)."""
     from .receipt import ReceiptError
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:   # the server has its own parser (serve.build_parser)
+        from .serve import main as serve_main
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args._handler(args)

@@ -307,7 +307,46 @@ class BenchParams(Common):
                     + (f"allowed lengths: 2..{room}" if room >= 2 else "the generated tokens leave no room"))
 
 
-SECTION_PARAMS: tuple[type[Common], ...] = (HashesParams, ContractParams, Fp64Params, StreamsParams, BenchParams)
+@dataclass(frozen=True, kw_only=True)
+class EnginesParams(Common):
+    """Engines under test (analysis/engines.py documents each parameter). ``engine`` lists engine specs
+    (engines/__init__.py: ``reference``, ``transformers:/path``, ``openai:URL``, ``llamacpp:/path.gguf`` or a YAML
+    engine file); the steps are each adapter's chunk sizes."""
+
+    SECTION: ClassVar[str] = "engines"
+    NEEDS: ClassVar[tuple[str, ...]] = ("device", "dtype", "prompts", "steps", "gen_tokens")
+
+    engine: list[str] = field(default_factory=list)
+    engine_max_tokens: int | None = None
+    engine_streams: bool = True
+    allow_unpinned: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from .engines import parse_spec
+
+        if isinstance(self.engine, str):
+            object.__setattr__(self, "engine", self.engine.split())
+        if not isinstance(self.engine, (list, tuple)) or not self.engine:
+            raise ParamError(f"engine must be a non-empty list of engine specs, got {self.engine!r}; e.g. "
+                             "[reference, 'transformers:/path/to/model', 'openai:http://127.0.0.1:8000/v1']")
+        for spec in self.engine:
+            try:
+                parse_spec(spec)
+            except ValueError as e:
+                raise ParamError(str(e)) from None
+        if self.engine_max_tokens is not None:
+            _at_least("engine_max_tokens", self.engine_max_tokens)
+        _bool("engine_streams", self.engine_streams)
+
+    @property
+    def max_tokens(self) -> int | None:
+        """This section's prompt cut: engine_max_tokens, else prompt_max_tokens."""
+        return self.engine_max_tokens or self.prompt_max_tokens
+
+
+SECTION_PARAMS: tuple[type[Common], ...] = (HashesParams, ContractParams, Fp64Params, StreamsParams, BenchParams,
+                                            EnginesParams)
 
 
 def known_names() -> set[str]:

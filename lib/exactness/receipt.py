@@ -5,10 +5,8 @@ collects the section JSON each notebook wrote (through the lib) to its ``out_jso
 ``receipt.json``, renders ``receipt.md`` and ``receipt.html`` (see :mod:`exactness.render`), and renames the
 temporary folder into place. A notebook that fails still yields a receipt, marked ``"status": "failed"``.
 
-Section JSON contract (what a notebook writes to ``out_json``): an object with ``"section": <name>`` and either
-``"rows": [...]`` (list of dicts; goes to ``receipt[<name>]``), or ``"data": {...}`` (goes to ``receipt[<name>]``),
-or neither (every other key goes to ``receipt[<name>]`` as one object). With ``rows`` or ``data``, any further keys
-go to ``receipt["<name>_extra"]``.
+Section JSON contract (what a notebook writes to ``out_json``): an object with ``"section": <name>``, stored in
+receipt.json exactly as computed under ``receipt["sections"][<name>]``.
 """
 from __future__ import annotations
 
@@ -31,15 +29,17 @@ from .profiles import PROFILES, get_profile
 from .runfolder import ReceiptError, remove_stale_temporaries, run_folder, sigterm_as_interrupt
 from .sections import SECTIONS, section_of
 
-SCHEMA = 1
+SCHEMA = 2  # 2: sections stored as computed under receipt["sections"]
 KERNEL_NAME = "exactness"
 DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
-# Notebooks each profile runs, in order: every profile runs every section.
-RUN_NOTEBOOKS: dict[str, list[str]] = {name: [s.notebook for s in SECTIONS.values()] for name in PROFILES}
+# Notebooks each profile runs, in order: every profile runs every section of our reference engine; a run given
+# ``engine`` runs the engine sections instead (ENGINE_NOTEBOOKS).
+RUN_NOTEBOOKS: dict[str, list[str]] = {name: [s.notebook for s in SECTIONS.values() if not s.engines]
+                                       for name in PROFILES}
+ENGINE_NOTEBOOKS: list[str] = [s.notebook for s in SECTIONS.values() if s.engines]
 OUT_JSON = "out_json"  # the parameter through which the runner tells a notebook where to write its section
 # Notebook parameters the runner sets itself (--profile, --precomputed, the section file), never a user's override.
 RUNNER_SET = {OUT_JSON, "precomputed_json", "profile"}
-RESERVED_KEYS = {"schema", "status", "profile", "parameters", "env", "errors", "notebooks", "summary"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -227,25 +227,18 @@ def _execute(nb: str, src: Path, tmp: Path, params: dict, kernel_name: str, posi
     return entry
 
 
-def merge_section(receipt: dict, obj: dict, notebook: str) -> None:
-    """Put one section object (the contract in this module's docstring) into ``receipt`` in place.
+def add_section(sections: dict, obj: dict, notebook: str) -> None:
+    """Put one section object (the contract in this module's docstring) into ``sections`` (name -> object) as is.
 
     Raises:
-        ValueError: no ``section`` name, a reserved or already present name.
+        ValueError: no ``section`` name, or a name already present.
     """
     name = obj.get("section") if isinstance(obj, dict) else None
     if not isinstance(name, str) or not name:
         raise ValueError(f"{notebook}: section JSON must be an object with a 'section' name")
-    if name in RESERVED_KEYS or name in receipt:
-        raise ValueError(f"{notebook}: section name {name!r} is reserved or already used")
-    rest = {k: v for k, v in obj.items() if k != "section"}
-    main = "rows" if "rows" in rest else "data" if "data" in rest else None
-    if main is None:
-        receipt[name] = rest
-        return
-    receipt[name] = rest.pop(main)
-    if rest:
-        receipt[f"{name}_extra"] = rest
+    if name in sections:
+        raise ValueError(f"{notebook}: section name {name!r} is already used")
+    sections[name] = obj
 
 
 def _collect(tmp: Path, entries: list[dict], errors: list[dict]) -> dict:
@@ -259,7 +252,7 @@ def _collect(tmp: Path, entries: list[dict], errors: list[dict]) -> dict:
                                "evalue": f"the notebook wrote no section JSON to sections/{path.name}"})
             continue
         try:
-            merge_section(sections, json.loads(path.read_text()), entry["name"])
+            add_section(sections, json.loads(path.read_text()), entry["name"])
         except ValueError as e:  # includes json.JSONDecodeError
             errors.append(_error_entry(entry["name"], e))
     return sections
@@ -371,13 +364,7 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
     if not isinstance(overrides, dict):
         overrides = parse_overrides(overrides)
     nb_dir = Path(notebooks_dir or DEFAULT_NOTEBOOKS_DIR).absolute()
-    names = list(notebooks or RUN_NOTEBOOKS[prof.name])
-    if sections:
-        unknown = [x for x in sections if x not in SECTIONS]
-        if unknown:
-            raise ReceiptError(f"unknown section(s) {', '.join(map(str, unknown))}; "
-                               f"allowed: {', '.join(SECTIONS)}")
-        names = [nb for nb in names if section_of(nb) in sections]
+    names = list(notebooks or _notebooks(prof.name, bool(overrides.get("engine")), sections))
     per_nb = plan_parameters(prof.parameters(), overrides, declared_parameters(nb_dir, names))
     _check_kernel(kernel_name)
     env = environment()
@@ -402,11 +389,35 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
     return ReceiptRun(folder=final, status=receipt["status"], receipt=receipt)
 
 
+def _notebooks(profile: str, engine: bool, sections: list[str] | None) -> list[str]:
+    """The notebooks of a run: the profile's (RUN_NOTEBOOKS), or the engine sections' when an engine is given,
+    cut to ``sections`` when given.
+
+    Raises:
+        ReceiptError: an unknown section, or a section that does not run on the engines given (or the reverse).
+    """
+    names = ENGINE_NOTEBOOKS if engine else RUN_NOTEBOOKS[profile]
+    if not sections:
+        return list(names)
+    unknown = [x for x in sections if x not in SECTIONS]
+    if unknown:
+        raise ReceiptError(f"unknown section(s) {', '.join(map(str, unknown))}; allowed: {', '.join(SECTIONS)}")
+    other = [x for x in sections if SECTIONS[x].notebook not in names]
+    if other:
+        allowed = ", ".join(section_of(nb) for nb in names)
+        why = ("they run our reference engine's kernels; for another engine use its tensor dumps" if engine
+               else "it needs an engine: ENGINE=... (or --param engine=[...])")
+        raise ReceiptError(f"section(s) {', '.join(other)} cannot run in this receipt: {why}; allowed: {allowed}")
+    return [nb for nb in names if section_of(nb) in sections]
+
+
 def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: dict[str, dict],
             kernel_name: str) -> dict:
     """Execute the notebooks into ``tmp``, assemble the receipt and write its files; returns the receipt."""
     params = {**prof.parameters(), **overrides}
-    env = {**env, "kernel_sets": params.get("kernel_sets")}
+    engine_run = any(SECTIONS[section_of(nb)].engines for nb in per_nb if section_of(nb) in SECTIONS)
+    env = {**env, "kernel_sets": None if engine_run else params.get("kernel_sets"),
+           "engines": params.get("engine") if engine_run else None}
     entries = []
     for i, (nb, nb_params) in enumerate(per_nb.items(), 1):
         nb_params = {**nb_params, OUT_JSON: str(tmp / "sections" / f"{nb}.json")}
@@ -414,7 +425,7 @@ def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: d
     errors = [e.pop("error") for e in entries if "error" in e]
     sections = _collect(tmp, entries, errors)
     receipt = {"schema": SCHEMA, "status": "failed" if errors else "ok", "profile": prof.name,
-               "parameters": params, "env": env, **sections, "errors": errors, "notebooks": entries}
+               "parameters": params, "env": env, "sections": sections, "errors": errors, "notebooks": entries}
     files = [tmp / e["file"] for e in entries if (tmp / e["file"]).is_file()]
     _write_outputs(receipt, tmp, files)
     if receipt["status"] != "ok":

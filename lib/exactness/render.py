@@ -1,9 +1,10 @@
 """Rendering a receipt: ``receipt.md`` (GitHub markdown tables) and ``receipt.html`` (self-contained page,
 made in page.py and re-exported here).
 
-Markdown: a header (status, summary, environment, errors, parameters), then one block per section found in the
-receipt: a section of ``sections.SECTIONS`` is rendered by its analysis module's ``render_md(section)``, any other
-by ``RENDERERS[name](section_data) -> str`` when registered, else by :func:`render_generic`. Each section block
+Markdown: a header (status, summary, environment, errors, parameters), then one block per section object in
+``receipt["sections"]``: a section of ``sections.SECTIONS`` is rendered by its analysis module's
+``render_md(section)``, any other by ``RENDERERS[name](section) -> str`` when registered, else by
+:func:`render_generic`. Each section block
 opens with what was compared and what its verdict means.
 """
 from __future__ import annotations
@@ -19,7 +20,6 @@ from .sections import SECTIONS
 from .tables import DASH, MAX_ROWS, cell_text, parameter_text
 
 MD_LIMIT = 65_536  # GitHub's cap on a comment
-RECEIPT_KEYS = ("schema", "status", "profile", "parameters", "env", "errors", "notebooks", "summary")
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -96,7 +96,7 @@ def _env_rows(receipt: dict) -> list[list]:
 
 def _provenance_rows(receipt: dict) -> list[list]:
     """One row per section whose object carries a ``provenance`` dict (computed_on, commit, command, notes)."""
-    provs = [(name, (receipt.get(f"{name}_extra") or {}).get("provenance")) for name, _ in sections(receipt)]
+    provs = [(name, obj.get("provenance")) for name, obj in sections(receipt)]
     return [[name, p.get("computed_on"), p.get("commit"), p.get("command"), p.get("notes")]
             for name, p in provs if isinstance(p, dict)]
 
@@ -155,11 +155,12 @@ def render_summary(receipt: dict) -> str:
     """One verdict line per kernel set: runs equal to the serial-decode oracle (tokens; prompt-logit and KV bytes),
     contract pairs without a byte mismatch (expert pairs with offloaded weights included), FP64 rows outside their
     bound, stream equalities. Empty without data."""
-    hashes = [r for r in receipt.get("hashes") or [] if isinstance(r, dict) and r.get("path") != "decode"]
-    extra = receipt.get("contract_extra") if isinstance(receipt.get("contract_extra"), dict) else {}
-    contract = [r for r in (receipt.get("contract") or []) + (extra.get("offload_rows") or []) if isinstance(r, dict)]
-    fp64 = [r for r in receipt.get("fp64") or [] if isinstance(r, dict)]
-    streams = receipt.get("streams") if isinstance(receipt.get("streams"), dict) else {}
+    objs = dict(sections(receipt))
+    rows = lambda name, key="rows": [r for r in objs.get(name, {}).get(key) or [] if isinstance(r, dict)]  # noqa
+    hashes = [r for r in rows("hashes") if r.get("path") != "decode"]
+    contract = rows("contract") + rows("contract", "offload_rows")
+    fp64 = rows("fp64")
+    streams = objs.get("streams", {}).get("data") or {}
     sets = list(dict.fromkeys([r.get("kernels") for r in hashes] + [r.get("set") for r in contract]))
     rows = []
     for ks in (s for s in sets if s):
@@ -201,31 +202,33 @@ RENDERERS: dict[str, Callable[[object], str]] = {}
 
 
 def section_object(receipt: dict, name: str) -> dict:
-    """Rebuild the section object ``{"section", "rows"|"data", **extra}`` that receipt.merge_section split."""
-    data = receipt[name]
-    key = "rows" if isinstance(data, list) else "data"
-    return {"section": name, key: data, **receipt.get(f"{name}_extra", {})}
+    """The section object ``name`` of a receipt, as its analysis computed it.
+
+    Raises:
+        KeyError: the receipt holds no such section (the message names the ones it holds).
+    """
+    objs = dict(sections(receipt))
+    if name not in objs:
+        raise KeyError(f"the receipt holds no section {name!r}; it holds: {', '.join(objs) or 'none'}")
+    return objs[name]
 
 
-def sections(receipt: dict) -> Iterable[tuple[str, object]]:
-    """The (name, data) pairs of the receipt's sections, in order (``<name>_extra`` keys included)."""
-    return [(k, v) for k, v in receipt.items() if k not in RECEIPT_KEYS]
+def sections(receipt: dict) -> list[tuple[str, dict]]:
+    """The (name, section object) pairs of the receipt, in the order they were run."""
+    objs = receipt.get("sections") or {}
+    return [(k, v) for k, v in objs.items() if isinstance(v, dict)]
 
 
 def render_markdown(receipt: dict) -> str:
     """``receipt.md``: header plus one block per section, under ``MD_LIMIT`` characters."""
     parts = [render_header(receipt)]
-    for name, data in sections(receipt):
-        if name.endswith("_extra") and name[:-6] in SECTIONS:
-            continue  # rendered with its section
+    for name, obj in sections(receipt):
         if name in SECTIONS:
-            parts.append(SECTIONS[name].load().render_md(section_object(receipt, name)))
-        elif name.endswith("_extra") and name[:-6] in receipt:
-            parts.append(render_extra(name, data))
+            parts.append(SECTIONS[name].load().render_md(obj))
         elif name in RENDERERS:
-            parts.append(RENDERERS[name](data))
+            parts.append(RENDERERS[name](obj))
         else:
-            parts.append(render_generic(data, title=name))
+            parts.append(render_generic({k: v for k, v in obj.items() if k != "section"}, title=name))
     return truncate("\n\n".join(p for p in parts if p) + "\n")
 
 

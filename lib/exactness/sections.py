@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from types import ModuleType
 
-from .params import BenchParams, Common, ContractParams, Fp64Params, HashesParams, StreamsParams
+from .params import BenchParams, Common, ContractParams, EnginesParams, Fp64Params, HashesParams, StreamsParams
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class Section:
         help: one line for the command line.
         params_class: its typed parameters (params.py); :attr:`params` are the names of its own fields.
         mergeable: parts computed in separate calls (one kernel set each) join with ``module.merge_sections``.
+        engines: runs on the engines named by the ``engine`` parameter (a receipt run with ENGINE runs these
+            sections only); the others run our reference engine's kernels.
     """
 
     name: str
@@ -41,6 +43,7 @@ class Section:
     help: str
     params_class: type[Common] = Common
     mergeable: bool = False
+    engines: bool = False
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -64,6 +67,9 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
             "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON", StreamsParams),
     Section("bench", "exactness.analysis.bench", "50_bench",
             "the bench tables (TTFT, tok/s, ITL, streams, memory) -> section JSON", BenchParams, mergeable=True),
+    Section("engines", "exactness.analysis.engines", "60_engines",
+            "engines under test (--param engine=[...]): hash matrix, stream equalities -> section JSON",
+            EnginesParams, engines=True),
 )}
 BY_NOTEBOOK: dict[str, Section] = {s.notebook: s for s in SECTIONS.values()}
 

@@ -1,0 +1,89 @@
+"""The ``engines`` section as GitHub markdown: the engines and their configurations, each engine's hash matrix
+against its oracle, the stream equalities, the cross-engine view and what the engines could not give."""
+from __future__ import annotations
+
+from ..render import table
+
+INTRO = ("Each engine runs every prompt greedily under each of its configurations; each run is compared with the "
+         "engine's oracle configuration: the generated tokens always, and the bytes of every prompt logit row, every "
+         "generated logit row and the KV cache where the engine exposes them. **equal** means every compared part "
+         "is byte-identical; a part the engine does not expose is named, never counted as equal.")
+
+
+def _model(ident: dict) -> str:
+    m = ident.get("model")
+    return ", ".join(f"{k} {v}" for k, v in m.items()) if isinstance(m, dict) else str(m)
+
+
+def engines_table(section: dict) -> str:
+    rows = [[e.get("spec"), e.get("kind"), e.get("version"), _model(e), e.get("device"), e.get("dtype"),
+             ", ".join(e.get("configurations") or [])] for e in section.get("engines") or []]
+    return table(rows, ["engine", "kind", "version", "model", "device", "dtype", "configurations"])
+
+
+def _rows_text(r: dict) -> str:
+    if r.get("prompt_logits_equal") is None:
+        return "not exposed"
+    return f"{r.get('prompt_rows_differing')}/{r.get('prompt_tokens')}"
+
+
+def hash_table(rows: list[dict]) -> str:
+    body = [[r["engine"], r["prompt"], r["prompt_tokens"], r["config"] + (" (oracle)" if r["config"] == r["oracle"]
+                                                                         else ""),
+             r["hash"], r.get("first_divergence"), r.get("oracle_margin"), _rows_text(r),
+             r.get("first_differing_prompt_row"), r.get("verdict")] for r in rows]
+    return table(body, ["engine", "prompt", "tokens", "configuration", "token hash", "first divergent token",
+                        "oracle top-1 margin there", "prompt logit rows differing", "first differing row",
+                        "verdict"], dash="none (or not applicable)")
+
+
+def streams_block(streams: dict) -> str:
+    out = []
+    for spec, data in streams.items():
+        rows = [[r["check"], r["prompt"], r["config"], r.get("first_divergence"), r.get("verdict")]
+                for check in ("drafted", "resumed", "concurrent") for r in data.get(check) or []]
+        out += [f"### Stream equalities: {spec}", "",
+                "drafted == plain, resumed == fresh (prefix: half the prompt), concurrent == alone; each against "
+                "the same configuration run alone.", ""]
+        if rows:
+            out += [table(rows, ["check", "prompt", "configuration", "first divergent token", "verdict"],
+                          dash="none"), ""]
+        out += [f"- **{k}**: {v}" for k, v in (data.get("not_available") or {}).items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def cross_table(cross: list[dict]) -> str:
+    rows = [[c["prompt"], f"{c['engine']}:{c['config']}", c["hash"], c["reference"], c["tokens_equal"]]
+            for c in cross]
+    return table(rows, ["prompt", "engine:configuration", "token hash", "compared with", "same tokens"])
+
+
+def verdict_md(section: dict) -> str:
+    """One line per engine: runs equal to the oracle (every exposed part) of all runs."""
+    lines = []
+    for e in section.get("engines") or []:
+        rows = [r for r in section.get("rows") or [] if r["engine"] == e.get("spec") and r["config"] != r["oracle"]]
+        eq = sum(1 for r in rows if str(r.get("verdict", "")).startswith("equal"))
+        tok = sum(1 for r in rows if r.get("equals_oracle"))
+        lines.append(f"- **{e.get('spec')}**: {eq}/{len(rows)} runs equal their oracle ({e.get('oracle', 'oracle')}); "
+                     f"{tok}/{len(rows)} with the oracle's tokens.")
+    return "\n".join(lines)
+
+
+def render_md(section: dict) -> str:
+    """receipt.md's block of an ``engines`` section object."""
+    parts = ["## Engines under test", "", INTRO, "", verdict_md(section), "", engines_table(section), "",
+             "### Hash matrix against each engine's oracle", "", hash_table(section.get("rows") or [])]
+    if section.get("streams"):
+        parts += ["", streams_block(section["streams"])]
+    if section.get("cross"):
+        parts += ["", "### Across engines", "", "Every engine's runs against the first engine's oracle tokens.", "",
+                  cross_table(section["cross"])]
+    na = section.get("not_available") or {}
+    if na:
+        parts += ["", "### Not available from these engines", ""] + [f"- **{k}**: {v}" for k, v in na.items()]
+    if section.get("errors"):
+        parts += ["", "### Engine errors", "", table([[e["engine"], e["error"]] for e in section["errors"]],
+                                                    ["engine", "error"])]
+    return "\n".join(parts)

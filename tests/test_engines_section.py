@@ -1,0 +1,144 @@
+"""The engines section (analysis/engines.py) over our reference engine's adapter (engines/reference.py): each run
+judged on tokens, prompt-logit, generated-logit and KV bytes against the engine's oracle; what an engine lacks named,
+never counted as equal; planted faults caught; the receipt runner's ENGINE route."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from exactness.analysis import engines as E
+from exactness.engines import open_engine, parse_spec
+from exactness.engines.base import EngineError, Generation, NotAvailable
+from exactness.engines.reference import ReferenceEngine
+from exactness.params import EnginesParams, ParamError
+from exactness.weights import synthetic_weights
+from exactness.config import get_preset
+from faults import row0_rmsnorm_perturbed
+
+GEN = 6
+
+
+@pytest.fixture(scope="module")
+def w():
+    return synthetic_weights(get_preset("tiny"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    text = "def f(x):\n    return 2 * x + 1  # a line of code, then more\n"
+    return {"p": ReferenceEngine(synthetic_weights(get_preset("tiny"))).encode(text)}
+
+
+def test_invariant_reference_engine_equals_its_oracle_in_every_part(w, prompts):
+    eng = ReferenceEngine(w, None, "invariant", steps=[16, 7], deep_threshold=8)
+    rows = E.hash_rows(eng, prompts, GEN)
+    assert [r["config"] for r in rows] == ["decode", "batched", "batched-16", "deep-16", "batched-7", "deep-7"]
+    for r in rows:
+        assert r["verdict"] == "equal", r
+        assert r["prompt_logits_equal"] and r["gen_logits_equal"] and r["kv_equal"] and r["equals_oracle"]
+
+
+def test_planted_fault_is_named_with_its_first_row(w, prompts):
+    """RMSNorm perturbed on row 0 of every multi-row call: prompt rows through the batched path differ from the
+    decode oracle from row 0 on (the decode path never makes a multi-row call, so the oracle is untouched)."""
+    eng = ReferenceEngine(w, None, row0_rmsnorm_perturbed(), steps=[16], deep_threshold=8)
+    rows = {r["config"]: r for r in E.hash_rows(eng, prompts, GEN)}
+    assert rows["decode"]["verdict"] == "equal"
+    bad = rows["batched-16"]
+    assert bad["prompt_logits_equal"] is False and bad["first_differing_prompt_row"] == 0
+    assert bad["kv_equal"] is False and bad["verdict"].startswith("differs:") and "prompt logits" in bad["verdict"]
+
+
+def _gen(config, ids, logits=None, kv=None):
+    return Generation(config, torch.tensor(ids), prompt_logits=logits, kv=kv)
+
+
+def test_compare_names_what_differs_and_what_was_not_exposed():
+    a = torch.zeros(3, 5)
+    b = a.clone()
+    b[1, 2] = 1.0
+    assert E.compare(_gen("x", [1, 2]), _gen("o", [1, 2]))["verdict"] == \
+        "equal (prompt logits, generated logits, KV not exposed)"
+    r = E.compare(_gen("x", [1, 3], b), _gen("o", [1, 2], a))
+    assert r["verdict"] == "differs: tokens, prompt logits" and r["first_divergence"] == 1
+    assert r["first_differing_prompt_row"] == 1 and r["prompt_rows_differing"] == 1
+    kv = [torch.zeros(2, 2, dtype=torch.bfloat16)]
+    kv2 = [kv[0].clone()]
+    kv2[0][1, 1] = 2 ** -20  # a subnormal-scale change that a tolerance would accept
+    r = E.compare(Generation("x", torch.tensor([1]), kv=kv2), Generation("o", torch.tensor([1]), kv=kv))
+    assert r["kv_equal"] is False and r["verdict"].startswith("differs: KV")
+
+
+class _Partial:
+    """A fake engine with one configuration pair, no drafted decoding and a failing concurrent mode."""
+
+    kind, oracle = "fake", "a"
+    capabilities = frozenset({"token_ids"})
+
+    def identity(self):
+        return {"kind": "fake", "version": "0"}
+
+    def configurations(self):
+        from exactness.engines.base import Configuration
+        return [Configuration("a"), Configuration("b")]
+
+    def encode(self, text):
+        return [1, 2, 3]
+
+    def generate(self, ids, gen, config):
+        return _gen(config, [7] * gen)
+
+    def drafted(self, *a):
+        raise NotAvailable("no draft model configured")
+
+    def resumed(self, *a):
+        raise EngineError("fake: the server died")
+
+    def concurrent(self, prompts, gen, config):
+        return [self.generate(p, gen, config) for p in prompts]
+
+    def close(self):
+        pass
+
+
+def test_missing_abilities_are_reasons_not_verdicts():
+    with pytest.raises(EngineError, match="server died"):
+        E.stream_rows(_Partial(), {"p": [1, 2, 3]}, 3, "b")
+    eng = _Partial()
+    eng.resumed = lambda *a: (_ for _ in ()).throw(NotAvailable("no prompt cache"))
+    out = E.stream_rows(eng, {"p": [1, 2, 3]}, 3, "b")
+    assert out["not_available"] == {"drafted": "not available from this engine: no draft model configured",
+                                    "resumed": "not available from this engine: no prompt cache"}
+    assert out["drafted"] == [] and [r["verdict"] for r in out["concurrent"]] == [
+        "equal (prompt logits, generated logits, KV not exposed)"]
+
+
+def test_engine_specs_are_checked_before_anything_runs(tmp_path):
+    for bad, msg in (("vllm:http://x", "unknown engine kind 'vllm'"), ("", "non-empty"),
+                     (str(tmp_path / "missing.yaml"), "does not exist")):
+        with pytest.raises(ValueError, match=msg):
+            parse_spec(bad)
+    with pytest.raises(ParamError, match="unknown engine kind"):
+        EnginesParams.from_dict(dict(engine=["nope:x"], device="cpu", dtype="bfloat16", prompts=["short"],
+                                     steps=[8], gen_tokens=4))
+    with pytest.raises(ValueError, match="unknown option"):
+        open_engine("reference", preset="tiny", bogus=1)
+    eng = open_engine("reference", preset="tiny", kernel_sets=["invariant"], steps=[8])
+    with pytest.raises(ValueError, match="no configuration 'chunk-9'.*decode, batched"):
+        eng.generate([256, 1], 2, "chunk-9")
+
+
+def test_receipt_runs_the_engines_section_only(tmp_path):
+    from exactness.receipt import ReceiptError, run_receipts
+    with pytest.raises(ReceiptError, match="contract cannot run in this receipt"):
+        run_receipts("ci", tmp_path / "r0", {"engine": ["reference"]}, sections=["contract"])
+    res = run_receipts("ci", tmp_path / "r", {"engine": ["reference"], "prompts": ["short"], "gen_tokens": 4,
+                                              "kernel_sets": ["invariant"]})
+    data = json.loads((res.folder / "receipt.json").read_text())
+    assert res.status == "ok" and list(data["sections"]) == ["engines"]
+    assert data["env"]["engines"] == ["reference"] and data["env"]["kernel_sets"] is None
+    sec = data["sections"]["engines"]
+    assert {r["verdict"] for r in sec["rows"]} == {"equal"} and sec["not_available"]["contract"]
+    assert "## Engines under test" in (res.folder / "receipt.md").read_text()
