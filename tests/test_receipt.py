@@ -126,7 +126,7 @@ def test_failed_run_is_marked_and_shows_the_error(failed_run):
 
 def test_failed_run_exit_code(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(receipt, "DEFAULT_NOTEBOOKS_DIR", FIXTURES)
-    monkeypatch.setitem(receipt.RUN_NOTEBOOKS, "ci", ["boom"])
+    monkeypatch.setattr(receipt, "run_notebooks", lambda *a: ["boom"])
     out = tmp_path / "run"
     assert main(["receipts", "--profile", "ci", "--out", str(out), "--param", "gen_tokens=3"]) == 1
     assert json.loads((out / "receipt.json").read_text())["status"] == "failed"
@@ -171,7 +171,7 @@ def test_unknown_parameter_fails_before_running(tmp_path, monkeypatch):
 
 def test_cli_unknown_parameter(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(receipt, "DEFAULT_NOTEBOOKS_DIR", FIXTURES)
-    monkeypatch.setitem(receipt.RUN_NOTEBOOKS, "ci", ["ok"])
+    monkeypatch.setattr(receipt, "run_notebooks", lambda *a: ["ok"])
     assert main(["receipts", "--profile", "ci", "--out", str(tmp_path / "r"), "--param", "gen_tokenz=2"]) == 2
     err = capsys.readouterr().err
     assert "unknown parameter 'gen_tokenz'" in err and "gen_tokens" in err

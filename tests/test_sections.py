@@ -34,8 +34,9 @@ def code_of(section) -> str:
 
 
 def test_the_table_drives_the_runner_the_cli_and_the_renderer():
-    nbs = [s.notebook for s in SECTIONS.values()]
-    assert all(receipt.RUN_NOTEBOOKS[p] == nbs for p in receipt.RUN_NOTEBOOKS)
+    nbs = [s.notebook for s in SECTIONS.values() if not s.engines]
+    assert all(receipt.run_notebooks(p) == nbs for p in PROFILES)
+    assert receipt.run_notebooks("ci", engine=True) == [s.notebook for s in SECTIONS.values() if s.engines]
     assert all(section_of(s.notebook) == s.name for s in SECTIONS.values()) and section_of("fixture") == "fixture"
     for s in SECTIONS.values():
         assert s.name in SUBCOMMANDS and SUBCOMMANDS[s.name].help == s.help
@@ -117,3 +118,32 @@ def test_a_bad_section_value_is_refused_by_every_entry_point_before_it_runs(name
                                 {s.notebook: set(declared(s)) | RUNNER_ONLY})
     with pytest.raises(ValueError, match=match):
         s.params_class.from_dict({**get_profile("ci").parameters(), key: value})
+
+
+def test_a_new_section_is_one_table_entry(monkeypatch, tmp_path, capsys):
+    """A section added to the table alone (module, notebook and params class in tests/fixtures) is run by the
+    receipt runner, stored as computed, rendered, offered as a subcommand and has its parameters checked by every
+    entry point."""
+    from exactness.__main__ import analysis_command
+    from exactness.sections import Section
+    fixtures = Path(__file__).parent / "fixtures"
+    monkeypatch.syspath_prepend(str(fixtures))
+    from toy_section import ToyParams
+    monkeypatch.setitem(SECTIONS, "toy", Section("toy", "toy_section", "70_toy", "a toy section", ToyParams))
+    monkeypatch.setattr(receipt, "DEFAULT_NOTEBOOKS_DIR", fixtures)
+    monkeypatch.setenv("PYTHONPATH", f"{fixtures}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    res = receipt.run_receipts("ci", tmp_path / "r", {"toy_rows": 2}, sections=["toy"])
+    data = json.loads((res.folder / "receipt.json").read_text())
+    gen = get_profile("ci").gen_tokens   # the profile's value reaches the new section's notebook
+    assert res.status == "ok" and data["sections"] == {"toy": {"section": "toy", "rows": [
+        {"i": 0, "tokens": gen}, {"i": 1, "tokens": gen}]}}
+    assert "## Toy section\n\n2 toy rows." in (res.folder / "receipt.md").read_text()
+    with pytest.raises(ReceiptError, match="toy: toy_rows must be an int >= 1, got 0"):
+        receipt.run_receipts("ci", tmp_path / "r2", {"toy_rows": 0}, sections=["toy"])
+    with pytest.raises(ReceiptError, match="toy: toy_rows must be an int >= 1, got 0"):
+        section_parameters("ci", ["toy_rows=0"], SECTIONS["toy"].params, ["toy"])
+    cmd = analysis_command(SECTIONS["toy"])
+    assert cmd.help == "a toy section"
+    args = type("A", (), {"profile": "ci", "param": ["toy_rows=4"], "out": str(tmp_path / "toy.json")})()
+    assert cmd.handler(args) == 0
+    assert len(json.loads((tmp_path / "toy.json").read_text())["rows"]) == 4

@@ -316,7 +316,7 @@ class EnginesParams(Common):
     SECTION: ClassVar[str] = "engines"
     NEEDS: ClassVar[tuple[str, ...]] = ("device", "dtype", "prompts", "steps", "gen_tokens")
 
-    engine: list[str] = field(default_factory=list)
+    engine: list[str] = field(default_factory=lambda: ["reference"])
     engine_max_tokens: int | None = None
     engine_streams: bool = True
     allow_unpinned: bool = False
@@ -345,10 +345,10 @@ class EnginesParams(Common):
         return self.engine_max_tokens or self.prompt_max_tokens
 
 
-SECTION_PARAMS: tuple[type[Common], ...] = (HashesParams, ContractParams, Fp64Params, StreamsParams, BenchParams,
-                                            EnginesParams)
+
 
 
 def known_names() -> set[str]:
     """Every parameter name some section takes."""
-    return {f.name for c in SECTION_PARAMS for f in dataclasses.fields(c)}
+    from .sections import SECTIONS  # the table names each section's class (sections.py imports this module)
+    return {f.name for s in SECTIONS.values() for f in dataclasses.fields(s.params_class)}

@@ -32,11 +32,7 @@ from .sections import SECTIONS, section_of
 SCHEMA = 2  # 2: sections stored as computed under receipt["sections"]
 KERNEL_NAME = "exactness"
 DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
-# Notebooks each profile runs, in order: every profile runs every section of our reference engine; a run given
-# ``engine`` runs the engine sections instead (ENGINE_NOTEBOOKS).
-RUN_NOTEBOOKS: dict[str, list[str]] = {name: [s.notebook for s in SECTIONS.values() if not s.engines]
-                                       for name in PROFILES}
-ENGINE_NOTEBOOKS: list[str] = [s.notebook for s in SECTIONS.values() if s.engines]
+
 OUT_JSON = "out_json"  # the parameter through which the runner tells a notebook where to write its section
 # Notebook parameters the runner sets itself (--profile, --precomputed, the section file), never a user's override.
 RUNNER_SET = {OUT_JSON, "precomputed_json", "profile"}
@@ -345,7 +341,7 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
         out: final run folder; default ``<receipts_dir>/<UTC time>-<git short sha>-<profile>``.
         overrides: parameter overrides, a dict or ``["key=value", ...]`` strings (see :func:`parse_overrides`).
         notebooks_dir: where the notebooks are (default: the repo's ``notebooks/``).
-        notebooks: notebook names without ``.ipynb`` (default: ``RUN_NOTEBOOKS[profile]``).
+        notebooks: notebook names without ``.ipynb`` (default: :func:`run_notebooks`).
         receipts_dir: parent of default run folders (default: the repo's ``receipts/``).
         kernel_name: registered Jupyter kernel to run them with.
         precomputed: a folder of section JSONs computed elsewhere (see :func:`precomputed_parameters`); the
@@ -389,14 +385,20 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
     return ReceiptRun(folder=final, status=receipt["status"], receipt=receipt)
 
 
+def run_notebooks(profile: str, engine: bool = False) -> list[str]:
+    """The notebooks a profile runs, in table order: every section of our reference engine, or, for a run given
+    ``engine``, the sections that run on engines under test (sections.Section.engines)."""
+    get_profile(profile)
+    return [s.notebook for s in SECTIONS.values() if s.engines == engine]
+
+
 def _notebooks(profile: str, engine: bool, sections: list[str] | None) -> list[str]:
-    """The notebooks of a run: the profile's (RUN_NOTEBOOKS), or the engine sections' when an engine is given,
-    cut to ``sections`` when given.
+    """The notebooks of a run (:func:`run_notebooks`), cut to ``sections`` when given.
 
     Raises:
         ReceiptError: an unknown section, or a section that does not run on the engines given (or the reverse).
     """
-    names = ENGINE_NOTEBOOKS if engine else RUN_NOTEBOOKS[profile]
+    names = run_notebooks(profile, engine)
     if not sections:
         return list(names)
     unknown = [x for x in sections if x not in SECTIONS]

@@ -71,12 +71,11 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
             "engines under test (--param engine=[...]): hash matrix, stream equalities -> section JSON",
             EnginesParams, engines=True),
 )}
-BY_NOTEBOOK: dict[str, Section] = {s.notebook: s for s in SECTIONS.values()}
 
 
 def section_of(notebook: str) -> str:
     """The section name a notebook writes; a notebook outside the table (a test fixture) names its own."""
-    return BY_NOTEBOOK[notebook].name if notebook in BY_NOTEBOOK else notebook
+    return next((s.name for s in SECTIONS.values() if s.notebook == notebook), notebook)
 
 
 def write_json(obj, path: str) -> None:
