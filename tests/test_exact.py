@@ -199,3 +199,11 @@ def test_ulp_distance_refusals():
         ulp_distance(torch.zeros(1), torch.zeros(1, dtype=torch.float64))
     with pytest.raises(ValueError, match="unsupported dtype"):
         ordered(torch.zeros(1, dtype=torch.int32))
+
+
+def test_bytes_equal_takes_strided_views():
+    x = torch.arange(12, dtype=torch.float32).view(3, 4)
+    y = x.clone()
+    assert bytes_equal(x[:, 1], y[:, 1]) and bytes_equal(x.t(), y.t())
+    y[2, 1] = -0.0 if float(y[2, 1]) == 0.0 else y[2, 1] * 2
+    assert not bytes_equal(x[:, 1], y[:, 1])

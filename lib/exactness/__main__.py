@@ -239,6 +239,25 @@ def _diff_module():
     return diff
 
 
+def _tiny_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", help="new folder for the model (transformers save_pretrained layout)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed (default %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="saved dtype")
+    p.add_argument("--gguf", default=None, metavar="FILE", help="also write the model as GGUF for llama.cpp")
+
+
+def _tiny(args: argparse.Namespace) -> int:
+    from .engines.tiny import save_tiny_qwen3_moe
+
+    folder = save_tiny_qwen3_moe(args.out, seed=args.seed, dtype=args.dtype)
+    print(folder)
+    if args.gguf:
+        from .engines.gguf_export import export_gguf
+        export_gguf(str(folder), args.gguf, dtype="bf16" if args.dtype == "bfloat16" else "f32")
+        print(args.gguf)
+    return 0
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "receipts": Subcommand("run the notebooks of a profile into one receipt run folder", _receipts_args, _receipts),
     "env": Subcommand("print the environment record (git, versions, device, numerics flags) as JSON",
@@ -250,6 +269,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                         _merge_args, _merge),
     "diff": Subcommand("compare two receipts: what moved, as markdown for a pull-request comment (exit 1: moved)",
                        lambda p: _diff_module().add_arguments(p), lambda args: _diff_module().run(args)),
+    "serve": Subcommand("serve our engine behind an OpenAI-compatible API (options: python -m exactness serve -h)",
+                        lambda p: p.add_argument("options", nargs=argparse.REMAINDER), lambda a: 2),
+    "tiny-model": Subcommand("write a tiny random Qwen3-MoE model folder (and --gguf FILE) to try the engines on",
+                             _tiny_args, _tiny),
     # ---- one analysis subcommand per section of sections.SECTIONS, added below
 }
 

@@ -50,8 +50,10 @@ def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     same bytes; a shape or dtype mismatch is False, not an error."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    # raw bytes, so that any dtype compares (as_int refuses some); reshape(-1) lets 0-dim tensors be viewed too
-    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    # raw bytes, so that any dtype compares (as_int refuses some); contiguous + reshape(-1) lets strided views and
+    # 0-dim tensors be viewed as bytes too
+    return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                            b.contiguous().reshape(-1).view(torch.uint8)))
 
 
 def _check_rows(a: torch.Tensor, b: torch.Tensor, same_length: bool) -> None:

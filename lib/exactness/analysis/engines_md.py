@@ -10,13 +10,31 @@ INTRO = ("Each engine runs every prompt greedily under each of its configuration
          "is byte-identical; a part the engine does not expose is named, never counted as equal.")
 
 
+VERSION_KEYS = ("transformers", "torch", "llama_cpp_python")
+MODEL_KEYS = ("model", "model_class", "folder", "config_sha256", "gguf_sha256", "served_model")
+
+
 def _model(ident: dict) -> str:
-    m = ident.get("model")
-    return ", ".join(f"{k} {v}" for k, v in m.items()) if isinstance(m, dict) else str(m)
+    """What the engine ran: its model record, or the model class, folder and file hashes it reported."""
+    parts = []
+    for k in MODEL_KEYS:
+        v = ident.get(k)
+        if isinstance(v, dict):
+            parts += [f"{a} {str(b)[:80]}" for a, b in v.items()]
+        elif v:
+            parts.append(f"{k.replace('_', ' ')} {str(v)[:16] if k.endswith('sha256') else v}")
+    return ", ".join(parts) or "not reported"
+
+
+def _version(ident: dict) -> str:
+    v = ident.get("version")
+    if isinstance(v, dict):
+        return ", ".join(f"{a} {b}" for a, b in v.items())
+    return str(v) if v else ", ".join(f"{k} {ident[k]}" for k in VERSION_KEYS if ident.get(k)) or "not reported"
 
 
 def engines_table(section: dict) -> str:
-    rows = [[e.get("spec"), e.get("kind"), e.get("version"), _model(e), e.get("device"), e.get("dtype"),
+    rows = [[e.get("spec"), e.get("kind"), _version(e), _model(e), e.get("device"), e.get("dtype"),
              ", ".join(e.get("configurations") or [])] for e in section.get("engines") or []]
     return table(rows, ["engine", "kind", "version", "model", "device", "dtype", "configurations"])
 

@@ -64,5 +64,8 @@ def open_engine(spec: str, **common) -> Engine:
             not installed (the message says how to install it).
     """
     kind, target, options = parse_spec(spec)
-    module, _, cls = ENGINE_KINDS[kind].partition(":")
-    return getattr(importlib.import_module(module), cls).from_spec(target, {**common, **options})
+    module, _, name = ENGINE_KINDS[kind].partition(":")
+    mod = importlib.import_module(module)
+    taken = getattr(mod, "OPTIONS", None)   # an adapter refuses names it does not take; pass it only those
+    common = {k: v for k, v in common.items() if taken is None or k in taken}
+    return getattr(mod, name).from_spec(target, {**common, **options})
