@@ -179,20 +179,34 @@ class OpenAIEngine:
         return ep.model
 
     def encode(self, text: str) -> list[int]:
-        """The oracle server's ids of ``text`` (POST /tokenize, as vLLM and ``exactness serve`` answer it).
+        """The oracle server's ids of ``text``: POST /tokenize (vLLM, SGLang, ``exactness serve``), else
+        /extras/tokenize (llama.cpp's Python server).
 
         Raises:
-            EngineError: the server has no /tokenize or fails.
+            EngineError: the server has neither or fails.
         """
         ep = self.endpoints[self.oracle]
-        return list(self._post(ep, self._root(ep) + "/tokenize", {"model": self.model_of(ep), "prompt": text},
-                               "tokens"))
+        try:
+            return list(self._post(ep, self._root(ep) + "/tokenize", {"model": self.model_of(ep), "prompt": text},
+                                   "tokens"))
+        except EngineError as first:
+            try:
+                return list(self._post(ep, self._root(ep) + "/extras/tokenize", {"input": text}, "tokens"))
+            except EngineError:
+                raise first from None
 
     def _prompt(self, ep: Endpoint, prompt_ids: list[int]):
         if self.token_ids:
             return [int(i) for i in prompt_ids]
-        body = {"model": self.model_of(ep), "tokens": [int(i) for i in prompt_ids]}
-        return self._post(ep, self._root(ep) + "/detokenize", body, "prompt")
+        ids = [int(i) for i in prompt_ids]
+        try:
+            return self._post(ep, self._root(ep) + "/detokenize", {"model": self.model_of(ep), "tokens": ids},
+                              "prompt")
+        except EngineError as first:
+            try:   # llama.cpp's Python server; its /v1/completions takes text only
+                return self._post(ep, self._root(ep) + "/extras/detokenize", {"tokens": ids}, "text")
+            except EngineError:
+                raise first from None
 
     def generate(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
         """One streamed greedy request (temperature 0, ignore_eos, max_tokens = gen_tokens) to ``config``'s server.
