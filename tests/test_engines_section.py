@@ -142,3 +142,51 @@ def test_receipt_runs_the_engines_section_only(tmp_path):
     sec = data["sections"]["engines"]
     assert {r["verdict"] for r in sec["rows"]} == {"equal"} and sec["not_available"]["contract"]
     assert "## Engines under test" in (res.folder / "receipt.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from exactness.engines.tiny import save_tiny_qwen3_moe
+    return save_tiny_qwen3_moe(tmp_path_factory.mktemp("hf") / "tiny")
+
+
+def test_transformers_engine_rows_agree_with_a_brute_force_comparison(tiny_folder):
+    """The engines section over a transformers model saved from a config: every configuration gets a row, the
+    oracle's is equal, and each row's verdict on prompt rows and KV agrees with a plain loop over Python bytes of
+    the same runs (which rows differ depends on the CPU's kernels, so only the agreement is asserted)."""
+    from brute import _raw, first_row
+    eng = open_engine(f"transformers:{tiny_folder}", device="cpu", dtype="bfloat16", steps=[7, 16],
+                      kernel_sets=["fast"], preset="tiny")
+    ids = eng.encode("def f(x):\n    return 2 * x + 1  # a line of code, then more\n")[:48]
+    rows = {r["config"]: r for r in E.hash_rows(eng, {"p": ids}, 8)}
+    assert set(rows) == {c.name for c in eng.configurations()} and rows["token-by-token"]["verdict"] == "equal"
+    oracle = eng.generate(ids, 8, "token-by-token")
+    for name in ("one-forward", "chunk-7", "chunk-16"):
+        run = eng.generate(ids, 8, name)
+        assert rows[name]["first_differing_prompt_row"] == first_row(run.prompt_logits, oracle.prompt_logits)
+        kv_same = all(_raw(a) == _raw(b) for a, b in zip(run.kv, oracle.kv)) and len(run.kv) == len(oracle.kv)
+        assert rows[name]["kv_equal"] == kv_same, name
+        print(f"transformers {name} vs token-by-token: {rows[name]['prompt_rows_differing']}/{len(ids)} prompt rows "
+              f"differ; verdict {rows[name]['verdict']}")
+    eng.close()
+
+
+def test_openai_engine_on_exactness_serve_receives_the_in_process_hashes(tmp_path, w):
+    """Two `python -m exactness serve` configurations launched by the openai adapter from a YAML engine file,
+    over real HTTP on 127.0.0.1: the section's token hashes equal the in-process reference engine's."""
+    import sys
+    serve = f"{sys.executable} -m exactness serve --preset tiny --kernels invariant --port {{port}}"
+    spec = tmp_path / "serve.yaml"
+    spec.write_text(f"kind: openai\noracle: decode\nconfigurations:\n"
+                    f"  - {{name: decode, launch: '{serve} --path decode'}}\n"
+                    f"  - {{name: batched-16, launch: '{serve} --path batched --step 16'}}\n")
+    sec = E.run_section(dict(engine=["reference", str(spec)], device="cpu", dtype="bfloat16", prompts=["short"],
+                             prompt_max_tokens=40, steps=[16], gen_tokens=GEN, kernel_sets=["invariant"],
+                             preset="tiny", deep_threshold=8, engine_streams=False))
+    assert sec["errors"] == []
+    ours = {r["config"]: r["hash"] for r in sec["rows"] if r["engine"] == "reference:invariant"}
+    served = {r["config"]: r["hash"] for r in sec["rows"] if r["engine"] == str(spec)}
+    assert served == {"decode": ours["decode"], "batched-16": ours["batched-16"]}
+    assert all(c["tokens_equal"] for c in sec["cross"])
+    assert all(r["verdict"].startswith("equal") for r in sec["rows"])
