@@ -123,8 +123,10 @@ def test_engine_specs_are_checked_before_anything_runs(tmp_path):
     with pytest.raises(ParamError, match="unknown engine kind"):
         EnginesParams.from_dict(dict(engine=["nope:x"], device="cpu", dtype="bfloat16", prompts=["short"],
                                      steps=[8], gen_tokens=4))
-    with pytest.raises(ValueError, match="unknown option"):
-        open_engine("reference", preset="tiny", bogus=1)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: reference\nbogus: 1\n")
+    with pytest.raises(ValueError, match="unknown option\\(s\\) bogus"):
+        open_engine(str(bad), preset="tiny")
     eng = open_engine("reference", preset="tiny", kernel_sets=["invariant"], steps=[8])
     with pytest.raises(ValueError, match="no configuration 'chunk-9'.*decode, batched"):
         eng.generate([256, 1], 2, "chunk-9")
@@ -190,3 +192,24 @@ def test_openai_engine_on_exactness_serve_receives_the_in_process_hashes(tmp_pat
     assert served == {"decode": ours["decode"], "batched-16": ours["batched-16"]}
     assert all(c["tokens_equal"] for c in sec["cross"])
     assert all(r["verdict"].startswith("equal") for r in sec["rows"])
+
+
+def test_engine_bench_measures_each_configuration_and_refuses_a_cache_hit_as_cold(w, prompts):
+    from exactness.analysis.engines_bench import bench_engine, cold_rows
+    eng = ReferenceEngine(w, None, "invariant", steps=[16], deep_threshold=8)
+    source = list(range(1, 200))
+    b = bench_engine(eng, prompts, 4, [32, 500], source)
+    configs = [c.name for c in eng.configurations()]
+    assert [(r["config"], r["run"]) for r in b["runs"]] == [(c, k) for c in configs for k in ("cold", "warm")]
+    assert all(r["ttft_s"] > 0 and r["generated"] == 4 for r in b["runs"])
+    assert all([s["streams"] for s in b["streams"][c]] == [1, 2] and all(s["equal_to_alone"] for s in b["streams"][c])
+               for c in configs)
+    for c in configs:
+        (ok, skipped) = b["cold"][c]
+        assert ok["length"] == 32 and ok["cold"] is True and skipped["skipped"] == "the source prompt has 199 tokens"
+    cached = _Partial()
+    cached.generate = lambda ids, gen, config: Generation(config, torch.tensor([1] * gen), ttft_s=0.1,
+                                                          info={"usage": {"prompt_tokens_details":
+                                                                          {"cached_tokens": 16}}})
+    (row,) = cold_rows(cached, source, [32], 2, "a")
+    assert row["cold"] is False and row["cached_tokens"] == 16

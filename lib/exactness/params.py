@@ -57,10 +57,11 @@ def check_common(values: dict) -> None:
         bad("dtype", "bfloat16, float32")
     if values.get("device") is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(values["device"])):
         bad("device", "cpu, cuda, cuda:N")
-    for key, known in (("prompts", PROMPTS), ("kernel_sets", KERNEL_SETS)):
-        if values.get(key) is not None and (not isinstance(values[key], (list, tuple)) or not values[key]
-                                            or any(v not in known for v in values[key])):
-            bad(key, f"a non-empty list drawn from {', '.join(known)}")
+    if values.get("prompts") is not None and (not isinstance(values["prompts"], (list, tuple))
+                                              or not values["prompts"] or any(v not in PROMPTS
+                                                                              for v in values["prompts"])):
+        bad("prompts", f"a non-empty list drawn from {', '.join(PROMPTS)}")
+    _check_kernel_sets(values, KERNEL_SETS, bad)
     if values.get("steps") is not None and (not isinstance(values["steps"], (list, tuple)) or not values["steps"]
                                             or not all(_positive_int(v) for v in values["steps"])):
         bad("steps", "a non-empty list of positive ints (tokens per prefill chunk)")
@@ -69,6 +70,25 @@ def check_common(values: dict) -> None:
             bad(key, "a positive int")
     if values.get("prompt_max_tokens") is not None and not _positive_int(values["prompt_max_tokens"]):
         bad("prompt_max_tokens", "null (the full prompt) or a positive int (tokens)")
+
+
+def _check_kernel_sets(values: dict, known, bad) -> None:
+    """kernel_sets: a non-empty list of registered set names or ``package.module:ATTR`` references that resolve
+    (kernels.get_set imports them: a KernelSet or a function returning one)."""
+    sets = values.get("kernel_sets")
+    if sets is None:
+        return
+    allowed = (f"a non-empty list drawn from {', '.join(known)}, or package.module:ATTR references to a KernelSet "
+               "or a function returning one")
+    if (not isinstance(sets, (list, tuple)) or not sets or not all(isinstance(v, str) for v in sets)
+            or any(v not in known and ":" not in v for v in sets)):
+        bad("kernel_sets", allowed)
+    from .kernels import get_set
+    for v in (v for v in sets if v not in known):
+        try:
+            get_set(v)
+        except ValueError as e:
+            raise ParamError(f"parameter kernel_sets: {v!r} is not allowed: {e}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,6 +339,8 @@ class EnginesParams(Common):
     engine: list[str] = field(default_factory=lambda: ["reference"])
     engine_max_tokens: int | None = None
     engine_streams: bool = True
+    engine_bench: bool = False
+    engine_cold_lengths: list[int] = field(default_factory=lambda: [256, 1024])
     allow_unpinned: bool = False
 
     def __post_init__(self) -> None:
@@ -338,6 +360,11 @@ class EnginesParams(Common):
         if self.engine_max_tokens is not None:
             _at_least("engine_max_tokens", self.engine_max_tokens)
         _bool("engine_streams", self.engine_streams)
+        _bool("engine_bench", self.engine_bench)
+        if not isinstance(self.engine_cold_lengths, (list, tuple)):
+            raise ParamError(f"engine_cold_lengths must be a list of ints (tokens), got {self.engine_cold_lengths!r}")
+        for n in self.engine_cold_lengths:
+            _at_least("every engine_cold_lengths entry", n, 2)
 
     @property
     def max_tokens(self) -> int | None:

@@ -19,7 +19,8 @@ from ..engines.base import Engine, EngineError, Generation, NotAvailable
 from ..exact import bytes_equal, differing_rows, first_differing_row, token_hash
 from ..params import EnginesParams
 from ..progress import bar as progress_bar
-from .engines_md import INTRO, cross_table, engines_table, hash_table, render_md, streams_block, verdict_md  # noqa: F401
+from .engines_md import (INTRO, bench_block, cross_table, engines_table, hash_table, render_md,  # noqa: F401
+                         streams_block, verdict_md)
 
 NOT_KERNEL_LEVEL = ("needs kernel-level access: our reference engine (make receipts without ENGINE), or the "
                     "engine's tensor dumps (python -m exactness contract --dumps DIR)")
@@ -152,10 +153,12 @@ def run_section(params: EnginesParams | dict) -> dict:
 
     params: EnginesParams (or a dict of its fields): engine (list of engine specs, engines/__init__.py), prompts,
     prompt_max_tokens / engine_max_tokens (prompt cut, tokens), gen_tokens, steps (each adapter's chunk or batch
-    sizes), device, dtype, kernel_sets (the reference engine's set: the first), engine_streams (run the stream
-    equalities), allow_unpinned.
+    sizes), device, dtype, kernel_sets (the reference engine runs once per set), engine_streams (run the stream
+    equalities), engine_bench (the bench tables of every configuration, analysis/engines_bench.py),
+    engine_cold_lengths (the bench's cold-prefill prompt lengths, tokens), allow_unpinned.
     Returns:
-        {"section": "engines", "engines": [identity...], "rows": [...], "streams": {kind: {...}}, "cross": [...],
+        {"section": "engines", "engines": [identity...], "rows": [...], "streams": {label: {...}},
+        "bench": {label: {...}} (with engine_bench), "cross": [...],
         "not_available": {"contract": ..., "fp64": ...}, "errors": [...]}; an engine that fails is recorded in
         ``errors`` (engine, what failed) and the others still run.
     Raises:
@@ -185,6 +188,12 @@ def _run_engine(spec: str, common: dict, p: EnginesParams, section: dict, bar) -
         if p.engine_streams:
             config = next(c.name for c in engine.configurations() if c.name != engine.oracle)
             section["streams"][label] = stream_rows(engine, prompts, p.gen_tokens, config)
+        if p.engine_bench:
+            from .engines_bench import bench_engine
+            full = build_prompts(engine, p.prompts, None, p.allow_unpinned)   # cold prompts are cut from these
+            source = [i for ids in full.values() for i in ids]
+            section.setdefault("bench", {})[label] = bench_engine(engine, prompts, p.gen_tokens,
+                                                                 list(p.engine_cold_lengths), source)
     except EngineError as e:
         section["errors"].append({"engine": label, "error": str(e)})
     finally:

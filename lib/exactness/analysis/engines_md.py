@@ -77,6 +77,32 @@ def cross_table(cross: list[dict]) -> str:
     return table(rows, ["prompt", "engine:configuration", "token hash", "compared with", "same tokens"])
 
 
+def bench_block(bench: dict) -> str:
+    """The bench tables of each engine: cold/warm runs, concurrent streams and cold prefill at exact lengths."""
+    out = []
+    for label, b in bench.items():
+        runs = [[r["config"], r["prompt"], r["prompt_tokens"], r["run"], r["ttft_s"], r["prefill_tps"],
+                 r["decode_tps"], r["itl_mean_ms"], r["itl_p50_ms"], r["itl_p95_ms"], r.get("cached_tokens")]
+                for r in b.get("runs") or []]
+        out += [f"### Bench: {label}", "", table(runs, ["configuration", "prompt", "prompt tokens", "run", "TTFT (s)",
+                                                       "prefill tok/s", "decode tok/s", "ITL mean (ms)",
+                                                       "ITL p50 (ms)", "ITL p95 (ms)", "cached prompt tokens"],
+                                                dash="not reported"), ""]
+        streams = [[c, r["streams"], r["wall_s"], r["aggregate_tps"], r["equal_to_alone"]]
+                   for c, rows in (b.get("streams") or {}).items() if isinstance(rows, list) for r in rows]
+        reasons = [f"- **{c}** streams: {rows}" for c, rows in (b.get("streams") or {}).items() if isinstance(rows, str)]
+        if streams:
+            out += [table(streams, ["configuration", "streams", "wall (s)", "aggregate tok/s", "tokens equal alone"]),
+                    ""]
+        out += reasons
+        cold = [[c, r["length"], r.get("ttft_s"), r.get("prefill_tps"), r.get("cold"), r.get("skipped")]
+                for c, rows in (b.get("cold") or {}).items() for r in rows]
+        if cold:
+            out += ["", table(cold, ["configuration", "prompt tokens", "TTFT (s)", "prefill tok/s", "cold (no cache hit)",
+                                     "skipped"], dash="none"), ""]
+    return "\n".join(out)
+
+
 def verdict_md(section: dict) -> str:
     """One line per engine: runs equal to the oracle (every exposed part) of all runs."""
     lines = []
@@ -98,6 +124,8 @@ def render_md(section: dict) -> str:
     if section.get("cross"):
         parts += ["", "### Across engines", "", "Every engine's runs against the first engine's oracle tokens.", "",
                   cross_table(section["cross"])]
+    if section.get("bench"):
+        parts += ["", bench_block(section["bench"])]
     na = section.get("not_available") or {}
     if na:
         parts += ["", "### Not available from these engines", ""] + [f"- **{k}**: {v}" for k, v in na.items()]

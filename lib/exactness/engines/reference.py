@@ -82,8 +82,11 @@ class ReferenceEngine:
         check_config(self, config)
         run = generate(self.w, torch.tensor(prompt_ids, dtype=torch.int64), gen_tokens, self.ks,
                        self.schedules[config], keep_cache=True)
-        return _generation(config, run.gen_ids, run.prompt_logits, run.gen_logits, run.cache, run.ttft_s,
-                           run.decode_s, {"served": run.served})
+        g = _generation(config, run.gen_ids, run.prompt_logits, run.gen_logits, run.cache, run.ttft_s,
+                        run.decode_s, {"served": run.served})
+        if run.token_times:   # perf_counter stamps -> seconds since the request
+            g.token_times = [t - run.token_times[0] + run.ttft_s for t in run.token_times]
+        return g
 
     def drafted(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
         """MTP drafts (draft_k per round) verified by the main model, prefilled as ``config`` says."""
