@@ -42,6 +42,7 @@ receipts: setup
 	$(PY) -m exactness receipts --profile $(PROFILE) $(if $(OUT),--out $(OUT)) $(if $(SECTIONS),--sections $(SECTIONS)) $(foreach p,$(PARAMS),--param '$(p)') $(if $(ENGINE),--engine $(foreach e,$(ENGINE),'$(e)'))
 
 diff: setup
+	$(if $(and $(BASE),$(PR)),,$(error make diff needs BASE=<receipt folder or receipt.json> and PR=<the same>))
 	$(PY) -m exactness diff '$(BASE)' '$(PR)' $(if $(OUT),--out '$(OUT)')
 
 test: setup
