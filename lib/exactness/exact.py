@@ -112,6 +112,25 @@ def kv_first_difference(a, b) -> int | None:
     return min((f for f in firsts if f is not None), default=None)
 
 
+def kv_first_site(a, b) -> dict | None:
+    """Where slot 0 of two KV caches (as kv_first_difference) first differ: {"position", "layer", "part"} with part
+    "k" or "v", the smallest position first, then the lowest layer, keys before values; None when equal; position -1
+    when the slots hold different numbers of positions.
+
+    Raises:
+        ValueError: as first_differing_row.
+    """
+    if a.lengths[0] != b.lengths[0]:
+        return {"position": -1, "layer": None, "part": None}
+    n, best = a.lengths[0], None
+    for part, xs, ys in (("k", a.k, b.k), ("v", a.v, b.v)):
+        for layer, (x, y) in enumerate(zip(xs, ys)):
+            pos = first_differing_row(x[0, :n], y[0, :n])
+            if pos is not None and (best is None or (pos, layer) < (best["position"], best["layer"])):
+                best = {"position": pos, "layer": layer, "part": part}
+    return best
+
+
 def token_hash(ids) -> str:
     """First 12 hex digits of SHA-256 over the token ids (a tensor or sequence of ints, any device, flattened) as
     little-endian int32."""

@@ -181,6 +181,10 @@ class HashesParams(Common):
     hash_offload_paths: list[str] | None = None
     hash_max_tokens: int | None = None
     hash_rerun: bool = True
+    hash_sweep_steps: list[int] = field(default_factory=list)
+    hash_sweep_prompt: str = "code"
+    hash_sweep_tokens: int = 300
+    hash_fp32_control: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -191,6 +195,15 @@ class HashesParams(Common):
         if cut is not None and not _positive_int(cut):
             raise ParamError(f"hash_max_tokens / prompt_max_tokens must be a positive int or None, got {cut!r}")
         _bool("hash_rerun", self.hash_rerun)
+        _bool("hash_fp32_control", self.hash_fp32_control)
+        if not isinstance(self.hash_sweep_steps, (list, tuple)) or not all(
+                _positive_int(s) for s in self.hash_sweep_steps):
+            raise ParamError(f"hash_sweep_steps must be a list of positive ints (tokens), got {self.hash_sweep_steps!r}")
+        _at_least("hash_sweep_tokens", self.hash_sweep_tokens, 2)
+        from .prompts import PROMPTS
+        if self.hash_sweep_prompt not in PROMPTS:
+            raise ParamError(f"hash_sweep_prompt {self.hash_sweep_prompt!r} is not a prompt; allowed: "
+                             f"{', '.join(PROMPTS)}")
 
     @property
     def max_tokens(self) -> int | None:

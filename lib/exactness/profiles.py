@@ -52,24 +52,30 @@ class Profile:
         return out
 
 
+# Step sizes on both sides of the 64-row tile and of 128: a fault that shows only at some call sizes shows here.
+SWEEP = (63, 64, 65, 127, 128, 129)
+
 PROFILES: dict[str, Profile] = {
     "ci": Profile(name="ci", preset="tiny", device="cpu", dtype="bfloat16", prompts=("short", "code", "docs"),
                   prompt_max_tokens=300, steps=(128, 100), gen_tokens=32, deep_threshold=100,
                   kernel_sets=("fast", "invariant"),
                   extra=(("contract_sweep", "quick"), ("fp64_rows", 16), ("stream_counts", (1, 2, 4)),
                          ("bench_step", 128), ("bench_reps", 2), ("bench_itl_reps", 2),
-                         ("bench_cold_lengths", (128, 256)))),
+                         ("bench_cold_lengths", (128, 256)), ("hash_sweep_steps", SWEEP),
+                         ("hash_fp32_control", True))),
     "standard": Profile(name="standard", preset="tiny", device="cpu", dtype="bfloat16",
                         prompts=("short", "code", "docs"), prompt_max_tokens=1024, steps=(256, 200), gen_tokens=64,
                         deep_threshold=128, kernel_sets=("fast", "invariant"),
                         extra=(("contract_sweep", "quick"), ("contract_dtypes", ("bfloat16",)), ("fp64_rows", 32),
                                ("stream_counts", (1, 2, 4)), ("stream_prompt_tokens", 256), ("bench_step", 256),
-                               ("bench_reps", 2), ("bench_itl_reps", 2), ("bench_cold_lengths", (512, 2048)))),
+                               ("bench_reps", 2), ("bench_itl_reps", 2), ("bench_cold_lengths", (512, 2048)),
+                               ("hash_sweep_steps", SWEEP), ("hash_fp32_control", True))),
     "full": Profile(name="full", preset="tiny", device="cpu", dtype="bfloat16", prompts=("short", "code", "docs"),
                     prompt_max_tokens=None, steps=(1024, 1000), gen_tokens=192, deep_threshold=512,
                     kernel_sets=("fast", "invariant"),
                     extra=(("contract_sweep", "full"), ("stream_prompt_tokens", 512), ("bench_step", 2048),
-                           ("bench_cold_lengths", (2048, 8192, 30000)))),
+                           ("bench_cold_lengths", (2048, 8192, 30000)), ("hash_sweep_steps", SWEEP),
+                           ("hash_fp32_control", True))),
     "gpu": Profile(name="gpu", preset="small", device="cuda", dtype="bfloat16", prompts=("short", "code", "docs"),
                    prompt_max_tokens=None, steps=(2048, 1000), gen_tokens=64, deep_threshold=512,
                    kernel_sets=("fast", "invariant"),

@@ -8,11 +8,12 @@ max |logit difference| of prompt rows (binned) for the plot. Tables and the plot
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
-from ..exact import bytes_equal, differing_rows, first_differing_row, kv_first_difference, token_hash
+from ..exact import bytes_equal, differing_rows, first_differing_row, kv_first_site, token_hash
 from ..progress import bar as progress_bar
 from ..config import get_preset
 from ..kernels import get_set
@@ -73,6 +74,7 @@ def compare(run: RunResult, oracle: RunResult) -> dict:
     row_diff = (run.prompt_logits - oracle.prompt_logits).abs().amax(dim=1)          # [P] fp32
     differing = differing_rows(run.prompt_logits, oracle.prompt_logits)               # [P] bool
     caches = run.cache is not None and oracle.cache is not None   # None: a run kept no cache, KV not compared
+    kv = kv_first_site(run.cache, oracle.cache) if caches else None
     return {
         "equals_oracle": div is None,
         "first_divergence": div,
@@ -81,7 +83,8 @@ def compare(run: RunResult, oracle: RunResult) -> dict:
         "prompt_rows_differing": int(differing.sum()),
         "first_differing_prompt_row": int(differing.nonzero()[0]) if differing.any() else None,
         "max_prompt_logit_diff": float(row_diff.max()),
-        "kv_equal": kv_first_difference(run.cache, oracle.cache) is None if caches else None,
+        "kv_equal": kv is None if caches else None,
+        "kv_first_position": kv["position"] if kv else None, "kv_first_layer": kv["layer"] if kv else None,
         "_curve": _binned_max(row_diff),
     }
 
@@ -168,7 +171,7 @@ def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
                 oracle[run.kernels] = run
                 row.update(equals_oracle=True, first_divergence=None, oracle_margin=None, prompt_logits_equal=True,
                            prompt_rows_differing=0, first_differing_prompt_row=None, max_prompt_logit_diff=0.0,
-                           kv_equal=True, _curve=None)
+                           kv_equal=True, kv_first_position=None, kv_first_layer=None, _curve=None)
             else:
                 row.update(compare(run, oracle[run.kernels]))
                 run.cache = None  # the oracle keeps its cache for the later runs' KV comparison
@@ -178,6 +181,21 @@ def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
     return rows, first
 
 
+def control_runs(p: HashesParams, prompts: list, tokenizer) -> list[tuple[str, str, object, list[int]]]:
+    """(label, dtype, prompt, steps) of the control runs (the label goes to their rows' ``control``): the step sweep (steps at tile and block boundaries, in the
+    profile's dtype) and the fp32 control (the profile's steps in float32), each on ``hash_sweep_prompt`` cut to
+    ``hash_sweep_tokens`` tokens and renamed ``<name>[:<n>]`` (``... fp32`` for the control) so that its rows stand
+    apart from the full runs."""
+    if not p.hash_sweep_steps and not p.hash_fp32_control:
+        return []
+    pr = build_prompt(p.hash_sweep_prompt, p.hash_sweep_tokens, p.allow_unpinned, tokenizer)
+    pr = dataclasses.replace(pr, name=f"{pr.name}[:{pr.n_tokens}]")
+    out = [("step sweep", p.dtype, pr, list(p.hash_sweep_steps))] if p.hash_sweep_steps else []
+    if p.hash_fp32_control:
+        out.append(("fp32 control", "float32", dataclasses.replace(pr, name=f"{pr.name} fp32"), list(p.steps)))
+    return out
+
+
 def run_section(params: HashesParams | dict) -> dict:
     """The ``hashes`` section from profile/notebook parameters.
 
@@ -185,7 +203,10 @@ def run_section(params: HashesParams | dict) -> dict:
     prompts, prompt_max_tokens (int|None), steps, gen_tokens, deep_threshold, kernel_sets, optional checkpoint
     ("" = synthetic), allow_unpinned (False), hash_offload (False, True or [False, True]: True repeats runs with
     the experts in host memory, offload.ExpertStore), hash_offload_paths (the paths repeated offloaded, default all
-    three), hash_max_tokens (int|None: cuts the prompts of this section only, default prompt_max_tokens; the serial
+    three), hash_sweep_steps (extra steps at tile and block boundaries, e.g. [63, 64, 65, 127, 128, 129], run on
+    hash_sweep_prompt cut to hash_sweep_tokens tokens, so that a fault that appears only at some call sizes shows end
+    to end), hash_fp32_control (the profile's steps again in float32 on that cut prompt: bf16 storage hides many
+    reduction-order changes that fp32 exposes; control rows carry ``control``), hash_max_tokens (int|None: cuts the prompts of this section only, default prompt_max_tokens; the serial
     oracle costs one decode step per prompt token), hash_rerun (True: repeat each set's first batched run once and
     record ``rerun_equal`` on its row, see run_prompt).
     Returns:
@@ -213,11 +234,17 @@ def run_section(params: HashesParams | dict) -> dict:
     n_runs = (len(configs) + (sum(c[1] in off_paths for c in configs) if store else 0)
               + (len(p.kernel_sets) if rerun else 0))
     tokens = n_runs * sum(pr.n_tokens + p.gen_tokens for pr in prompts)   # rows through the model
+    controls = control_runs(p, prompts, tok)
+    tokens += sum(len(run_configs(c[3], p.kernel_sets)) * (c[2].n_tokens + p.gen_tokens) for c in controls)
     rows = []
     with progress_bar(tokens, "hash matrix", "token") as bar:
         for pr in prompts:
             rows += run_prompt(w, pr, p.kernel_sets, p.steps, p.gen_tokens, p.deep_threshold, bar, store,
                                off_paths, rerun)
+        for label, dtype, pr, steps in controls:
+            wc = w if dtype == p.dtype else load_model(p.preset, p.device, dtype, p.checkpoint)[0]
+            rows += [{**r, "control": label}
+                     for r in run_prompt(wc, pr, p.kernel_sets, steps, p.gen_tokens, p.deep_threshold, bar)]
     curves = [{"prompt": r["prompt"], "kernels": r["kernels"], "path": r["path"], "step": r["step"],
                "offload": r["offload"],
                "bin_width": max(1, -(-r["prompt_tokens"] // DIFF_BINS)), "max_abs_diff": r.pop("_curve")}
