@@ -1,0 +1,144 @@
+"""FP64 reference error of a dump set's outputs, per kernel class, with the suite's evaluators
+(analysis/fp64_ref.py): every dumped row becomes a taps.Sample built from the call's own inputs, weights and
+outputs, so the error is the kernel's on exactly the inputs it was given.
+
+Per class: elements evaluated, eta_max_u (max |yhat - y| / A in units of 2^-24), bound_use (max over elements of
+the distance from y to the reals rounding to yhat, divided by the class bound beta: <= 1 is within bound), the
+number of elements over their bound, the ULP distance to the correctly rounded reference (max), and the worst
+element's location (call, role, site, position, element). The tensor names the evaluators need are the ones
+docs/dumps.md recommends per class; a class whose calls lack them is listed under ``skipped`` with the reason.
+"""
+from __future__ import annotations
+
+import torch
+from tabulate import tabulate
+
+from ..analysis.fp64 import error_stats
+from ..analysis.fp64_ref import FP64_CLASSES, evaluate
+from ..analysis.taps import Sample
+from ..exact import bytes_equal
+from ..progress import bar as progress_bar
+from ..tables import DASH
+from .reader import Call, DumpSet, read_dump
+
+# class -> (sample data name <- dump tensor name, from part); weights: sample tag suffix <- weight argument
+NEEDS = {
+    "dense": ({"x": ("inputs", "x"), "y": ("outputs", "y")}, {"": "w"}),
+    "lm_head": ({"x": ("inputs", "x"), "y": ("outputs", "y")}, {"": "w"}),
+    "router": ({"x": ("inputs", "x"), "y": ("outputs", "logits"), "idx": ("outputs", "idx"),
+                "g": ("outputs", "weights")}, {"": "w"}),
+    "expert_gate_up": ({"x": ("inputs", "x"), "y": ("outputs", "y")}, {".gate": "w_gate", ".up": "w_up"}),
+    "expert_down": ({"x": ("inputs", "x"), "y": ("outputs", "y")}, {".down": "w_down"}),
+    "moe_combine": ({"y": ("inputs", "y"), "g": ("inputs", "g"), "out": ("outputs", "y")}, {}),
+    "attention": ({"q": ("inputs", "q"), "o": ("outputs", "y")}, {}),
+    "rmsnorm": ({"x": ("inputs", "x"), "y": ("outputs", "y")}, {"": "w"}),
+    "rope": ({"x": ("inputs", "x"), "y": ("outputs", "y")}, {}),
+    "residual": ({"a": ("inputs", "a"), "b": ("inputs", "b"), "y": ("outputs", "y")}, {}),
+}
+SINGLE_WEIGHT = ("dense", "lm_head", "router", "rmsnorm")   # any one weight argument name will do (HF: "weight")
+
+
+def _missing(c: Call) -> str | None:
+    data, wts = NEEDS[c.cls]
+    lack = [f"{part[:-1]} {n!r}" for part, n in data.values() if n not in c.refs[part]]
+    if c.cls in SINGLE_WEIGHT:
+        lack += [] if len(c.weights) == 1 else ["exactly one weight"]
+    else:
+        lack += [f"weight {w!r}" for w in wts.values() if w not in c.weights]
+    if c.cls == "attention":
+        lack += [f"fixed {n!r}" for n in ("k_cache", "v_cache") if n not in c.refs["fixed"]]
+    if c.cls in ("rmsnorm", "rope", "router"):
+        key = {"rmsnorm": "eps", "rope": "theta", "router": "top_k"}[c.cls]
+        lack += [] if key in c.meta else [f"meta {key!r}"]
+    return ", ".join(lack) or None
+
+
+_WEIGHTS: dict = {}   # weight name -> tensor, for one dump_fp64 call (cleared at its start and end)
+
+
+def _samples(ds: DumpSet, c: Call, params: dict, kv: dict) -> list[Sample]:
+    """The call's dumped rows as Samples of layer = call id (so that each call is its own group)."""
+    data, wts = NEEDS[c.cls]
+    t = {p: ds.tensors(c, p) for p in ("inputs", "outputs", "fixed")}
+    for suffix, arg in wts.items():
+        name = next(iter(c.weights.values())) if c.cls in SINGLE_WEIGHT else c.weights[arg]
+        if name not in _WEIGHTS:
+            _WEIGHTS[name] = ds.weight(name)
+        params[(c.id, "t" + suffix)] = _WEIGHTS[name]
+    if c.cls == "attention":
+        kv[c.id] = (t["fixed"]["k_cache"], t["fixed"]["v_cache"])
+    out = []
+    for k, (_, _, pos, _) in enumerate(c.rows):
+        d = {name: t[part][n][k] for name, (part, n) in data.items()}
+        if c.cls == "moe_combine" and "shared" in t["inputs"]:
+            d["shared"] = t["inputs"]["shared"][k]
+        if c.cls == "lm_head" and bytes_equal(d["y"].to(d["x"].dtype).to(d["y"].dtype), d["y"]):
+            d["y"] = d["y"].to(d["x"].dtype)    # fp32 logits that widen the storage dtype: judged in it
+        out.append(Sample(c.cls, c.id, "t", pos, c.role, d, dict(c.meta)))
+    return out
+
+
+def _class_row(cls: str, calls: list[Call], ds: DumpSet) -> dict:
+    params, kv, samples, where = {}, {}, [], []
+    for c in calls:
+        s = _samples(ds, c, params, kv)
+        samples += s
+        where += [(c, k) for k in range(len(s))]
+    ev = evaluate(cls, samples, params, kv)
+    st = error_stats(ev)
+    use = torch.nan_to_num(st["use"], nan=float("inf"))
+    i = int(torch.argmax(use))
+    c, k = where[int(ev.sid[i])]
+    return {"class": cls, "calls": len(calls), "rows": len(samples), "elements": st["n"],
+            "eta_max_u": st["eta_max_u"], "bound_use": st["bound_use"], "over_bound": int((use > 1).sum()),
+            "ulp_max": st["ulp_max"], "ulp0_pct": st["ulp0_pct"],
+            "worst": {"call": c.id, "role": c.role, "site": c.site, "row": c.rows[k][0], "pos": c.rows[k][2],
+                      "element": int(ev.j[i])}}
+
+
+def dump_fp64(folder, progress: bool = True) -> dict:
+    """FP64 reference error per class of the dumped outputs (see the module docstring).
+
+    Returns:
+        {"section": "dump_fp64", "folder", "engine", "rows": per class with an evaluator and the names it needs
+        {class, calls, rows, elements, eta_max_u, bound_use, over_bound, ulp_max, ulp0_pct, worst: {call, role,
+        site, pos, row, element}}, "skipped": [{class, reason}]}.
+    Raises:
+        DumpError: an invalid dump set.
+    """
+    ds = read_dump(folder)
+    rows, skipped = [], []
+    _WEIGHTS.clear()
+    classes = [c for c in FP64_CLASSES if any(k.cls == c for k in ds.calls)]
+    bar = progress_bar(len(classes), "dump fp64", "class") if progress else None
+    for cls in classes:
+        calls = [c for c in ds.calls if c.cls == cls]
+        why = next((f"{c.label()} lacks {m}" for c in calls if (m := _missing(c))), None)
+        if why:
+            skipped.append({"class": cls, "reason": why})
+        else:
+            rows.append(_class_row(cls, calls, ds))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    _WEIGHTS.clear()
+    return {"section": "dump_fp64", "folder": ds.folder, "engine": ds.engine, "rows": rows, "skipped": skipped}
+
+
+
+def render_fp64_md(obj: dict) -> str:
+    """Markdown of a dump_fp64 object: one row per class (errors, bound use, worst element) and the skipped
+    classes with their reasons."""
+    hdr = ["class", "rows", "elements", "eta max (u)", "bound use", "over bound", "ULP max vs RN", "worst at"]
+    body = [[r["class"], r["rows"], r["elements"], f"{r['eta_max_u']:.4g}", f"{r['bound_use']:.3g}",
+             r["over_bound"], r["ulp_max"], f"call {r['worst']['call']} ({r['worst']['role']} {r['worst']['site']}, "
+             f"pos {r['worst']['pos']}, element {r['worst']['element']})"] for r in obj["rows"]]
+    out = [f"## Dump FP64 errors: {obj['engine']['name']}", "",
+           "Per class, the dumped outputs against an FP64 reference on the call's own inputs (analysis/fp64_ref.py): "
+           "eta = |yhat - y| / A in units of u = 2^-24; bound use = the smallest pre-rounding error over the class "
+           "bound (<= 1: within bound; the bound models this suite's documented kernel semantics).", "",
+           tabulate(body, headers=hdr, tablefmt="github", disable_numparse=True)]
+    if obj["skipped"]:
+        out += ["", "Not evaluated: " + "; ".join(f"{s['class']} ({s['reason']})" for s in obj["skipped"])]
+    return "\n".join(out) if obj["rows"] or obj["skipped"] else f"_{DASH} no class with an FP64 evaluator._"
