@@ -90,32 +90,34 @@ def attention_kv128(q, k_cache, v_cache, slots, positions):
 
 
 def brute_first(ks_name: str, cls: str, dtype: str, sweep: str) -> dict | None:
-    """Independent re-derivation of the first mismatch: walk the plan in order, call the prompt kernel per segment
-    and the decode kernel per row, compare each row's outputs as integers, element by element."""
+    """Independent re-derivation of the first mismatch: walk the plan in order (each case at every call site, each
+    site in both input sources), call the prompt kernel per segment and the decode kernel per row, compare each
+    row's outputs as integers, element by element."""
     ks, dt = get_set(ks_name), getattr(torch, dtype)
     p_fn, d_fn = ks.fn(cls, "prompt"), ks.fn(cls, "decode")
     as_tuple = lambda o: tuple(o) if isinstance(o, tuple) else (o,)  # noqa: E731
     as_int = lambda t: t.view(INT[t.dtype]) if t.dtype in INT else t  # noqa: E731
-    for case in cc.plan(cls, sweep):
-        for source in cc.SOURCES:
-            pool, row0 = cc.make_pool(cls, source, dt, "cpu"), 0
-            for j in range(len(case.variant.segments)):
-                lead, real, tail = C.call_layout(case, j)
-                outs = as_tuple(p_fn(*pool.args(torch.tensor(lead + real + tail))))
-                for r, i in enumerate(real):
-                    decs = as_tuple(d_fn(*pool.args(torch.tensor([i]))))
-                    for k, (o, d) in enumerate(zip(outs, decs)):
-                        ne = (as_int(o[len(lead) + r].reshape(-1)) != as_int(d[0].reshape(-1))).nonzero()
-                        if ne.numel():
-                            return {"M": case.M, "kv_len": case.kv_len, "segmentation": case.variant.label(),
-                                    "source": source, "row": row0 + r, "output_index": k, "element": int(ne[0])}
-                row0 += len(real)
+    for case, site, source in ((c, t, s) for c in cc.plan(cls, sweep) for t in cc.class_sites(cls)
+                               for s in cc.SOURCES):
+        pool, row0 = cc.make_pool(cls, source, dt, "cpu", "tiny", site), 0
+        for j in range(len(case.variant.segments)):
+            lead, real, tail = C.call_layout(case, j)
+            outs = as_tuple(p_fn(*pool.args(torch.tensor(lead + real + tail))))
+            for r, i in enumerate(real):
+                decs = as_tuple(d_fn(*pool.args(torch.tensor([i]))))
+                for k, (o, d) in enumerate(zip(outs, decs)):
+                    ne = (as_int(o[len(lead) + r].reshape(-1)) != as_int(d[0].reshape(-1))).nonzero()
+                    if ne.numel():
+                        return {"site": site, "M": case.M, "kv_len": case.kv_len,
+                                "segmentation": case.variant.label(),
+                                "source": source, "row": row0 + r, "output_index": k, "element": int(ne[0])}
+            row0 += len(real)
     return None
 
 
 def same_location(fm: dict, brute: dict, cls: str) -> None:
     names = C.OUTPUT_NAMES.get(cls, ("out",) * 3)
-    got = {k: fm[k] for k in ("M", "kv_len", "segmentation", "source", "row", "element")}
+    got = {k: fm[k] for k in ("site", "M", "kv_len", "segmentation", "source", "row", "element")}
     want = {k: brute[k] for k in got}
     assert got == want and fm["output"] == names[brute["output_index"]], (fm, brute)
 
@@ -158,8 +160,12 @@ def test_planted_one_ulp_flip_is_caught_exactly(dtype):
     case, seg, lead, seg_start = first_call("rmsnorm", "quick", flipped)
     assert fm["M"] == case.M and fm["segmentation"] == case.variant.label() and fm["source"] == "random"
     assert (fm["row"], fm["element"], fm["ulp"]) == (seg_start + FLIP_ROW - lead, FLIP_ELEMENT, 1)
-    # every such call flips one element of one tested row, in both input sources, and nothing else differs
-    assert res.mismatches == 2 * calls_where("rmsnorm", "quick", flipped) > 0
+    assert fm["site"] == cc.class_sites("rmsnorm")[0] and fm["call_rows"] == FLIP_CALL_ROWS
+    # every such call flips one element of one tested row, at every call site, in both input sources, and nothing
+    # else differs
+    n_sites = len(cc.class_sites("rmsnorm"))
+    assert n_sites == 5 and res.mismatches == 2 * n_sites * calls_where("rmsnorm", "quick", flipped) > 0
+    assert all(bad == 2 * calls_where("rmsnorm", "quick", flipped) for _, bad in res.by_site.values())
 
 
 def test_planted_kv_block_change_is_caught():
@@ -250,8 +256,10 @@ def test_render_md_shows_summary_matrix_and_mismatches(invariant_rows):
     assert "router (fast bfloat16, fast float32: not checked in this run)" in md
     fm = fast["first_mismatch"]
     mismatch = [ln.replace(" ", "") for ln in lines if ln.startswith("| fast ") and "| dense " in ln]
-    assert mismatch == [f"|fast|float32|dense|{fm['M']}|–|{fm['segmentation'].replace(' ', '')}|{fm['row']}|out|"
-                        f"{fm['element']}|{fm['ulp']}|{fm['prompt']:.9g}|{fm['decode']:.9g}|"]
+    assert mismatch == [f"|fast|float32|dense|{fm['site']}|{fm['M']}|–|{fm['segmentation'].replace(' ', '')}|"
+                        f"{fm['call_rows']}|{fm['row']}|out|{fm['element']}|{fm['ulp']}|{fm['prompt']:.9g}|"
+                        f"{fm['decode']:.9g}|"]
+    assert re.search(r"\| site +\|", md) and re.search(r"\| call rows +\|", md)
     assert len(md) < 10_000
 
 

@@ -87,6 +87,8 @@ def test_section_rows_and_equalities(tiny_section):
     for part in ("drafted", "resumed", "concurrent"):
         for r in data[part]:
             assert r["set"] == "invariant" and r["equal"] is True and r["reruns_equal"] is True, (part, r)
+            assert r["failed"] == [] and r["compared"] == ["tokens", "logits", "kv"], (part, r)
+    assert all(r["first_kv_diff_alone"] == [None] * r["streams"] for r in data["concurrent"])
     assert data["drafted"][1]["acceptance_rate"] == 1.0
     assert data["drafted"][0]["plain_hash"] == data["drafted"][0]["drafted_hash"] == data["resumed"][0]["fresh_hash"]
     json.dumps(tiny_section)  # JSON-ready

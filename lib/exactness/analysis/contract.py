@@ -6,14 +6,16 @@ row at its position against the cache) and compares it, byte for byte (bf16/fp16
 integer outputs such as top-k indices and argmax ids exactly), with the same row computed by the prompt kernel inside
 blocks of M rows fed under many segmentations, tile offsets and batch mates (analysis/contract_cases.py: the pools
 and the plan). Inputs: seeded random rows and rows captured from a forward of the preset over a real prompt; dtypes
-bf16 and fp32. Router outputs (weights, indices, logits) are all compared. With offload the expert classes are
-checked once more with their weights fetched per call as expert offload fetches them (prompt calls through the
-expert ring behind a decoy, decode references by a synchronous copy: contract_cases.offloaded), so "offload changes
-no byte" is a contract claim too. Rendering: analysis/contract_report.py (re-exported here).
+bf16 and fp32. Every case is checked at each call site of the class (contract_inputs.sites: the q, k, v and o
+projections, query-head and kv-head rows, every norm, routed and shared experts), so a kernel that misbehaves for
+one operand shape only is caught and the site named. Router outputs (weights, indices, logits) are all compared.
+With offload the expert classes are checked once more with their weights fetched per call as expert offload fetches
+them (prompt calls through the expert ring behind a decoy, decode references by a synchronous copy:
+contract_cases.offloaded), so "offload changes no byte" is a contract claim too. Rendering: analysis/contract_report.py (re-exported here).
 
 Results: one :class:`PairResult` per pair x set x device x dtype, a coverage table listing every class of
 KERNEL_CLASSES (a class the checker cannot feed is shown as uncovered, never left out), and the first mismatch of
-each pair (M, segmentation, row, element, ULP distance).
+each pair (site, M, segmentation, call size, row, element, ULP distance).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from ..kernels import KERNEL_CLASSES, KERNEL_SETS, KernelSpec, get_set
 from ..params import ContractParams
 from ..sections import join_provenance
 from .contract_cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SOURCES, Case, bucket,
-                             check_sweep, make_pool, offloaded, plan, ranges)
+                             check_sweep, class_sites, make_pool, offloaded, plan, ranges)
 from .contract_report import (INTRO, coverage_frame, coverage_table, mismatch_frame, mismatch_table,  # noqa: F401
                               offload_table, plot_heatmap, render_md, summary, summary_table, verdict_md)
 from .hashes import resolve_device, resolve_dtype
@@ -58,7 +60,9 @@ class PairResult:
         m_ranges: row counts M covered, as ranges ("1-130,255-257,..."); kv_lengths: KV lengths T (attention).
         inputs: input sources ("random,captured"); preset: model preset of the input shapes.
         mismatches: rows whose bytes differ in at least one output element.
-        first_mismatch: None, or the first mismatching row in checking order: M, kv_len, segmentation, variant,
+        sites: the call sites checked, comma-separated ("q,k,v,o"; "" for a class with one operand shape);
+            by_site: site -> [cases, mismatches].
+        first_mismatch: None, or the first mismatching row in checking order: site, M, kv_len, segmentation, variant,
             segment, call_rows, lead, row (0..M-1), position (attention), source, output, element (flat index in
             the row), ulp and ulp_format (ULPs of the storage dtype, or of the output's dtype when it is not a
             widened storage value; None for integer outputs), prompt and decode values.
@@ -83,6 +87,8 @@ class PairResult:
     buckets: dict = field(default_factory=dict)
     seconds: float = 0.0
     weights: str = "resident"
+    sites: str = ""
+    by_site: dict = field(default_factory=dict)
 
     def to_row(self) -> dict:
         """JSON row of the receipt's ``contract`` list (key ``class`` for cls)."""
@@ -139,7 +145,7 @@ def prompt_rows(fn, pool, case: Case) -> list[torch.Tensor]:
     return [torch.cat(p) for p in zip(*parts)]
 
 
-def _locate(case: Case, source: str, got, ref, bad: torch.Tensor, cls: str, dtype) -> dict:
+def _locate(case: Case, source: str, got, ref, bad: torch.Tensor, cls: str, dtype, site: str = "") -> dict:
     """First-mismatch record of a case whose rows ``bad`` [M] bool differ."""
     row = int(bad.nonzero()[0])
     seg, acc = 0, 0
@@ -154,7 +160,7 @@ def _locate(case: Case, source: str, got, ref, bad: torch.Tensor, cls: str, dtyp
             pv, dv = a[e].item(), b[e].item()
             fmt = _ulp_format(a.dtype, dtype, pv, dv)
             lead = case.variant.leads[seg]
-            return {"M": case.M, "kv_len": case.kv_len, "segmentation": case.variant.label(),
+            return {"site": site, "M": case.M, "kv_len": case.kv_len, "segmentation": case.variant.label(),
                     "variant": case.variant.name, "segment": seg, "lead": lead,
                     "call_rows": lead + case.variant.segments[seg] + case.variant.tails[seg], "row": row,
                     "position": case.start + row if cls == "attention" else None, "source": source,
@@ -173,7 +179,8 @@ def _ulp_format(out_dtype: torch.dtype, run_dtype: torch.dtype, a: float, b: flo
     return out_dtype
 
 
-def _check_case(res: PairResult, prompt_fn, pool, refs: DecodeRefs, case: Case, source: str, dtype) -> None:
+def _check_case(res: PairResult, prompt_fn, pool, refs: DecodeRefs, case: Case, source: str, dtype,
+                site: str = "") -> None:
     dev = pool.rows[0].device
     got = prompt_rows(prompt_fn, pool, case)
     ref = refs.get(case.start, case.M)
@@ -186,8 +193,11 @@ def _check_case(res: PairResult, prompt_fn, pool, refs: DecodeRefs, case: Case, 
     b[1] += n_bad
     res.cases += case.M
     res.mismatches += n_bad
+    s = res.by_site.setdefault(site, [0, 0])
+    s[0] += case.M
+    s[1] += n_bad
     if n_bad and res.first_mismatch is None:
-        res.first_mismatch = _locate(case, source, got, ref, bad, res.cls, dtype)
+        res.first_mismatch = _locate(case, source, got, ref, bad, res.cls, dtype, site)
 
 
 def _set_of(spec: KernelSpec) -> str:
@@ -207,13 +217,14 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
                sweep: str = "full", set_name: str | None = None, sources=SOURCES,
                stop_at_first: bool = False, preset: str = "tiny", offload: bool = False,
                progress=None) -> PairResult:
-    """Check one pair on every case of ``plan(cls, sweep)`` and every input source.
+    """Check one pair on every case of ``plan(cls, sweep)``, at every call site of the class (class_sites; with
+    ``offload`` the routed experts only: offload does not move the shared expert) and every input source.
 
     Args:
         prompt_spec, decode_spec: a prompt kernel and the decode kernel it replaces (same class).
         device: "cpu" / "cuda[:N]"; dtype: "bfloat16" or "float32"; sweep: "full" or "quick".
         set_name: reported set (default: the registered set holding ``prompt_spec``).
-        sources: input sources, checked in this order within each case.
+        sources: input sources, checked in this order within each case and site.
         stop_at_first: stop after the case holding the first mismatch (cases and mismatches then count only
             the cases run; m_ranges still describes the whole plan).
         preset: model preset whose shapes (and weights) the inputs use.
@@ -230,18 +241,22 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
     dev, dt = str(resolve_device(device)), resolve_dtype(dtype)
     cls = prompt_spec.cls
     cases = plan(cls, sweep)
+    sites = class_sites(cls, preset)
+    sites = ("routed",) if offload and "routed" in sites else sites
     res = PairResult(cls, prompt_spec.name, decode_spec.name, set_name or _set_of(prompt_spec), dev, dtype,
                      m_ranges=ranges(c.M for c in cases),
                      kv_lengths=_kv_summary(cases) if cls == "attention" else "",
-                     inputs=",".join(sources), preset=preset, weights="offloaded" if offload else "resident")
+                     inputs=",".join(sources), preset=preset, weights="offloaded" if offload else "resident",
+                     sites=",".join(sites))
     t0 = time.perf_counter()
     with torch.no_grad():
-        pools = {s: make_pool(cls, s, dt, dev, preset) for s in sources}
-        pools = {s: offloaded(p) for s, p in pools.items()} if offload else pools
-        refs = {s: DecodeRefs(decode_spec.fn, pools[s]) for s in sources}
+        keys = [(site, s) for site in sites for s in sources]
+        pools = {k: make_pool(cls, k[1], dt, dev, preset, k[0]) for k in keys}
+        pools = {k: offloaded(p) for k, p in pools.items()} if offload else pools
+        refs = {k: DecodeRefs(decode_spec.fn, pools[k]) for k in keys}
         for case in cases:
-            for s in sources:
-                _check_case(res, prompt_spec.fn, pools[s], refs[s], case, s, dt)
+            for k in keys:
+                _check_case(res, prompt_spec.fn, pools[k], refs[k], case, k[1], dt, k[0])
             if progress is not None:
                 progress.update(1)
             if stop_at_first and res.first_mismatch is not None:
@@ -293,7 +308,8 @@ def coverage(rows: list[dict], set_names, device: str, dtypes) -> tuple[list[dic
     """Coverage table: one entry per class of KERNEL_CLASSES x set x dtype, from contract rows (``to_row``).
 
     Returns (coverage, uncovered): coverage entries carry class, set, prompt_kernel, decode_kernel, m_ranges,
-    kv_lengths, dtype, device, cases and status ("checked" or "uncovered"); uncovered lists those not checked.
+    kv_lengths, sites (the call sites checked, comma-separated), dtype, device, cases and status ("checked" or
+    "uncovered"); uncovered lists those not checked.
     """
     have = {(r["class"], r["set"], r["dtype"]): r for r in rows}
     cov, unc = [], []
@@ -307,17 +323,20 @@ def coverage(rows: list[dict], set_names, device: str, dtypes) -> tuple[list[dic
                            "no input builder" if c not in ADAPTED else "not checked in this run")
                     unc.append({"class": c, "set": s, "dtype": d, "device": device, "reason": why})
                     cov.append({"class": c, "set": s, "prompt_kernel": None, "decode_kernel": None, "m_ranges": "",
-                                "kv_lengths": "", "dtype": d, "device": device, "cases": 0, "status": "uncovered"})
+                                "kv_lengths": "", "sites": "", "dtype": d, "device": device, "cases": 0,
+                                "status": "uncovered"})
                     continue
                 cov.append({k: r[k] for k in ("class", "set", "prompt_kernel", "decode_kernel", "m_ranges",
-                                              "kv_lengths", "dtype", "device", "cases")} | {"status": "checked"})
+                                              "kv_lengths", "dtype", "device", "cases")}
+                           | {"sites": r.get("sites", ""), "status": "checked"})
     return cov, unc
 
 
 def run_section(params: ContractParams | dict) -> dict:
     """The ``contract`` section from profile/notebook parameters.
 
-    params (ContractParams, or a dict of its fields): kernel_sets (list of set names), device, preset (input
+    params (ContractParams, or a dict of its fields): kernel_sets (list of set names or package.module:ATTR
+    references, kernels.get_set), device, preset (input
     shapes; default "tiny"), dtype (the profile's; checked first), optional
     contract_dtypes (default: the profile's dtype plus the other of bfloat16/float32), contract_sweep ("full" |
     "quick", default "full"), contract_control_sweep (the sweep of sets that claim no exactness, e.g. ``fast``:
@@ -328,7 +347,7 @@ def run_section(params: ContractParams | dict) -> dict:
     "uncovered": [...]}``. Raises ValueError on an unknown set/device/dtype/sweep/class.
     """
     p = ContractParams.from_dict(params)
-    sets = list(p.kernel_sets or KERNEL_SETS)
+    sets = [get_set(s).name for s in (p.kernel_sets or list(KERNEL_SETS))]   # references resolved to set names
     device = p.device
     base = p.dtype
     dtypes = list(p.contract_dtypes or [base] + [d for d in ("bfloat16", "float32") if d != base])

@@ -23,7 +23,7 @@ import torch
 from ..config import get_preset
 from ..kernels.registry import ClassNames, class_record, resolve
 from ..weights import synthetic_weights
-from .contract_inputs import RandomInputs
+from .contract_inputs import SITE_WEIGHTS, RandomInputs, sites_of
 
 FULL_M: tuple[int, ...] = tuple(range(1, 131)) + (255, 256, 257, 511, 512, 513, 1024, 4097)
 SWEEPS = ("full", "quick")
@@ -243,7 +243,31 @@ def _rows_of(t: torch.Tensor, n: int) -> torch.Tensor:
     return t[:n] if t.shape[0] >= n else t[torch.arange(n, device=t.device) % t.shape[0]]
 
 
-def _captured_pool(cls: str, dtype: torch.dtype, device: str, preset: str) -> Pool:
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _site_args(cls: str, site: str, calls: list, w, preset: str) -> tuple:
+    """Args of the largest tapped call of ``cls`` at ``site``: the calls passing the site's weight (a routed
+    expert's weights are views of the stacked tensors: matched by storage), or for a site without a weight the
+    site's place among the class's calls in layer 0 (RoPE: q then k).
+
+    Raises:
+        ValueError: no tapped call of the site (the forward does not call it: a preset without a shared expert).
+    """
+    pick = SITE_WEIGHTS.get((cls, site))
+    ref = None if pick is None else pick(w)
+    if ref is not None:
+        at = [c for c in calls if _storage(c[1][1]) == _storage(ref)]
+    else:
+        names = class_sites(cls, preset)
+        at = [c for c in calls if c[0] == 0][names.index(site)::len(names)]
+    if not at:
+        raise ValueError(f"the forward of preset {preset!r} makes no {cls} call at site {site!r}")
+    return max(at, key=lambda c: c[1][0].shape[0])[1]
+
+
+def _captured_pool(cls: str, dtype: torch.dtype, device: str, preset: str, site: str = "") -> Pool:
     calls, w = _captured(dtype, device, preset)
     n = _pool_rows()
     if cls == "attention":
@@ -259,7 +283,7 @@ def _captured_pool(cls: str, dtype: torch.dtype, device: str, preset: str) -> Po
     if cls == "argmax":
         logits = calls["lm_head"][0][2]                                         # [P, V] fp32
         return Pool(cls, "captured", (logits.to(dtype),), (), _plain)
-    args = _largest(calls[cls], -1 if cls == "lm_head" else 0)
+    args = _site_args(cls, site, calls[cls], w, preset) if site else _largest(calls[cls], -1 if cls == "lm_head" else 0)
     rows = len(class_record(cls).row_args)   # leading per-row arguments (attention and argmax are built above)
     if cls == "moe_combine" and args[2] is None:   # no shared expert (e.g. the small preset): shared stays fixed
         rows = 2
@@ -271,13 +295,28 @@ def _weights32(preset: str):
     return synthetic_weights(get_preset(preset), torch.float32)
 
 
-def _random_pool(cls: str, dtype: torch.dtype, device: str, preset: str) -> Pool:
-    """The class record's builder (contract_inputs.py) on a generator seeded by the class's place in ADAPTED."""
+def _random_pool(cls: str, dtype: torch.dtype, device: str, preset: str, site: str = "") -> Pool:
+    """The class record's builder (contract_inputs.py) for ``site`` on a generator seeded by the class's place in
+    ADAPTED and the site's place among the class's sites (the first site keeps the class's seed)."""
     rec = class_record(cls)
-    g = torch.Generator().manual_seed(1000 + ADAPTED.index(cls))
-    inp = RandomInputs(get_preset(preset), _weights32(preset), g, _pool_rows(), N_REAL, N_MATES, dtype, device)
+    k = class_sites(cls, preset).index(site) if site else 0
+    g = torch.Generator().manual_seed(1000 + ADAPTED.index(cls) + 100 * k)
+    inp = RandomInputs(get_preset(preset), _weights32(preset), g, _pool_rows(), N_REAL, N_MATES, dtype, device,
+                       site)
     rows, fixed = resolve(rec.contract_inputs)(inp)
     return Pool(cls, "random", tuple(rows), tuple(fixed), rec.arrange)
+
+
+def class_sites(cls: str, preset: str = "tiny") -> tuple[str, ...]:
+    """The call sites the contract feeds class ``cls`` for ``preset`` (contract_inputs.sites): e.g. dense ->
+    ("q", "k", "v", "o"); ``("",)`` for a class with one operand shape.
+
+    Raises:
+        ValueError: unknown class (no builder) or preset.
+    """
+    if cls not in ADAPTED:
+        raise ValueError(f"no input builder for kernel class {cls!r}; known: {', '.join(ADAPTED)}")
+    return sites_of(resolve(class_record(cls).contract_inputs), get_preset(preset))
 
 
 ADAPTED = ClassNames(lambda r: r.contract_inputs is not None)   # the classes with an input builder, class order
@@ -299,19 +338,23 @@ def offloaded(pool: Pool) -> Pool:
     return dataclasses.replace(pool, stage=StagedWeights(pool.fixed).fetch)
 
 
-@functools.lru_cache(maxsize=64)
-def make_pool(cls: str, source: str, dtype: torch.dtype, device: str, preset: str = "tiny") -> Pool:
-    """The row pool of ``cls`` from ``source`` ("random" or "captured") in ``dtype`` on ``device``, shapes of
-    ``preset`` (config.PRESETS; the CPU checks use "tiny").
+@functools.lru_cache(maxsize=128)
+def make_pool(cls: str, source: str, dtype: torch.dtype, device: str, preset: str = "tiny", site: str = "") -> Pool:
+    """The row pool of ``cls`` at call site ``site`` (class_sites; "" = the class's first site) from ``source``
+    ("random" or "captured") in ``dtype`` on ``device``, shapes of ``preset`` (config.PRESETS; the CPU checks use
+    "tiny").
 
-    Captured rows come from a forward of the preset over the ``docs`` prompt (model.tapping); random rows are seeded.
+    Captured rows come from a forward of the preset over the ``docs`` prompt (model.tapping): the calls at the site;
+    random rows are seeded.
     Raises:
-        ValueError: unknown class (no builder), source or preset.
+        ValueError: unknown class (no builder), source, preset or site (listing the class's sites).
     """
-    if cls not in ADAPTED:
-        raise ValueError(f"no input builder for kernel class {cls!r}; known: {', '.join(ADAPTED)}")
+    names = class_sites(cls, preset)
     if source not in SOURCES:
         raise ValueError(f"unknown input source {source!r}; known: {', '.join(SOURCES)}")
+    site = site or names[0]
+    if site not in names:
+        raise ValueError(f"unknown call site {site!r} of kernel class {cls!r}; known: {', '.join(names)}")
     if source == "captured":
-        return _captured_pool(cls, dtype, device, preset)
-    return _random_pool(cls, dtype, device, preset)
+        return _captured_pool(cls, dtype, device, preset, site)
+    return _random_pool(cls, dtype, device, preset, site)

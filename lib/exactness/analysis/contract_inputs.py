@@ -5,6 +5,12 @@ A builder takes a :class:`RandomInputs` and returns ``(rows, fixed)``: ``rows`` 
 arguments (weights, eps, ...). contract_cases.make_pool turns them into a Pool. Activations are seeded N(0, 1)
 draws from ``inp.gen``; weights are the preset's layer-0 weights (Kaiming-scaled, weights.py). The draw order
 within each builder fixes the pool's values: keep it.
+
+*Call sites.* A class the forward calls with several operand shapes (dense: the q, k, v and o projections; RMSNorm:
+hidden rows, query-head rows, kv-head rows and the final norm; ...) declares its sites with :func:`sites`; the
+builder then reads ``inp.site`` and returns that site's weight and row shape, so every shape the forward feeds the
+kernel is checked. :data:`SITE_WEIGHTS` names the weight of each site (captured pools pick the tapped calls that
+pass it); a site without a weight (RoPE) is picked by its order among the class's calls in a layer.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ class RandomInputs:
     n_mates: int
     dtype: torch.dtype
     device: str
+    site: str = ""
 
     @property
     def layer0(self):
@@ -47,8 +54,46 @@ class RandomInputs:
                      for t in ts)
 
 
+def sites(names):
+    """Decorator: the builder's call sites, a tuple of names or ``cfg -> tuple`` (sites that depend on the preset,
+    such as a shared expert that only some presets have)."""
+    def mark(builder):
+        builder.sites = names
+        return builder
+    return mark
+
+
+def sites_of(builder, cfg) -> tuple[str, ...]:
+    """The call sites of a builder for preset ``cfg``: ``("",)`` (one unnamed site) when it declares none."""
+    names = getattr(builder, "sites", None)
+    if names is None:
+        return ("",)
+    return tuple(names(cfg) if callable(names) else names)
+
+
+def _shared(cfg) -> tuple[str, ...]:
+    return ("routed", "shared") if cfg.shared_expert_inter else ("routed",)
+
+
+# (class, site) -> the site's weight in a Weights (layer 0, or the model's own for the final norm and the head)
+SITE_WEIGHTS = {
+    ("dense", "q"): lambda w: w.layers[0].wq, ("dense", "k"): lambda w: w.layers[0].wk,
+    ("dense", "v"): lambda w: w.layers[0].wv, ("dense", "o"): lambda w: w.layers[0].wo,
+    ("expert_gate_up", "routed"): lambda w: w.layers[0].w_gate,
+    ("expert_gate_up", "shared"): lambda w: w.layers[0].shared_gate,
+    ("expert_down", "routed"): lambda w: w.layers[0].w_down,
+    ("expert_down", "shared"): lambda w: w.layers[0].shared_down,
+    ("rmsnorm", "attn_norm"): lambda w: w.layers[0].attn_norm, ("rmsnorm", "q_norm"): lambda w: w.layers[0].q_norm,
+    ("rmsnorm", "k_norm"): lambda w: w.layers[0].k_norm, ("rmsnorm", "mlp_norm"): lambda w: w.layers[0].mlp_norm,
+    ("rmsnorm", "final_norm"): lambda w: w.final_norm,
+}
+
+
+@sites(("q", "k", "v", "o"))
 def dense(inp: RandomInputs):
-    return inp.cast(inp.randn(inp.n, inp.cfg.hidden)), inp.cast(inp.layer0.wq)
+    """x [n, K] and the site's projection weight [N, K] (o: K = Hq*D, the attention output)."""
+    w = SITE_WEIGHTS[("dense", inp.site or "q")](inp.weights)
+    return inp.cast(inp.randn(inp.n, w.shape[1])), inp.cast(w)
 
 
 def router(inp: RandomInputs):
@@ -57,13 +102,19 @@ def router(inp: RandomInputs):
     return inp.cast(inp.randn(inp.n, inp.cfg.hidden)), (*inp.cast(wr), inp.cfg.top_k, inp.cfg.norm_topk_prob)
 
 
+@sites(_shared)
 def expert_gate_up(inp: RandomInputs):
+    """x [n, H]; routed expert 0's (w_gate, w_up) [I, H], or the shared expert's [Is, H]."""
     lw = inp.layer0
-    return inp.cast(inp.randn(inp.n, inp.cfg.hidden)), inp.cast(lw.w_gate[0], lw.w_up[0])
+    w = (lw.shared_gate, lw.shared_up) if inp.site == "shared" else (lw.w_gate[0], lw.w_up[0])
+    return inp.cast(inp.randn(inp.n, inp.cfg.hidden)), inp.cast(*w)
 
 
+@sites(_shared)
 def expert_down(inp: RandomInputs):
-    return inp.cast(0.5 * inp.randn(inp.n, inp.cfg.expert_inter)), inp.cast(inp.layer0.w_down[0])
+    """h [n, I]; routed expert 0's w_down [H, I], or the shared expert's [H, Is]."""
+    w = inp.layer0.shared_down if inp.site == "shared" else inp.layer0.w_down[0]
+    return inp.cast(0.5 * inp.randn(inp.n, w.shape[1])), inp.cast(w)
 
 
 def moe_combine(inp: RandomInputs):
@@ -82,16 +133,30 @@ def attention(inp: RandomInputs):
     return inp.cast(inp.randn(n, cfg.n_heads, cfg.head_dim), slots, pos), inp.cast(kc, vc)
 
 
+def _head_rows(cfg, site: str) -> tuple[int, ...]:
+    """Row shape of a site: [Hq, D] for query heads, [Hkv, D] for kv heads, [H] for hidden rows."""
+    if site in ("q", "q_norm"):
+        return (cfg.n_heads, cfg.head_dim)
+    if site in ("k", "k_norm"):
+        return (cfg.n_kv_heads, cfg.head_dim)
+    return (cfg.hidden,)
+
+
+@sites(("q_norm", "k_norm", "attn_norm", "mlp_norm", "final_norm"))
 def rmsnorm(inp: RandomInputs):
-    """Per-head q-norm shape [n, Hq, D]: rows are flattened to M*Hq inside the kernels."""
-    cfg = inp.cfg
-    return inp.cast(inp.randn(inp.n, cfg.n_heads, cfg.head_dim)), (*inp.cast(inp.layer0.q_norm), cfg.rms_eps)
+    """Rows [n, Hq, D] (q_norm; per-head rows are flattened to M*Hq inside the kernels), [n, Hkv, D] (k_norm) or
+    [n, H] (attn_norm, mlp_norm, final_norm), and the site's norm weight."""
+    site = inp.site or "q_norm"
+    w = SITE_WEIGHTS[("rmsnorm", site)](inp.weights)
+    return inp.cast(inp.randn(inp.n, *_head_rows(inp.cfg, site))), (*inp.cast(w), inp.cfg.rms_eps)
 
 
+@sites(("q", "k"))
 def rope(inp: RandomInputs):
+    """Rows [n, Hq, D] (q) or [n, Hkv, D] (k) and a random position per row."""
     cfg = inp.cfg
     pos = torch.randint(0, cfg.max_positions, (inp.n,), generator=inp.gen)
-    return inp.cast(inp.randn(inp.n, cfg.n_heads, cfg.head_dim), pos), (cfg.rope_theta,)
+    return inp.cast(inp.randn(inp.n, *_head_rows(cfg, inp.site or "q")), pos), (cfg.rope_theta,)
 
 
 def residual(inp: RandomInputs):

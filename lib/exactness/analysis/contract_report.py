@@ -14,7 +14,7 @@ INTRO = ("Every kernel class has a decode kernel (one row per call: the serial o
          "compared as bytes. A pair keeps its contract only when no row differs in any byte; the `invariant` set "
          "claims this for every pair, `fast` claims nothing and is the control.")
 _MISMATCH_DASH = ("not applicable: T (KV length) exists only for attention, a ULP distance only for "
-                  "floating-point outputs")
+                  "floating-point outputs, a site only for classes the forward calls with several operand shapes")
 
 # ------------------------------------------------------------------------------------------------------- render
 
@@ -72,6 +72,11 @@ def render_md(section) -> str:
     out += ["", "Mismatching rows / rows checked, per class (uncovered: not checked):", "",
             _md([[c] + [cell.get((c, s, d), "uncovered") for s, d in cols] for c in KERNEL_CLASSES],
                 ["class"] + [f"{s} {d}" for s, d in cols])]
+    by_site = [f"{r['class']} ({r['set']} {r['dtype']}): " + ", ".join(f"{k} {n[1]}/{n[0]}"
+                                                                    for k, n in r["by_site"].items())
+               for r in rows if r["mismatches"] and len(r.get("by_site") or {}) > 1]
+    if by_site:
+        out += ["", "Mismatching rows / rows checked per call site, for pairs with a mismatch: " + "; ".join(by_site)]
     if unc:
         groups: dict[tuple, list] = {}
         for u in unc:
@@ -85,18 +90,20 @@ def render_md(section) -> str:
                     ["set", "dtype", "class", "mismatching rows / rows checked"])]
     bad = [r for r in rows + off if r["first_mismatch"]]
     if bad:
-        hdr = ["set", "dtype", "class", "M", "T", "segmentation", "row", "output", "element", "ULP", "prompt",
-               "decode"]
+        hdr = ["set", "dtype", "class", "site", "M", "T", "segmentation", "call rows", "row", "output", "element",
+               "ULP", "prompt", "decode"]
         body = []
         for r in bad:
             f = r["first_mismatch"]
             cls = r["class"] + (" (offloaded)" if r.get("weights") == "offloaded" else "")
-            body.append([r["set"], r["dtype"], cls, f["M"], f.get("kv_len") or DASH, f["segmentation"],
-                         f["row"], f["output"], f["element"], DASH if f["ulp"] is None else f["ulp"],
+            body.append([r["set"], r["dtype"], cls, f.get("site") or DASH, f["M"], f.get("kv_len") or DASH,
+                         f["segmentation"], f.get("call_rows", DASH), f["row"], f["output"], f["element"],
+                         DASH if f["ulp"] is None else f["ulp"],
                          format(f["prompt"], ".9g"), format(f["decode"], ".9g")])
         out += ["", "First mismatch per pair (checking order: M ascending, then T, then segmentation; a "
                 "segmentation lists the prompt calls' segment lengths joined by +, and `lead a tail b` the other rows "
-                "placed before and after the tested rows in each call):", "",
+                "placed before and after the tested rows in each call; site: the forward's call site whose operand "
+                "shapes were fed; call rows: rows in the prompt call holding the row, mates included):", "",
                 _md(body, hdr), "", f"_{DASH} : {_MISMATCH_DASH}._"]
     return "\n".join(out)
 
@@ -112,13 +119,16 @@ def summary_table(rows: list[dict]) -> Table:
 
 
 def coverage_table(section: dict) -> Table:
-    """Every class x set x dtype: rows M and KV lengths T covered, rows compared, and checked / uncovered."""
+    """Every class x set x dtype: rows M, KV lengths T and call sites covered, rows compared, and checked /
+    uncovered."""
     recs = [{**c, "m": c.get("m_ranges", "").replace(",", ", ") or None,
-             "t": (c.get("kv_lengths") or "").replace(",", ", ") or None} for c in section["coverage"]]
+             "t": (c.get("kv_lengths") or "").replace(",", ", ") or None,
+             "s": (c.get("sites") or "").replace(",", ", ") or None} for c in section["coverage"]]
     return Table(recs, {"class": "class", "set": "set", "dtype": "dtype", "m": "rows per call M",
-                        "t": "KV lengths T", "cases": "rows compared", "status": "status"},
-                 formats={"cases": ","}, dash="not applicable: only attention reads a KV cache, and an uncovered "
-                                                "class has no rows")
+                        "t": "KV lengths T", "s": "call sites", "cases": "rows compared", "status": "status"},
+                 formats={"cases": ","}, dash="not applicable: only attention reads a KV cache, a class called "
+                                                "with one operand shape has no named sites, and an uncovered class "
+                                                "has no rows")
 
 
 def mismatch_table(section: dict, offload: bool = True) -> Table:
@@ -131,10 +141,12 @@ def mismatch_table(section: dict, offload: bool = True) -> Table:
              "class": r["class"] + (" (offloaded)" if r.get("weights") == "offloaded" else ""),
              "differ": f"{r['mismatches']:,} of {r['cases']:,}"} for r in bad]
     for rec in recs:
+        rec["site"] = rec.get("site") or None
         for k in ("prompt", "decode"):  # 9 significant digits tell fp32 neighbours apart
             rec[k] = None if rec.get(k) is None else format(rec[k], ".9g")
-    return Table(recs, {"set": "set", "dtype": "dtype", "class": "class", "differ": "rows that differ",
-                        "M": "M", "kv_len": "T", "segmentation": "segmentation", "row": "row", "output": "output",
+    return Table(recs, {"set": "set", "dtype": "dtype", "class": "class", "site": "site",
+                        "differ": "rows that differ", "M": "M", "kv_len": "T", "segmentation": "segmentation",
+                        "call_rows": "call rows", "row": "row", "output": "output",
                         "element": "element", "ulp": "ULPs", "prompt": "prompt kernel", "decode": "decode kernel"},
                  dash=_MISMATCH_DASH,
                  notes=[f"{len(rows) - len(bad)} of {len(rows)} pairs have no mismatch and are not listed."])
@@ -159,7 +171,8 @@ def mismatch_frame(section: dict):
     """pandas DataFrame, one row per pair: set, dtype, class, cases, mismatches and the first mismatch's fields."""
     import pandas as pd
 
-    keep = ("M", "kv_len", "segmentation", "row", "source", "output", "element", "ulp", "prompt", "decode")
+    keep = ("site", "M", "kv_len", "segmentation", "call_rows", "row", "source", "output", "element", "ulp",
+            "prompt", "decode")
     rows = []
     for r in section["rows"]:
         fm = r["first_mismatch"] or {}
@@ -169,7 +182,7 @@ def mismatch_frame(section: dict):
         rows.append({"set": r["set"], "device": r["device"], "dtype": r["dtype"], "class": r["class"],
                      "cases": r["cases"], "mismatches": r["mismatches"], **vals})
     df = pd.DataFrame(rows)
-    for k in ("M", "kv_len", "row", "element", "ulp"):
+    for k in ("M", "kv_len", "call_rows", "row", "element", "ulp"):
         df[k] = df[k].astype("Int64")     # nullable ints: pairs without a mismatch show <NA>, not NaN floats
     return df
 

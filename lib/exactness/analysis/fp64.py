@@ -24,6 +24,9 @@ Verdict rule: ``uncertified`` when the reference failed certification; else ``ex
 and every sampled output's bytes equal decode's; else ``within bound`` when bound_use <= 1, i.e. for every output
 there is a value within the class bound of the exact result whose rounding to the stored dtype is the stored
 output (for GEMMs: |z - y| <= gamma_K·sum|x·w| for the fp32 value z before storage); else ``outside bound``.
+A captured row's verdict speaks of the prompt positions it sampled only: ``sampled.position_list`` lists them (the
+evenly spaced ones plus any ``extra_positions``, e.g. the rows the kernel contract flagged), and the verdict
+markdown names them.
 """
 from __future__ import annotations
 
@@ -166,13 +169,17 @@ def _params(params: Fp64Params | dict) -> dict:
     return dataclasses.asdict(Fp64Params.from_dict(params))
 
 
-def capture_plan(p: dict) -> dict:
+def capture_plan(p: dict, extra_positions=()) -> dict:
     """Prompt, token count, step and sampled positions of the captured runs.
 
     The step is the first profile step >= deep_threshold (so that the deep path runs deep), else None (one chunk);
     the prompt is ``fp64_prompt`` (default: the profile's longest) cut to ``fp64_tokens`` (default: step or
     deep_threshold, plus 16, so that a deep segment and a batched tail both run); ``fp64_rows`` positions evenly
-    spaced over the prompt, the last one included.
+    spaced over the prompt, the last one included, plus ``extra_positions`` (ints; rows to judge besides, such as
+    those the kernel contract flagged). Returns also ``extra``: the extra positions, sorted.
+
+    Raises:
+        ValueError: an extra position that is not an int in 0..P-1 (P: the captured prompt's tokens).
     """
     step = next((s for s in p["steps"] if s >= p["deep_threshold"]), None)
     name = p["fp64_prompt"] or max(p["prompts"], key=lambda n: build_prompt(n, p.get("prompt_max_tokens")).n_tokens)
@@ -180,8 +187,14 @@ def capture_plan(p: dict) -> dict:
     want = p["fp64_tokens"] or (max(step or 0, p["deep_threshold"]) + 16)
     P = min(prompt.n_tokens, int(want))
     R = min(int(p["fp64_rows"]), P)
-    positions = sorted({round(i * (P - 1) / max(R - 1, 1)) for i in range(R)})
-    return {"prompt": name, "ids": prompt.ids[:P], "tokens": P, "step": step, "positions": positions}
+    bad = [x for x in extra_positions if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < P]
+    if bad:
+        raise ValueError(f"extra fp64 positions {bad} are not ints in 0..{P - 1} (the captured prompt "
+                         f"{name!r} has {P} tokens)")
+    extra = sorted(set(extra_positions))
+    positions = sorted({round(i * (P - 1) / max(R - 1, 1)) for i in range(R)} | set(extra))
+    return {"prompt": name, "ids": prompt.ids[:P], "tokens": P, "step": step, "positions": positions,
+            "extra": extra}
 
 
 def capture(w, plan: dict, kernel_sets, deep_threshold: int) -> tuple[TapRecorder, dict]:
@@ -217,6 +230,7 @@ def _captured_rows(rec, p, plan, out, memo):
                 meta = {"class": cls, "path": path, "set": ks, "dtype": dtype, "input_set": "captured",
                         **_kernel_meta(ks, cls, path),
                         "sampled": {"prompt": plan["prompt"], "positions": len(plan["positions"]),
+                                    "position_list": list(plan["positions"]), "extra_positions": plan["extra"],
                                     "samples": len(samples), "outputs": int(ev.y.numel()), "certified": cert["n"],
                                     "plans": plans}}
                 _emit(out, ev, evs.get("decode"), cert, meta, st)
@@ -284,7 +298,7 @@ def _synthetic_rows(p, cfg, dev, out, memo):
             _emit(out, ev, evs.get((ks, "decode")), cert, meta, sts[(ks, path)])
 
 
-def run_section(params: Fp64Params | dict) -> dict:
+def run_section(params: Fp64Params | dict, extra_positions=()) -> dict:
     """The ``fp64`` receipt section.
 
     Args:
@@ -293,16 +307,18 @@ def run_section(params: Fp64Params | dict) -> dict:
             prompt; see capture_plan), fp64_synthetic (run the synthetic input sets, True), fp64_k_max (largest
             synthetic K, 16384), fp64_synth_rows (rows per synthetic case, 128), fp64_fp32_sweep (dense K sweep
             also in float32 storage, True), fp64_synth_classes (restrict the synthetic classes; None = all).
+        extra_positions: prompt positions to judge besides the evenly spaced ones (capture_plan), e.g. the rows
+            the kernel contract flagged; every captured row's verdict then covers them.
     Returns:
         {"section": "fp64", "rows": [...], "hist": {...}, "by_k": [...], "per_layer": [...], "meta": {...}}.
     Raises:
-        ValueError: a missing profile field or a bad value (named).
+        ValueError: a missing profile field or a bad value (named), an extra position outside the prompt.
     """
     p = _params(params)
     dtype, dev = DTYPES[p["dtype"]], resolve_device(p["device"])   # a clear error where CUDA is asked for but absent
     cfg = get_preset(p["preset"])
     w = synthetic_weights(cfg, dtype, dev)
-    plan = capture_plan(p)
+    plan = capture_plan(p, extra_positions)
     out = {"section": "fp64", "rows": [], "hist": {}, "by_k": [], "per_layer": []}
     memo: dict = {}
     with progress_bar(3 if p["fp64_synthetic"] else 2, "fp64", "stage") as bar:
@@ -320,7 +336,8 @@ def run_section(params: Fp64Params | dict) -> dict:
             _synthetic_rows(p, cfg, dev, out, memo)
             bar.update(1)
     out["meta"] = {"prompt": plan["prompt"], "tokens": plan["tokens"], "step": plan["step"],
-                   "positions": len(plan["positions"]), "cert_per_row": int(p["fp64_cert"]),
+                   "positions": len(plan["positions"]), "position_list": list(plan["positions"]),
+                   "extra_positions": plan["extra"], "cert_per_row": int(p["fp64_cert"]),
                    "cert_max_ulps": CERT_MAX_ULPS, "hist_edges": list(HIST_EDGES),
                    "seconds": {"tapped_runs": t1 - t0, "captured_refs": t2 - t1,
                                "synthetic": time.perf_counter() - t2, "runs": secs}}

@@ -93,13 +93,30 @@ def synthetic_table(rows: list[dict]) -> Table:
                  formats={"bound": ".3g"}, dash=_DASH)
 
 
+def judged_md(rows: list[dict]) -> str | None:
+    """One line naming the prompt positions the captured rows were judged at (the extra ones, e.g. rows the kernel
+    contract flagged, named apart); None when no captured row records them."""
+    cap = [r["sampled"] for r in rows if r.get("input_set") == "captured" and "position_list" in (r.get("sampled")
+                                                                                                   or {})]
+    if not cap:
+        return None
+    pos = sorted({p for s in cap for p in s["position_list"]})
+    extra = sorted({p for s in cap for p in s.get("extra_positions") or []})
+    return (f"Captured rows are judged at prompt positions {', '.join(map(str, pos))} only ({len(pos)} positions"
+            + (f"; extra positions asked for: {', '.join(map(str, extra))}" if extra else "")
+            + "): `exact` says those rows' bytes equal decode's, nothing about the others.")
+
+
 def verdict_md(rows: list[dict]) -> str:
-    """Markdown, one line per kernel set: how many rows are exact, within bound, outside bound, uncertified."""
+    """Markdown, one line per kernel set: how many rows are exact, within bound, outside bound, uncertified; then
+    the prompt positions the captured rows were judged at (judged_md)."""
     lines = []
     for ks in dict.fromkeys(r["set"] for r in rows):
         rs = [r for r in rows if r["set"] == ks]
         counts = {v: sum(1 for r in rs if r["verdict"] == v) for v in VERDICT_WORD}
         lines.append(f"- **{ks}**: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n) + f" (of {len(rs)} rows).")
+    judged = judged_md(rows)
+    lines += [f"- {judged}"] if judged else []
     return "**Verdict.**\n\n" + "\n".join(lines) if lines else "_No rows._"
 
 

@@ -5,7 +5,7 @@ the rerun control and what each path actually served.
 from __future__ import annotations
 
 from ..render import render_extra, table
-from .hashes_report import INTRO, verdict_md
+from .hashes_report import INTRO, differs_in, first_difference, verdict_md
 
 DIFF_MARK = "✗"
 OPTIONAL_RUN_COLUMNS = ("prompt_logits_equal", "kv_equal", "max_prompt_logit_diff", "rerun_equal", "seconds")
@@ -77,13 +77,17 @@ def render_hashes(rows: list[dict]) -> str:
     parts = ["## Token hashes", "", INTRO, "", verdict_md(rows), "", legend, "", _hash_matrix(rows)]
     oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows
               if r.get("path") == "decode" and not r.get("offload")}
-    diff = [r for r in rows if _differs(r, oracle)]
-    parts += ["", "### Runs that differ from the oracle", ""]
+    diff = [r for r in rows if _differs(r, oracle) or differs_in(r)]
+    parts += ["", "### Runs that differ from the oracle", "",
+              "Tokens, prompt-logit bytes or KV-cache bytes: a run that keeps the oracle's tokens but not its bytes "
+              "is listed too.", ""]
     if diff:
-        parts.append(table([[r.get("prompt"), r.get("kernels"), _col(r), r.get("first_divergence"),
+        parts.append(table([[r.get("prompt"), r.get("kernels"), _col(r),
+                             ", ".join(differs_in(r) or ["tokens"]), first_difference(r),
                              r.get("oracle_margin"), _served(r.get("served"))] for r in diff],
-                           ["prompt", "kernels", "run", "first differing token (index)", "oracle margin (logit)",
-                            "served"], dash="not recorded"))
+                           ["prompt", "kernels", "run", "differs in",
+                            "first difference: token / prompt row / KV position (layer)", "oracle margin (logit)",
+                            "served"], dash="not recorded (or no token differs: no margin)"))
     else:
         parts.append("_Every run equals its oracle._")
     reruns = [r for r in rows if "rerun_equal" in r]

@@ -26,6 +26,29 @@ def _runs(rows: list[dict]) -> list[dict]:
     return [r for r in rows if not (r["path"] == "decode" and not r.get("offload"))]
 
 
+def differs_in(r: dict) -> list[str]:
+    """What of a run differs from its oracle: "tokens", "prompt logits", "KV" (a quantity not recorded is not
+    listed)."""
+    out = [] if r.get("equals_oracle", True) else ["tokens"]
+    out += [] if r.get("prompt_logits_equal", True) is not False else ["prompt logits"]
+    return out + ([] if r.get("kv_equal", True) is not False else ["KV"])
+
+
+def first_difference(r: dict) -> str | None:
+    """``token i / prompt row j / KV position p (layer l)`` for the parts that differ; None when nothing does.
+    The KV position and layer come from ``kv_first_position`` and ``kv_first_layer`` when the row records them."""
+    parts = []
+    if r.get("first_divergence") is not None:
+        parts.append(f"token {r['first_divergence']}")
+    if r.get("first_differing_prompt_row") is not None:
+        parts.append(f"prompt row {r['first_differing_prompt_row']}")
+    if r.get("kv_equal") is False:
+        pos, layer = r.get("kv_first_position"), r.get("kv_first_layer")
+        parts.append("KV" + ("" if pos is None else f" position {pos}") + ("" if layer is None else f" layer {layer}")
+                     + ("" if pos is not None or layer is not None else " (position not recorded)"))
+    return " / ".join(parts) or None
+
+
 def _of(rows, pred) -> str:
     return f"{sum(1 for r in rows if pred(r))} of {len(rows)}"
 
@@ -93,9 +116,12 @@ def oracle_table(rows: list[dict]) -> Table:
     and the oracle's top-1/top-2 margin there, and the rows each plan served."""
     recs = [{**r, "run": _col(r["path"], r["step"], r.get("offload", False)),
              "rows_differing": f"{r['prompt_rows_differing']} of {r['prompt_tokens']}",
+             "first_text": first_difference(r) or "nothing differs",
              "served_text": _served(r.get("served") or {})} for r in _runs(rows)]
     return Table(recs, {"prompt": "prompt", "kernels": "kernel set", "run": "run", "equals_oracle": "tokens",
-                        "first_divergence": "first differing token (index)", "oracle_margin": "oracle margin (logit)",
+                        "first_divergence": "first differing token (index)",
+                        "first_text": "first difference: token / prompt row / KV position (layer)",
+                        "oracle_margin": "oracle margin (logit)",
                         "rows_differing": "prompt rows with differing logits",
                         "max_prompt_logit_diff": "max |Δlogit|", "kv_equal": "KV cache bytes",
                         "served_text": "served"},

@@ -1,15 +1,19 @@
 """The ``streams`` section: drafted == plain, resumed == fresh, and concurrent == alone == serial, per kernel set.
 
 Every configuration runs twice (``REPS``); ``reruns_equal`` says whether the repetitions are byte-identical, and
-``equal`` is true only when every compared quantity matched in every repetition:
+``equal`` is true only when every compared quantity matched in every repetition. Three quantities are compared
+(QUANTITIES): the tokens, the logits bytes of every row the run produced (for drafted runs: every verified row, the
+rows the tokens were chosen from) and the KV bytes of every written position; ``failed`` lists those that differed
+and ``compared`` those the verdict rests on (all three, except drafted runs of a set that claims no exactness,
+whose verdict stays on tokens):
 
-    drafted     tokens of the drafted run (mtp.generate_drafted) against the plain run (paths.generate) on the same
-                prefill path and step; logits bytes of the generated rows and KV bytes are reported beside it
-    resumed     tokens, logits bytes of the prefilled tail rows and of the generated rows, and KV bytes of a request
-                resumed from the prompt cache against a fresh request; one row per mode (grid: resume on the step
-                grid; any: resume off it)
-    concurrent  tokens and logits bytes (prompt and generated rows) of each of N concurrent streams against its run
-                alone (same prefill path) and against the serial no-draft oracle (paths.generate on ``decode``)
+    drafted     the drafted run (mtp.generate_drafted) against the plain run (paths.generate) on the same prefill
+                path and step
+    resumed     a request resumed from the prompt cache against a fresh request (logits: the prefilled tail rows
+                and the generated rows); one row per mode (grid: resume on the step grid; any: resume off it)
+    concurrent  each of N concurrent streams against its run alone (same prefill path) and against the serial
+                no-draft oracle (paths.generate on ``decode``); logits of prompt and generated rows, KV of the
+                stream's cache slot (read through model.tapping: the cache the attention kernels read)
 
 Choices stated in the receipt (``data["settings"]``): the prefill step is the profile's first step, or P // 3 for a
 prompt of P <= step tokens (so that short prompts still have a grid); the grid resume point is the largest multiple
@@ -26,6 +30,7 @@ import torch
 
 from ..batch import BATCH_LIMIT, run_streams
 from ..exact import bytes_equal, first_differing_row, kv_first_difference, token_hash
+from ..model import tapping
 from ..kernels import get_set
 from ..params import StreamsParams
 from ..mtp import generate_drafted, resolve_mtp
@@ -39,6 +44,7 @@ from .streams_report import (INTRO, concurrent_table, drafted_table, render_md, 
 
 REPS = 2
 STREAM_CUT = 5  # stream j's prompt is STREAM_CUT * j tokens shorter, so the streams' lengths differ
+QUANTITIES = ("tokens", "logits", "kv")
 
 
 # --------------------------------------------------------------------------------------------------- comparisons
@@ -46,6 +52,36 @@ STREAM_CUT = 5  # stream j's prompt is STREAM_CUT * j tokens shorter, so the str
 def run_equal(a_ids, a_logits, b_ids, b_logits) -> bool:
     """Tokens and logits bytes equal."""
     return bool(torch.equal(a_ids, b_ids)) and bytes_equal(a_logits, b_logits)
+
+
+def verdict(ok: dict[str, bool], strict: bool = True) -> dict:
+    """Row fields from per-quantity outcomes ``ok`` (QUANTITIES -> equal in every repetition): ``compared`` (all
+    QUANTITIES when ``strict``, else tokens only), ``equal`` (every compared quantity equal) and ``failed`` (every
+    quantity that differed, compared or not, in QUANTITIES order)."""
+    compared = list(QUANTITIES) if strict else ["tokens"]
+    return {"equal": all(ok[q] for q in compared), "failed": [q for q in QUANTITIES if not ok[q]],
+            "compared": compared}
+
+
+class CacheTap:
+    """Tap recorder (model.tapping) keeping, per layer, the KV tensors the attention kernels read (KVCache.k/v
+    [S, T, Hkv, D], written in place): after the run they hold its cache, for runs that do not hand it back."""
+
+    def __init__(self):
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def record(self, cls, layer, args, **_):
+        if cls == "attention":
+            self.k[layer], self.v[layer] = args[1], args[2]
+
+    def first_difference(self, slot: int, ref) -> int | None:
+        """First position where this run's cache ``slot`` and slot 0 of KVCache ``ref`` differ in bytes in any
+        layer's keys or values, over ref's written positions (exact.first_differing_row); None when equal."""
+        n, layers = ref.lengths[0], sorted(self.k)
+        ours = [self.k[i] for i in layers] + [self.v[i] for i in layers]
+        firsts = [first_differing_row(x[slot, :n], y[0, :n]) for x, y in zip(ours, ref.k + ref.v)]
+        return min((f for f in firsts if f is not None), default=None)
 
 
 # --------------------------------------------------------------------------------------------------- parameters
@@ -91,16 +127,20 @@ def drafted_rows(w, prompt, ks: str, plain: list, p: StreamsParams, step: int) -
         ref, pairs = plain[0], list(zip(runs, plain))  # repetition i against plain repetition i
         div = next((first_differing_row(r.gen_ids, q.gen_ids) for r, q in pairs
                     if not torch.equal(r.gen_ids, q.gen_ids)), None)
+        kv = [kv_first_difference(r.cache, q.cache) for r, q in pairs]
+        ok = {"tokens": all(torch.equal(r.gen_ids, q.gen_ids) for r, q in pairs),
+              "logits": all(bytes_equal(r.gen_logits, q.gen_logits) for r, q in pairs),
+              "kv": all(d is None for d in kv)}
         s = runs[0].stats
         rows.append({
             "set": ks, "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "gen_tokens": p.gen_tokens,
             "path": p.prefill_path, "step": step, "draft": draft if draft == "mtp" else "self (sanity)",
             "mtp_source": runs[0].mtp_source, "k": p.mtp_k, "plain_hash": token_hash(ref.gen_ids),
             "drafted_hash": token_hash(runs[0].gen_ids), "drafted_hashes": [token_hash(r.gen_ids) for r in runs],
-            "equal": all(torch.equal(r.gen_ids, q.gen_ids) for r, q in pairs), "first_divergence": div,
-            "logits_bytes_equal": all(bytes_equal(r.gen_logits, q.gen_logits) for r, q in pairs),
+            **verdict(ok, get_set(ks).claims_exact), "first_divergence": div,
+            "logits_bytes_equal": ok["logits"],
             "first_logits_row_diff": first_differing_row(runs[0].gen_logits, ref.gen_logits),
-            "kv_bytes_equal": all(kv_first_difference(r.cache, q.cache) is None for r, q in pairs),
+            "kv_bytes_equal": ok["kv"], "first_kv_position_diff": next((d for d in kv if d is not None), None),
             "proposed": s.proposed, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
             "rounds": s.rounds, **_reruns(_drafted_reruns(runs, plain)),
             "seconds": round(time.perf_counter() - t0, 3),
@@ -146,6 +186,8 @@ def _resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p) -> 
     gen_eq = all(bytes_equal(r.gen_logits, f.gen_logits) for r, f in pairs)
     kv = [kv_first_difference(r.cache, f.cache) for r, f in pairs]
     row_diff = first_differing_row(r0.tail_logits, tail[0])
+    v = verdict({"tokens": tok, "logits": tail_eq and gen_eq, "kv": all(d is None for d in kv)})
+    planned = all(r.resumed_from == split for r in runs)
     reruns = {"fresh": all(run_equal(f.gen_ids, f.gen_logits, ref.gen_ids, ref.gen_logits) for f in fresh),
               "resumed": all(run_equal(r.gen_ids, r.gen_logits, r0.gen_ids, r0.gen_logits) and r.resumed_from ==
                              r0.resumed_from and bytes_equal(r.tail_logits, r0.tail_logits) for r in runs)}
@@ -156,13 +198,12 @@ def _resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p) -> 
         "resumed_from": [r.resumed_from for r in runs], "tail_rows": prompt.n_tokens - r0.resumed_from,
         "fresh_hash": token_hash(ref.gen_ids), "resumed_hash": token_hash(r0.gen_ids),
         "tokens_equal": tok, "tail_logits_equal": tail_eq, "gen_logits_equal": gen_eq,
-        "kv_bytes_equal": all(d is None for d in kv),
-        "equal": tok and tail_eq and gen_eq and all(d is None for d in kv) and all(r.resumed_from == split
-                                                                                  for r in runs),
+        "kv_bytes_equal": all(d is None for d in kv), **v, "equal": v["equal"] and planned,
+        "failed": v["failed"] + ([] if planned else ["resume point"]),
         "first_divergence": first_differing_row(r0.gen_ids, ref.gen_ids),
         "first_tail_row_diff": None if row_diff is None else r0.resumed_from + row_diff,
         "first_kv_position_diff": kv[0], **_reruns(reruns),
-        "resumed_as_planned": all(r.resumed_from == split for r in runs), "state_bytes": pc.nbytes,
+        "resumed_as_planned": planned, "state_bytes": pc.nbytes,
         "cache_stats": dict(pc.stats), "budget_gib": p.prompt_cache_gib,
     }
 
@@ -184,16 +225,19 @@ def concurrent_rows(w, prompts: list, ks: str, p: StreamsParams) -> list[dict]:
     N_max = max(p.stream_counts)
     sp = stream_prompts(prompts, N_max, p.stream_prompt_tokens)
     step = p.steps[0]
-    alone = [[generate(w, ids, p.gen_tokens, ks, _schedule(p, step)) for _ in range(REPS)] for _, ids in sp]
-    serial = [[generate(w, ids, p.gen_tokens, ks, Schedule("decode")) for _ in range(REPS)] for _, ids in sp]
+    alone = [[generate(w, ids, p.gen_tokens, ks, _schedule(p, step), keep_cache=True) for _ in range(REPS)]
+             for _, ids in sp]
+    serial = [[generate(w, ids, p.gen_tokens, ks, Schedule("decode"), keep_cache=True) for _ in range(REPS)]
+              for _, ids in sp]
     rows = []
     for N in p.stream_counts:
         t0 = time.perf_counter()
         runs, errors = [], []
         for _ in range(REPS):
             try:
-                runs.append(run_streams(w, [ids for _, ids in sp[:N]], p.gen_tokens, ks, _schedule(p, step),
-                                        offset=p.stream_offset))
+                with tapping(CacheTap()) as tap:
+                    runs.append((run_streams(w, [ids for _, ids in sp[:N]], p.gen_tokens, ks, _schedule(p, step),
+                                             offset=p.stream_offset), tap))
             except RuntimeError as e:  # a run that fails is reported, not hidden (bad input still raises)
                 errors.append(f"{type(e).__name__}: {e}")
         rows.append(_concurrent_row(ks, N, sp[:N], step, runs, errors, alone, serial, p))
@@ -206,10 +250,21 @@ def _same(s, ref) -> bool:
                                                                                           ref.prompt_logits)
 
 
-def _counts(runs, refs, N, n_fail) -> dict:
-    """eq / neq / fail over streams x repetitions; repetition i against the reference's repetition i."""
-    eq = sum(_same(r.streams[j], refs[j][i]) for i, r in enumerate(runs) for j in range(N))
-    return {"eq": eq, "neq": len(runs) * N - eq, "fail": n_fail * N}
+def _stream_ok(run, tap: CacheTap, j: int, ref) -> dict[str, bool]:
+    """Stream j of a concurrent run against ``ref`` (a paths.generate result with its cache): per quantity."""
+    s = run.streams[j]
+    return {"tokens": bool(torch.equal(s.gen_ids, ref.gen_ids)),
+            "logits": bytes_equal(s.gen_logits, ref.gen_logits) and bytes_equal(s.prompt_logits, ref.prompt_logits),
+            "kv": tap.first_difference(j, ref.cache) is None}
+
+
+def _counts(runs, refs, N, n_fail) -> tuple[dict, dict]:
+    """eq / neq / fail over streams x repetitions (repetition i against the reference's repetition i; a stream is
+    equal when tokens, logits and KV bytes all are), and per quantity whether it held for every stream and rep."""
+    oks = [_stream_ok(r, tap, j, refs[j][i]) for i, (r, tap) in enumerate(runs) for j in range(N)]
+    eq = sum(all(o.values()) for o in oks)
+    return ({"eq": eq, "neq": len(runs) * N - eq, "fail": n_fail * N},
+            {q: all(o[q] for o in oks) for q in QUANTITIES})
 
 
 def _first_divs(r0, refs, N) -> list | None:
@@ -217,9 +272,17 @@ def _first_divs(r0, refs, N) -> list | None:
     return [first_differing_row(r0.streams[j].gen_ids, refs[j][0].gen_ids) for j in range(N)] if r0 else None
 
 
+def _first_kv(run0, refs, N) -> list | None:
+    """Per stream: first KV position where repetition 0's cache slot differs from the reference's repetition 0."""
+    return [run0[1].first_difference(j, refs[j][0].cache) for j in range(N)] if run0 else None
+
+
 def _concurrent_row(ks, N, sp, step, runs, errors, alone, serial, p) -> dict:
-    a, s = _counts(runs, alone, N, len(errors)), _counts(runs, serial, N, len(errors))
-    r0 = runs[0] if runs else None
+    (a, ok_a), (s, ok_s) = _counts(runs, alone, N, len(errors)), _counts(runs, serial, N, len(errors))
+    v = verdict({q: ok_a[q] and ok_s[q] for q in QUANTITIES})
+    run0 = runs[0] if runs else None
+    r0 = run0[0] if run0 else None
+    runs = [r for r, _ in runs]
     reruns = {"concurrent": bool(runs) and not errors and all(_same(r.streams[j], r0.streams[j]) for r in runs
                                                                for j in range(N)),
               "alone": all(_same(x, refs[0]) for refs in alone[:N] for x in refs),
@@ -232,9 +295,11 @@ def _concurrent_row(ks, N, sp, step, runs, errors, alone, serial, p) -> dict:
         "alone_hashes": [token_hash(alone[j][0].gen_ids) for j in range(N)],
         "serial_hashes": [token_hash(serial[j][0].gen_ids) for j in range(N)],
         "equal_to_alone": a, "equal_to_serial": s, "failures": len(errors) * N, "errors": errors,
-        "alone_equal": a["eq"] == REPS * N, "serial_equal": s["eq"] == REPS * N,
-        "equal": a["eq"] == REPS * N and s["eq"] == REPS * N,
+        "alone_equal": a["eq"] == REPS * N, "serial_equal": s["eq"] == REPS * N, **v,
+        "equal": v["equal"] and a["eq"] == REPS * N and s["eq"] == REPS * N,
+        "failed_vs": {"alone": verdict(ok_a)["failed"], "serial": verdict(ok_s)["failed"]},
         "first_divergence_alone": _first_divs(r0, alone, N), "first_divergence_serial": _first_divs(r0, serial, N),
+        "first_kv_diff_alone": _first_kv(run0, alone, N), "first_kv_diff_serial": _first_kv(run0, serial, N),
         **_reruns(reruns),
         "steps": r0.steps if r0 else None, "max_batch_rows": r0.max_batch_rows if r0 else None,
     }

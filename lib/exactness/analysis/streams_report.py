@@ -23,6 +23,19 @@ def _reruns(r: dict) -> str:
     return "yes" if r["reruns_equal"] else "no" + (f" ({', '.join(bad)})" if bad else "")
 
 
+def _failed(r: dict) -> str:
+    """What differed (``tokens, logits, kv``, and against what for concurrent rows), or ``nothing``."""
+    vs = r.get("failed_vs")
+    if vs:
+        parts = [f"{', '.join(f)} vs {ref}" for ref, f in vs.items() if f]
+        return "; ".join(parts) or "nothing"
+    return ", ".join(r.get("failed") or []) or "nothing"
+
+
+def _compared(r: dict) -> str:
+    return " + ".join(r.get("compared") or ["tokens"])
+
+
 def _rate(v) -> str | None:
     return None if v is None else f"{100 * v:.1f}%"
 
@@ -31,10 +44,11 @@ def drafted_table(rows: list[dict]) -> Table:
     """The drafted rows: does drafted decode give plain decode's tokens (and logits and KV bytes)?"""
     recs = [{**r, "prompt_text": f"{r['prompt']} ({r['prompt_tokens']})", "draft_text": f"{r['draft']}, k={r['k']}",
              "acc": f"{r['accepted']} of {r['proposed']}", "rate": _rate(r["acceptance_rate"]),
-             "reruns_text": _reruns(r)} for r in rows]
+             "reruns_text": _reruns(r), "failed_text": _failed(r), "compared_text": _compared(r)} for r in rows]
     return Table(recs, {"set": "set", "prompt_text": "prompt (tokens)", "draft_text": "draft",
                         "plain_hash": "plain hash", "drafted_hash": "drafted hash",
-                        "equal": "drafted == plain (all reps)", "first_divergence": "first differing token",
+                        "equal": "drafted == plain (all reps)", "compared_text": "verdict on",
+                        "failed_text": "differs in", "first_divergence": "first differing token",
                         "logits_bytes_equal": "logits bytes", "kv_bytes_equal": "KV bytes",
                         "acc": "drafts accepted", "rate": "acceptance", "reruns_text": "reruns equal"},
                  words={"equal": ("yes", "no"), "logits_bytes_equal": _EQ, "kv_bytes_equal": _EQ},
@@ -50,11 +64,11 @@ def resumed_table(rows: list[dict]) -> Table:
     recs = [{**r, "prompt_text": f"{r['prompt']} ({r['prompt_tokens']})",
              "at": f"{r['split']} ({'on' if r['on_grid'] else 'off'} the grid of {r['step']})",
              "logits": r["tail_logits_equal"] and r["gen_logits_equal"], "first": first(r),
-             "reruns_text": _reruns(r)} for r in rows]
+             "reruns_text": _reruns(r), "failed_text": _failed(r)} for r in rows]
     return Table(recs, {"set": "set", "prompt_text": "prompt (tokens)", "mode": "mode",
                         "at": "resumed at (tokens)", "fresh_hash": "fresh hash", "resumed_hash": "resumed hash",
                         "tokens_equal": "tokens", "logits": "logits bytes", "kv_bytes_equal": "KV bytes",
-                        "equal": "resumed == fresh",
+                        "equal": "resumed == fresh", "failed_text": "differs in",
                         "first": "first difference: token / logits row / KV position", "reruns_text": "reruns equal"},
                  words={"tokens_equal": _EQ, "logits": _EQ, "kv_bytes_equal": _EQ},
                  dash="no difference: tokens, logits and KV bytes all equal")
@@ -77,17 +91,19 @@ def concurrent_table(rows: list[dict]) -> Table:
     """The concurrent rows: N streams decoded in one batch against each stream alone and against serial decode."""
     recs = [{**r, "prompts": _streams_text(r), "alone": _count(r["equal_to_alone"]),
              "serial": _count(r["equal_to_serial"]), "div_alone": _divs(r["first_divergence_alone"]),
-             "div_serial": _divs(r["first_divergence_serial"]), "reruns_text": _reruns(r)} for r in rows]
+             "div_serial": _divs(r["first_divergence_serial"]), "reruns_text": _reruns(r),
+             "failed_text": _failed(r), "kv_alone": _divs(r.get("first_kv_diff_alone"))} for r in rows]
     return Table(recs, {"set": "set", "streams": "streams N", "prompts": "stream prompts (prompt:tokens@join step)",
                         "alone": "streams equal to alone (streams × reps)",
                         "serial": "streams equal to serial decode (streams × reps)", "equal": "all equal",
+                        "failed_text": "differs in", "kv_alone": "first differing KV position vs alone, per stream",
                         "div_alone": "first differing token vs alone, per stream",
                         "div_serial": "first differing token vs serial, per stream", "reruns_text": "reruns equal"},
                  dash="no run to compare (every repetition failed)",
-                 notes=["A stream counts as equal only when its tokens and its logits bytes (prompt and generated "
-                        "rows) are equal. \"none\" under first differing token means the stream's tokens are equal; "
-                        "a stream can keep its tokens while its logits bytes differ, and then it does not count as "
-                        "equal."])
+                 notes=["A stream counts as equal only when its tokens, its logits bytes (prompt and generated "
+                        "rows) and its KV bytes are equal. \"none\" under first differing token means the stream's "
+                        "tokens are equal; a stream can keep its tokens while its logits or KV bytes differ, and then "
+                        "it does not count as equal."])
 
 
 def summary_rows(data: dict) -> list[dict]:
@@ -140,13 +156,16 @@ def render_md(section: dict) -> str:
     st = data.get("settings", {})
     parts = ["## Drafted decode, prompt-cache resume, concurrent streams", "", INTRO, "", verdict_md(data), "",
              settings_md(data), "",
-             "### drafted == plain", "", "Compared: tokens; logits and KV bytes shown beside.", "",
+             "### drafted == plain", "", "Compared: tokens, logits bytes of every verified row (the rows the tokens "
+             "were chosen from) and KV bytes; for sets that claim no exactness the verdict rests on tokens, the "
+             "others shown beside.", "",
              drafted_table(data.get("drafted", [])).to_markdown(), "",
              "### resumed == fresh", "", f"Prompt cache {st.get('prompt_cache_gib')} GiB, {st.get('eviction')}; "
              f"compared: tokens, logits bytes of the tail and generated rows, KV bytes; no rows when the budget is 0.",
              "", resumed_table(data.get("resumed", [])).to_markdown(), "",
              "### concurrent streams", "", f"Stream j joins after j·{st.get('stream_offset')} steps; prompts cut to "
-             f"{st.get('stream_prompt_tokens')} − 5·j tokens; compared: tokens and logits bytes.", "",
+             f"{st.get('stream_prompt_tokens')} − 5·j tokens; compared: tokens, logits bytes and KV bytes of the "
+             f"stream's cache slot.", "",
              concurrent_table(data.get("concurrent", [])).to_markdown(), "", "### summary", "",
              summary_table(data).to_markdown()]
     return "\n".join(parts) + "\n"
