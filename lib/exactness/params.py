@@ -246,6 +246,7 @@ class Fp64Params(Common):
     fp64_synth_rows: int = 128
     fp64_fp32_sweep: bool = True
     fp64_synth_classes: list[str] | None = None
+    fp64_extra_positions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__post_init__()

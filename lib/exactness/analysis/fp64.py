@@ -30,7 +30,6 @@ markdown names them.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 
@@ -163,30 +162,26 @@ def ulp_hist(ulps: torch.Tensor) -> list[int]:
     return torch.bincount(torch.bucketize(ulps, edges, right=True), minlength=len(HIST_EDGES)).tolist()
 
 
-def _params(params: Fp64Params | dict) -> dict:
-    """The checked parameters (Fp64Params: defaults, required profile fields, values) as the dict this module's
-    helpers read."""
-    return dataclasses.asdict(Fp64Params.from_dict(params))
-
-
-def capture_plan(p: dict, extra_positions=()) -> dict:
+def capture_plan(p: Fp64Params, extra_positions=()) -> dict:
     """Prompt, token count, step and sampled positions of the captured runs.
 
     The step is the first profile step >= deep_threshold (so that the deep path runs deep), else None (one chunk);
     the prompt is ``fp64_prompt`` (default: the profile's longest) cut to ``fp64_tokens`` (default: step or
     deep_threshold, plus 16, so that a deep segment and a batched tail both run); ``fp64_rows`` positions evenly
     spaced over the prompt, the last one included, plus ``extra_positions`` (ints; rows to judge besides, such as
-    those the kernel contract flagged). Returns also ``extra``: the extra positions, sorted.
+    those the kernel contract flagged; ``fp64_extra_positions`` adds to them). Returns also ``extra``: the extra
+    positions, sorted.
 
     Raises:
         ValueError: an extra position that is not an int in 0..P-1 (P: the captured prompt's tokens).
     """
-    step = next((s for s in p["steps"] if s >= p["deep_threshold"]), None)
-    name = p["fp64_prompt"] or max(p["prompts"], key=lambda n: build_prompt(n, p.get("prompt_max_tokens")).n_tokens)
-    prompt = build_prompt(name, p.get("prompt_max_tokens"))
-    want = p["fp64_tokens"] or (max(step or 0, p["deep_threshold"]) + 16)
+    extra_positions = [*extra_positions, *p.fp64_extra_positions]
+    step = next((s for s in p.steps if s >= p.deep_threshold), None)
+    name = p.fp64_prompt or max(p.prompts, key=lambda n: build_prompt(n, p.prompt_max_tokens).n_tokens)
+    prompt = build_prompt(name, p.prompt_max_tokens)
+    want = p.fp64_tokens or (max(step or 0, p.deep_threshold) + 16)
     P = min(prompt.n_tokens, int(want))
-    R = min(int(p["fp64_rows"]), P)
+    R = min(int(p.fp64_rows), P)
     bad = [x for x in extra_positions if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < P]
     if bad:
         raise ValueError(f"extra fp64 positions {bad} are not ints in 0..{P - 1} (the captured prompt "
@@ -213,8 +208,8 @@ def capture(w, plan: dict, kernel_sets, deep_threshold: int) -> tuple[TapRecorde
 
 
 def _captured_rows(rec, p, plan, out, memo):
-    dtype = p["dtype"]
-    for ks in p["kernel_sets"]:
+    dtype = p.dtype
+    for ks in p.kernel_sets:
         evs = {}
         for cls in CLASSES:
             for path in PATHS:
@@ -225,7 +220,7 @@ def _captured_rows(rec, p, plan, out, memo):
                 ev = evaluate(cls, samples, rec.params, kv)
                 evs[path] = ev
                 st = error_stats(ev)
-                cert = certify(ev, pick_elements(ev, p["fp64_cert"], 0, st["eta"]), rec.params, kv, memo)
+                cert = certify(ev, pick_elements(ev, p.fp64_cert, 0, st["eta"]), rec.params, kv, memo)
                 plans = {pl: n for (k0, p0, c0, pl), n in rec.calls.items() if (k0, p0, c0) == (ks, path, cls)}
                 meta = {"class": cls, "path": path, "set": ks, "dtype": dtype, "input_set": "captured",
                         **_kernel_meta(ks, cls, path),
@@ -266,20 +261,20 @@ def synthetic_cases(p: dict, cfg) -> list[tuple]:
     """(class, input set, K, dtype name) of the synthetic sweep: fp64_synth.default_cases in the profile dtype,
     plus the dense K sweep in float32 storage (where the fp32 accumulation error is not hidden by a bf16
     rounding) unless fp64_fp32_sweep is False."""
-    base = synth.default_cases(cfg, int(p["fp64_k_max"]))
-    if p["fp64_synth_classes"]:
-        base = [c for c in base if c[0] in p["fp64_synth_classes"]]
-    out = [(c, s, K, p["dtype"]) for c, s, K in base]
-    if p["fp64_fp32_sweep"] and p["dtype"] != "float32":
+    base = synth.default_cases(cfg, int(p.fp64_k_max))
+    if p.fp64_synth_classes:
+        base = [c for c in base if c[0] in p.fp64_synth_classes]
+    out = [(c, s, K, p.dtype) for c, s, K in base]
+    if p.fp64_fp32_sweep and p.dtype != "float32":
         out += [(c, s, K, "float32") for c, s, K in base if c == "dense"]
     return out
 
 
 def _synthetic_rows(p, cfg, dev, out, memo):
     for n, (cls, iset, K, dname) in enumerate(synthetic_cases(p, cfg)):
-        case = synth.make_case(cls, iset, cfg, DTYPES[dname], dev, M=int(p["fp64_synth_rows"]), K=K, seed=n)
+        case = synth.make_case(cls, iset, cfg, DTYPES[dname], dev, M=int(p.fp64_synth_rows), K=K, seed=n)
         evs = {}
-        for ks in p["kernel_sets"]:
+        for ks in p.kernel_sets:
             for path in PATHS:
                 if path == "deep" and cls not in synth.TILED:
                     continue
@@ -288,7 +283,7 @@ def _synthetic_rows(p, cfg, dev, out, memo):
         first = next(iter(evs.values()))
         sts = {key: error_stats(e) for key, e in evs.items()}
         eta_all = torch.stack([st["eta"] for st in sts.values()]).amax(0)
-        picks = pick_elements(first, p["fp64_cert"], 0, eta_all)       # same inputs on every path: shared picks
+        picks = pick_elements(first, p.fp64_cert, 0, eta_all)       # same inputs on every path: shared picks
         for (ks, path), ev in evs.items():
             cert = certify(ev, picks, case.params, case.kv, memo)
             meta = {"class": cls, "path": path, "set": ks, "dtype": dname, "input_set": iset,
@@ -314,30 +309,30 @@ def run_section(params: Fp64Params | dict, extra_positions=()) -> dict:
     Raises:
         ValueError: a missing profile field or a bad value (named), an extra position outside the prompt.
     """
-    p = _params(params)
-    dtype, dev = DTYPES[p["dtype"]], resolve_device(p["device"])   # a clear error where CUDA is asked for but absent
-    cfg = get_preset(p["preset"])
+    p = Fp64Params.from_dict(params)
+    dtype, dev = DTYPES[p.dtype], resolve_device(p.device)   # a clear error where CUDA is asked for but absent
+    cfg = get_preset(p.preset)
     w = synthetic_weights(cfg, dtype, dev)
     plan = capture_plan(p, extra_positions)
     out = {"section": "fp64", "rows": [], "hist": {}, "by_k": [], "per_layer": []}
     memo: dict = {}
-    with progress_bar(3 if p["fp64_synthetic"] else 2, "fp64", "stage") as bar:
+    with progress_bar(3 if p.fp64_synthetic else 2, "fp64", "stage") as bar:
         bar.set_postfix_str("tapped runs")
         t0 = time.perf_counter()
-        rec, secs = capture(w, plan, p["kernel_sets"], int(p["deep_threshold"]))
+        rec, secs = capture(w, plan, p.kernel_sets, int(p.deep_threshold))
         bar.update(1)
         bar.set_postfix_str("captured inputs vs FP64")
         t1 = time.perf_counter()
         _captured_rows(rec, p, plan, out, memo)
         bar.update(1)
         t2 = time.perf_counter()
-        if p["fp64_synthetic"]:
+        if p.fp64_synthetic:
             bar.set_postfix_str("synthetic inputs vs FP64")
             _synthetic_rows(p, cfg, dev, out, memo)
             bar.update(1)
     out["meta"] = {"prompt": plan["prompt"], "tokens": plan["tokens"], "step": plan["step"],
                    "positions": len(plan["positions"]), "position_list": list(plan["positions"]),
-                   "extra_positions": plan["extra"], "cert_per_row": int(p["fp64_cert"]),
+                   "extra_positions": plan["extra"], "cert_per_row": int(p.fp64_cert),
                    "cert_max_ulps": CERT_MAX_ULPS, "hist_edges": list(HIST_EDGES),
                    "seconds": {"tapped_runs": t1 - t0, "captured_refs": t2 - t1,
                                "synthetic": time.perf_counter() - t2, "runs": secs}}
