@@ -1,7 +1,8 @@
 # Set-up and entry points. `make receipts` and `make test` run `setup` themselves when needed.
 #
 #   make receipts [PROFILE=standard|ci|full|gpu] [OUT=dir] [SECTIONS=hashes,streams] [PARAMS="gen_tokens=8 steps=[64,100]"]
-#                 [ENGINE="reference transformers:/path/to/model llamacpp:/path/model.gguf openai:URL"]
+#                 [ENGINE="reference transformers:/path/to/model llamacpp:/path/model.gguf openai:URL"] [DUMPS=dir]
+#   make diff BASE=receipt-folder PR=receipt-folder [OUT=dir]
 #   make diff BASE=receipt-folder PR=receipt-folder [OUT=dir]   (what moved, as markdown; exit 1 when it did)
 #   make test | make lab [LAB_ARGS="--port=8890"] | make clean
 #
@@ -22,6 +23,7 @@ SECTIONS      ?=
 OUT           ?=
 PARAMS        ?=
 ENGINE        ?=
+DUMPS         ?=
 LAB_ARGS      ?=
 # One CPU thread by default: the tiny preset's kernels are too small to gain from threads, and a second OpenMP
 # thread spin-waits badly on a busy 2-core machine. Receipts record the thread count (env.numerics.cpu_threads).
@@ -39,7 +41,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 receipts: setup
-	$(PY) -m exactness receipts --profile $(PROFILE) $(if $(OUT),--out $(OUT)) $(if $(SECTIONS),--sections $(SECTIONS)) $(foreach p,$(PARAMS),--param '$(p)') $(if $(ENGINE),--engine $(foreach e,$(ENGINE),'$(e)'))
+	$(PY) -m exactness receipts --profile $(PROFILE) $(if $(OUT),--out $(OUT)) $(if $(SECTIONS),--sections $(SECTIONS)) $(foreach p,$(PARAMS),--param '$(p)') $(if $(ENGINE),--engine $(foreach e,$(ENGINE),'$(e)')) $(if $(DUMPS),--dumps '$(DUMPS)')
 
 diff: setup
 	$(if $(and $(BASE),$(PR)),,$(error make diff needs BASE=<receipt folder or receipt.json> and PR=<the same>))

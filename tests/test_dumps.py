@@ -237,3 +237,22 @@ def test_hf_dump_contract_agrees_with_brute_force_and_locates_a_planted_fault(tm
     site = next(s for s in bad["sites"] if s["site"] == "L0.input_layernorm")
     assert 5 in _positions(site["positions"]) and site["origin_mismatches"] >= 1
     assert {(s["class"], s["site"]): s["mismatches"] for s in bad["sites"]} == _brute_site_counts(tmp_path / "hf_bad")
+
+
+def test_the_dumps_section_runs_from_the_receipt_runner_and_the_command_line(tmp_path, capsys):
+    """DUMPS=DIR runs the dumps section only (contract + FP64 from the dump set); `contract --dumps DIR` and
+    `fp64 --dumps DIR` compute each half; a folder that is not a dump set is refused before anything runs."""
+    import json
+
+    from exactness.__main__ import main
+    from exactness.receipt import ReceiptError, run_receipts
+    bad = _small_set(tmp_path / "bad", decode_y=lambda y: y * (1 + 2 ** -7))
+    res = run_receipts("ci", tmp_path / "r", {"dumps": bad})
+    data = json.loads((res.folder / "receipt.json").read_text())
+    assert list(data["sections"]) == ["dumps"] and data["env"]["dumps"] == bad and data["env"]["kernel_sets"] is None
+    assert data["sections"]["dumps"]["contract"]["totals"]["mismatches"] == 1
+    assert "## Tensor dumps" in (res.folder / "receipt.md").read_text()
+    assert main(["contract", "--dumps", bad, "--out", str(tmp_path / "c.json")]) == 0
+    assert json.loads((tmp_path / "c.json").read_text())["first_mismatch"]["pos"] == 9
+    with pytest.raises(ReceiptError, match="is not a dump set; allowed: a folder holding manifest.json"):
+        run_receipts("ci", tmp_path / "r2", {"dumps": str(tmp_path)})

@@ -34,9 +34,11 @@ def code_of(section) -> str:
 
 
 def test_the_table_drives_the_runner_the_cli_and_the_renderer():
-    nbs = [s.notebook for s in SECTIONS.values() if not s.engines]
+    nbs = [s.notebook for s in SECTIONS.values() if s.runs_on == "reference"]
     assert all(receipt.run_notebooks(p) == nbs for p in PROFILES)
-    assert receipt.run_notebooks("ci", engine=True) == [s.notebook for s in SECTIONS.values() if s.engines]
+    for kind, key in (("engines", "engine"), ("dumps", "dumps")):
+        assert receipt.run_kinds({key: "x"}) == {kind}
+        assert receipt.run_notebooks("ci", {kind}) == [s.notebook for s in SECTIONS.values() if s.runs_on == kind]
     assert all(section_of(s.notebook) == s.name for s in SECTIONS.values()) and section_of("fixture") == "fixture"
     for s in SECTIONS.values():
         assert s.name in SUBCOMMANDS and SUBCOMMANDS[s.name].help == s.help

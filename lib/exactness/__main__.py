@@ -15,6 +15,7 @@ Every subcommand is one entry of ``SUBCOMMANDS``; each section of ``sections.SEC
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -61,12 +62,15 @@ def _receipts_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", nargs="+", default=None, metavar="SPEC",
                    help="engines under test (reference, transformers:/path, openai:URL, llamacpp:/path.gguf, or a "
                    "YAML engine file): runs the engines section on them (same as --param engine=[...])")
+    p.add_argument("--dumps", default=None, metavar="DIR", help="an engine's tensor dumps (docs/dumps.md): runs the "
+                   "dumps section (kernel contract and FP64 from the dumps; same as --param dumps=DIR)")
 
 
 def _receipts(args: argparse.Namespace) -> int:
     from .receipt import run_receipts
 
-    params = list(args.param) + ([f"engine={json.dumps(args.engine)}"] if args.engine else [])
+    params = list(args.param) + ([f"engine={json.dumps(args.engine)}"] if args.engine else []) + (
+        [f"dumps={json.dumps(args.dumps)}"] if args.dumps else [])
     result = run_receipts(args.profile, args.out, params, precomputed=args.precomputed,
                           sections=[x for x in args.sections.split(",") if x] or None)
     print(result.folder)
@@ -108,8 +112,15 @@ def analysis_command(section: Section) -> Subcommand:
     def add(p: argparse.ArgumentParser) -> None:
         _profile_args(p)
         p.add_argument("--out", default=None, help="JSON file to write (default: stdout)")
+        if section.from_dumps:
+            p.add_argument("--dumps", default=None, metavar="DIR", help="compute it from an engine's tensor dumps "
+                           "(docs/dumps.md) instead of our engine's kernels")
 
     def run(args: argparse.Namespace) -> int:
+        if getattr(args, "dumps", None):
+            module, _, fn = section.from_dumps.partition(":")
+            _write_json(getattr(importlib.import_module(module), fn)(args.dumps), args.out)
+            return 0
         params = section_parameters(args.profile, args.param, section.params, [section.name])
         _write_json(section.load().run_section(section.params_class.from_dict(params)), args.out)
         return 0

@@ -342,6 +342,28 @@ class BenchParams(Common):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DumpsParams(Common):
+    """Tensor dumps of an engine (dumps/section.py): ``dumps`` is the dump set's folder (docs/dumps.md; "" = none
+    given, which the section refuses when it runs), ``dumps_fp64`` adds the FP64 per-class error to the contract."""
+
+    SECTION: ClassVar[str] = "dumps"
+    NEEDS: ClassVar[tuple[str, ...]] = ()
+
+    dumps: str = ""
+    dumps_fp64: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        import os
+
+        if not isinstance(self.dumps, str) or (self.dumps and not os.path.isfile(os.path.join(self.dumps,
+                                                                                         "manifest.json"))):
+            raise ParamError(f"dumps={self.dumps!r} is not a dump set; allowed: a folder holding manifest.json "
+                             "(docs/dumps.md)")
+        _bool("dumps_fp64", self.dumps_fp64)
+
+
+@dataclass(frozen=True, kw_only=True)
 class EnginesParams(Common):
     """Engines under test (analysis/engines.py documents each parameter). ``engine`` lists engine specs
     (engines/__init__.py: ``reference``, ``transformers:/path``, ``openai:URL``, ``llamacpp:/path.gguf`` or a YAML

@@ -360,7 +360,7 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
     if not isinstance(overrides, dict):
         overrides = parse_overrides(overrides)
     nb_dir = Path(notebooks_dir or DEFAULT_NOTEBOOKS_DIR).absolute()
-    names = list(notebooks or _notebooks(prof.name, bool(overrides.get("engine")), sections))
+    names = list(notebooks or _notebooks(prof.name, run_kinds(overrides), sections))
     per_nb = plan_parameters(prof.parameters(), overrides, declared_parameters(nb_dir, names))
     _check_kernel(kernel_name)
     env = environment()
@@ -385,20 +385,26 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
     return ReceiptRun(folder=final, status=receipt["status"], receipt=receipt)
 
 
-def run_notebooks(profile: str, engine: bool = False) -> list[str]:
-    """The notebooks a profile runs, in table order: every section of our reference engine, or, for a run given
-    ``engine``, the sections that run on engines under test (sections.Section.engines)."""
+def run_kinds(overrides: dict) -> set[str]:
+    """What a run computes on (sections.Section.runs_on): the engines given by ``engine`` and/or the dump set given
+    by ``dumps``, else our reference engine."""
+    kinds = {k for k, key in (("engines", "engine"), ("dumps", "dumps")) if overrides.get(key)}
+    return kinds or {"reference"}
+
+
+def run_notebooks(profile: str, kinds: set[str] = frozenset({"reference"})) -> list[str]:
+    """The notebooks a profile runs, in table order: the sections that run on ``kinds`` (run_kinds)."""
     get_profile(profile)
-    return [s.notebook for s in SECTIONS.values() if s.engines == engine]
+    return [s.notebook for s in SECTIONS.values() if s.runs_on in kinds]
 
 
-def _notebooks(profile: str, engine: bool, sections: list[str] | None) -> list[str]:
+def _notebooks(profile: str, kinds: set[str], sections: list[str] | None) -> list[str]:
     """The notebooks of a run (:func:`run_notebooks`), cut to ``sections`` when given.
 
     Raises:
         ReceiptError: an unknown section, or a section that does not run on the engines given (or the reverse).
     """
-    names = run_notebooks(profile, engine)
+    names = run_notebooks(profile, kinds)
     if not sections:
         return list(names)
     unknown = [x for x in sections if x not in SECTIONS]
@@ -407,8 +413,8 @@ def _notebooks(profile: str, engine: bool, sections: list[str] | None) -> list[s
     other = [x for x in sections if SECTIONS[x].notebook not in names]
     if other:
         allowed = ", ".join(section_of(nb) for nb in names)
-        why = ("they run our reference engine's kernels; for another engine use its tensor dumps" if engine
-               else "it needs an engine: ENGINE=... (or --param engine=[...])")
+        why = ("they run our reference engine's kernels; for another engine use its tensor dumps (DUMPS=DIR)"
+               if "reference" not in kinds else "it needs ENGINE=... or DUMPS=DIR")
         raise ReceiptError(f"section(s) {', '.join(other)} cannot run in this receipt: {why}; allowed: {allowed}")
     return [nb for nb in names if section_of(nb) in sections]
 
@@ -417,9 +423,10 @@ def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: d
             kernel_name: str) -> dict:
     """Execute the notebooks into ``tmp``, assemble the receipt and write its files; returns the receipt."""
     params = {**prof.parameters(), **overrides}
-    engine_run = any(SECTIONS[section_of(nb)].engines for nb in per_nb if section_of(nb) in SECTIONS)
-    env = {**env, "kernel_sets": None if engine_run else params.get("kernel_sets"),
-           "engines": params.get("engine") if engine_run else None}
+    ran = {SECTIONS[section_of(nb)].runs_on for nb in per_nb if section_of(nb) in SECTIONS}
+    env = {**env, "kernel_sets": params.get("kernel_sets") if "reference" in ran else None,
+           "engines": params.get("engine") if "engines" in ran else None,
+           "dumps": params.get("dumps") if "dumps" in ran else None}
     entries = []
     for i, (nb, nb_params) in enumerate(per_nb.items(), 1):
         nb_params = {**nb_params, OUT_JSON: str(tmp / "sections" / f"{nb}.json")}

@@ -17,7 +17,8 @@ import tempfile
 from dataclasses import dataclass
 from types import ModuleType
 
-from .params import BenchParams, Common, ContractParams, EnginesParams, Fp64Params, HashesParams, StreamsParams
+from .params import (BenchParams, Common, ContractParams, DumpsParams, EnginesParams, Fp64Params, HashesParams,
+                     StreamsParams)
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,11 @@ class Section:
         help: one line for the command line.
         params_class: its typed parameters (params.py); :attr:`params` are the names of its own fields.
         mergeable: parts computed in separate calls (one kernel set each) join with ``module.merge_sections``.
-        engines: runs on the engines named by the ``engine`` parameter (a receipt run with ENGINE runs these
-            sections only); the others run our reference engine's kernels.
+        runs_on: what the section computes on: ``reference`` (our engine's kernels: a plain receipt run),
+            ``engines`` (the engines named by the ``engine`` parameter) or ``dumps`` (the dump set named by
+            ``dumps``); a receipt run given ``engine`` or ``dumps`` runs the sections of those kinds only.
+        from_dumps: ``module:function`` computing this section's check from a dump folder (the subcommand's
+            ``--dumps DIR``), or "".
     """
 
     name: str
@@ -43,7 +47,8 @@ class Section:
     help: str
     params_class: type[Common] = Common
     mergeable: bool = False
-    engines: bool = False
+    runs_on: str = "reference"
+    from_dumps: str = ""
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -60,16 +65,19 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
             HashesParams),
     Section("contract", "exactness.analysis.contract", "20_kernel_contract",
             "kernel contract: prompt rows vs decode bytes for every pair -> section JSON", ContractParams,
-            mergeable=True),
+            mergeable=True, from_dumps="exactness.dumps:dump_contract"),
     Section("fp64", "exactness.analysis.fp64", "30_fp64_per_class",
-            "FP64 per-class accumulation receipt -> section JSON", Fp64Params),
+            "FP64 per-class accumulation receipt -> section JSON", Fp64Params, from_dumps="exactness.dumps:dump_fp64"),
     Section("streams", "exactness.analysis.streams", "40_streams",
             "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON", StreamsParams),
     Section("bench", "exactness.analysis.bench", "50_bench",
             "the bench tables (TTFT, tok/s, ITL, streams, memory) -> section JSON", BenchParams, mergeable=True),
     Section("engines", "exactness.analysis.engines", "60_engines",
             "engines under test (--param engine=[...]): hash matrix, stream equalities -> section JSON",
-            EnginesParams, engines=True),
+            EnginesParams, runs_on="engines"),
+    Section("dumps", "exactness.dumps.section", "70_dumps",
+            "kernel contract and FP64 of an engine's tensor dumps (--param dumps=DIR) -> section JSON", DumpsParams,
+            runs_on="dumps"),
 )}
 
 
