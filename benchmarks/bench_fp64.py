@@ -23,14 +23,14 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from exactness.analysis import fp64  # noqa: E402
-from exactness.analysis.fp64_cert import certify  # noqa: E402
-from exactness.analysis.fp64_ref import evaluate  # noqa: E402
+from exactness.analysis.fp64 import section as fp64  # noqa: E402
+from exactness.analysis.fp64.cert import certify  # noqa: E402
+from exactness.analysis.fp64.ref import evaluate  # noqa: E402
 from exactness.analysis.taps import TapRecorder  # noqa: E402
 from exactness.config import get_preset  # noqa: E402
 from exactness.model import tapping  # noqa: E402
 from exactness.paths import PATHS, Schedule, generate  # noqa: E402
-from exactness.profiles import get_profile  # noqa: E402
+from exactness.receipt.profiles import get_profile  # noqa: E402
 from exactness.weights import synthetic_weights  # noqa: E402
 
 

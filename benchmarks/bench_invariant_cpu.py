@@ -16,7 +16,7 @@ import torch
 import torch.utils.benchmark as tb
 from tabulate import tabulate
 
-from exactness.analysis.contract_cases import make_pool
+from exactness.analysis.contract.cases import make_pool
 from exactness.kernels import KERNEL_CLASSES, get_set
 
 MS = (1, 64, 256, 1024, 4096)

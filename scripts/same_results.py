@@ -51,7 +51,7 @@ def _key_values(name: str, row: dict) -> tuple[tuple, dict]:
 
 def _file(folder: Path, name: str) -> Path:
     """``<name>.json`` (the sections command) or ``<notebook>.json`` (a receipt's sections/ folder)."""
-    from exactness.sections import SECTIONS
+    from exactness.receipt.sections import SECTIONS
 
     plain = folder / f"{name}.json"
     return plain if plain.is_file() else folder / f"{SECTIONS[name].notebook}.json"

@@ -3,7 +3,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the Makefile: tiny kernels, no OpenMP spin-waits (before torch)
 
-from exactness.env import match_onednn_isa  # noqa: E402  (imports no torch)
+from exactness.receipt.env import match_onednn_isa  # noqa: E402  (imports no torch)
 
 match_onednn_isa()  # an emulated lower instruction set (ATEN_CPU_CAPABILITY) caps oneDNN too, before torch loads
 

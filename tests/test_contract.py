@@ -1,4 +1,4 @@
-"""The kernel-contract checker (analysis/contract.py): ULP arithmetic, planted faults it must catch and locate, the
+"""The kernel-contract checker (analysis/contract/check.py): ULP arithmetic, planted faults it must catch and locate, the
 fast set's real mismatches, the invariant set's zero mismatches, coverage and rendering.
 
 Each planted fault is a kernel set registered under a test-only name whose prompt kernel of one class is perturbed
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 import pytest
 
-from exactness.analysis import contract as C
-from exactness.analysis import contract_cases as cc
+from exactness.analysis.contract import check as C
+from exactness.analysis.contract import cases as cc
 from exactness.exact import as_int
 from exactness.kernels import KERNEL_CLASSES, KERNEL_SETS, attention, dense, get_set, norm, register_set
 
@@ -361,7 +361,7 @@ def test_merge_sections_equals_one_run_and_refuses_overlap(section, invariant_ro
 
 
 def test_merge_command_joins_contract_parts_and_refuses_mixed_kinds(invariant_rows, monkeypatch, tmp_path, capsys):
-    from exactness.__main__ import main
+    from exactness.receipt.cli import main
     monkeypatch.setattr(C, "check_set", rows_lookup(invariant_rows))
     files = []
     for d in ("float32", "bfloat16"):

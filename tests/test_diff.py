@@ -1,4 +1,4 @@
-"""The receipt diff (exactness.diff): a receipt against itself moves nothing; each planted edit is reported exactly,
+"""The receipt diff (exactness.receipt.diff): a receipt against itself moves nothing; each planted edit is reported exactly,
 and only it; receipts that do not match are named not comparable; a planted fault kernel set moves exactly the rows
 whose fields it changed."""
 import copy
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from faults import row0_rmsnorm_perturbed
 
-from exactness import diff
-from exactness.diff_md import render
+from exactness.receipt import diff as diff
+from exactness.receipt.diff_md import render
 from exactness.kernels import KERNEL_SETS
 
 REAL = Path(__file__).resolve().parents[1] / "measurements" / "h200" / "receipt" / "receipt.json"
@@ -202,7 +202,7 @@ def test_engines_whose_identity_differs_are_not_compared_and_a_version_bump_is_o
 # -------------------------------------------------------------------------------------------- command line
 
 def test_exit_status_outputs_and_bad_input(receipt, tmp_path, capsys):
-    from exactness.__main__ import main as cli
+    from exactness.receipt.cli import main as cli
 
     base, pr = tmp_path / "base", tmp_path / "pr.json"
     base.mkdir()
@@ -251,7 +251,7 @@ def test_a_planted_fault_kernel_set_moves_exactly_what_it_changed(monkeypatch, n
     """Two sections computed here, the second with the invariant set's RMSNorm one ulp off on row 0 of every
     multi-row call (registered under the same name): the diff names exactly the fields that differ, and the fault
     is seen (prompt logits of a multi-row prefill stop equalling the oracle's)."""
-    from exactness.sections import SECTIONS as TABLE
+    from exactness.receipt.sections import SECTIONS as TABLE
 
     run_section = TABLE[name].load().run_section
     params = {"preset": "tiny", "device": "cpu", "dtype": "bfloat16", "prompts": ["short"], "prompt_max_tokens": 12,

@@ -244,8 +244,8 @@ def test_the_dumps_section_runs_from_the_receipt_runner_and_the_command_line(tmp
     `fp64 --dumps DIR` compute each half; a folder that is not a dump set is refused before anything runs."""
     import json
 
-    from exactness.__main__ import main
-    from exactness.receipt import ReceiptError, run_receipts
+    from exactness.receipt.cli import main
+    from exactness.receipt.runner import ReceiptError, run_receipts
     bad = _small_set(tmp_path / "bad", decode_y=lambda y: y * (1 + 2 ** -7))
     res = run_receipts("ci", tmp_path / "r", {"dumps": bad})
     data = json.loads((res.folder / "receipt.json").read_text())

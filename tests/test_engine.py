@@ -9,7 +9,7 @@ from exactness.analysis.hashes import hash_matrix, resolve_device, resolve_dtype
 from exactness.config import ModelConfig, get_preset
 from exactness.model import tapping
 from exactness.paths import Schedule, generate
-from exactness.profiles import get_profile
+from exactness.receipt.profiles import get_profile
 from exactness.tokenizer import ByteTokenizer
 
 

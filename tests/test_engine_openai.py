@@ -15,7 +15,7 @@ from exactness.engines.openai import OpenAIEngine, bench
 from exactness.exact import bytes_equal, first_differing_row, token_hash
 from exactness.kernels import get_set
 from exactness.paths import Schedule, generate
-from exactness.serve import Served, create_app
+from exactness.engines.serve import Served, create_app
 from exactness.tokenizer import ByteTokenizer
 from http_servers import DYING_SERVER, ThreadServer, fake_app, free_port
 

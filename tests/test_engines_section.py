@@ -12,7 +12,7 @@ from exactness.analysis import engines as E
 from exactness.engines import open_engine, parse_spec
 from exactness.engines.base import EngineError, Generation, NotAvailable
 from exactness.engines.reference import ReferenceEngine
-from exactness.params import EnginesParams, ParamError
+from exactness.receipt.params import EnginesParams, ParamError
 from exactness.weights import synthetic_weights
 from exactness.config import get_preset
 from faults import row0_rmsnorm_perturbed
@@ -133,7 +133,7 @@ def test_engine_specs_are_checked_before_anything_runs(tmp_path):
 
 
 def test_receipt_runs_the_engines_section_only(tmp_path):
-    from exactness.receipt import ReceiptError, run_receipts
+    from exactness.receipt.runner import ReceiptError, run_receipts
     with pytest.raises(ReceiptError, match="contract cannot run in this receipt"):
         run_receipts("ci", tmp_path / "r0", {"engine": ["reference"]}, sections=["contract"])
     res = run_receipts("ci", tmp_path / "r", {"engine": ["reference"], "prompts": ["short"], "gen_tokens": 4,

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from exactness.analysis import fp64, fp64_cert, fp64_ref
-from exactness.analysis import fp64_synth as synth
+from exactness.analysis.fp64 import section as fp64
+from exactness.analysis.fp64 import cert as fp64_cert
+from exactness.analysis.fp64 import ref as fp64_ref
+from exactness.analysis.fp64 import synth as synth
 from exactness.analysis.taps import TapRecorder
 from exactness.analysis.ulp import round_to, step
 from exactness.config import get_preset
@@ -19,7 +21,7 @@ from exactness.exact import bytes_equal
 from exactness.kernels import get_set
 from exactness.model import tapping
 from exactness.paths import Schedule, generate
-from exactness.profiles import get_profile
+from exactness.receipt.profiles import get_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = get_preset("tiny")
@@ -294,7 +296,7 @@ def test_uncertified_reference_fails_the_receipt(section):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_asked_for_without_cuda_is_a_clear_error():
     """device='cuda' where torch sees none: the same clear ValueError as the other sections, before any work."""
-    from exactness.analysis import fp64
-    from exactness.profiles import get_profile
+    from exactness.analysis.fp64 import section as fp64
+    from exactness.receipt.profiles import get_profile
     with pytest.raises(ValueError, match="sees no CUDA device; allowed here: 'cpu'"):
         fp64.run_section({**get_profile("ci").parameters(), "device": "cuda"})

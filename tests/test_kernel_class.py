@@ -6,9 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactness.analysis import contract as C
-from exactness.analysis import contract_cases as cc
-from exactness.analysis import fp64, fp64_cert, fp64_ref, fp64_synth
+from exactness.analysis.contract import check as C
+from exactness.analysis.contract import cases as cc
+from exactness.analysis.fp64 import section as fp64
+from exactness.analysis.fp64 import cert as fp64_cert
+from exactness.analysis.fp64 import ref as fp64_ref
+from exactness.analysis.fp64 import synth as fp64_synth
 from exactness.analysis.taps import Sample, TapRecorder
 from exactness.kernels import KERNEL_CLASSES, KERNEL_SETS, get_set, registry
 from exactness.model import DECODE, Ops
@@ -52,7 +55,7 @@ def _register_toy(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(registry, "KERNEL_CLASS_RECORDS", dict(registry.KERNEL_CLASS_RECORDS))
     mp.setattr(registry, "KERNELS", dict(registry.KERNELS))
     mp.setattr(registry, "KERNEL_SETS", dict(registry.KERNEL_SETS))
-    mp.setattr(C, "KERNEL_SETS", registry.KERNEL_SETS)   # contract.py holds the table it imported
+    mp.setattr(C, "KERNEL_SETS", registry.KERNEL_SETS)   # contract/check.py holds the table it imported
     cc.make_pool.cache_clear()
     registry.register_class(TOY)
     base = {c: (k.fn, k.doc) for c, k in get_set("invariant").decode.items()}

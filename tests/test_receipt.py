@@ -11,10 +11,11 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from exactness import receipt, render
-from exactness.__main__ import main
-from exactness.receipt import ReceiptError, add_section, parse_overrides, run_receipts
-from exactness.sections import SECTIONS
+from exactness.receipt import runner as receipt
+from exactness.receipt import render as render
+from exactness.receipt.cli import main
+from exactness.receipt.runner import ReceiptError, add_section, parse_overrides, run_receipts
+from exactness.receipt.sections import SECTIONS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -322,7 +323,7 @@ def test_precomputed_folder_points_each_notebook_at_its_section(tmp_path):
 def test_sections_command_runs_sections_in_one_process_and_records_failures(tmp_path, monkeypatch, capsys):
     """``python -m exactness sections`` writes env.json and one JSON per section; a failing section leaves its
     traceback in <section>.error.txt, the next still runs, and the exit code is 1. Bad input exits 2 at once."""
-    from exactness import __main__ as cli
+    from exactness.receipt import cli as cli
     calls = []
 
     def fake(name, fail=False):
@@ -336,7 +337,7 @@ def test_sections_command_runs_sections_in_one_process_and_records_failures(tmp_
             return {"section": name, "ok": True}
         return run_section
 
-    import exactness.analysis.contract as contract
+    import exactness.analysis.contract.check as contract
     import exactness.analysis.hashes as hashes
     monkeypatch.setattr(hashes, "run_section", fake("hashes", fail=True))
     monkeypatch.setattr(contract, "run_section", fake("contract"))
@@ -433,7 +434,7 @@ def test_precomputed_sections_of_another_profile_are_refused(tmp_path):
 
 
 def test_sections_command_with_no_sections(tmp_path, capsys):
-    from exactness import __main__ as cli
+    from exactness.receipt import cli as cli
     assert cli.main(["sections", "--profile", "ci", "--out", str(tmp_path / "x"), "--sections", ""]) == 2
     assert "no sections given; allowed: hashes, contract" in capsys.readouterr().err
 
@@ -451,7 +452,7 @@ def test_tables_show_dashes_words_and_integers_without_an_index():
     """Every table cell goes through tables.cell_text: None/NaN/pd.NA as a dash (with a footnote saying what it
     means), booleans as words, whole numbers as integers; the HTML hides the index."""
     import pandas as pd
-    from exactness.tables import Table
+    from exactness.receipt.tables import Table
 
     df = pd.DataFrame({"pos": [8, None], "margin": [0.5, float("nan")], "equal": [True, False],
                        "n": pd.array([3, pd.NA], dtype="Int64")})

@@ -16,8 +16,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from exactness.__main__ import main
-from exactness.receipt import run_receipts
+from exactness.receipt.cli import main
+from exactness.receipt.runner import run_receipts
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 DRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from exactness import receipt
-from exactness.__main__ import main
+from exactness.receipt import runner as receipt
+from exactness.receipt.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"

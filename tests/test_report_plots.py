@@ -8,7 +8,8 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from exactness.analysis import fp64_report, hashes  # noqa: E402
+from exactness.analysis.fp64 import report as fp64_report  # noqa: E402
+from exactness.analysis import hashes  # noqa: E402
 
 
 def _curve(kernels, path, y, offload=False):

@@ -10,12 +10,13 @@ from pathlib import Path
 import papermill
 import pytest
 
-from exactness import receipt, render
-from exactness.__main__ import SUBCOMMANDS, section_parameters
-from exactness.params import Common, ParamError
-from exactness.profiles import PROFILES, Profile, get_profile
-from exactness.receipt import ReceiptError
-from exactness.sections import SECTIONS, section_of
+from exactness.receipt import runner as receipt
+from exactness.receipt import render as render
+from exactness.receipt.cli import SUBCOMMANDS, section_parameters
+from exactness.receipt.params import Common, ParamError
+from exactness.receipt.profiles import PROFILES, Profile, get_profile
+from exactness.receipt.runner import ReceiptError
+from exactness.receipt.sections import SECTIONS, section_of
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 RUNNER_ONLY = {"out_json", "precomputed_json"}   # set by the runner, never by a user
@@ -126,8 +127,8 @@ def test_a_new_section_is_one_table_entry(monkeypatch, tmp_path, capsys):
     """A section added to the table alone (module, notebook and params class in tests/fixtures) is run by the
     receipt runner, stored as computed, rendered, offered as a subcommand and has its parameters checked by every
     entry point."""
-    from exactness.__main__ import analysis_command
-    from exactness.sections import Section
+    from exactness.receipt.cli import analysis_command
+    from exactness.receipt.sections import Section
     fixtures = Path(__file__).parent / "fixtures"
     monkeypatch.syspath_prepend(str(fixtures))
     from toy_section import ToyParams

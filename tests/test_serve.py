@@ -13,7 +13,7 @@ import torch
 from exactness.exact import bytes_equal, first_differing_row, token_hash
 from exactness.kernels import get_set
 from exactness.paths import Schedule, decode_step, generate
-from exactness.serve import Served, build_parser, create_app
+from exactness.engines.serve import Served, build_parser, create_app
 from exactness.tokenizer import ByteTokenizer
 from http_servers import ThreadServer
 
@@ -177,7 +177,7 @@ def test_parser_options():
 def test_client_gone_mid_stream_stops_the_run(server, tiny_weights, prompt, monkeypatch):
     """A stream of 4000 tokens dropped after 2 chunks stops at the next token: the short request queued behind it on
     the one worker is answered after far fewer than the 4000 decode steps the whole run would take."""
-    import exactness.serve as serve
+    import exactness.engines.serve as serve
     steps = []
     monkeypatch.setattr(serve, "decode_step", lambda *a, **k: steps.append(1) or decode_step(*a, **k))
     long = {"prompt": prompt.tolist(), "max_tokens": 4000, "ignore_eos": True, "stream": True, "temperature": 0}

@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactness.analysis import contract as C
-from exactness.analysis import contract_cases as cc
+from exactness.analysis.contract import check as C
+from exactness.analysis.contract import cases as cc
 from exactness.config import get_preset
 from exactness.exact import as_int
 from exactness.kernels import KERNEL_SETS, get_set, register_set
@@ -253,8 +253,8 @@ def lm_head_row9_fault(x, w):
 
 
 def fp64_rows(ks: str, extra=()) -> tuple[list[dict], str]:
-    from exactness.analysis import fp64
-    from exactness.profiles import get_profile
+    from exactness.analysis.fp64 import section as fp64
+    from exactness.receipt.profiles import get_profile
 
     p = get_profile("ci").parameters()
     p.update(prompts=["short"], fp64_tokens=24, steps=[16], deep_threshold=16, fp64_rows=4, fp64_cert=2,
@@ -289,7 +289,7 @@ def test_fp64_extra_position_outside_the_prompt_is_refused():
 # ----------------------------------------------------------------------------------------- importable sets
 
 def test_importable_sets_resolve_and_are_validated():
-    from exactness.params import ContractParams, ParamError, check_common
+    from exactness.receipt.params import ContractParams, ParamError, check_common
 
     assert get_set("verdict_sets:COPY").name == "helper_copy"
     assert get_set("verdict_sets:dense_row0_fault") is get_set("verdict_sets:dense_row0_fault")   # resolved once

@@ -64,7 +64,7 @@ def noted(section: dict, note: str) -> dict:
 def contract_with_offload() -> dict:
     """device3/contract.json joined with the offload rows of the fourth invocation. Its resident rows (the same
     expert pairs, same sweep and inputs) must agree with device3/contract.json's in cases and mismatches."""
-    from exactness.analysis.contract import merge_sections
+    from exactness.analysis.contract.check import merge_sections
     first, offload = load("device3/contract.json"), load("device3/contract_offload/contract.json")
     have = {(r["class"], r["set"], r["dtype"]): (r["cases"], r["mismatches"]) for r in first["rows"]}
     for r in offload["rows"]:

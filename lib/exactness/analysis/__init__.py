@@ -1,12 +1,17 @@
-"""Analyses: each module computes one receipt section (``run_section(params) -> dict``) and renders it
-(``render_md(section) -> str``).
+"""Analyses: each computes one receipt section (``run_section(params) -> dict``) and renders it
+(``render_md(section) -> str``); the section table (receipt/sections.py) names them.
 
-    contract   the byte checker over every registered (prompt kernel, decode kernel) pair, with its coverage
-    fp64       FP64 per-class accumulation receipt: taps (taps.py), certified fp64 references (fp64_ref.py,
-               fp64_cert.py), ULPs and correct rounding (ulp.py), synthetic input sets (fp64_synth.py), tables and
-               plots (fp64_report.py)
-    streams    drafted == plain (MTP head, ../mtp.py), resumed == fresh (prompt cache, ../prompt_cache.py) and
-               concurrent == alone == serial (../streams.py), each configuration run twice
-    bench      the serving bench: TTFT, prefill/decode tok/s and ITL, plain and drafted, cold-cache prefill
-               at exact lengths, 1 and 2 streams, peak memory and the expert ring (tables in bench_tables.py)
+    hashes     the hash matrix: every prompt x path x step x kernel set against its serial-decode oracle, with a
+               step sweep at tile boundaries and an fp32 control (hashes_report.py, hashes_md.py: tables)
+    contract/  the byte checker over every registered (prompt kernel, decode kernel) pair at every call site
+               (check.py: the section; cases.py, inputs.py: what is fed; report.py: tables and plots)
+    fp64/      FP64 per-class accumulation receipt: certified fp64 references (ref.py, cert.py), synthetic input
+               sets (synth.py), the section (section.py), tables and plots (report.py); taps.py records kernel
+               calls, ulp.py counts ULPs and checks correct rounding
+    streams    drafted == plain (../mtp.py), resumed == fresh (../prompt_cache.py) and concurrent == alone ==
+               serial (../batch.py), on tokens, logit bytes and KV bytes (streams_report.py: tables)
+    bench      the serving bench: TTFT, prefill/decode tok/s and ITL, plain and drafted, cold-cache prefill at
+               exact lengths, 1 and 2 streams, peak memory and the expert ring (bench_tables.py: tables)
+    engines    engines under test (../engines/): hash matrix against each engine's oracle, stream equalities,
+               bench (engines_bench.py), a cross-engine view (engines_md.py: tables)
 """

@@ -36,11 +36,11 @@ import torch
 from ..config import get_preset
 from ..kernels import get_set
 from ..offload import ExpertStore
-from ..params import BenchParams
+from ..receipt.params import BenchParams
 from ..paths import PATHS, Schedule, generate
 from ..progress import bar as progress_bar
 from ..prompts import build_prompt
-from ..sections import join_provenance
+from ..receipt.sections import join_provenance
 from .bench_tables import (INTRO, config_line, expert_store_md, render_md, table,  # noqa: F401  (its views)
                            tables)
 from .hashes import load_model, resolve_device, token_hash

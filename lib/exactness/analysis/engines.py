@@ -17,7 +17,7 @@ import torch
 from ..engines import open_engine
 from ..engines.base import Engine, EngineError, Generation, NotAvailable
 from ..exact import bytes_equal, differing_rows, first_differing_row, token_hash
-from ..params import EnginesParams
+from ..receipt.params import EnginesParams
 from ..progress import bar as progress_bar
 from .engines_md import (INTRO, bench_block, cross_table, engines_table, hash_table, render_md,  # noqa: F401
                          streams_block, verdict_md)

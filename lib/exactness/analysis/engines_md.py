@@ -2,7 +2,7 @@
 against its oracle, the stream equalities, the cross-engine view and what the engines could not give."""
 from __future__ import annotations
 
-from ..render import table
+from ..receipt.render import table
 
 INTRO = ("Each engine runs every prompt greedily under each of its configurations; each run is compared with the "
          "engine's oracle configuration: the generated tokens always, and the bytes of every prompt logit row, every "

@@ -17,7 +17,7 @@ from ..exact import bytes_equal, differing_rows, first_differing_row, kv_first_s
 from ..progress import bar as progress_bar
 from ..config import get_preset
 from ..kernels import get_set
-from ..params import HashesParams, check_offload_paths, offload_modes  # noqa: F401  (offload_modes: its API)
+from ..receipt.params import HashesParams, check_offload_paths, offload_modes  # noqa: F401  (offload_modes: its API)
 from ..paths import PATHS, RunResult, Schedule, generate
 from ..prompts import build_prompt
 from ..weights import synthetic_weights

@@ -4,7 +4,7 @@ the rerun control and what each path actually served.
 """
 from __future__ import annotations
 
-from ..render import render_extra, table
+from ..receipt.render import render_extra, table
 from .hashes_report import INTRO, differs_in, first_difference, verdict_md
 
 DIFF_MARK = "✗"

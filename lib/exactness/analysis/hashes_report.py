@@ -7,7 +7,7 @@ import textwrap
 
 import numpy as np
 
-from ..tables import Table
+from ..receipt.tables import Table
 
 INTRO = ("Each prompt runs through every path (batched and deep prefill at each step size, and with offloaded "
          "experts where asked) and is compared with the serial-decode oracle of the same kernel set: the generated "

@@ -32,7 +32,7 @@ from ..batch import BATCH_LIMIT, run_streams
 from ..exact import bytes_equal, first_differing_row, kv_first_difference, token_hash
 from ..model import tapping
 from ..kernels import get_set
-from ..params import StreamsParams
+from ..receipt.params import StreamsParams
 from ..mtp import generate_drafted, resolve_mtp
 from ..paths import Schedule, generate
 from ..progress import bar as progress_bar

@@ -3,7 +3,7 @@
 """
 from __future__ import annotations
 
-from ..tables import Table
+from ..receipt.tables import Table
 
 INTRO = ("Three serving paths, each against the path it must reproduce, per kernel set: drafted (MTP) decode "
          "against plain decode, a request resumed from the prompt cache against a fresh prefill, and N concurrent "

@@ -14,7 +14,7 @@ Output: :func:`dump_contract` returns a JSON-ready section-like dict; :func:`ren
 """
 from __future__ import annotations
 
-from ..analysis.contract_cases import ranges
+from ..analysis.contract.cases import ranges
 from ..exact import INT_VIEW, bytes_equal, differing_rows, first_differing_row, ulp_distance
 from ..kernels.registry import KERNEL_CLASSES
 from ..progress import bar as progress_bar

@@ -1,5 +1,5 @@
 """FP64 reference error of a dump set's outputs, per kernel class, with the suite's evaluators
-(analysis/fp64_ref.py): every dumped row becomes a taps.Sample built from the call's own inputs, weights and
+(analysis/fp64/ref.py): every dumped row becomes a taps.Sample built from the call's own inputs, weights and
 outputs, so the error is the kernel's on exactly the inputs it was given.
 
 Per class: elements evaluated, eta_max_u (max |yhat - y| / A in units of 2^-24), bound_use (max over elements of
@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from tabulate import tabulate
 
-from ..analysis.fp64 import error_stats
-from ..analysis.fp64_ref import FP64_CLASSES, evaluate
+from ..analysis.fp64.section import error_stats
+from ..analysis.fp64.ref import FP64_CLASSES, evaluate
 from ..analysis.taps import Sample
 from ..exact import bytes_equal
 from ..progress import bar as progress_bar
-from ..tables import DASH
+from ..receipt.tables import DASH
 from .reader import Call, DumpSet, read_dump
 
 # class -> (sample data name <- dump tensor name, from part); weights: sample tag suffix <- weight argument
@@ -135,7 +135,7 @@ def render_fp64_md(obj: dict) -> str:
              r["over_bound"], r["ulp_max"], f"call {r['worst']['call']} ({r['worst']['role']} {r['worst']['site']}, "
              f"pos {r['worst']['pos']}, element {r['worst']['element']})"] for r in obj["rows"]]
     out = [f"## Dump FP64 errors: {obj['engine']['name']}", "",
-           "Per class, the dumped outputs against an FP64 reference on the call's own inputs (analysis/fp64_ref.py): "
+           "Per class, the dumped outputs against an FP64 reference on the call's own inputs (analysis/fp64/ref.py): "
            "eta = |yhat - y| / A in units of u = 2^-24; bound use = the smallest pre-rounding error over the class "
            "bound (<= 1: within bound; the bound models this suite's documented kernel semantics).", "",
            tabulate(body, headers=hdr, tablefmt="github", disable_numparse=True)]

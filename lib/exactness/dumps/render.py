@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from ..tables import DASH
+from ..receipt.tables import DASH
 
 INTRO = ("Each kernel call of the engine was dumped with its role: `prompt` (many prompt rows per call) or `decode` "
          "(the serial path, one row per stream per step). Every prompt-role row is paired with the decode-role row "

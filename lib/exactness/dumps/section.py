@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from ..params import DumpsParams, ParamError
+from ..receipt.params import DumpsParams, ParamError
 from .contract import dump_contract
 from .fp64 import dump_fp64, render_fp64_md
 from .render import render_md as contract_md

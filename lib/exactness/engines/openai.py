@@ -81,7 +81,7 @@ def _seconds(options: dict, key: str, default: float) -> float:
 
 
 def _common_keys() -> set:
-    from ..profiles import PROFILES
+    from ..receipt.profiles import PROFILES
     return {k for p in PROFILES.values() for k in p.parameters()}
 
 

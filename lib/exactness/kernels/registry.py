@@ -5,7 +5,7 @@ reduction, the contract's input builder and the FP64 evaluator; the engine's and
 from it) and has a role: ``decode`` (one row per stream per step; serial decode through these kernels is the
 oracle) or ``prompt`` (many prompt rows at once). A prompt kernel declares the decode kernel it ``replaces``: it
 claims to produce that kernel's bytes for every row, whatever the chunk or segment length. The contract checker
-(analysis/contract.py) tests each claim. Adding a class: its kernel module, one ``register_class`` (or built-in
+(analysis/contract/check.py) tests each claim. Adding a class: its kernel module, one ``register_class`` (or built-in
 record), the kernels in the sets, and its call site in model.py.
 
 A *kernel set* maps every class to one decode and one prompt kernel. Sets are registered by name and passed to the
@@ -30,12 +30,12 @@ class KernelClass:
         row_args: indices of the call arguments that carry one entry per row (leading dim M); the other arguments
             are fixed for the call (weights, eps, the KV cache). attention: (0, 3, 4) = q, slots, positions.
         reduction: the reduction axis and its length (``"K: in features"``), for readers of the receipts.
-        contract_inputs: the contract's random-input builder (analysis/contract_inputs.py documents its
+        contract_inputs: the contract's random-input builder (analysis/contract/inputs.py documents its
             signature), or ``"module:attr"`` naming it under the package (imported on first use: kernels/ does
             not import analysis/); None = the contract cannot feed the class and reports it uncovered.
         fp64: the FP64 evaluator ``(samples, params, kv) -> fp64_ref.Eval`` or a ``"module:attr"`` naming it;
             None = no FP64 row.
-        fp64_cert: how fp64_cert.py certifies its reference: ``"sum"`` (exact fp64 products, fsum) or
+        fp64_cert: how fp64/cert.py certifies its reference: ``"sum"`` (exact fp64 products, fsum) or
             ``"mpmath"`` (two precisions); None = not certified.
         deep_tiles: the deep plan calls it on fixed row tiles (model.Ops), so it has a ``deep`` synthetic path.
     """
@@ -56,9 +56,9 @@ class KernelClass:
 
 
 def _class(name, doc, row_args=(0,), reduction="", fp64: str | None = None, **kw) -> KernelClass:
-    """A built-in record: its contract builder is contract_inputs.<name>, its evaluator fp64_ref.<fp64>."""
-    return KernelClass(name, doc, tuple(row_args), reduction, f"analysis.contract_inputs:{name}",
-                       f"analysis.fp64_ref:{fp64}" if fp64 else None, **kw)
+    """A built-in record: its contract builder is contract/inputs.<name>, its evaluator fp64/ref.<fp64>."""
+    return KernelClass(name, doc, tuple(row_args), reduction, f"analysis.contract.inputs:{name}",
+                       f"analysis.fp64.ref:{fp64}" if fp64 else None, **kw)
 
 
 # Registration order is the class order everywhere (pairs, contract rows and seeds, FP64 rows): keep it stable.

@@ -4,14 +4,14 @@ For each (prompt kernel, decode kernel) pair of a kernel set (``KernelSet.pairs(
 *decode reference* of every tested row (the decode kernel called on that row alone, M = 1; for attention one query
 row at its position against the cache) and compares it, byte for byte (bf16/fp16 viewed as int16, fp32 as int32,
 integer outputs such as top-k indices and argmax ids exactly), with the same row computed by the prompt kernel inside
-blocks of M rows fed under many segmentations, tile offsets and batch mates (analysis/contract_cases.py: the pools
+blocks of M rows fed under many segmentations, tile offsets and batch mates (contract/cases.py: the pools
 and the plan). Inputs: seeded random rows and rows captured from a forward of the preset over a real prompt; dtypes
 bf16 and fp32. Every case is checked at each call site of the class (contract_inputs.sites: the q, k, v and o
 projections, query-head and kv-head rows, every norm, routed and shared experts), so a kernel that misbehaves for
 one operand shape only is caught and the site named. Router outputs (weights, indices, logits) are all compared.
 With offload the expert classes are checked once more with their weights fetched per call as expert offload fetches
 them (prompt calls through the expert ring behind a decoy, decode references by a synchronous copy:
-contract_cases.offloaded), so "offload changes no byte" is a contract claim too. Rendering: analysis/contract_report.py (re-exported here).
+contract_cases.offloaded), so "offload changes no byte" is a contract claim too. Rendering: contract/report.py (re-exported here).
 
 Results: one :class:`PairResult` per pair x set x device x dtype, a coverage table listing every class of
 KERNEL_CLASSES (a class the checker cannot feed is shown as uncovered, never left out), and the first mismatch of
@@ -25,16 +25,16 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..exact import INT_VIEW, differing_rows, first_differing_row, ulp_distance
-from ..progress import bar as progress_bar
-from ..kernels import KERNEL_CLASSES, KERNEL_SETS, KernelSpec, get_set
-from ..params import ContractParams
-from ..sections import join_provenance
-from .contract_cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SOURCES, Case, bucket,
+from ...exact import INT_VIEW, differing_rows, first_differing_row, ulp_distance
+from ...progress import bar as progress_bar
+from ...kernels import KERNEL_CLASSES, KERNEL_SETS, KernelSpec, get_set
+from ...receipt.params import ContractParams
+from ...receipt.sections import join_provenance
+from .cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SOURCES, Case, bucket,
                              check_sweep, class_sites, make_pool, offloaded, plan, ranges)
-from .contract_report import (INTRO, coverage_frame, coverage_table, mismatch_frame, mismatch_table,  # noqa: F401
+from .report import (INTRO, coverage_frame, coverage_table, mismatch_frame, mismatch_table,  # noqa: F401
                               offload_table, plot_heatmap, render_md, summary, summary_table, verdict_md)
-from .hashes import resolve_device, resolve_dtype
+from ..hashes import resolve_device, resolve_dtype
 
 OUTPUT_NAMES = {"router": ("weights", "idx", "logits")}
 

@@ -39,12 +39,12 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .cache import KVCache
-from .config import BYTE_VOCAB
-from .kernels import KernelSet, get_set
-from .paths import PATHS, Schedule, _served, check_run_args, decode_step, prefill
-from .tokenizer import ByteTokenizer
-from .weights import Weights
+from ..cache import KVCache
+from ..config import BYTE_VOCAB
+from ..kernels import KernelSet, get_set
+from ..paths import PATHS, Schedule, _served, check_run_args, decode_step, prefill
+from ..tokenizer import ByteTokenizer
+from ..weights import Weights
 
 _END = object()
 
@@ -374,7 +374,7 @@ def load_served(preset: str, checkpoint: str, kernels: str, schedule: Schedule, 
     Raises:
         ValueError: unknown preset, kernel set, device or dtype; checkpoint.CheckpointError: an unusable folder.
     """
-    from .analysis.hashes import load_model
+    from ..analysis.hashes import load_model
 
     ks = get_set(kernels)
     w, tok = load_model(preset, device, dtype, checkpoint)

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.registry import ClassNames, class_record, resolve
-from .taps import Sample
-from .ulp import U_ACC, unit_roundoff
+from ...kernels.registry import ClassNames, class_record, resolve
+from ..taps import Sample
+from ..ulp import U_ACC, unit_roundoff
 
 FP64_CLASSES = ClassNames(lambda r: r.fp64 is not None)
 CERT_MAX_ULPS = 2.0 ** 10
@@ -246,7 +246,7 @@ def _rmsnorm(samples, params, kv):
 
 def rope_angles(D: int, theta: float, pos: torch.Tensor) -> torch.Tensor:
     """[n, D] fp64 exact angles pos·inv_freq with the model's fp32 inv_freq (kernels/rope.py), halves repeated."""
-    from ..kernels.rope import _inv_freq
+    from ...kernels.rope import _inv_freq
     inv = _inv_freq(D, theta, "cpu").to(F64)                                       # [D/2] fp32 values
     a = pos.to(F64)[:, None] * inv[None, :]                                        # exact: <= 15 + 24 bits
     return torch.cat([a, a], dim=-1)

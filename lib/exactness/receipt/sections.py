@@ -63,10 +63,10 @@ class Section:
 SECTIONS: dict[str, Section] = {s.name: s for s in (
     Section("hashes", "exactness.analysis.hashes", "10_output_hashes", "token hashes of every path -> section JSON",
             HashesParams),
-    Section("contract", "exactness.analysis.contract", "20_kernel_contract",
+    Section("contract", "exactness.analysis.contract.check", "20_kernel_contract",
             "kernel contract: prompt rows vs decode bytes for every pair -> section JSON", ContractParams,
             mergeable=True, from_dumps="exactness.dumps:dump_contract"),
-    Section("fp64", "exactness.analysis.fp64", "30_fp64_per_class",
+    Section("fp64", "exactness.analysis.fp64.section", "30_fp64_per_class",
             "FP64 per-class accumulation receipt -> section JSON", Fp64Params, from_dumps="exactness.dumps:dump_fp64"),
     Section("streams", "exactness.analysis.streams", "40_streams",
             "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON", StreamsParams),

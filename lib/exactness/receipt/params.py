@@ -45,9 +45,9 @@ def check_common(values: dict) -> None:
     Raises:
         ParamError: ``parameter <name>=<value> is not allowed; allowed: <what is>``.
     """
-    from .config import PRESETS
-    from .kernels import KERNEL_SETS
-    from .prompts import PROMPTS
+    from ..config import PRESETS
+    from ..kernels import KERNEL_SETS
+    from ..prompts import PROMPTS
 
     def bad(key, allowed):
         raise ParamError(f"parameter {key}={values[key]!r} is not allowed; allowed: {allowed}")
@@ -83,7 +83,7 @@ def _check_kernel_sets(values: dict, known, bad) -> None:
     if (not isinstance(sets, (list, tuple)) or not sets or not all(isinstance(v, str) for v in sets)
             or any(v not in known and ":" not in v for v in sets)):
         bad("kernel_sets", allowed)
-    from .kernels import get_set
+    from ..kernels import get_set
     for v in (v for v in sets if v not in known):
         try:
             get_set(v)
@@ -162,7 +162,7 @@ def check_offload_paths(paths) -> list[str]:
     Raises:
         ValueError: anything else (names the bad value and the allowed ones).
     """
-    from .paths import PATHS
+    from ..paths import PATHS
 
     if (not isinstance(paths, (list, tuple)) or not paths or any(p not in PATHS for p in paths)):
         raise ParamError(f"hash_offload_paths must be a non-empty list drawn from {list(PATHS)}, got {paths!r}")
@@ -200,7 +200,7 @@ class HashesParams(Common):
                 _positive_int(s) for s in self.hash_sweep_steps):
             raise ParamError(f"hash_sweep_steps must be a list of positive ints (tokens), got {self.hash_sweep_steps!r}")
         _at_least("hash_sweep_tokens", self.hash_sweep_tokens, 2)
-        from .prompts import PROMPTS
+        from ..prompts import PROMPTS
         if self.hash_sweep_prompt not in PROMPTS:
             raise ParamError(f"hash_sweep_prompt {self.hash_sweep_prompt!r} is not a prompt; allowed: "
                              f"{', '.join(PROMPTS)}")
@@ -213,7 +213,7 @@ class HashesParams(Common):
 
 @dataclass(frozen=True, kw_only=True)
 class ContractParams(Common):
-    """The kernel contract (analysis/contract.py documents each parameter). It draws synthetic inputs of the
+    """The kernel contract (analysis/contract/check.py documents each parameter). It draws synthetic inputs of the
     preset's shapes, so the profile's fields have defaults here and prompts, steps and tokens are not read."""
 
     SECTION: ClassVar[str] = "contract"
@@ -231,7 +231,7 @@ class ContractParams(Common):
 
 @dataclass(frozen=True, kw_only=True)
 class Fp64Params(Common):
-    """The FP64 per-class receipt (analysis/fp64.py run_section documents each parameter)."""
+    """The FP64 per-class receipt (analysis/fp64/section.py run_section documents each parameter)."""
 
     SECTION: ClassVar[str] = "fp64"
     NEEDS: ClassVar[tuple[str, ...]] = ("preset", "device", "dtype", "prompts", "steps", "deep_threshold",
@@ -273,9 +273,9 @@ class StreamsParams(Common):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from .batch import BATCH_LIMIT, check_streams
-        from .mtp import check_k
-        from .prompt_cache import PromptCache
+        from ..batch import BATCH_LIMIT, check_streams
+        from ..mtp import check_k
+        from ..prompt_cache import PromptCache
 
         check_k(self.mtp_k)
         for n in self.stream_counts:
@@ -309,7 +309,7 @@ class BenchParams(Common):
     allow_unpinned: bool = False
 
     def __post_init__(self) -> None:
-        from .paths import PATHS
+        from ..paths import PATHS
 
         if self.bench_gen_tokens is not None:
             object.__setattr__(self, "gen_tokens", self.bench_gen_tokens)
@@ -381,7 +381,7 @@ class EnginesParams(Common):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from .engines import parse_spec
+        from ..engines import parse_spec
 
         if isinstance(self.engine, str):
             object.__setattr__(self, "engine", self.engine.split())

@@ -7,7 +7,7 @@ call :func:`check_run`; each check raises :class:`PreflightError` with one line 
 """
 from __future__ import annotations
 
-from .config import ModelConfig, get_preset
+from ..config import ModelConfig, get_preset
 
 # Sections that compute on the checkpoint they are given. The others (the kernel contract and the FP64 receipt)
 # draw their inputs from the synthetic weights of the preset, so a run that names a checkpoint must leave them out.
@@ -28,7 +28,7 @@ def model_config(params: dict) -> tuple[ModelConfig, object, str]:
     path = params.get("checkpoint") or ""
     if not path:
         return get_preset(params["preset"]), None, f"preset {params['preset']}"
-    from .checkpoint import CheckpointError, read_config, tokenizer_for
+    from ..checkpoint import CheckpointError, read_config, tokenizer_for
 
     try:
         cfg, _ = read_config(str(path))
@@ -61,7 +61,7 @@ def check_lengths(params: dict, cfg: ModelConfig, tokenizer, model: str, section
     Raises:
         PreflightError: naming the prompt or length, the token counts, the limit and what would fit.
     """
-    from .prompts import build_prompt
+    from ..prompts import build_prompt
 
     limit = cfg.max_positions
     gens = {"hashes": params.get("gen_tokens"), "streams": params.get("gen_tokens"),

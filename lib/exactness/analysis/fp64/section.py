@@ -2,7 +2,7 @@
 FP64 reference.
 
 One row per (class, path, kernel set, dtype, input set); per output element i with reference y_i, stored value
-yhat_i, normaliser A_i (fp64_ref.py) and u_acc = 2^-24:
+yhat_i, normaliser A_i (fp64/ref.py) and u_acc = 2^-24:
 
     eta_i            |yhat_i - y_i| / A_i (total error, including the final rounding to the stored dtype)
     eta_max_u, eta_p99_u, bias_u   max, 99th percentile and mean of eta (bias: signed) in units of u_acc
@@ -13,7 +13,7 @@ yhat_i, normaliser A_i (fp64_ref.py) and u_acc = 2^-24:
                      intermediate storage roundings and is reported for information
     eta_over_sqrtk_u max_i (pre_i / A_i) / (sqrt(K_i)·u_acc): against the probabilistic bound (Higham & Mary
                      2019), for information only (it assumes unbiased rounding errors)
-    bound_use        max_i pre_i / beta_i (beta: the class's bound before the final rounding, fp64_ref.py)
+    bound_use        max_i pre_i / beta_i (beta: the class's bound before the final rounding, fp64/ref.py)
     kappa            A_i / |y_i| (median, max over y_i != 0); ULP vs RN(y) in the stored dtype: % at 0, % at 1, max
     rmse             sqrt(mean (yhat - y)^2) (absolute, like the FlashAttention-3 paper's RMSE)
     bitwise_equal_share, max_ulp_vs_decode   over the sampled rows present in both this path and decode
@@ -35,24 +35,24 @@ import time
 
 import torch
 
-from ..config import get_preset
-from ..exact import as_int, ulp_distance
-from ..kernels import get_set
-from ..kernels.registry import ClassNames
-from ..model import tapping
-from ..params import Fp64Params
-from ..paths import PATHS, Schedule, generate
-from ..progress import bar as progress_bar
-from ..prompts import build_prompt
-from ..weights import synthetic_weights
-from . import fp64_synth as synth
-from .fp64_cert import certify
-from .fp64_ref import CERT_MAX_ULPS, evaluate, gamma
-from .fp64_report import (INTRO, LEGEND, captured_table, meta_md, notes_md, render_md,  # noqa: F401  (views)
+from ...config import get_preset
+from ...exact import as_int, ulp_distance
+from ...kernels import get_set
+from ...kernels.registry import ClassNames
+from ...model import tapping
+from ...receipt.params import Fp64Params
+from ...paths import PATHS, Schedule, generate
+from ...progress import bar as progress_bar
+from ...prompts import build_prompt
+from ...weights import synthetic_weights
+from . import synth as synth
+from .cert import certify
+from .ref import CERT_MAX_ULPS, evaluate, gamma
+from .report import (INTRO, LEGEND, captured_table, meta_md, notes_md, render_md,  # noqa: F401  (views)
                           synthetic_table, verdict_md)
-from .hashes import resolve_device
-from .taps import TapRecorder
-from .ulp import U_ACC, distance_to_rounding_interval, round_to, unit_roundoff
+from ..hashes import resolve_device
+from ..taps import TapRecorder
+from ..ulp import U_ACC, distance_to_rounding_interval, round_to, unit_roundoff
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CLASSES = ClassNames(lambda r: r.fp64 is not None)   # the classes with an FP64 evaluator, in class order

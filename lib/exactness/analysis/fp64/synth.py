@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig
-from ..kernels import get_set
-from ..kernels.registry import ClassNames, class_record
-from .taps import Sample
+from ...config import ModelConfig
+from ...kernels import get_set
+from ...kernels.registry import ClassNames, class_record
+from ..taps import Sample
 
 INPUT_SETS = ("normal", "outliers", "same_sign")
 TILED = ClassNames(lambda r: r.deep_tiles)

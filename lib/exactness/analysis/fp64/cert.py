@@ -1,4 +1,4 @@
-"""Certification of the FP64 references (fp64_ref.py) on picked output elements, against exact arithmetic.
+"""Certification of the FP64 references (fp64/ref.py) on picked output elements, against exact arithmetic.
 
 Sum classes (dense, router, expert_down, lm_head, moe_combine, residual): the output is a sum of products of
 stored-dtype numbers. Each product is exact in fp64 (at most 48 significand bits), so the exact output, correctly
@@ -22,8 +22,8 @@ import mpmath
 import torch
 from mpmath import mp, mpf
 
-from ..kernels.registry import ClassNames
-from .fp64_ref import CERT_MAX_ULPS, CERT_PRECS, MP_AGREE, Eval, rope_angles, weight_key
+from ...kernels.registry import ClassNames
+from .ref import CERT_MAX_ULPS, CERT_PRECS, MP_AGREE, Eval, rope_angles, weight_key
 
 # The groups come from the class records' ``fp64_cert``; the terms (sum_terms) and values (mp_value) are per class.
 SUM_CLASSES = ClassNames(lambda r: r.fp64_cert == "sum")

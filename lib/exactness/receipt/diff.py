@@ -391,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m exactness.diff BASE PR [--out DIR]``; returns the exit status (0, 1, or 2 with a message)."""
+    """``python -m exactness.receipt.diff BASE PR [--out DIR]``; returns the exit status (0, 1, or 2 with a message)."""
     parser = argparse.ArgumentParser(prog="python -m exactness diff", description=HELP)
     add_arguments(parser)
     try:

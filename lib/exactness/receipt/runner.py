@@ -2,7 +2,7 @@
 
 A run executes each notebook of a profile with papermill into a hidden temporary folder beside the final one,
 collects the section JSON each notebook wrote (through the lib) to its ``out_json`` parameter, assembles
-``receipt.json``, renders ``receipt.md`` and ``receipt.html`` (see :mod:`exactness.render`), and renames the
+``receipt.json``, renders ``receipt.md`` and ``receipt.html`` (see :mod:`exactness.receipt.render`), and renames the
 temporary folder into place. A notebook that fails still yields a receipt, marked ``"status": "failed"``.
 
 Section JSON contract (what a notebook writes to ``out_json``): an object with ``"section": <name>``, stored in
@@ -257,7 +257,7 @@ def _collect(tmp: Path, entries: list[dict], errors: list[dict]) -> dict:
 def _write_outputs(receipt: dict, tmp: Path, notebook_files: list[Path]) -> None:
     """Write receipt.md, receipt.html and receipt.json (with ``summary``: the markdown summary lines that open
     receipt.md); a rendering failure marks the receipt failed."""
-    from . import render
+    from . import render as render
 
     try:
         receipt["summary"] = render.render_summary(receipt)

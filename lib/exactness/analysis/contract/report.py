@@ -1,12 +1,12 @@
-"""Rendering of the ``contract`` section (analysis/contract.py): the receipt's markdown and the notebook's views
+"""Rendering of the ``contract`` section (analysis/contract/check.py): the receipt's markdown and the notebook's views
 (intro and verdict, the summary, coverage, first-mismatch and offload tables, the mismatch heatmap). Re-exported by
-contract.py."""
+contract/check.py."""
 from __future__ import annotations
 
 from tabulate import tabulate
 
-from ..kernels import KERNEL_CLASSES
-from ..tables import DASH, Table
+from ...kernels import KERNEL_CLASSES
+from ...receipt.tables import DASH, Table
 
 INTRO = ("Every kernel class has a decode kernel (one row per call: the serial oracle runs on it) and a prompt "
          "kernel that claims to replace it. For each such pair the same rows go through both, the prompt kernel "
@@ -196,7 +196,7 @@ def plot_heatmap(section: dict, set_name: str = "fast"):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from .contract_cases import BUCKETS, bucket
+    from .cases import BUCKETS, bucket
 
     rows = [r for r in section["rows"] if r["set"] == set_name]
     if not rows:

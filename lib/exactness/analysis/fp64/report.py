@@ -1,4 +1,4 @@
-"""Tables and plots of the ``fp64`` section (analysis/fp64.py computes it).
+"""Tables and plots of the ``fp64`` section (analysis/fp64/section.py computes it).
 
 Two tables (tables.Table, the notebook displays them and ``render_md`` prints them as GitHub markdown), cut to the
 columns a reviewer needs (every statistic stays in receipt.json): captured activations, one line per (class, kernel
@@ -8,7 +8,7 @@ the reduction length K with the gamma_K line (log-log), and max error per layer.
 """
 from __future__ import annotations
 
-from ..tables import Table
+from ...receipt.tables import Table
 
 GEMM_CLASSES = ("dense", "router", "expert_down", "lm_head")
 VERDICT_WORD = {"exact": "exact", "within bound": "within", "outside bound": "OUTSIDE", "uncertified": "UNCERTIFIED"}

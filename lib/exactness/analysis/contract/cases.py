@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import get_preset
-from ..kernels.registry import ClassNames, class_record, resolve
-from ..weights import synthetic_weights
-from .contract_inputs import SITE_WEIGHTS, RandomInputs, sites_of
+from ...config import get_preset
+from ...kernels.registry import ClassNames, class_record, resolve
+from ...weights import synthetic_weights
+from .inputs import SITE_WEIGHTS, RandomInputs, sites_of
 
 FULL_M: tuple[int, ...] = tuple(range(1, 131)) + (255, 256, 257, 511, 512, 513, 1024, 4097)
 SWEEPS = ("full", "quick")
@@ -218,9 +218,9 @@ class _Recorder:
 def _captured(dtype: torch.dtype, device: str, preset: str) -> tuple[dict, object]:
     """Kernel calls of one forward of ``preset`` (fast set, batched plan) over the first N_REAL + 2*N_MATES tokens of
     the ``docs`` prompt; returns (class -> [(layer, args, out)], weights)."""
-    from ..cache import KVCache
-    from ..model import BATCHED, forward, tapping
-    from ..prompts import build_prompt
+    from ...cache import KVCache
+    from ...model import BATCHED, forward, tapping
+    from ...prompts import build_prompt
 
     cfg = get_preset(preset)
     w = synthetic_weights(cfg, dtype, device)
@@ -296,7 +296,7 @@ def _weights32(preset: str):
 
 
 def _random_pool(cls: str, dtype: torch.dtype, device: str, preset: str, site: str = "") -> Pool:
-    """The class record's builder (contract_inputs.py) for ``site`` on a generator seeded by the class's place in
+    """The class record's builder (contract/inputs.py) for ``site`` on a generator seeded by the class's place in
     ADAPTED and the site's place among the class's sites (the first site keeps the class's seed)."""
     rec = class_record(cls)
     k = class_sites(cls, preset).index(site) if site else 0
@@ -334,7 +334,7 @@ def offloaded(pool: Pool) -> Pool:
     """
     if pool.cls not in OFFLOAD_CLASSES:
         raise ValueError(f"offload moves the weights of {', '.join(OFFLOAD_CLASSES)} only, not {pool.cls!r}")
-    from ..offload import StagedWeights
+    from ...offload import StagedWeights
     return dataclasses.replace(pool, stage=StagedWeights(pool.fixed).fetch)
 
 

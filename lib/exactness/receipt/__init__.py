@@ -1,0 +1,1 @@
+"""The receipt harness: the section table, typed parameters, profiles, the runner, rendering, the command line."""
