@@ -29,9 +29,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from transformers import Qwen3MoeForCausalLM  # noqa: E402
 
 from exactness import paths  # noqa: E402
+from exactness.engines.tiny import build_tiny_qwen3_moe  # noqa: E402
 from exactness.checkpoint import CheckpointError, config_from_hf, load_checkpoint  # noqa: E402
 from exactness.exact import bytes_equal, first_differing_row  # noqa: E402
 from exactness.prompts import build_prompt  # noqa: E402
@@ -40,25 +41,13 @@ from exactness.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 U = 2.0 ** -24  # fp32 unit round-off
 LAMBDA = 4.0
 PROMPT_TOKENS, GEN_TOKENS = 300, 32
-HF_KW = dict(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-             max_position_embeddings=4096, norm_topk_prob=True, bos_token_id=256, eos_token_id=257,
-             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, rms_norm_eps=1e-6,
-             initializer_range=0.125,  # N(0, 1/H): decisive routing and non-trivial attention (0.02 is near-uniform)
-             attn_implementation="eager", experts_implementation="eager")
+# The tiny model of engines/tiny.py, with eager attention and experts: the reference implementations.
+EAGER = dict(attn_implementation="eager", experts_implementation="eager")
 
 
 def build_hf(seed: int = 0, **overrides) -> Qwen3MoeForCausalLM:
-    """A seeded random tiny Qwen3MoeForCausalLM in fp32; norm weights 1 + 0.1 N(0,1) so that a swapped or
-    misplaced norm (all ones by default) would show."""
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**HF_KW, **overrides})).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-    return model
+    """The seeded random tiny Qwen3MoeForCausalLM (engines/tiny.py) in fp32, eager implementations."""
+    return build_tiny_qwen3_moe(seed, **EAGER, **overrides)
 
 
 def tolerance(ref_logits: torch.Tensor, cfg, n_keys: int) -> float:

@@ -12,7 +12,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]   # lib/exactness/receipt/env.py -> the repository
 
 
 def _git(args: list[str], cwd: Path) -> str:
