@@ -84,6 +84,12 @@ DEFECTS = {
                          "version mismatch: the set is version 2, this reader reads version 1"),
     "unknown weight": (lambda d: _edit(d, lambda m: m["calls"][0]["weights"].update({"w": "w2"})),
                        "names 'w2', which is not in weights"),
+    "row index out of range": (lambda d: _edit(d, lambda m: m["calls"][0]["rows"][0].__setitem__(0, 3)),
+                               "call 0 (gemm prompt wq): dumped row index 3 is outside 0..2 (call_rows 3)"),
+    "row not four integers": (lambda d: _edit(d, lambda m: m["calls"][0]["rows"][0].__setitem__(2, 7.0)),
+                              "call 0 (gemm prompt wq): row entry [0, 0, 7.0, 1] is not a [row, seq, pos, token]"),
+    "file with a folder part": (lambda d: _edit(d, lambda m: m["calls"][0]["outputs"]["y"].update(
+        {"file": "./tensors-00000.safetensors"})), "file './tensors-00000.safetensors' has a folder part"),
 }
 
 

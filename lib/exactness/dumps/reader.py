@@ -135,11 +135,15 @@ class DumpSet:
         M = c.get("call_rows")
         _need(type(M) is int and M >= 1, f"call {i}: call_rows must be an int >= 1, got {M!r}")
         rows = c.get("rows")
-        _need(isinstance(rows, list) and rows and all(isinstance(r, list) and len(r) == 4 and
-                                                      all(type(v) is int for v in r) for r in rows),
-              f"call {i}: rows must be a non-empty list of [row, seq, pos, token] integer lists")
+        where = f"call {i} ({ecls} {c['role']} {c.get('site') or 'no site'})"
+        _need(isinstance(rows, list) and bool(rows), f"{where}: rows must be a non-empty list of [row, seq, pos, "
+                                                     f"token] integer lists, got {rows!r}"[:300])
+        bad = next((r for r in rows if not (isinstance(r, list) and len(r) == 4 and
+                                            all(type(v) is int for v in r))), None)
+        _need(bad is None, f"{where}: row entry {bad!r} is not a [row, seq, pos, token] list of 4 integers")
         idx = [r[0] for r in rows]
-        _need(all(0 <= r < M for r in idx), f"call {i}: a dumped row index is outside 0..{M - 1}")
+        out = next((r for r in idx if not 0 <= r < M), None)
+        _need(out is None, f"{where}: dumped row index {out} is outside 0..{M - 1} (call_rows {M})")
         _need(len(set(idx)) == len(idx), f"call {i}: a row index is dumped twice")
         for key in (*PARTS, "weights", "meta"):
             _need(isinstance(c.get(key) or {}, dict), f"call {i}: field {key!r} must be an object")
@@ -169,8 +173,9 @@ class DumpSet:
         """key -> (safetensors dtype, shape) of ``file``, read once from its header (no tensor data)."""
         if file not in self._headers:
             path = os.path.join(self.folder, file)
-            _need(os.path.dirname(file) == "" and os.path.isfile(path), f"{what}: file {file!r} is missing from "
-                                                                        f"{self.folder}")
+            _need(os.path.basename(file) == file and file not in (".", ".."),
+                  f"{what}: file {file!r} has a folder part; allowed: a plain file name in {self.folder}")
+            _need(os.path.isfile(path), f"{what}: file {file!r} is missing from {self.folder}")
             try:
                 with open(path, "rb") as fh:
                     n = struct.unpack("<Q", fh.read(8))[0]
