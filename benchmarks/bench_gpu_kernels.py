@@ -3,7 +3,8 @@
 Run from the repository root on the GPU machine (needs torch and triton; the package need not be installed):
 
     PYTHONPATH=lib python3 benchmarks/bench_gpu_kernels.py [--sections ceilings,gemm,gate_up,attention,rows,
-        overhead,decode_step,e2e,compile,contract,tests] [--tune] [--out DIR] [--e2e-weights synthetic|device]
+        overhead,moe,profile,decode_step,e2e,compile,contract,tests] [--tune] [--out DIR]
+        [--e2e-weights synthetic|device]
 
 Every ratio is invariant time / fast time (lower is better) and is printed with its goal, met or missed:
 GEMM / cuBLAS <= 1.05 at M >= 4096 and <= 1.25 at M = 64..512 for the ``small`` preset's dense (2048->4096 q,
@@ -292,6 +293,13 @@ def overhead(_args) -> dict:
     h = _rand(2048)
     cases = [("linear M=1", lambda: tg.linear(x, wq), lambda: torch.nn.functional.linear(x, wq)),
              ("rmsnorm M=1", lambda: tr.rmsnorm(x, h, 1e-6), lambda: norm.rmsnorm_fast(x, h, 1e-6))]
+    if hasattr(cuda, "moe_experts"):
+        E, I, k = 128, 768, 8
+        wg, wu, wd = _rand(E, I, 2048), _rand(E, I, 2048), _rand(E, 2048, I)
+        idx = torch.arange(k, device="cuda")[None] * 3
+        lay = [wg[e] for e in range(k)]
+        cases.append(("moe experts M=1 (grouped vs 8 fast experts)", lambda: cuda.moe_experts(x, idx, wg, wu, wd),
+                      lambda: [experts.down_fast(experts.gate_up_fast(x, g, g), g.T) for g in lay]))
     out = []
     for name, inv, fast in cases:
         row = {"case": name}
@@ -306,6 +314,45 @@ def overhead(_args) -> dict:
             torch.cuda.synchronize()
         out.append(row)
     _print_rows("host time per call (us, launch-bound)", out)
+    return {"rows": out}
+
+
+def moe(_args) -> dict:
+    """One layer's routed experts (small preset, bf16, random routing): the grouped kernel (one launch per
+    projection) vs the same kernels expert by expert (decode/batched/deep plans) and the fast set's loop.
+
+    Times are do_bench medians (host launch included: the loops are launch-bound). ``same_bytes``: the grouped
+    rows equal the invariant one-by-one rows (exact.differing_rows).
+    """
+    from types import SimpleNamespace
+
+    from exactness import model
+    from exactness.exact import differing_rows
+    from exactness.kernels import get_set
+    cfgm = get_preset("small")
+    E, I, H, k = cfgm.n_experts, cfgm.expert_inter, cfgm.hidden, cfgm.top_k
+    wg, wu, wd = _rand(E, I, H, scale=H ** -0.5), _rand(E, I, H, scale=H ** -0.5), _rand(E, H, I, scale=I ** -0.5)
+    prov = model.ResidentExperts([SimpleNamespace(w_gate=wg, w_up=wu, w_down=wd)])
+    out = []
+    for M in (1, 8, 64, 512, 4096, 16384):
+        h = _rand(M, H)
+        idx = torch.rand(M, E, device="cuda").topk(k, dim=1).indices                   # [M, k] int64
+        plans = [model.DECODE] if M == 1 else [model.BATCHED, model.DEEP] if M >= 512 else [model.BATCHED]
+        row = {"M": M, "grouped_us": ms(lambda: cuda.moe_experts(h, idx, wg, wu, wd)) * 1e3}
+        y = cuda.moe_experts(h, idx, wg, wu, wd)
+        for plan in plans:
+            for ks in ("invariant", "fast"):
+                ops = model.Ops(get_set(ks), plan)
+                fn = lambda ops=ops: model._experts_one_by_one(ops, cfgm, h, idx, prov, 0)  # noqa: E731
+                row[f"{ks}_{plan.kind}_loop_us"] = ms(fn, rep=50 if M < 4096 else 200) * 1e3
+                if ks == "invariant":
+                    row[f"same_bytes_{plan.kind}"] = int(differing_rows(y.reshape(M * k, H),
+                                                                        fn().reshape(M * k, H)).sum()) == 0
+        loop = row[f"invariant_{plans[0].kind}_loop_us"]
+        row["speedup_vs_invariant_loop"] = loop / row["grouped_us"]
+        row["vs_fast_loop"] = row["grouped_us"] / row[f"fast_{plans[0].kind}_loop_us"]
+        out.append(row)
+    _print_rows("MoE experts of one layer (small preset, bf16): grouped kernel vs expert-by-expert loops (us)", out)
     return {"rows": out}
 
 
@@ -326,11 +373,15 @@ def _weights(kind: str):
 
 
 def decode_step(args) -> dict:
-    """Wall time of one decode step (small preset, 1 stream) after a 4096-token prompt: invariant vs fast set.
+    """Wall time of one decode step (small preset, 1 stream) after a 4096-token prompt: invariant vs fast set, each
+    eager and replayed from a CUDA graph (graphs.GraphDecoder), all timed side by side in one loop.
 
-    The invariant set runs with Triton fast launch on and off (triton_rows.FAST_LAUNCH); both give the same logits.
+    The invariant set runs eagerly with Triton fast launch on and off (triton_rows.FAST_LAUNCH); both give the same
+    logits. A graph step's logits are compared as bytes with the eager step's at the same position.
     """
     from exactness.cache import KVCache
+    from exactness.exact import bytes_equal
+    from exactness.graphs import GraphDecoder
     from exactness.kernels import triton_rows as tr
     w = _weights(args.e2e_weights)
     out, P = [], 4096
@@ -344,28 +395,122 @@ def decode_step(args) -> dict:
     for fl in (False, True):
         tr.FAST_LAUNCH = fl
         logits[fl] = paths.decode_step(w, cache, tok, pos0, slots, "invariant").clone()
-    times = {"fast": [], "invariant": [], "invariant (fast launch off)": []}
+    dec, graph_same = {}, {}
+    for ks in ("fast", "invariant"):
+        eager = paths.decode_step(w, cache, tok, pos0, slots, ks).clone()
+        dec[ks] = GraphDecoder(w, cache, ks)
+        dec[ks].step(tok, [P], [0])                                          # eager warm-up, then capture
+        graph_same[ks] = bytes_equal(eager, dec[ks].step(tok, [P], [0]))     # the first replay
+    times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
+             "invariant (graphs)": []}
     for rnd in range(5):
         for ks in times:
             tr.FAST_LAUNCH = ks != "invariant (fast launch off)"
+            name = ks.split(" ")[0]
             for i in range(8):
                 pos = torch.tensor([P + i], device=w.device)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                paths.decode_step(w, cache, tok, pos, slots, ks.split(" ")[0])
+                if ks.endswith("(graphs)"):
+                    dec[name].step(tok, [P + i], [0])
+                else:
+                    paths.decode_step(w, cache, tok, pos, slots, name)
                 torch.cuda.synchronize()
                 if rnd:                                                      # round 0 warms up
                     times[ks].append(time.perf_counter() - t0)
     tr.FAST_LAUNCH = True
-    f = statistics.median(times["fast"])
-    for ks in ("invariant", "invariant (fast launch off)"):
-        i = statistics.median(times[ks])
-        out.append({"context": P, "set": ks, "fast_ms": f * 1e3, "invariant_ms": i * 1e3, "ratio": i / f,
-                    "goal": 1.05, "met": i / f <= 1.05})
+    med = {ks: statistics.median(t) for ks, t in times.items()}
+    for ks, f in (("invariant", "fast"), ("invariant (fast launch off)", "fast"),
+                  ("invariant (graphs)", "fast (graphs)")):
+        i, fm = med[ks], med[f]
+        out.append({"context": P, "set": ks, "fast_ms": fm * 1e3, "invariant_ms": i * 1e3, "ratio": i / fm,
+                    "goal": 1.05, "met": i / fm <= 1.05})
+    graph_rows = [{"set": ks, "eager_ms": med[ks] * 1e3, "graphs_ms": med[f"{ks} (graphs)"] * 1e3,
+                   "speedup": med[ks] / med[f"{ks} (graphs)"], "pieces": dec[ks].info()["pieces"],
+                   "reason": dec[ks].reason, "same_logits": graph_same[ks], "goal_ms": 1.0,
+                   "met": med[f"{ks} (graphs)"] * 1e3 <= 1.0} for ks in ("fast", "invariant")]
     same = torch.equal(logits[False].view(torch.int32), logits[True].view(torch.int32))
     _print_rows(f"decode step, small preset ({args.e2e_weights} weights), median wall time; fast launch on/off "
                 f"logits identical: {same}", out)
-    return {"rows": out, "fast_launch_same_logits": same}
+    _print_rows("decode step with CUDA graphs (graphs.GraphDecoder) vs eager, same run", graph_rows)
+    kernels = {}
+    for ks in ("fast", "invariant"):
+        kernels[f"{ks} (graphs)"] = _step_kernels(f"{ks} (graphs)", lambda: dec[ks].step(tok, [P], [0]))
+        kernels[ks] = _step_kernels(ks, lambda: paths.decode_step(w, cache, tok, pos0, slots, ks))
+    return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "kernels": kernels}
+
+
+def _step_kernels(label: str, step, top: int = 8) -> dict:
+    """GPU time of one call of ``step`` by kernel (torch.profiler, CUDA activity): the sum over kernels, the wall
+    time of the call, and the ``top`` kernels by total time (name, calls, microseconds)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    evs = [(e.key, e.count, getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0))
+           for e in prof.key_averages()]
+    evs = sorted([e for e in evs if e[2] > 0], key=lambda e: -e[2])
+    rows = [{"kernel": k[:70], "calls": n, "us": t} for k, n, t in evs[:top]]
+    total = sum(t for _, _, t in evs)
+    n = sum(c for _, c, _ in evs)
+    _print_rows(f"{label}: one step's kernels: {n} launches, {total:.0f} us GPU, {wall * 1e6:.0f} us wall (profiled)", rows)
+    return {"gpu_us": total, "launches": n, "wall_us": wall * 1e6, "top": rows}
+
+
+def profile(args) -> dict:
+    """Where a decode step's host time goes: cProfile of 20 invariant decode steps (small preset, 4096 context),
+    the 25 functions with the most own time; and host time per call of a few launch ingredients."""
+    import cProfile
+    import io
+    import pstats
+
+    from exactness.cache import KVCache
+    from exactness.kernels import triton_gemm as tg
+    from exactness.kernels import triton_moe as tm
+    w = _weights(args.e2e_weights)
+    P = 4096
+    cache = KVCache(w.cfg, P + 64, 1, BF16, w.device)
+    ids = torch.randint(0, 256, (P,), generator=torch.Generator().manual_seed(0))
+    paths.prefill(w, cache, ids, "invariant", paths.Schedule("batched", 4096))
+    tok, slots = ids[-1:].to(w.device), torch.zeros(1, dtype=torch.int64, device=w.device)
+    pos = [torch.tensor([P + i], device=w.device) for i in range(20)]
+    for p in pos[:3]:
+        paths.decode_step(w, cache, tok, p, slots, "invariant")
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for p in pos:
+        paths.decode_step(w, cache, tok, p, slots, "invariant")
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    print(buf.getvalue()[-6000:])
+    x, wq = _rand(1, 2048), _rand(4096, 2048)
+    ids8 = torch.arange(8, device="cuda")
+    cases = {"torch.empty [1, 4096]": lambda: torch.empty(1, 4096, dtype=BF16, device="cuda"),
+             "torch.sort 8 int64 stable": lambda: torch.sort(ids8, stable=True),
+             "descriptor() fast": lambda: tg.descriptor(x, [128, 64]),
+             "TensorDescriptor()": lambda: tg.TensorDescriptor(x, [1, 2048], [2048, 1], [128, 64]),
+             "tg.linear M=1": lambda: tg.linear(x, wq),
+             "F.linear M=1": lambda: torch.nn.functional.linear(x, wq),
+             "x + x": lambda: x + x}
+    out = []
+    for name, fn in cases.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            fn()
+        out.append({"case": name, "host_us": (time.perf_counter() - t0) / 1000 * 1e6})
+        torch.cuda.synchronize()
+    _print_rows(f"host time per call (us), SMALL_PAIRS={tm.SMALL_PAIRS}", out)
+    return {"rows": out, "profile": buf.getvalue()[-20000:]}
 
 
 E2E_PLANS = (("batched", None), ("batched", 2048), ("deep", 2048), ("deep", None))   # (path, step) per e2e run
@@ -437,8 +582,8 @@ def compile_sm120(_args) -> dict:
 
 
 def contract(args) -> dict:
-    """The contract checker's sweep of the invariant set on cuda (if analysis/contract.py is present)."""
-    from exactness.analysis import contract as ct
+    """The contract checker's sweep of the invariant set on cuda (if analysis/contract/check.py is present)."""
+    from exactness.analysis.contract import check as ct
     t0 = time.perf_counter()
     res = ct.check_set("invariant", device="cuda", dtypes=("bfloat16", "float32"), sweep=args.contract_sweep,
                        progress=True)
@@ -461,8 +606,8 @@ def tests(_args) -> dict:
 
 
 SECTIONS = {"ceilings": ceilings, "gemm": gemm, "gate_up": gate_up, "attention": attention, "rows": rows,
-            "overhead": overhead, "decode_step": decode_step, "e2e": e2e, "compile": compile_sm120,
-            "contract": contract, "tests": tests}
+            "overhead": overhead, "moe": moe, "profile": profile, "decode_step": decode_step, "e2e": e2e,
+            "compile": compile_sm120, "contract": contract, "tests": tests}
 
 
 def main(argv=None) -> int:

@@ -181,7 +181,7 @@ def test_gpu_row_kernels_invariant_and_close_to_cpu():
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_gpu_paths_prompt_logits_equal_decode(preset):
     """decode vs batched vs deep on the invariant set: identical prompt-logit bytes and tokens (device weights)."""
-    from exactness import paths
+    from exactness import model, paths
     from exactness.config import get_preset
     from exactness.kernels import cuda
     cfg = get_preset(preset)
@@ -193,8 +193,77 @@ def test_gpu_paths_prompt_logits_equal_decode(preset):
     for r in runs[1:]:
         assert row_mismatches(r.prompt_logits, [runs[0].prompt_logits]) == 0, (r.path, r.step)
         assert torch.equal(r.gen_ids, runs[0].gen_ids)
+    class Quiet:
+        def record(self, **call):
+            pass
+    with model.tapping(Quiet()):                                    # taps: experts one by one (per-expert kernels)
+        one_by_one = paths.generate(w, ids, 4, "invariant", paths.Schedule("batched", 100))
+    assert row_mismatches(one_by_one.prompt_logits, [runs[0].prompt_logits]) == 0
     fast = paths.generate(w, ids, 4, "fast", paths.Schedule("batched", None))
     assert row_mismatches(fast.prompt_logits, [runs[0].prompt_logits]) > 0               # negative control
+
+
+def _moe_inputs(E: int, I: int, H: int, dtype, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = [(torch.randn(E, a, b, generator=g, device="cuda") / b ** 0.5).to(dtype) for a, b in ((I, H), (I, H), (H, I))]
+    return g, w
+
+
+def _moe_decode_rows(h, idx, wg, wu, wd) -> torch.Tensor:
+    """y [M*k, H]: every (row, slot) through the set's decode expert kernels alone (M = 1 per call)."""
+    from exactness.kernels import cuda
+    out = []
+    for m in range(h.shape[0]):
+        for e in idx[m].tolist():
+            out.append(cuda.down(cuda.gate_up(h[m:m + 1], wg[e], wu[e]), wd[e]))
+    return torch.cat(out)
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_grouped_experts_rows_equal_decode_kernel_rows(dtype):
+    """Grouped MoE rows == the decode expert kernels' rows, whatever the tokens per expert (1 to > 2 tiles)."""
+    from exactness.exact import differing_rows
+    from exactness.kernels import triton_moe as tm
+    E, I, H, k = (128, 768, 2048, 8) if dtype == torch.bfloat16 else (16, 768, 2048, 4)
+    g, (wg, wu, wd) = _moe_inputs(E, I, H, dtype, 6)
+    M = 300
+    h = torch.randn(M, H, generator=g, device="cuda").to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(M)])   # [M, k] int64
+    idx[:260, 0] = 5                                                        # expert 5: > 2 tiles of 128 members
+    idx[:260, 1:] = torch.where(idx[:260, 1:] == 5, 6, idx[:260, 1:])
+    idx[260:270] = torch.arange(k, device="cuda") + E - k                   # top experts: one member per row
+    y = tm.experts(h, idx, wg, wu, wd)                                                        # [M, k, H]
+    dec = _moe_decode_rows(h, idx, wg, wu, wd)
+    assert int(differing_rows(y.reshape(M * k, H), dec).sum()) == 0
+    for a, n in ((0, 1), (1, 2), (3, 61), (64, 236)):                       # other chunks: other counts per expert
+        part = tm.experts(h[a:a + n], idx[a:a + n], wg, wu, wd)
+        assert int(differing_rows(part.reshape(n * k, H), y[a:a + n].reshape(n * k, H)).sum()) == 0, (a, n)
+    ref = torch.stack([h[m].double() for m in range(4)])                   # values: close to the fp64 SwiGLU
+    e0 = idx[:4, 0]
+    gg, uu = (torch.einsum("mh,mih->mi", ref, w[e0].double()) for w in (wg, wu))
+    exact = torch.einsum("mi,mhi->mh", torch.nn.functional.silu(gg) * uu, wd[e0].double())
+    assert rel_err(y[:4, 0], exact) < (3e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_grouped_experts_planted_fault_is_caught():
+    """One expert's down weights changed in one element: exactly the rows routed to it (that slot) must differ."""
+    from exactness.exact import differing_rows
+    from exactness.kernels import triton_moe as tm
+    E, I, H, k, M = 32, 768, 2048, 4, 64
+    g, (wg, wu, wd) = _moe_inputs(E, I, H, torch.bfloat16, 7)
+    h = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(M)])
+    good = tm.experts(h, idx, wg, wu, wd).reshape(M * k, H)
+    bad_w = wd.clone()
+    bad_w[3, 0, :] += 1.0                                                    # expert 3, output column 0
+    bad = tm.experts(h, idx, wg, wu, bad_w).reshape(M * k, H)
+    diff = differing_rows(good, bad)
+    routed = (idx.reshape(-1) == 3)
+    assert int(diff.sum()) > 0 and bool((diff <= routed).all())
 
 
 # ------------------------------------------------------------------------------------------------ CPU interpreter
@@ -252,6 +321,17 @@ def _interp_main() -> int:
     lg[:, 9] = lg[:, 4] = lg.max(dim=1).values + 1
     _, idx = tr.softmax_topk(lg, 3, True)
     checks["top-k tie -> lower id"] = bool((idx[:, 0] == 4).all() and (idx[:, 1] == 9).all())
+    from exactness.exact import differing_rows
+    from exactness.kernels import triton_moe as tm
+    we = [(torch.randn(6, a, b) / 7).to(bf) for a, b in ((40, 48), (40, 48), (48, 40))]
+    route = torch.stack([torch.randperm(6)[:2] for _ in range(37)])
+    route[:20] = torch.tensor([1, 3])                                       # expert 1 and 3: > 1 tile of 32
+    ye = tm.experts(x, route, *we).reshape(74, 48)
+    dec = torch.cat([tg.linear(tg.gate_up(x[m:m + 1], we[0][e], we[1][e]), we[2][e]) for m in range(37)
+                     for e in route[m].tolist()])
+    checks["grouped experts == per-expert rows"] = int(differing_rows(ye, dec).sum()) == 0
+    checks["grouped experts M=1 rows"] = int(differing_rows(tm.experts(x[:1], route[:1], *we).reshape(2, 48),
+                                                            ye[:2]).sum()) == 0
     for k, v in checks.items():
         print(f"{'ok  ' if v else 'FAIL'} {k}")
     return 0 if all(checks.values()) else 1

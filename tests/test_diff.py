@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from faults import row0_rmsnorm_perturbed
 
-from exactness.receipt import diff as diff
+from exactness.receipt import diff
 from exactness.receipt.diff_md import render
 from exactness.kernels import KERNEL_SETS
 

@@ -13,7 +13,7 @@ import torch
 from exactness.analysis.fp64 import section as fp64
 from exactness.analysis.fp64 import cert as fp64_cert
 from exactness.analysis.fp64 import ref as fp64_ref
-from exactness.analysis.fp64 import synth as synth
+from exactness.analysis.fp64 import synth
 from exactness.analysis.taps import TapRecorder
 from exactness.analysis.ulp import round_to, step
 from exactness.config import get_preset

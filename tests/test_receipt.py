@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from exactness.receipt import runner as receipt
-from exactness.receipt import render as render
+from exactness.receipt import render
 from exactness.receipt.cli import main
 from exactness.receipt.runner import ReceiptError, add_section, parse_overrides, run_receipts
 from exactness.receipt.sections import SECTIONS
@@ -323,7 +323,7 @@ def test_precomputed_folder_points_each_notebook_at_its_section(tmp_path):
 def test_sections_command_runs_sections_in_one_process_and_records_failures(tmp_path, monkeypatch, capsys):
     """``python -m exactness sections`` writes env.json and one JSON per section; a failing section leaves its
     traceback in <section>.error.txt, the next still runs, and the exit code is 1. Bad input exits 2 at once."""
-    from exactness.receipt import cli as cli
+    from exactness.receipt import cli
     calls = []
 
     def fake(name, fail=False):
@@ -434,7 +434,7 @@ def test_precomputed_sections_of_another_profile_are_refused(tmp_path):
 
 
 def test_sections_command_with_no_sections(tmp_path, capsys):
-    from exactness.receipt import cli as cli
+    from exactness.receipt import cli
     assert cli.main(["sections", "--profile", "ci", "--out", str(tmp_path / "x"), "--sections", ""]) == 2
     assert "no sections given; allowed: hashes, contract" in capsys.readouterr().err
 

@@ -11,7 +11,7 @@ import papermill
 import pytest
 
 from exactness.receipt import runner as receipt
-from exactness.receipt import render as render
+from exactness.receipt import render
 from exactness.receipt.cli import SUBCOMMANDS, section_parameters
 from exactness.receipt.params import Common, ParamError
 from exactness.receipt.profiles import PROFILES, Profile, get_profile

@@ -7,17 +7,23 @@ forward carries one row per active stream (slots = stream ids, rows in ascending
 position); a stream leaves once it has ``gen_tokens`` tokens. Prompts may differ in length, so rows of one forward
 sit at different positions. With row-invariant decode kernels each stream equals its run alone (paths.generate on
 the same prefill path) and the serial no-draft oracle (paths.generate on ``decode``).
+
+Packed prefill (``packed``): several prompts in ONE prefill forward, prompt j's rows at positions 0..P_j-1 of cache
+slot j, rows concatenated in prompt order (a varlen batch; attention is per slot, so a row sees only its own
+sequence's keys). run_packed then decodes the prompts together, one decode forward per step. With row-invariant
+kernels each packed prompt's logits and KV bytes equal its prefill alone and the decode oracle.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, KVFormat
 from .kernels import KernelSet, get_set
-from .model import ExpertProvider
-from .paths import Schedule, check_run_args, decode_step, prefill
+from .model import BATCHED, DEEP, ExpertProvider, ForwardOut, ResidentExperts, forward
+from .paths import PATHS, RunResult, Schedule, check_run_args, decode_step, prefill
 from .weights import Weights
 
 BATCH_LIMIT = 4  # streams one batch (one cache with this many slots) may hold
@@ -56,13 +62,13 @@ def check_streams(n: int, offset: int, max_batch: int = BATCH_LIMIT) -> None:
 
 def run_streams(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernels: KernelSet | str = "fast",
                 schedule: Schedule = Schedule("batched"), *, offset: int = 2, max_batch: int = BATCH_LIMIT,
-                experts: ExpertProvider | None = None) -> StreamsResult:
+                experts: ExpertProvider | None = None, kv_dtype: str | KVFormat = "bf16") -> StreamsResult:
     """Decode ``len(prompts)`` streams concurrently (module docstring).
 
     Args:
         prompts: token ids [P_j] int64 per stream (stream j = prompts[j]); gen_tokens: tokens per stream (>= 1).
         schedule: each stream's prefill (as paths.prefill); offset: steps between joins.
-        experts: the expert provider (None: the resident weights).
+        experts: the expert provider (None: the resident weights); kv_dtype: what the KV cache stores.
     Returns:
         StreamsResult with one StreamRun per stream.
     Raises:
@@ -74,7 +80,7 @@ def run_streams(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernel
     for p in prompts:
         check_run_args(w, int(p.numel()), gen_tokens)
     ks, N = get_set(kernels), len(prompts)
-    cache = KVCache(w.cfg, max(int(p.numel()) for p in prompts) + gen_tokens, N, w.dtype, w.device)
+    cache = KVCache(w.cfg, max(int(p.numel()) for p in prompts) + gen_tokens, N, w.dtype, w.device, kv_dtype)
     gen: list[list] = [[] for _ in prompts]
     glog: list[list] = [[] for _ in prompts]
     plog: list = [None] * N
@@ -108,3 +114,92 @@ def _batched_step(w, cache, ks, prompts, gen, glog, active, experts) -> None:
     for r, j in enumerate(active):
         gen[j].append(ids[r:r + 1])
         glog[j].append(logits[r:r + 1])
+
+
+PACKED_PLANS = {"batched": BATCHED, "deep": DEEP}   # plans a packed prefill may run
+
+
+def prefill_packed(w: Weights, cache: KVCache, prompts: list[torch.Tensor], kernels: KernelSet | str,
+                   plan: str = "batched", *, slots: list[int] | None = None,
+                   experts: ExpertProvider | None = None) -> list[ForwardOut]:
+    """Prefill all ``prompts`` (token ids [P_j] int64) in one forward: prompt j at positions 0..P_j-1 of cache slot
+    ``slots[j]`` (default j), its rows after those of prompts 0..j-1.
+
+    Args:
+        plan: ``"batched"`` or ``"deep"`` (PACKED_PLANS): the plan of the one forward (the deep plan's tiles then
+            span prompts).
+    Returns:
+        ForwardOut per prompt: logits [P_j, V] fp32, hidden [P_j, H] storage dtype.
+    Raises:
+        ValueError: no prompts, an empty prompt, an unknown plan, slots not distinct or not one per prompt, a slot
+            outside the cache or already holding positions, or a position outside the cache (model.forward).
+    """
+    slots = list(range(len(prompts))) if slots is None else list(slots)
+    _check_packed(cache, prompts, plan, slots)
+    dev = w.device
+    lens = [int(p.numel()) for p in prompts]
+    tokens = torch.cat([p.to(dev) for p in prompts])                                       # [sum P] int64
+    pos = torch.cat([torch.arange(n, device=dev) for n in lens])                          # [sum P]
+    rows = torch.cat([torch.full((n,), s, device=dev) for n, s in zip(lens, slots)])     # [sum P] slot per row
+    out = forward(w, tokens, pos, cache, kernels, PACKED_PLANS[plan], slots=rows, experts=experts)
+    return [ForwardOut(lg, h) for lg, h in zip(out.logits.split(lens), out.hidden.split(lens))]
+
+
+def _check_packed(cache: KVCache, prompts: list[torch.Tensor], plan: str, slots: list[int]) -> None:
+    if not prompts:
+        raise ValueError("a packed prefill needs at least one prompt, got none")
+    if any(int(p.numel()) < 1 for p in prompts):
+        raise ValueError("a packed prompt is empty; at least one token each is needed")
+    if plan not in PACKED_PLANS:
+        raise ValueError(f"unknown packed plan {plan!r}; allowed: {', '.join(PACKED_PLANS)}")
+    n_slots = len(cache.lengths)
+    if len(slots) != len(prompts) or len(set(slots)) != len(slots) or not all(0 <= s < n_slots for s in slots):
+        raise ValueError(f"packed slots {slots} must be {len(prompts)} distinct slots in 0..{n_slots - 1}")
+    busy = [s for s in slots if cache.lengths[s]]
+    if busy:
+        raise ValueError(f"packed prefill starts at position 0, but cache slots {busy} already hold positions")
+
+
+def run_packed(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernels: KernelSet | str = "fast",
+               plan: str = "batched", *, keep_cache: bool = False, experts: ExpertProvider | None = None,
+               kv_dtype: str | KVFormat = "bf16", max_batch: int = BATCH_LIMIT) -> list[RunResult]:
+    """Prefill ``prompts`` packed into one forward (prefill_packed), then greedily decode ``gen_tokens`` tokens for
+    all of them, one decode forward per step with one row per prompt (ascending slot).
+
+    Returns:
+        one paths.RunResult per prompt (path ``"packed"``, step None; ``served`` counts the one packed forward
+        under the plan and its ``packed`` entry the prompts and rows it held; ``cache``, when kept, is a one-slot
+        copy of the prompt's slot, comparable with exact.kv_first_difference). ttft_s is the packed prefill's.
+    Raises:
+        ValueError: more prompts than ``max_batch``, what check_run_args or prefill_packed raises.
+    """
+    check_streams(len(prompts), 0, max_batch)
+    for p in prompts:
+        check_run_args(w, int(p.numel()), gen_tokens)
+    ks, N = get_set(kernels), len(prompts)
+    cache = KVCache(w.cfg, max(int(p.numel()) for p in prompts) + max(gen_tokens, 1), N, w.dtype, w.device,
+                    kv_dtype)
+    experts = ResidentExperts(w.layers) if experts is None else experts
+    t0 = time.perf_counter()
+    plog = [o.logits for o in prefill_packed(w, cache, prompts, ks, plan, experts=experts)]   # [P_j, V] each
+    ttft = time.perf_counter() - t0
+    gen = [[ks.fn("argmax", "prompt")(lg[-1:])] if gen_tokens else [] for lg in plog]
+    glog = [[lg[-1:]] if gen_tokens else [] for lg in plog]
+    for _ in range(1, gen_tokens):
+        _batched_step(w, cache, ks, prompts, gen, glog, list(range(N)), experts)
+    decode_s = time.perf_counter() - t0 - ttft
+    return [_packed_result(w, ks, plan, prompts, j, plog[j], gen[j], glog[j], cache, keep_cache, (ttft, decode_s))
+            for j in range(N)]
+
+
+def _packed_result(w, ks, plan, prompts, j, plog, gen, glog, cache, keep_cache, times) -> RunResult:
+    served = {p: {"segments": 0, "rows": 0} for p in PATHS}
+    served[plan] = {"segments": 1, "rows": int(prompts[j].numel())}
+    served["packed"] = {"prompts": len(prompts), "rows": sum(int(p.numel()) for p in prompts)}
+    none = torch.zeros(0, dtype=torch.int64)
+    return RunResult(
+        path="packed", step=None, kernels=ks.name, prompt_ids=prompts[j].cpu(),
+        deep_threshold=1 if plan == "deep" else Schedule("batched").deep_threshold,   # the one forward's plan
+        gen_ids=torch.cat(gen).cpu() if gen else none, prompt_logits=plog.cpu(),
+        gen_logits=torch.cat(glog).cpu() if glog else torch.zeros(0, w.cfg.vocab_size), served=served,
+        ttft_s=times[0], decode_s=times[1], cache=cache.select(j) if keep_cache else None, kv_dtype=cache.kv_dtype)

@@ -25,6 +25,9 @@ class ModelConfig:
         n_layers: decoder layers L.
         n_heads, n_kv_heads, head_dim: query heads Hq, key/value heads Hkv (GQA: Hq % Hkv == 0) and head dim D.
         n_experts, top_k, expert_inter: routed experts E, experts per token k, expert width I.
+        n_groups, topk_groups: group-limited routing (DeepSeek-V2/V3 style): the E experts form ``n_groups`` groups
+            of E / n_groups consecutive ids and each token picks its top_k among the experts of its
+            ``topk_groups`` best groups (kernels/router.py). n_groups = 1 (the default) is plain top-k.
         shared_expert_inter: width of the always-on shared expert (0 = none, as in Qwen3-MoE).
         norm_topk_prob: renormalise the k routing weights to sum to 1 (Qwen3-MoE default: True).
         max_positions: largest position + 1 the model accepts (tokens).
@@ -45,6 +48,8 @@ class ModelConfig:
     top_k: int
     expert_inter: int
     shared_expert_inter: int = 0
+    n_groups: int = 1
+    topk_groups: int = 1
     norm_topk_prob: bool = True
     max_positions: int = 32768
     rope_theta: float = 1_000_000.0
@@ -55,7 +60,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts", "top_k",
-                  "expert_inter", "max_positions"):
+                  "expert_inter", "max_positions", "n_groups", "topk_groups"):
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"ModelConfig.{f} must be a positive int, got {v!r}")
@@ -63,8 +68,30 @@ class ModelConfig:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads} (GQA)")
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        self._check_groups()
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    def _check_groups(self) -> None:
+        if self.n_experts % self.n_groups:
+            raise ValueError(f"n_experts={self.n_experts} is not a multiple of n_groups={self.n_groups} (each group "
+                             "holds the same number of experts)")
+        if self.n_groups == 1:
+            if self.topk_groups != 1:
+                raise ValueError(f"topk_groups={self.topk_groups} needs n_groups > 1 (n_groups=1 routes without "
+                                 "groups; allowed topk_groups: 1)")
+            return
+        if self.topk_groups > self.n_groups:
+            raise ValueError(f"topk_groups={self.topk_groups} exceeds n_groups={self.n_groups}")
+        kept = self.topk_groups * (self.n_experts // self.n_groups)
+        if self.top_k > kept:
+            raise ValueError(f"top_k={self.top_k} exceeds the {kept} experts of the topk_groups={self.topk_groups} "
+                             f"kept groups (n_experts={self.n_experts}, n_groups={self.n_groups})")
+
+    @property
+    def router_groups(self) -> tuple[int, int] | None:
+        """(n_groups, topk_groups) for the router kernel, None for plain top-k (n_groups == 1)."""
+        return None if self.n_groups == 1 else (self.n_groups, self.topk_groups)
 
     def replace(self, **changes) -> "ModelConfig":
         """Return a copy with ``changes`` applied (validated again)."""

@@ -103,7 +103,7 @@ def tapping(recorder):
 
     ``call`` holds: cls (kernel class), role, plan (decode/batched/deep), kernels (set name), layer (-1 = head),
     positions ([M] int64 of the forward's rows), args (the kernel's inputs as passed) and out (its output). The
-    recorder decides what to keep (analysis/fp64.py keeps sampled rows only). Restores the previous state on exit.
+    recorder decides what to keep (analysis/fp64/section.py keeps sampled rows only). Restores the previous state on exit.
     """
     _TAPS.append(recorder)
     try:
@@ -131,8 +131,8 @@ class Ops:
         if not _TAPS:
             return fn
 
-        def tapped(*args):
-            out = fn(*args)
+        def tapped(*args, **kw):   # kw: expert_id, for expert-id-aware sets (experts.by_expert)
+            out = fn(*args, **kw)
             for rec in list(_TAPS):
                 rec.record(cls=cls, role=self.plan.role, plan=self.plan.kind, kernels=self.k.name,
                            layer=self.layer, positions=self.positions, args=args, out=out)
@@ -143,9 +143,10 @@ class Ops:
         """x [M, K] @ w[N, K]^T; on the deep plan in tiles of ``tile_rows`` rows."""
         return self._tiled(self._dense, self.plan.tile_rows, x, w)
 
-    def expert(self, x: torch.Tensor, wg, wu, wd) -> torch.Tensor:
+    def expert(self, x: torch.Tensor, wg, wu, wd, expert_id: int = -1) -> torch.Tensor:
         """One expert's SwiGLU on its member rows x [n, H] -> [n, H]; deep plan: ``expert_tile``-member tiles."""
-        f = lambda t, *w: self.expert_down(self.expert_gate_up(t, w[0], w[1]), w[2])  # noqa: E731
+        kw = {"expert_id": expert_id} if self.k.options.get("expert_id_aware") else {}   # -1: the shared expert
+        f = lambda t, *w: self.expert_down(self.expert_gate_up(t, w[0], w[1], **kw), w[2], **kw)  # noqa: E731
         return self._tiled(f, self.plan.expert_tile, x, wg, wu, wd)
 
     def _tiled(self, fn, tile: int, x: torch.Tensor, *w) -> torch.Tensor:
@@ -168,15 +169,9 @@ def attention_block(ops: Ops, lw: LayerWeights, cfg, x, positions, slots, cache:
     return ops.residual(x, ops.dense(o.reshape(M, -1), lw.wo))
 
 
-def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer: int):
-    """Router -> top-k -> experts grouped by expert (expert-parallel) -> combine in slot order -> residual.
-
-    The experts with members are announced to ``experts.prepare`` first (an offloaded provider stages them ahead of
-    use), then each one's weights come from ``experts.fetch``, in ascending expert id.
-    """
-    M, k = x.shape[0], cfg.top_k
-    h = ops.rmsnorm(x, lw.mlp_norm, cfg.rms_eps)                                     # [M, H]
-    weights, idx, _ = ops.router(h, lw.router, k, cfg.norm_topk_prob)               # [M, k], [M, k]
+def _experts_one_by_one(ops: Ops, cfg, h, idx, experts: ExpertProvider, layer: int) -> torch.Tensor:
+    """y [M, k, H]: each expert with members, in ascending id, over its member rows (ops.expert)."""
+    M, k = idx.shape
     y = h.new_zeros(M, k, cfg.hidden)                                                # [M, k, H]
     flat = idx.flatten()                                                             # [M*k], member = row*k + slot
     order = torch.sort(flat, stable=True).indices
@@ -189,7 +184,28 @@ def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer
         members = order[start:start + n]
         start += n
         wg, wu, wd = experts.fetch(layer, e)                                         # [I, H], [I, H], [H, I]
-        y.view(M * k, -1)[members] = ops.expert(h[members // k], wg, wu, wd)
+        y.view(M * k, -1)[members] = ops.expert(h[members // k], wg, wu, wd, e)
+    return y
+
+
+def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer: int):
+    """Router -> top-k -> experts grouped by expert (expert-parallel) -> combine in slot order -> residual.
+
+    The experts with members are announced to ``experts.prepare`` first (an offloaded provider stages them ahead of
+    use), then each one's weights come from ``experts.fetch``, in ascending expert id. A set whose options name
+    ``grouped_experts`` (same bytes as its expert kernels) computes all resident experts at once instead, unless
+    kernel calls are being tapped.
+    """
+    M, k = x.shape[0], cfg.top_k
+    h = ops.rmsnorm(x, lw.mlp_norm, cfg.rms_eps)                                     # [M, H]
+    groups = () if cfg.router_groups is None else (cfg.router_groups,)               # group-limited routing
+    weights, idx, _ = ops.router(h, lw.router, k, cfg.norm_topk_prob, *groups)      # [M, k], [M, k]
+    y = None
+    grouped = ops.k.options.get("grouped_experts")     # the set's per-expert kernels' bytes, all experts at once
+    if grouped is not None and not _TAPS and type(experts) is ResidentExperts and torch.is_tensor(lw.w_gate):
+        y = grouped(h, idx, lw.w_gate, lw.w_up, lw.w_down)                           # [M, k, H] or None
+    if y is None:
+        y = _experts_one_by_one(ops, cfg, h, idx, experts, layer)
     shared = None
     if lw.shared_gate is not None:
         shared = ops.expert(h, lw.shared_gate, lw.shared_up, lw.shared_down)  # shared expert: expert kernels

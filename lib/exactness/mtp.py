@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, KVFormat
 from .config import ModelConfig
 from .kernels import KernelSet, get_set
 from .model import (BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, ResidentExperts, attention_block, forward,
@@ -137,13 +137,15 @@ class MTPHead:
     Args:
         w: main model weights (embedding and lm_head are shared).
         mtp: MTP weights (see resolve_mtp); capacity: positions per slot; slots: streams.
+        kv_dtype: what the head's cache stores (cache.KV_DTYPES name; per-tensor fp8 scales are 1.0, since a
+            main-model KVFormat's scales are per main-model layer).
     """
 
-    def __init__(self, w: Weights, mtp: MTPWeights, capacity: int, slots: int = 1):
+    def __init__(self, w: Weights, mtp: MTPWeights, capacity: int, slots: int = 1, kv_dtype: str = "bf16"):
         self.w, self.m = w, mtp
         self.experts = ResidentExperts([mtp.layer])  # the head's own experts, always on the device
         self.cfg1 = w.cfg.replace(n_layers=1)
-        self.cache = KVCache(self.cfg1, capacity, slots, w.dtype, w.device)
+        self.cache = KVCache(self.cfg1, capacity, slots, w.dtype, w.device, KVFormat.of(kv_dtype).dtype)
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kernels: KernelSet,
                 plan=DECODE, slot: int = 0) -> ForwardOut:
@@ -210,9 +212,9 @@ class _Drafter:
     """Proposes drafts for one stream (slot 0) and keeps the MTP cache in step with the accepted tokens."""
 
     def __init__(self, w: Weights, ks: KernelSet, draft: str, mtp: MTPWeights | None, *, capacity: int,
-                 step: int | None, experts: ExpertProvider | None):
+                 step: int | None, experts: ExpertProvider | None, kv_dtype: str = "bf16"):
         self.w, self.ks, self.draft, self.step, self.experts = w, ks, draft, step, experts
-        self.head = MTPHead(w, mtp, capacity) if draft == "mtp" else None
+        self.head = MTPHead(w, mtp, capacity, kv_dtype=kv_dtype) if draft == "mtp" else None
         self.pend_h, self.pend_t, self.pend_pos = None, None, 0  # main hidden rows not yet run through the head
 
     def feed(self, hidden: torch.Tensor, next_tokens: torch.Tensor, first_pos: int) -> None:
@@ -283,17 +285,19 @@ class _Drafting:
 def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",
                      schedule: Schedule = Schedule("batched"), *, k: int = 2, draft: str = "mtp",
                      mtp: MTPWeights | None = None, keep_cache: bool = False,
-                     experts: ExpertProvider | None = None) -> DraftedResult:
+                     experts: ExpertProvider | None = None, kv_dtype: str | KVFormat = "bf16") -> DraftedResult:
     """Prefill ``prompt_ids`` [P] int64 as ``schedule`` says (as paths.generate does) and generate ``gen_tokens``
     greedy tokens with k drafts per verify forward (module docstring).
 
     Args:
         k: drafts per round, 1..4; draft: "mtp" (the MTP head; ``mtp`` weights or resolve_mtp's choice) or "self"
             (sanity mode: drafts from the main model's own decode steps).
+        kv_dtype: what the main cache stores (cache.KV_DTYPES name or a KVFormat); the head's cache stores the
+            same kind (MTPHead).
     Returns:
         DraftedResult; tokens equal paths.generate's exactly when the verify rows reproduce the decode rows.
     Raises:
-        ValueError: k outside 1..4, unknown draft source, or what paths.check_run_args raises.
+        ValueError: k outside 1..4, unknown draft source or kv_dtype, or what paths.check_run_args raises.
     """
     check_k(k)
     if draft not in DRAFTS:
@@ -302,12 +306,13 @@ def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kern
     check_run_args(w, P, gen_tokens)
     t0, dev = time.perf_counter(), w.device
     ids = prompt_ids.to(dev)
-    cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, dev)
+    cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, dev, kv_dtype)
     mw = resolve_mtp(w, mtp) if draft == "mtp" else None
     res = DraftedResult(draft, k, ks.name, schedule.path, schedule.step, mw.source if mw else None,
                         prompt_ids.cpu(), torch.zeros(0, dtype=torch.int64), torch.zeros(0, w.cfg.vocab_size))
     pre = prefill(w, cache, ids, ks, schedule, served=res.served, experts=experts)
-    drafter = _Drafter(w, ks, draft, mw, capacity=cache.capacity, step=schedule.step, experts=experts)
+    drafter = _Drafter(w, ks, draft, mw, capacity=cache.capacity, step=schedule.step, experts=experts,
+                       kv_dtype=cache.kv_dtype)
     state = _Drafting(w, cache, ks, drafter, k, P, gen_tokens, res.stats, experts)
     if gen_tokens:
         state.gen.append(ks.fn("argmax", schedule.role)(pre.logits[-1:]))

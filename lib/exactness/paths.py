@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, KVFormat
+from .graphs import GraphDecoder
 from .kernels import KernelSet, get_set
 from .model import BATCHED, DECODE, DEEP, ExpertProvider, ForwardOut, Plan, ResidentExperts, forward
 from .weights import Weights
@@ -84,6 +85,9 @@ class RunResult:
         ttft_s: seconds to the first generated token; decode_s: seconds of the N-1 decode steps;
         token_times: perf_counter stamp of each generated token (seconds).
         cache: the KV cache after the run (kept only when asked).
+        kv_dtype: what the KV cache stored (cache.KV_DTYPES).
+        graphs: {} when CUDA graphs were not asked for; else graphs.GraphDecoder.info() of the decode steps
+            ("served", "replays", "eager_steps", "pieces", "reason": why a graph did not serve).
     """
 
     path: str
@@ -99,6 +103,8 @@ class RunResult:
     decode_s: float = 0.0
     token_times: list = field(default_factory=list)
     cache: KVCache | None = None
+    kv_dtype: str = "bf16"
+    graphs: dict = field(default_factory=dict)
 
 
 def check_run_args(w: Weights, n_prompt: int, gen_tokens: int) -> None:
@@ -171,19 +177,23 @@ def decode_step(w: Weights, cache: KVCache, tokens: torch.Tensor, positions: tor
 
 def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",
              schedule: Schedule = Schedule("decode"), *, keep_cache: bool = False,
-             experts: ExpertProvider | None = None, progress=None) -> RunResult:
+             experts: ExpertProvider | None = None, progress=None, kv_dtype: str | KVFormat = "bf16",
+             graphs: bool = False) -> RunResult:
     """Prefill ``prompt_ids`` [P] int64 as ``schedule`` says and greedily generate ``gen_tokens`` tokens.
 
     Args:
         keep_cache: keep the KV cache in the result; experts: the expert provider (None: the resident weights);
-        progress: a tqdm bar, advanced by one per prompt row and per generated token.
+        progress: a tqdm bar, advanced by one per prompt row and per generated token;
+        kv_dtype: what the KV cache stores (cache.KV_DTYPES name or a cache.KVFormat);
+        graphs: replay the decode steps from a CUDA graph (graphs.GraphDecoder: the same bytes; where a graph
+            cannot serve, the eager steps run and RunResult.graphs says why).
     Raises:
-        ValueError: see check_run_args; an unknown kernel set.
+        ValueError: see check_run_args; an unknown kernel set or kv_dtype.
     """
     ks = get_set(kernels)
     P = int(prompt_ids.numel())
     check_run_args(w, P, gen_tokens)
-    cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, w.device)
+    cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, w.device, kv_dtype)
     served = _served()
     t0 = time.perf_counter()
     plog = prefill(w, cache, prompt_ids, ks, schedule, served=served, experts=experts, progress=progress).logits
@@ -198,9 +208,13 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
         if progress is not None:
             progress.update(1)
     slots = torch.zeros(1, dtype=torch.int64, device=w.device)
+    dec = GraphDecoder(w, cache, ks, experts=experts) if graphs else None
     for i in range(1, gen_tokens):
-        pos = torch.tensor([P + i - 1], device=w.device)
-        last = decode_step(w, cache, gen[-1], pos, slots, ks, experts=experts)
+        if dec is not None:
+            last = dec.step(gen[-1], [P + i - 1], [0])
+        else:
+            last = decode_step(w, cache, gen[-1], torch.tensor([P + i - 1], device=w.device), slots, ks,
+                               experts=experts)
         gen.append(ks.fn("argmax", "decode")(last))
         glog.append(last)
         _sync(w)
@@ -214,4 +228,4 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
         prompt_logits=plog.cpu(), gen_logits=torch.cat(glog).cpu() if glog else torch.zeros(0, V),
         served=served, ttft_s=(times[0] - t0) if times else 0.0,
         decode_s=(times[-1] - times[0]) if len(times) > 1 else 0.0, token_times=[t - t0 for t in times],
-        cache=cache if keep_cache else None)
+        cache=cache if keep_cache else None, kv_dtype=cache.kv_dtype, graphs=dec.info() if dec is not None else {})

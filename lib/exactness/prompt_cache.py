@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .cache import KVCache, KVState
+from .cache import KVCache, KVFormat, KVState
 from .kernels import KernelSet, get_set
 from .model import ExpertProvider
 from .paths import PATHS, Schedule, check_run_args, decode_step, prefill
@@ -216,21 +216,22 @@ def continue_greedy(w: Weights, cache: KVCache, last_logits: torch.Tensor, n_pro
 def generate_cached(w: Weights, pc: PromptCache, prompt_ids: torch.Tensor, gen_tokens: int,
                     kernels: KernelSet | str = "fast", schedule: Schedule = Schedule("batched"), *,
                     resume_key: str | None = None, keep_cache: bool = False,
-                    experts: ExpertProvider | None = None) -> CachedRun:
+                    experts: ExpertProvider | None = None, kv_dtype: str | KVFormat = "bf16") -> CachedRun:
     """One request: restore the longest cached prefix (or the state ``resume_key``), prefill only the tail
     ``prompt_ids[n:]`` with paths.prefill(start=n), keep this prompt's states in ``pc``, then decode ``gen_tokens``
     greedy tokens.
 
     The tail's chunks of ``schedule.step`` rows start at the resume point n, so they line up with a fresh prefill's
     chunks exactly when n is a multiple of the step (grid mode); elsewhere only row-invariant kernels keep the
-    bytes.
+    bytes. ``kv_dtype`` (cache.KV_DTYPES name or a KVFormat) is what the request's cache stores; a cached state of
+    another format is refused by KVCache.restore.
     Raises:
-        ValueError: what paths.check_run_args raises, or PromptCache.get's mismatch errors.
+        ValueError: what paths.check_run_args raises, PromptCache.get's mismatch errors, an unknown kv_dtype.
     """
     ks, P = get_set(kernels), int(prompt_ids.numel())
     check_run_args(w, P, gen_tokens)
     entry = pc.get(resume_key, prompt_ids) if resume_key is not None else pc.lookup(prompt_ids)
-    cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, w.device)
+    cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, w.device, kv_dtype)
     start = 0
     if entry is not None:
         cache.restore(entry.state, 0)

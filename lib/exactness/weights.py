@@ -13,6 +13,11 @@ Layout (Hugging Face Qwen3-MoE names in brackets; every matrix is ``[out_feature
       shared_gate [Is, H], shared_up [Is, H], shared_down [H, Is]   (optional shared expert; None when Is == 0)
     final_norm [H]                    (model.norm.weight)
     lm_head    [V, H]                 (lm_head.weight)
+
+Quantized weights (the ``weights`` setting, WEIGHT_FORMATS: ``"bf16"`` = none, ``"int4_g128"``, ``"nvfp4"``):
+:func:`quantize_weights` replaces the expert and dense projection matrices (wq, wk, wv, wo, w_gate, w_up, w_down,
+shared_*) by kernels.quant.QuantWeight objects (codes + scales, same [..., out, in] layout); the embedding, norms,
+router and lm_head stay in the storage dtype. kernels/quant.py defines the formats and their fp32 dequantization.
 """
 from __future__ import annotations
 
@@ -23,6 +28,9 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from .config import ModelConfig
+from .kernels.quant import WEIGHT_FORMATS, QuantWeight, quantize
+
+QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
 
 
 @dataclass
@@ -84,7 +92,7 @@ class Weights:
 
     def nbytes(self) -> int:
         """Total bytes of all tensors."""
-        total = self.embed.nbytes + self.final_norm.nbytes + self.lm_head.nbytes
+        total = self.embed.nbytes + self.final_norm.nbytes + self.lm_head.nbytes  # QuantWeight has nbytes too
         for lw in self.layers:
             total += sum(getattr(lw, f.name).nbytes for f in fields(lw) if getattr(lw, f.name) is not None)
         return total
@@ -101,16 +109,23 @@ def _norm(g: torch.Generator, n: int) -> torch.Tensor:
 
 
 def synthetic_weights(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                      device: str | torch.device = "cpu") -> Weights:
+                      device: str | torch.device = "cpu", weights: str = "bf16") -> Weights:
     """Seeded synthetic weights for ``cfg``, identical on every machine for a given torch CPU generator.
 
     Initialisation (all drawn in fp32 on the CPU from ``torch.Generator().manual_seed(cfg.seed)`` in the order
     below, then rounded to ``dtype``): embedding N(0, 1); every linear weight N(0, 1/in_features); norm weights
     1 + 0.1·N(0, 1); router N(0, 1/H) scaled by 4 so that routing is decisive rather than near-uniform.
 
+    ``weights`` other than ``"bf16"`` quantizes the projections afterwards (quantize_weights), from the
+    ``dtype`` values.
+
     Returns:
-        Weights on ``device`` in ``dtype`` (bf16 or fp32).
+        Weights on ``device`` in ``dtype`` (bf16 or fp32), projections quantized as ``weights`` says.
+    Raises:
+        ValueError: ``weights`` is not one of WEIGHT_FORMATS.
     """
+    if weights != "bf16":
+        return quantize_weights(synthetic_weights(cfg, dtype, device), weights)
     if _SHARED is None:
         return _draw(cfg).to(device=device, dtype=dtype)
     master = _SHARED.get(cfg)
@@ -157,3 +172,31 @@ def _draw(cfg: ModelConfig) -> Weights:
             shared_down=_linear(g, H, Is) if Is else None,
         ))
     return Weights(cfg=cfg, embed=embed, layers=layers, final_norm=_norm(g, H), lm_head=_linear(g, cfg.vocab_size, H))
+
+
+def quantize_weights(w: Weights, fmt: str) -> Weights:
+    """``w`` with every QUANTIZED matrix replaced by ``quant.quantize(matrix, fmt)`` (deterministic: a function of
+    the matrix's values only); ``"bf16"`` returns ``w`` itself. Stacked experts [E, ...] get one nvfp4 per-tensor
+    scale per expert.
+
+    Raises:
+        ValueError: ``fmt`` is not one of WEIGHT_FORMATS, or ``w`` is quantized already.
+    """
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weights setting {fmt!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
+    if fmt == "bf16":
+        return w
+    if any(isinstance(getattr(lw, n), QuantWeight) for lw in w.layers for n in QUANTIZED):
+        raise ValueError(f"weights are quantized already; cannot quantize them again to {fmt!r}")
+
+    def layer(lw: LayerWeights) -> LayerWeights:
+        return replace(lw, **{n: quantize(getattr(lw, n), fmt) for n in QUANTIZED if getattr(lw, n) is not None})
+    return Weights(cfg=w.cfg, embed=w.embed, layers=[layer(lw) for lw in w.layers], final_norm=w.final_norm,
+                   lm_head=w.lm_head, extra=dict(w.extra))
+
+
+def weights_format(w: Weights) -> str:
+    """The weights setting ``w`` was built with: ``"bf16"`` (plain tensors, whatever the storage dtype) or the
+    QuantWeight format of its projections."""
+    q = w.layers[0].wq if w.layers else None
+    return q.fmt if isinstance(q, QuantWeight) else "bf16"

@@ -183,13 +183,13 @@ class Runner:
     def __init__(self, w, experts, p: BenchParams):
         self.w, self.experts, self.device = w, experts, w.device
         self.schedule = Schedule(p.bench_path, p.bench_step, p.deep_threshold)
-        self.mtp = None
+        self.mtp, self.kv_dtype = None, p.kv_dtype   # what every request's KV cache stores
 
     def plain(self, ids: torch.Tensor, ks: str, gen: int, path: str | None = None) -> dict:
         """One paths.generate request (``path`` overrides the bench path, e.g. for the memory comparison)."""
         schedule = self.schedule if path is None else replace(self.schedule, path=path)
         with peak_memory(self.device) as mem:
-            r = generate(self.w, ids, gen, ks, schedule, experts=self.experts)
+            r = generate(self.w, ids, gen, ks, schedule, experts=self.experts, kv_dtype=self.kv_dtype)
         return self._note(_record("plain", ids, r.gen_ids, r.served, r.ttft_s, list(r.token_times),
                                   mem["peak_bytes"]))
 
@@ -217,7 +217,7 @@ class Runner:
             stack.enter_context(after_calls(mtp, "_round", round_done, self.device))
             t0 = time.perf_counter()
             r = mtp.generate_drafted(self.w, ids, gen, ks, self.schedule, k=MTP_K, draft="mtp", mtp=self.mtp,
-                                     experts=self.experts)
+                                     experts=self.experts, kv_dtype=self.kv_dtype)
         times = [t - t0 for t in stamps[:gen]]
         rec = _record("drafted", ids, r.gen_ids, r.served, times[0], times, mem["peak_bytes"])
         rec["acceptance"] = r.stats.acceptance_rate
@@ -241,7 +241,8 @@ class Runner:
             stack.enter_context(after_calls(batch, "prefill", prefilled, self.device))
             stack.enter_context(after_calls(batch, "_batched_step", stepped, self.device))
             t0 = time.perf_counter()
-            res = batch.run_streams(self.w, [ids] * n, gen, ks, self.schedule, offset=0, experts=self.experts)
+            res = batch.run_streams(self.w, [ids] * n, gen, ks, self.schedule, offset=0, experts=self.experts,
+                                    kv_dtype=self.kv_dtype)
         out = []
         for j, s in enumerate(res.streams):
             times = [t - t0 for t in stamps[j]]
@@ -362,10 +363,10 @@ def _n_runs(p: BenchParams, n_prompts: int, drafted: bool, streams: bool, cuda: 
 def _load(p: BenchParams):
     """(weights for forward, expert store or None, tokenizer) as the ``offload`` parameter asks."""
     if not p.offload:
-        w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint)
+        w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint, p.weights)
         return w, None, tok
     device = resolve_device(p.device)
-    w_host, tok = load_model(p.preset, "cpu", p.dtype, p.checkpoint)
+    w_host, tok = load_model(p.preset, "cpu", p.dtype, p.checkpoint, p.weights)
     store = ExpertStore(w_host, "offload", RING_SLOTS, device)
     return store.weights, store, tok
 
@@ -385,7 +386,8 @@ def run_section(params: BenchParams | dict) -> dict:
     params (BenchParams, or a dict of its fields): preset, device, dtype, prompts, prompt_max_tokens, gen_tokens
     (replaced by bench_gen_tokens when that is set), deep_threshold, kernel_sets,
     and (with defaults) bench_path, bench_step, bench_reps, bench_itl_reps, bench_cold_lengths, offload, checkpoint,
-    allow_unpinned.
+    allow_unpinned, weights ("bf16", "int4_g128", "nvfp4": the model's projections) and kv_dtype ("bf16",
+    "fp8_e4m3", "fp8_e4m3_block": what every request's KV cache stores).
     Returns:
         {"section": "bench", "data": {"config", "not_run", "plain", "drafted", "itl", "cold", "streams",
         "memory", "offload"}}; every run record as in Runner; times in seconds, rates in tokens/s, ITL in ms,
@@ -415,7 +417,7 @@ def run_section(params: BenchParams | dict) -> dict:
     return {"section": "bench", "data": _strip(data)}
 
 
-MERGE_SAME = ("preset", "device", "dtype", "path", "step", "deep_threshold", "gen_tokens", "reps", "itl_reps",
+MERGE_SAME = ("preset", "device", "dtype", "weights", "kv_dtype", "path", "step", "deep_threshold", "gen_tokens", "reps", "itl_reps",
               "cold_lengths", "offload", "mtp_k", "stream_counts", "device_name")
 
 
@@ -469,7 +471,8 @@ def _bench_set(runner: Runner, prompts, sources, ks: str, p: BenchParams, not_ru
 
 
 def _config(p: BenchParams, w, store) -> dict:
-    return {"preset": p.preset, "device": str(w.device), "dtype": p.dtype, "kernel_sets": list(p.kernel_sets),
+    return {"preset": p.preset, "device": str(w.device), "dtype": p.dtype, "weights": p.weights,
+            "kv_dtype": p.kv_dtype, "kernel_sets": list(p.kernel_sets),
             "path": p.bench_path, "step": p.bench_step, "deep_threshold": p.deep_threshold,
             "gen_tokens": p.gen_tokens, "reps": p.bench_reps, "itl_reps": p.bench_itl_reps,
             "cold_lengths": list(p.bench_cold_lengths), "offload": p.offload, "mtp_k": MTP_K,

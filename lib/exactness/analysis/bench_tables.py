@@ -185,13 +185,14 @@ def expert_store_md(data: dict) -> str:
 
 
 def config_line(data: dict) -> str:
-    """One line: preset, device, dtype, prefill path, gen tokens, reps, offload, prompt cache, not-run notes."""
+    """One line: preset, device, dtype, weights, KV cache, prefill path, gen tokens, reps, offload, prompt cache, not-run notes."""
     c = data["config"]
     off = data.get("offload")
     offload = "off" if not c["offload"] else (
         f"on (ring {c['ring_bytes']} bytes" + ("" if off["deep_ready"] else f"; NO RING: {off['fallback_reason']}")
         + ")")
-    return (f"{c['preset']} on {c['device_name']} ({c['dtype']}); prefill {c['path']}@{c['step']} (deep threshold "
+    return (f"{c['preset']} on {c['device_name']} ({c['dtype']}; weights {c.get('weights', 'bf16')}, KV cache "
+            f"{c.get('kv_dtype', 'bf16')}); prefill {c['path']}@{c['step']} (deep threshold "
             f"{c['deep_threshold']}); {c['gen_tokens']} new tokens, temperature 0, EOS ignored; {c['reps']} reps "
             f"(cold = rep 0, warm = repeat), ITL over {c['itl_reps']} reps; MTP k={c['mtp_k']}; expert offload "
             f"{offload}; prompt cache {c['prompt_cache']}")

@@ -3,16 +3,21 @@
 The oracle of a kernel set is its serial ``decode`` path. For each other run the section records whether the
 generated tokens equal the oracle's (token hash), the first divergent generated index with the oracle's top-1/top-2
 logit margin there, whether every prompt row's logits and the KV cache are byte-identical, and per-position
-max |logit difference| of prompt rows (binned) for the plot. Tables and the plot: analysis/hashes_report.py
-(re-exported here).
+max |logit difference| of prompt rows (binned) for the plot. Rows record the model's weights setting, KV-cache dtype
+and routing groups. Control runs (control_runs) repeat the matrix on a cut prompt: a step sweep, an fp32 control
+and, with ``hash_features``, each engine feature (FEATURES: quantized weights, fp8 KV caches, grouped routing)
+against that feature's own decode oracle; packed rows (packed_rows) prefill the prompts together in one forward.
+Tables and the plot: analysis/hashes_report.py (re-exported here).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import NamedTuple
 
 import torch
 
+from ..batch import BATCH_LIMIT, run_packed
 from ..exact import bytes_equal, differing_rows, first_differing_row, kv_first_site, token_hash
 from ..progress import bar as progress_bar
 from ..config import get_preset
@@ -20,10 +25,10 @@ from ..kernels import get_set
 from ..receipt.params import HashesParams, check_offload_paths, offload_modes  # noqa: F401  (offload_modes: its API)
 from ..paths import PATHS, RunResult, Schedule, generate
 from ..prompts import build_prompt
-from ..weights import synthetic_weights
+from ..weights import quantize_weights, synthetic_weights, weights_format
 from .hashes_md import render_md  # noqa: F401  (the section's markdown)
-from .hashes_report import (INTRO, curve_groups, hash_matrix, hash_table, oracle_table, plot_curves,  # noqa: F401
-                            prompts_table, summary_table, verdict_md)
+from .hashes_report import (INTRO, control_groups, control_table, curve_groups, hash_matrix,  # noqa: F401
+                            hash_table, oracle_table, plot_curves, prompts_table, summary_table, verdict_md)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DIFF_BINS = 256  # the logit-difference curve keeps at most this many points per run
@@ -89,19 +94,21 @@ def compare(run: RunResult, oracle: RunResult) -> dict:
     }
 
 
-def load_model(preset: str, device: str, dtype: str, checkpoint: str = ""):
-    """Weights and tokenizer for a preset (synthetic, seeded) or a local checkpoint folder.
+def load_model(preset: str, device: str, dtype: str, checkpoint: str = "", weights: str = "bf16"):
+    """Weights and tokenizer for a preset (synthetic, seeded) or a local checkpoint folder, the projections
+    quantized as ``weights`` says (weights.quantize_weights: ``"bf16"`` none, ``"int4_g128"``, ``"nvfp4"``).
 
     Returns:
         (Weights on ``device`` in ``dtype``, tokenizer or None for the byte tokenizer).
     Raises:
-        ValueError: unknown preset, dtype or device (see resolve_device / resolve_dtype).
+        ValueError: unknown preset, dtype, device (see resolve_device / resolve_dtype) or weights setting.
     """
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     if checkpoint:
         from ..checkpoint import load_checkpoint
-        return load_checkpoint(checkpoint, dtype=dt, device=dev)
-    return synthetic_weights(get_preset(preset), dtype=dt, device=dev), None
+        w, tok = load_checkpoint(checkpoint, dtype=dt, device=dev)
+        return quantize_weights(w, weights), tok
+    return synthetic_weights(get_preset(preset), dtype=dt, device=dev, weights=weights), None
 
 
 def run_configs(steps, kernel_sets) -> list[tuple[str, str, int | None]]:
@@ -120,10 +127,11 @@ def run_configs(steps, kernel_sets) -> list[tuple[str, str, int | None]]:
     return out
 
 
-def _row(prompt, run: RunResult, seconds: float) -> dict:
+def _row(prompt, run: RunResult, seconds: float, w) -> dict:
     return {
         "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "prompt_sha256": prompt.sha256,
         "prompt_pin_ok": prompt.pin_ok, "path": run.path, "step": run.step, "kernels": run.kernels,
+        "weights": weights_format(w), "kv_dtype": run.kv_dtype, "routing_groups": w.cfg.router_groups,
         "deep_threshold": run.deep_threshold if run.path == "deep" else None,
         "gen_tokens": int(run.gen_ids.numel()), "hash": token_hash(run.gen_ids), "served": run.served,
         "ttft_s": round(run.ttft_s, 4), "decode_s": round(run.decode_s, 4), "seconds": round(seconds, 3),
@@ -131,7 +139,8 @@ def _row(prompt, run: RunResult, seconds: float) -> dict:
 
 
 def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress=None,
-               store=None, offload_paths=("decode", "batched", "deep"), rerun: bool = False) -> list[dict]:
+               store=None, offload_paths=("decode", "batched", "deep"), rerun: bool = False, *,
+               kv_dtype: str = "bf16", oracles: dict | None = None) -> list[dict]:
     """All runs of one prompt; rows as documented in the module docstring (``_curve`` holds the plot data).
 
     With an offload ``store`` (offload.ExpertStore) the runs of ``offload_paths`` are repeated with the experts in
@@ -142,19 +151,23 @@ def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
     With ``rerun``, each set's first batched run is repeated once, identically, and its row gets ``rerun_equal``
     (tokens and every prompt-logit byte equal): the control that tells a set that is not run-to-run deterministic
     (so that no comparison of its runs, offload included, can separate a cause from noise) from one that is.
+
+    Every run's KV cache stores ``kv_dtype`` (cache.KV_DTYPES). ``oracles``, when given, receives each set's
+    decode oracle (paths.RunResult with its cache) under (prompt name, kernel set name), for later comparisons.
     """
     rows, first = _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress, store,
-                             offload_paths)
+                             offload_paths, kv_dtype, oracles)
     for ks in (kernel_sets if rerun else []):
         row, logits = first[get_set(ks).name]
         again = generate(w, prompt.ids, gen_tokens, ks, Schedule("batched", row["step"], deep_threshold),
-                         progress=progress)
+                         progress=progress, kv_dtype=kv_dtype)
         row["rerun_equal"] = (token_hash(again.gen_ids) == row["hash"]
                               and bytes_equal(again.prompt_logits, logits))
     return rows
 
 
-def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress, store, offload_paths):
+def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress, store, offload_paths,
+               kv_dtype="bf16", oracles=None):
     """run_prompt without the rerun control: (rows, {kernel set name: (its first resident batched row, that run's
     prompt logits [P, V] fp32)})."""
     rows, oracle, first = [], {}, {}
@@ -165,10 +178,12 @@ def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
             t0 = time.perf_counter()
             run = generate(store.weights if off else w, prompt.ids, gen_tokens, ks,
                            Schedule(path, step, deep_threshold), keep_cache=True,
-                           experts=store if off else None, progress=progress)
-            row = {**_row(prompt, run, time.perf_counter() - t0), "offload": off}
+                           experts=store if off else None, progress=progress, kv_dtype=kv_dtype)
+            row = {**_row(prompt, run, time.perf_counter() - t0, w), "offload": off}
             if path == "decode" and not off:
                 oracle[run.kernels] = run
+                if oracles is not None:
+                    oracles[(prompt.name, run.kernels)] = run
                 row.update(equals_oracle=True, first_divergence=None, oracle_margin=None, prompt_logits_equal=True,
                            prompt_rows_differing=0, first_differing_prompt_row=None, max_prompt_logit_diff=0.0,
                            kv_equal=True, kv_first_position=None, kv_first_layer=None, _curve=None)
@@ -181,19 +196,83 @@ def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
     return rows, first
 
 
-def control_runs(p: HashesParams, prompts: list, tokenizer) -> list[tuple[str, str, object, list[int]]]:
-    """(label, dtype, prompt, steps) of the control runs (the label goes to their rows' ``control``): the step sweep (steps at tile and block boundaries, in the
-    profile's dtype) and the fp32 control (the profile's steps in float32), each on ``hash_sweep_prompt`` cut to
-    ``hash_sweep_tokens`` tokens and renamed ``<name>[:<n>]`` (``... fp32`` for the control) so that its rows stand
-    apart from the full runs."""
-    if not p.hash_sweep_steps and not p.hash_fp32_control:
+def packed_rows(w, prompts: list, kernel_sets, gen_tokens: int, oracles: dict, kv_dtype: str = "bf16",
+                progress=None) -> list[dict]:
+    """The prompts prefilled packed together (batch.run_packed, the batched plan, at most BATCH_LIMIT per forward)
+    and decoded together, each compared with its decode oracle ``oracles[(prompt name, set name)]`` (run_prompt's):
+    tokens, prompt logits and KV bytes through compare(). Rows carry ``control`` "packed" and path "packed"."""
+    rows = []
+    for ks in kernel_sets:
+        for a in range(0, len(prompts), BATCH_LIMIT):
+            group = prompts[a:a + BATCH_LIMIT]
+            t0 = time.perf_counter()
+            runs = run_packed(w, [pr.ids for pr in group], gen_tokens, ks, "batched", keep_cache=True,
+                              kv_dtype=kv_dtype)
+            secs = time.perf_counter() - t0
+            if progress is not None:
+                progress.update(sum(pr.n_tokens + gen_tokens for pr in group))
+            for pr, run in zip(group, runs):
+                row = {**_row(pr, run, secs, w), "offload": False, "control": "packed",
+                       "packed_prompts": [q.name for q in group]}
+                rows.append({**row, **compare(run, oracles[(pr.name, run.kernels)])})
+    return rows
+
+
+class Control(NamedTuple):
+    """One set of control runs: its label (the rows' ``control``), storage dtype, prompt, step sizes, and the
+    model it runs: weights setting, KV-cache dtype and routing groups ((n_groups, topk_groups), None = the
+    model's own routing)."""
+
+    label: str
+    dtype: str
+    prompt: object
+    steps: list[int]
+    weights: str
+    kv_dtype: str
+    routing: tuple[int, int] | None = None
+
+
+# hash_features: label -> (weights, kv_dtype, routing groups); None keeps the profile's setting. The routing
+# control keeps 1 of 4 groups: a group scores by its best logit, so keeping top_k or more groups never changes
+# the picks, while keeping one forces every pick into the best group.
+FEATURES = {"weights int4_g128": ("int4_g128", None, None), "weights nvfp4": ("nvfp4", None, None),
+            "kv fp8_e4m3": (None, "fp8_e4m3", None), "kv fp8_e4m3_block": (None, "fp8_e4m3_block", None),
+            "grouped routing 4/1": (None, None, (4, 1))}
+
+
+def control_runs(p: HashesParams, prompts: list, tokenizer) -> list[Control]:
+    """The control runs, each on ``hash_sweep_prompt`` cut to ``hash_sweep_tokens`` tokens and renamed
+    ``<name>[:<n>]`` (plus `` <label>`` after the sweep) so that its rows stand apart from the full runs: the step
+    sweep (steps at tile and block boundaries, in the profile's model), the fp32 control (the profile's steps in
+    float32) and, with ``hash_features``, the profile's steps on each FEATURES model (quantized weights, an fp8 KV
+    cache, grouped routing), each against the decode oracle of that same model."""
+    if not p.hash_sweep_steps and not p.hash_fp32_control and not p.hash_features:
         return []
     pr = build_prompt(p.hash_sweep_prompt, p.hash_sweep_tokens, p.allow_unpinned, tokenizer)
     pr = dataclasses.replace(pr, name=f"{pr.name}[:{pr.n_tokens}]")
-    out = [("step sweep", p.dtype, pr, list(p.hash_sweep_steps))] if p.hash_sweep_steps else []
+    out = [Control("step sweep", p.dtype, pr, list(p.hash_sweep_steps), p.weights, p.kv_dtype)
+           ] if p.hash_sweep_steps else []
     if p.hash_fp32_control:
-        out.append(("fp32 control", "float32", dataclasses.replace(pr, name=f"{pr.name} fp32"), list(p.steps)))
+        out.append(Control("fp32 control", "float32", dataclasses.replace(pr, name=f"{pr.name} fp32"),
+                           list(p.steps), p.weights, p.kv_dtype))
+    for label, (weights, kv, routing) in (FEATURES.items() if p.hash_features else ()):
+        out.append(Control(label, p.dtype, dataclasses.replace(pr, name=f"{pr.name} {label}"), list(p.steps),
+                           weights or p.weights, kv or p.kv_dtype, routing))
     return out
+
+
+def control_model(p: HashesParams, c: Control, w):
+    """The weights a control runs on: ``w`` (the profile's) when dtype and weights setting match, else loaded
+    anew; with ``c.routing`` a copy whose config routes in groups (same tensors).
+
+    Raises:
+        ValueError: the model's experts cannot form those groups (config.ModelConfig names why).
+    """
+    if c.dtype != p.dtype or c.weights != p.weights:
+        w = load_model(p.preset, p.device, c.dtype, p.checkpoint, c.weights)[0]
+    if c.routing is not None:
+        w = dataclasses.replace(w, cfg=w.cfg.replace(n_groups=c.routing[0], topk_groups=c.routing[1]))
+    return w
 
 
 def run_section(params: HashesParams | dict) -> dict:
@@ -208,7 +287,11 @@ def run_section(params: HashesParams | dict) -> dict:
     to end), hash_fp32_control (the profile's steps again in float32 on that cut prompt: bf16 storage hides many
     reduction-order changes that fp32 exposes; control rows carry ``control``), hash_max_tokens (int|None: cuts the prompts of this section only, default prompt_max_tokens; the serial
     oracle costs one decode step per prompt token), hash_rerun (True: repeat each set's first batched run once and
-    record ``rerun_equal`` on its row, see run_prompt).
+    record ``rerun_equal`` on its row, see run_prompt), weights ("bf16", "int4_g128" or "nvfp4": the model's
+    projections), kv_dtype ("bf16", "fp8_e4m3" or "fp8_e4m3_block": what every run's KV cache stores),
+    hash_features (False: the control runs of FEATURES on the cut prompt, each against its own model's decode
+    oracle, and the prompts packed into one prefill (packed_rows) against their oracles). Rows record weights,
+    kv_dtype and routing_groups.
     Returns:
         {"section": "hashes", "rows": [...], "curves": [{prompt, kernels, path, step, bin_width, max_abs_diff}]}.
     Raises:
@@ -219,7 +302,7 @@ def run_section(params: HashesParams | dict) -> dict:
         get_set(ks)  # fail before any work on an unknown set
     off_paths = list(PATHS) if p.hash_offload_paths is None else check_offload_paths(p.hash_offload_paths)
     max_tokens = p.max_tokens
-    w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint)
+    w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint, p.weights)
     prompts = [build_prompt(n, max_tokens, p.allow_unpinned, tok) for n in p.prompts]
     for pr in prompts:
         if pr.n_tokens + p.gen_tokens > w.cfg.max_positions:
@@ -235,16 +318,20 @@ def run_section(params: HashesParams | dict) -> dict:
               + (len(p.kernel_sets) if rerun else 0))
     tokens = n_runs * sum(pr.n_tokens + p.gen_tokens for pr in prompts)   # rows through the model
     controls = control_runs(p, prompts, tok)
-    tokens += sum(len(run_configs(c[3], p.kernel_sets)) * (c[2].n_tokens + p.gen_tokens) for c in controls)
-    rows = []
+    tokens += sum(len(run_configs(c.steps, p.kernel_sets)) * (c.prompt.n_tokens + p.gen_tokens) for c in controls)
+    tokens += len(p.kernel_sets) * sum(pr.n_tokens + p.gen_tokens for pr in prompts) if p.hash_features else 0
+    rows, oracles = [], {}
     with progress_bar(tokens, "hash matrix", "token") as bar:
         for pr in prompts:
             rows += run_prompt(w, pr, p.kernel_sets, p.steps, p.gen_tokens, p.deep_threshold, bar, store,
-                               off_paths, rerun)
-        for label, dtype, pr, steps in controls:
-            wc = w if dtype == p.dtype else load_model(p.preset, p.device, dtype, p.checkpoint)[0]
-            rows += [{**r, "control": label}
-                     for r in run_prompt(wc, pr, p.kernel_sets, steps, p.gen_tokens, p.deep_threshold, bar)]
+                               off_paths, rerun, kv_dtype=p.kv_dtype, oracles=oracles)
+        if p.hash_features:
+            rows += packed_rows(w, prompts, p.kernel_sets, p.gen_tokens, oracles, p.kv_dtype, bar)
+        oracles.clear()   # their caches are no longer needed
+        for c in controls:
+            rows += [{**r, "control": c.label}
+                     for r in run_prompt(control_model(p, c, w), c.prompt, p.kernel_sets, c.steps, p.gen_tokens,
+                                         p.deep_threshold, bar, kv_dtype=c.kv_dtype)]
     curves = [{"prompt": r["prompt"], "kernels": r["kernels"], "path": r["path"], "step": r["step"],
                "offload": r["offload"],
                "bin_width": max(1, -(-r["prompt_tokens"] // DIFF_BINS)), "max_abs_diff": r.pop("_curve")}

@@ -5,7 +5,7 @@ the rerun control and what each path actually served.
 from __future__ import annotations
 
 from ..receipt.render import render_extra, table
-from .hashes_report import INTRO, differs_in, first_difference, verdict_md
+from .hashes_report import INTRO, control_table, differs_in, first_difference, verdict_md
 
 DIFF_MARK = "✗"
 OPTIONAL_RUN_COLUMNS = ("prompt_logits_equal", "kv_equal", "max_prompt_logit_diff", "rerun_equal", "seconds")
@@ -52,6 +52,7 @@ def _col_key(row: dict) -> tuple:
 
 
 def _hash_matrix(rows: list[dict]) -> str:
+    rows = [r for r in rows if not r.get("control")]   # control runs: their own table
     cols = [_col(r) for r in sorted(rows, key=_col_key)]
     cols = list(dict.fromkeys(cols))
     oracle = {(r.get("prompt"), r.get("kernels")): r.get("hash") for r in rows
@@ -90,6 +91,11 @@ def render_hashes(rows: list[dict]) -> str:
                             "served"], dash="not recorded (or no token differs: no margin)"))
     else:
         parts.append("_Every run equals its oracle._")
+    controls = control_table(rows)
+    if controls.rows:
+        parts += ["", "### Control runs", "", "A step sweep at tile and block boundaries, an fp32 control and the "
+                  "engine features, each on a cut prompt against its own decode oracle.", "",
+                  controls.to_markdown()]
     reruns = [r for r in rows if "rerun_equal" in r]
     if reruns:
         parts += ["", "Rerun control (each set's first batched run repeated identically; tokens and every prompt-logit "

@@ -86,9 +86,40 @@ def hash_matrix(rows: list[dict]):
     return df.pivot(index=["prompt", "kernels"], columns="run", values="cell")[order]
 
 
+def control_groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows of the control runs (those with a ``control`` label: step sweep, fp32 control, engine features) by
+    (control, prompt, kernel set), in run order."""
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("control"):
+            out.setdefault((r["control"], r["prompt"], r["kernels"]), []).append(r)
+    return out
+
+
+def control_table(rows: list[dict]) -> Table:
+    """One row per control run group (control, prompt, kernel set): its runs against that group's own decode oracle
+    (tokens; tokens and every prompt-logit and KV byte) and the first run that differs, with its first difference."""
+    recs = []
+    for (ctrl, prompt, ks), grp in control_groups(rows).items():
+        runs = [r for r in grp if r["path"] != "decode"]
+        bad = next((r for r in runs if differs_in(r) or not r["equals_oracle"]), None)
+        recs.append({"control": ctrl, "prompt": prompt, "kernels": ks,
+                     "runs": ", ".join(_col(r["path"], r["step"]) for r in runs),
+                     "tokens": _of(runs, lambda r: r["equals_oracle"]),
+                     "bytes": _of(runs, lambda r: r["equals_oracle"] and not differs_in(r)),
+                     "first": f"{_col(bad['path'], bad['step'])}: {first_difference(bad) or 'tokens'}" if bad else None})
+    return Table(recs, {"control": "control run", "prompt": "prompt", "kernels": "kernel set", "runs": "runs",
+                        "tokens": "runs with the oracle's tokens", "bytes": "runs with the oracle's tokens and bytes",
+                        "first": "first run that differs: first difference"},
+                 dash="every run equals its oracle",
+                 notes=["Each control group has its own decode oracle (same prompt, weights, cache and kernel set)."])
+
+
 def hash_table(rows: list[dict]) -> Table:
     """The hash matrix as a receipt table: one row per prompt, kernel set and expert placement (resident or
-    offloaded), one column per path@step; a cell is the token hash, ``≠`` where it differs from the oracle."""
+    offloaded), one column per path@step; a cell is the token hash, ``≠`` where it differs from the oracle. Control
+    runs have their own table (control_table)."""
+    rows = [r for r in rows if not r.get("control")]
     grid: dict[tuple, dict] = {}
     cols: list[str] = []
     offload = any(r.get("offload") for r in rows)
@@ -108,7 +139,8 @@ def hash_table(rows: list[dict]) -> Table:
 
 
 def _served(served: dict) -> str:
-    return ", ".join(f"{k}: {v['rows']} rows in {v['segments']} segments" for k, v in served.items() if v.get("rows"))
+    return ", ".join(f"{k}: {v['rows']} rows" + (f" in {v['segments']} segments" if "segments" in v else "")
+                     for k, v in served.items() if v.get("rows"))
 
 
 def oracle_table(rows: list[dict]) -> Table:

@@ -1,4 +1,5 @@
-"""The ``streams`` section: drafted == plain, resumed == fresh, and concurrent == alone == serial, per kernel set.
+"""The ``streams`` section: drafted == plain, resumed == fresh, concurrent == alone == serial and packed == alone,
+per kernel set.
 
 Every configuration runs twice (``REPS``); ``reruns_equal`` says whether the repetitions are byte-identical, and
 ``equal`` is true only when every compared quantity matched in every repetition. Three quantities are compared
@@ -14,6 +15,10 @@ whose verdict stays on tokens):
     concurrent  each of N concurrent streams against its run alone (same prefill path) and against the serial
                 no-draft oracle (paths.generate on ``decode``); logits of prompt and generated rows, KV of the
                 stream's cache slot (read through model.tapping: the cache the attention kernels read)
+    packed      the first N stream prompts prefilled packed into ONE forward (batch.run_packed, the plan of
+                ``prefill_path``: batched, or deep) and decoded together, each against its prefill alone (one
+                segment on the same plan); logits of prompt and generated rows, KV of its cache slot. N runs over
+                the stream counts of at least 2 (one packed prompt is a prefill alone)
 
 Choices stated in the receipt (``data["settings"]``): the prefill step is the profile's first step, or P // 3 for a
 prompt of P <= step tokens (so that short prompts still have a grid); the grid resume point is the largest multiple
@@ -28,7 +33,7 @@ import time
 
 import torch
 
-from ..batch import BATCH_LIMIT, run_streams
+from ..batch import BATCH_LIMIT, run_packed, run_streams
 from ..exact import bytes_equal, first_differing_row, kv_first_difference, token_hash
 from ..model import tapping
 from ..kernels import get_set
@@ -39,8 +44,8 @@ from ..progress import bar as progress_bar
 from ..prompt_cache import PromptCache, generate_cached
 from ..prompts import build_prompt
 from .hashes import load_model
-from .streams_report import (INTRO, concurrent_table, drafted_table, render_md,  # noqa: F401  (its views)
-                             resumed_table, settings_md, summary_rows, summary_table, verdict_md)
+from .streams_report import (INTRO, concurrent_table, drafted_table, packed_table,  # noqa: F401  (its views)
+                             render_md, resumed_table, settings_md, summary_rows, summary_table, verdict_md)
 
 REPS = 2
 STREAM_CUT = 5  # stream j's prompt is STREAM_CUT * j tokens shorter, so the streams' lengths differ
@@ -123,7 +128,7 @@ def drafted_rows(w, prompt, ks: str, plain: list, p: StreamsParams, step: int) -
     for draft in p.drafts:
         t0 = time.perf_counter()
         runs = [generate_drafted(w, prompt.ids, p.gen_tokens, ks, _schedule(p, step), k=p.mtp_k, draft=draft,
-                                 keep_cache=True) for _ in range(REPS)]
+                                 keep_cache=True, kv_dtype=p.kv_dtype) for _ in range(REPS)]
         ref, pairs = plain[0], list(zip(runs, plain))  # repetition i against plain repetition i
         div = next((first_differing_row(r.gen_ids, q.gen_ids) for r, q in pairs
                     if not torch.equal(r.gen_ids, q.gen_ids)), None)
@@ -170,9 +175,9 @@ def resumed_rows(w, prompt, ks: str, fresh: list, p: StreamsParams, step: int) -
         pc = PromptCache(p.prompt_cache_gib, mode, step)
         earlier = P - 1 if mode == "grid" else split
         if split > 0:
-            generate_cached(w, pc, prompt.ids[:earlier], 1, ks, _schedule(p, step))
-        runs = [generate_cached(w, pc, prompt.ids, p.gen_tokens, ks, _schedule(p, step), keep_cache=True)
-                for _ in range(REPS)]
+            generate_cached(w, pc, prompt.ids[:earlier], 1, ks, _schedule(p, step), kv_dtype=p.kv_dtype)
+        runs = [generate_cached(w, pc, prompt.ids, p.gen_tokens, ks, _schedule(p, step), keep_cache=True,
+                                kv_dtype=p.kv_dtype) for _ in range(REPS)]
         rows.append(_resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p))
         rows[-1]["seconds"] = round(time.perf_counter() - t0, 3)
     return rows
@@ -225,10 +230,10 @@ def concurrent_rows(w, prompts: list, ks: str, p: StreamsParams) -> list[dict]:
     N_max = max(p.stream_counts)
     sp = stream_prompts(prompts, N_max, p.stream_prompt_tokens)
     step = p.steps[0]
-    alone = [[generate(w, ids, p.gen_tokens, ks, _schedule(p, step), keep_cache=True) for _ in range(REPS)]
-             for _, ids in sp]
-    serial = [[generate(w, ids, p.gen_tokens, ks, Schedule("decode"), keep_cache=True) for _ in range(REPS)]
-              for _, ids in sp]
+    alone = [[generate(w, ids, p.gen_tokens, ks, _schedule(p, step), keep_cache=True, kv_dtype=p.kv_dtype)
+              for _ in range(REPS)] for _, ids in sp]
+    serial = [[generate(w, ids, p.gen_tokens, ks, Schedule("decode"), keep_cache=True, kv_dtype=p.kv_dtype)
+               for _ in range(REPS)] for _, ids in sp]
     rows = []
     for N in p.stream_counts:
         t0 = time.perf_counter()
@@ -237,7 +242,7 @@ def concurrent_rows(w, prompts: list, ks: str, p: StreamsParams) -> list[dict]:
             try:
                 with tapping(CacheTap()) as tap:
                     runs.append((run_streams(w, [ids for _, ids in sp[:N]], p.gen_tokens, ks, _schedule(p, step),
-                                             offset=p.stream_offset), tap))
+                                             offset=p.stream_offset, kv_dtype=p.kv_dtype), tap))
             except RuntimeError as e:  # a run that fails is reported, not hidden (bad input still raises)
                 errors.append(f"{type(e).__name__}: {e}")
         rows.append(_concurrent_row(ks, N, sp[:N], step, runs, errors, alone, serial, p))
@@ -305,6 +310,62 @@ def _concurrent_row(ks, N, sp, step, runs, errors, alone, serial, p) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------------------------- packed
+
+def packed_plan(p: StreamsParams) -> tuple[str, Schedule]:
+    """(the packed forward's plan, the schedule of a prefill alone on that plan in one segment)."""
+    if p.prefill_path == "deep":
+        return "deep", Schedule("deep", None, 1)
+    return "batched", Schedule("batched", None, p.deep_threshold)
+
+
+def packed_rows(w, prompts: list, ks: str, p: StreamsParams) -> list[dict]:
+    """One row per stream count N >= 2: the first N stream prompts packed into one prefill (REPS runs of
+    batch.run_packed) against each prompt's prefill alone (REPS paths.generate runs, cache kept)."""
+    counts = [n for n in p.stream_counts if n >= 2]
+    if not counts:
+        return []
+    sp = stream_prompts(prompts, max(counts), p.stream_prompt_tokens)
+    plan, alone_sched = packed_plan(p)
+    alone = [[generate(w, ids, p.gen_tokens, ks, alone_sched, keep_cache=True, kv_dtype=p.kv_dtype)
+              for _ in range(REPS)] for _, ids in sp]
+    rows = []
+    for N in counts:
+        t0 = time.perf_counter()
+        runs = [run_packed(w, [ids for _, ids in sp[:N]], p.gen_tokens, ks, plan, keep_cache=True,
+                           kv_dtype=p.kv_dtype) for _ in range(REPS)]
+        rows.append(_packed_row(ks, N, sp[:N], plan, runs, alone, p))
+        rows[-1]["seconds"] = round(time.perf_counter() - t0, 3)
+    return rows
+
+
+def _packed_ok(r, ref) -> dict[str, bool]:
+    """One packed prompt's run against its run alone ``ref``: per quantity."""
+    return {"tokens": bool(torch.equal(r.gen_ids, ref.gen_ids)),
+            "logits": bytes_equal(r.prompt_logits, ref.prompt_logits) and bytes_equal(r.gen_logits, ref.gen_logits),
+            "kv": kv_first_difference(r.cache, ref.cache) is None}
+
+
+def _packed_row(ks, N, sp, plan, runs, alone, p) -> dict:
+    oks = [_packed_ok(run[j], alone[j][i]) for i, run in enumerate(runs) for j in range(N)]
+    v = verdict({q: all(o[q] for o in oks) for q in QUANTITIES})
+    r0, eq = runs[0], sum(all(o.values()) for o in oks)
+    reruns = {"packed": all(_same(r[j], r0[j]) for r in runs for j in range(N)),
+              "alone": all(_same(x, refs[0]) for refs in alone[:N] for x in refs)}
+    return {
+        "set": ks, "streams": N, "plan": plan, "gen_tokens": p.gen_tokens, "kv_dtype": p.kv_dtype,
+        "stream_prompts": [{"prompt": name, "tokens": int(ids.numel())} for name, ids in sp],
+        "packed_rows": r0[0].served["packed"]["rows"],
+        "hashes": [token_hash(r.gen_ids) for r in r0], "alone_hashes": [token_hash(a[0].gen_ids) for a in alone[:N]],
+        "equal_to_alone": {"eq": eq, "neq": len(oks) - eq, "fail": 0}, **v, "equal": v["equal"] and eq == len(oks),
+        "first_divergence_alone": [first_differing_row(r.gen_ids, a[0].gen_ids) for r, a in zip(r0, alone)],
+        "first_prompt_row_diff_alone": [first_differing_row(r.prompt_logits, a[0].prompt_logits)
+                                        for r, a in zip(r0, alone)],
+        "first_kv_diff_alone": [kv_first_difference(r.cache, a[0].cache) for r, a in zip(r0, alone)],
+        **_reruns(reruns),
+    }
+
+
 # ------------------------------------------------------------------------------------------------------ section
 
 def run_section(params: StreamsParams | dict) -> dict:
@@ -314,29 +375,32 @@ def run_section(params: StreamsParams | dict) -> dict:
     gen_tokens, deep_threshold, kernel_sets, and
     optionally mtp_k (2), stream_counts ([1, 2, 4]), prompt_cache_gib (1.0), stream_offset (2 steps),
     stream_prompt_tokens (None = a quarter of prompt_max_tokens, at most 256), prefill_path ("batched"), drafts
-    (["mtp", "self"]), checkpoint (""), allow_unpinned (False).
+    (["mtp", "self"]), checkpoint (""), allow_unpinned (False), weights ("bf16": the model's projections, or
+    "int4_g128" / "nvfp4"), kv_dtype ("bf16": what every run's KV cache stores, or "fp8_e4m3" / "fp8_e4m3_block").
     Returns:
-        {"section": "streams", "data": {"drafted": [...], "resumed": [...], "concurrent": [...], "settings": {...}}}
+        {"section": "streams", "data": {"drafted": [...], "resumed": [...], "concurrent": [...], "packed": [...],
+        "settings": {...}}}
     Raises:
         ValueError: see section_params; unknown kernel set, preset, dtype or device.
     """
     p = section_params(params)
     for ks in p.kernel_sets:
         get_set(ks)
-    w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint)
+    w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint, p.weights)
     prompts = [build_prompt(n, p.prompt_max_tokens, p.allow_unpinned, tok) for n in p.prompts]
-    data = {"drafted": [], "resumed": [], "concurrent": []}
+    data = {"drafted": [], "resumed": [], "concurrent": [], "packed": []}
     with progress_bar(len(p.kernel_sets) * (len(prompts) + 1), "streams", "cfg") as bar:
         for ks in p.kernel_sets:
             for pr in prompts:
                 step = prompt_step(p.steps[0], pr.n_tokens)
-                plain = [generate(w, pr.ids, p.gen_tokens, ks, _schedule(p, step), keep_cache=True)
-                         for _ in range(REPS)]
+                plain = [generate(w, pr.ids, p.gen_tokens, ks, _schedule(p, step), keep_cache=True,
+                                  kv_dtype=p.kv_dtype) for _ in range(REPS)]
                 data["drafted"] += drafted_rows(w, pr, ks, plain, p, step)
                 if p.prompt_cache_gib > 0:  # 0 GiB disables the cache: nothing to resume, no rows
                     data["resumed"] += resumed_rows(w, pr, ks, plain, p, step)
                 bar.update(1)
             data["concurrent"] += concurrent_rows(w, prompts, ks, p)
+            data["packed"] += packed_rows(w, prompts, ks, p)
             bar.update(1)
     data["settings"] = _settings(w, p)
     return {"section": "streams", "data": data}
@@ -349,4 +413,5 @@ def _settings(w, p) -> dict:
             "prompt_cache_gib": p.prompt_cache_gib, "eviction": "LRU by bytes",
             "stream_counts": p.stream_counts, "stream_offset": p.stream_offset,
             "stream_prompt_tokens": p.stream_prompt_tokens, "batch_limit": BATCH_LIMIT,
+            "weights": p.weights, "kv_dtype": p.kv_dtype, "packed_plan": packed_plan(p)[0],
             "verify_plan": "batched (prompt kernels), k+1 rows per verify forward"}

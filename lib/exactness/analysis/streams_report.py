@@ -1,20 +1,21 @@
-"""Views of the ``streams`` section (analysis/streams.py computes it): intro and verdict, and its four tables
+"""Views of the ``streams`` section (analysis/streams.py computes it): intro and verdict, and its five tables
 (tables.Table: the notebook displays them, ``render_md`` prints them as GitHub markdown). Re-exported by streams.py.
 """
 from __future__ import annotations
 
 from ..receipt.tables import Table
 
-INTRO = ("Three serving paths, each against the path it must reproduce, per kernel set: drafted (MTP) decode "
-         "against plain decode, a request resumed from the prompt cache against a fresh prefill, and N concurrent "
-         "streams against each stream run alone and against serial decode. Tokens are compared by hash, logits and "
+INTRO = ("Four serving paths, each against the path it must reproduce, per kernel set: drafted (MTP) decode "
+         "against plain decode, a request resumed from the prompt cache against a fresh prefill, N concurrent "
+         "streams against each stream run alone and against serial decode, and N prompts prefilled packed into one "
+         "forward against each prompt's prefill alone. Tokens are compared by hash, logits and "
          "KV caches byte for byte; a configuration is *equal* only when every compared quantity matched in every "
          "repetition (each runs twice), and *reruns equal* says the repetitions were byte-identical.")
 _EQ = ("equal", "differs")
 _DASH_DIV = "no divergence: the tokens are equal"
 # The concurrent part counts a configuration equal only when every stream equals its run alone and the serial decode.
 PART_TITLES = {"drafted": "drafted == plain", "resumed": "resumed == fresh",
-               "concurrent": "concurrent == alone == serial"}
+               "concurrent": "concurrent == alone == serial", "packed": "packed == alone"}
 
 
 def _reruns(r: dict) -> str:
@@ -106,11 +107,28 @@ def concurrent_table(rows: list[dict]) -> Table:
                         "it does not count as equal."])
 
 
+def packed_table(rows: list[dict]) -> Table:
+    """The packed rows: N prompts prefilled in one forward against each prompt's prefill alone."""
+    recs = [{**r, "prompts": ", ".join(f"{s['prompt']}:{s['tokens']}" for s in r["stream_prompts"]),
+             "alone": _count(r["equal_to_alone"]), "div": _divs(r["first_divergence_alone"]),
+             "row": _divs(r["first_prompt_row_diff_alone"]), "kv": _divs(r["first_kv_diff_alone"]),
+             "reruns_text": _reruns(r), "failed_text": _failed(r)} for r in rows]
+    return Table(recs, {"set": "set", "streams": "prompts N", "plan": "plan", "prompts": "prompts (prompt:tokens)",
+                        "alone": "prompts equal to alone (prompts × reps)", "equal": "all equal",
+                        "failed_text": "differs in", "div": "first differing token, per prompt",
+                        "row": "first differing prompt-logit row, per prompt",
+                        "kv": "first differing KV position, per prompt", "reruns_text": "reruns equal"},
+                 dash="no packed configuration (stream counts below 2)",
+                 notes=["A packed prompt counts as equal only when its tokens, its logits bytes (prompt and "
+                        "generated rows) and the KV bytes of its cache slot equal its prefill alone; \"none\": "
+                        "nothing of that kind differs for that prompt."])
+
+
 def summary_rows(data: dict) -> list[dict]:
     """Per (part, kernel set): configurations, how many are equal, how many reruns are equal, and for drafted rows
     the MTP acceptance rate over all prompts (accepted / proposed)."""
     out = []
-    for part in ("drafted", "resumed", "concurrent"):
+    for part in ("drafted", "resumed", "concurrent", "packed"):
         for ks in dict.fromkeys(r["set"] for r in data.get(part, [])):
             rows = [r for r in data[part] if r["set"] == ks]
             mtp = [r for r in rows if r.get("draft") == "mtp"]
@@ -146,12 +164,13 @@ def settings_md(data: dict) -> str:
     st = data.get("settings", {})
     return (f"{st.get('reps', '?')} repetitions per configuration; prefill {st.get('prefill_path')} at step "
             f"{st.get('steps', ['?'])[0]} (P // 3 for shorter prompts); {st.get('gen_tokens')} generated tokens; "
-            f"MTP weights: {st.get('mtp_source')}; verify forward: {st.get('verify_plan')}.")
+            f"MTP weights: {st.get('mtp_source')}; verify forward: {st.get('verify_plan')}; weights "
+            f"{st.get('weights', 'bf16')}, KV cache {st.get('kv_dtype', 'bf16')}.")
 
 
 def render_md(section: dict) -> str:
     """Markdown of the section (accepts the section object or its ``data``): intro, verdict, settings and the
-    four tables."""
+    five tables."""
     data = section.get("data", section)
     st = data.get("settings", {})
     parts = ["## Drafted decode, prompt-cache resume, concurrent streams", "", INTRO, "", verdict_md(data), "",
@@ -166,6 +185,10 @@ def render_md(section: dict) -> str:
              "### concurrent streams", "", f"Stream j joins after j·{st.get('stream_offset')} steps; prompts cut to "
              f"{st.get('stream_prompt_tokens')} − 5·j tokens; compared: tokens, logits bytes and KV bytes of the "
              f"stream's cache slot.", "",
-             concurrent_table(data.get("concurrent", [])).to_markdown(), "", "### summary", "",
+             concurrent_table(data.get("concurrent", [])).to_markdown(), "",
+             "### packed == alone", "", f"The stream prompts prefilled packed into one {st.get('packed_plan')} "
+             "forward (each prompt in its own cache slot), then decoded together; compared with each prompt's "
+             "prefill alone: tokens, logits bytes of prompt and generated rows, KV bytes of its slot.", "",
+             packed_table(data.get("packed", [])).to_markdown(), "", "### summary", "",
              summary_table(data).to_markdown()]
     return "\n".join(parts) + "\n"

@@ -14,6 +14,7 @@ Mapping a call's rows to positions:
     expert_gate_up       rows are some of the router's input rows (expert members): matched by content (a hash of
                          the bits, then an exact compare) to the router input rows sampled in the same layer
     expert_down          the rows of the expert_gate_up call just before it (Ops.expert chains the two per tile)
+A quantized weight (kernels/quant.QuantWeight) is kept and named like a tensor (by its codes' address).
 Weights are named from the model's tensors (``wq``, ``e3.gate``, ``shared.up``, ``final_norm``, ...) when
 ``weights`` is given; otherwise by address. Attention samples keep the query row and output; the keys/values up to
 the largest sampled position are copied once per (run, layer) when the run ends (:meth:`TapRecorder.run`).
@@ -40,7 +41,8 @@ class Sample:
         cls: kernel class; layer: decoder layer (-1 = head); tag: which weight / which call (``wq``, ``e3``, ...).
         pos: prompt position of the row; plan: the plan that actually ran it (decode/batched/deep).
         data: CPU tensors in the stored dtype (class-specific names: x, y, q, o, a, b, logits, idx, g, shared).
-        meta: python scalars (eps, theta, top_k, slot).
+        meta: python scalars (eps, theta, top_k, slot; router: groups = (n_groups, topk_groups) when it routes in
+            groups).
     """
 
     cls: str
@@ -189,7 +191,10 @@ class TapRecorder:
         self._keep(ks, "dense", layer, tag, rows, pos, plan, {"x": x, "y": out})
 
     def _router(self, ks, plan, layer, positions, args, out):
-        x, w, top_k, norm = args
+        x, w, top_k, norm, *groups = args       # groups: (n_groups, topk_groups), passed for grouped routing only
+        meta = {"top_k": top_k, "norm": norm}
+        if groups and groups[0] is not None and groups[0][0] > 1:
+            meta["groups"] = (int(groups[0][0]), int(groups[0][1]))
         weights, idx, logits = out
         rows, pos = self._select()
         self.params[(layer, "router")] = w
@@ -197,7 +202,7 @@ class TapRecorder:
             sel = x[torch.as_tensor(rows, device=x.device)]
             self._h[layer] = (_row_hash(sel), sel, pos)
         self._keep(ks, "router", layer, "router", rows, pos, plan,
-                   {"x": x, "y": logits, "idx": idx, "g": weights}, {"top_k": top_k, "norm": norm})
+                   {"x": x, "y": logits, "idx": idx, "g": weights}, meta)
 
     def _expert_gate_up(self, ks, plan, layer, positions, args, out):
         x, wg, wu = args

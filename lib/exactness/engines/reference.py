@@ -12,12 +12,15 @@ from importlib.metadata import version
 
 import torch
 
+from ..cache import KVFormat
 from ..exact import token_hash  # noqa: F401  (re-exported for adapters' tests)
 from ..kernels import get_set
 from ..paths import Schedule, generate
+from ..weights import weights_format
 from .base import CAPABILITIES, Configuration, Generation, byte_ids, check_config
 
-OPTIONS = ("preset", "checkpoint", "device", "dtype", "kernels", "kernel_sets", "steps", "deep_threshold", "draft_k")
+OPTIONS = ("preset", "checkpoint", "device", "dtype", "kernels", "kernel_sets", "steps", "deep_threshold", "draft_k",
+           "weights", "kv_dtype")
 
 
 def _schedules(steps, deep_threshold: int) -> dict[str, Schedule]:
@@ -33,9 +36,10 @@ class ReferenceEngine:
 
     Args:
         w: Weights; tokenizer: the checkpoint's tokenizer or None (byte ids); kernels: kernel set name;
-        steps: step sizes (tokens); deep_threshold: rows; draft_k: drafts per verify round (1..4).
+        steps: step sizes (tokens); deep_threshold: rows; draft_k: drafts per verify round (1..4);
+        kv_dtype: what every request's KV cache stores (cache.KV_DTYPES).
     Raises:
-        ValueError: unknown kernel set, bad step or threshold (Schedule's messages).
+        ValueError: unknown kernel set or kv_dtype, bad step or threshold (Schedule's messages).
     """
 
     kind = "reference"
@@ -43,30 +47,36 @@ class ReferenceEngine:
     capabilities = frozenset(CAPABILITIES)
 
     def __init__(self, w, tokenizer=None, kernels: str = "invariant", steps=(), deep_threshold: int = 512,
-                 draft_k: int = 2, model: dict | None = None):
+                 draft_k: int = 2, model: dict | None = None, kv_dtype: str = "bf16"):
         self.w, self.tokenizer, self.ks = w, tokenizer, get_set(kernels)
+        self.kv_dtype = KVFormat(kv_dtype).dtype
         self.schedules = _schedules(list(steps), deep_threshold)
         self.draft_k, self.model = draft_k, model or {}
 
     @classmethod
     def from_spec(cls, target: str, options: dict) -> "ReferenceEngine":
         """``reference`` or ``reference:<checkpoint folder>``; options: preset, checkpoint, device, dtype, kernels
-        (default: the first of kernel_sets), steps, deep_threshold, draft_k; other names are refused."""
+        (default: the first of kernel_sets), steps, deep_threshold, draft_k, weights ("bf16", "int4_g128",
+        "nvfp4"), kv_dtype ("bf16", "fp8_e4m3", "fp8_e4m3_block"); other names are refused."""
         from ..analysis.hashes import load_model
         unknown = sorted(set(options) - set(OPTIONS) - IGNORED)
         if unknown:
             raise ValueError(f"reference engine: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(OPTIONS)}")
         ckpt = target or options.get("checkpoint") or ""
         preset = options.get("preset") or "tiny"
-        w, tok = load_model(preset, options.get("device") or "cpu", options.get("dtype") or "bfloat16", ckpt)
+        kv_dtype = KVFormat(options.get("kv_dtype") or "bf16").dtype   # refused before the model loads
+        w, tok = load_model(preset, options.get("device") or "cpu", options.get("dtype") or "bfloat16", ckpt,
+                            options.get("weights") or "bf16")
         kernels = options.get("kernels") or (options.get("kernel_sets") or ["invariant"])[0]
         return cls(w, tok, kernels, options.get("steps") or (), options.get("deep_threshold") or 512,
-                   options.get("draft_k") or 2, {"checkpoint": ckpt} if ckpt else {"preset": preset})
+                   options.get("draft_k") or 2, {"checkpoint": ckpt} if ckpt else {"preset": preset}, kv_dtype)
 
     def identity(self) -> dict:
-        """Kind, package version, model (preset or checkpoint), device, dtype, kernel set, configurations."""
+        """Kind, package version, model (preset or checkpoint), device, dtype, weights setting, KV-cache dtype,
+        kernel set, configurations."""
         return {"kind": self.kind, "version": version("exactness"), "model": self.model, "device": str(self.w.device),
-                "dtype": str(self.w.dtype).replace("torch.", ""), "kernels": self.ks.name,
+                "dtype": str(self.w.dtype).replace("torch.", ""), "weights": weights_format(self.w),
+                "kv_dtype": self.kv_dtype, "kernels": self.ks.name,
                 "configurations": {c.name: c.settings for c in self.configurations()}}
 
     def configurations(self) -> list[Configuration]:
@@ -81,7 +91,7 @@ class ReferenceEngine:
     def generate(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
         check_config(self, config)
         run = generate(self.w, torch.tensor(prompt_ids, dtype=torch.int64), gen_tokens, self.ks,
-                       self.schedules[config], keep_cache=True)
+                       self.schedules[config], keep_cache=True, kv_dtype=self.kv_dtype)
         g = _generation(config, run.gen_ids, run.prompt_logits, run.gen_logits, run.cache, run.ttft_s,
                         run.decode_s, {"served": run.served})
         if run.token_times:   # perf_counter stamps -> seconds since the request
@@ -94,7 +104,7 @@ class ReferenceEngine:
         check_config(self, config)
         t0 = time.perf_counter()
         res = generate_drafted(self.w, torch.tensor(prompt_ids), gen_tokens, self.ks, self.schedules[config],
-                               k=self.draft_k, keep_cache=True)
+                               k=self.draft_k, keep_cache=True, kv_dtype=self.kv_dtype)
         return _generation(config, res.gen_ids, None, res.gen_logits, res.cache, time.perf_counter() - t0, 0.0,
                            {"acceptance_rate": res.stats.acceptance_rate})
 
@@ -103,8 +113,9 @@ class ReferenceEngine:
         from ..prompt_cache import PromptCache, generate_cached
         check_config(self, config)
         pc, sched = PromptCache(budget_gib=4.0, mode="any"), self.schedules[config]
-        generate_cached(self.w, pc, torch.tensor(prefix_ids), 1, self.ks, sched)
-        run = generate_cached(self.w, pc, torch.tensor(prompt_ids), gen_tokens, self.ks, sched, keep_cache=True)
+        generate_cached(self.w, pc, torch.tensor(prefix_ids), 1, self.ks, sched, kv_dtype=self.kv_dtype)
+        run = generate_cached(self.w, pc, torch.tensor(prompt_ids), gen_tokens, self.ks, sched, keep_cache=True,
+                              kv_dtype=self.kv_dtype)
         return _generation(config, run.gen_ids, None, run.gen_logits, run.cache, 0.0, 0.0,
                            {"resumed_from": run.resumed_from})
 
@@ -112,7 +123,8 @@ class ReferenceEngine:
         """All prompts decoded in one batch (batch.run_streams, all joining at step 0)."""
         from ..batch import run_streams
         check_config(self, config)
-        res = run_streams(self.w, [torch.tensor(p) for p in prompts], gen_tokens, self.ks, self.schedules[config])
+        res = run_streams(self.w, [torch.tensor(p) for p in prompts], gen_tokens, self.ks, self.schedules[config],
+                          kv_dtype=self.kv_dtype)
         return [_generation(config, s.gen_ids, s.prompt_logits, s.gen_logits, None, 0.0, 0.0, {})
                 for s in res.streams]
 

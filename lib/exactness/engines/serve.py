@@ -39,12 +39,13 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..cache import KVCache
+from ..cache import KV_DTYPES, KVCache, KVFormat
 from ..config import BYTE_VOCAB
 from ..kernels import KernelSet, get_set
+from ..kernels.quant import WEIGHT_FORMATS
 from ..paths import PATHS, Schedule, _served, check_run_args, decode_step, prefill
 from ..tokenizer import ByteTokenizer
-from ..weights import Weights
+from ..weights import Weights, weights_format
 
 _END = object()
 
@@ -57,6 +58,7 @@ class Served:
         name: the model name /v1/models reports and requests may name.
         w: the weights; tokenizer: encodes string prompts (None: only token-id prompts are taken).
         kernels: the kernel set; schedule: prefill path, step and deep threshold.
+        kv_dtype: what the KV cache stores (cache.KV_DTYPES).
         worker: the single thread every generation runs on (requests served one at a time).
     """
 
@@ -65,14 +67,17 @@ class Served:
     tokenizer: object | None
     kernels: KernelSet
     schedule: Schedule
+    kv_dtype: str = "bf16"
     worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="serve"))
 
     @property
     def fingerprint(self) -> str:
-        """``system_fingerprint`` of every reply: kernel set, path, step, deep threshold, dtype, device."""
+        """``system_fingerprint`` of every reply: kernel set, path, step, deep threshold, dtype, device, then the
+        weights setting and KV-cache dtype."""
         s = self.schedule
         return (f"exactness:{self.kernels.name}:{s.path}:{s.step or 'all'}:{s.deep_threshold}:"
-                f"{str(self.w.dtype).removeprefix('torch.')}:{self.w.device}")
+                f"{str(self.w.dtype).removeprefix('torch.')}:{self.w.device}:{weights_format(self.w)}:"
+                f"{self.kv_dtype}")
 
 
 class RequestError(ValueError):
@@ -127,7 +132,7 @@ def run_steps(m: Served, job: Job, cancelled: threading.Event):
     w, ks, sched = m.w, m.kernels, m.schedule
     P = int(job.ids.numel())
     check_run_args(w, P, job.max_tokens)
-    cache = KVCache(w.cfg, P + max(job.max_tokens, 1), 1, w.dtype, w.device)
+    cache = KVCache(w.cfg, P + max(job.max_tokens, 1), 1, w.dtype, w.device, m.kv_dtype)
     last = prefill(w, cache, job.ids, ks, sched, served=job.served).logits[-1:]
     slots = torch.zeros(1, dtype=torch.int64, device=w.device)
     tok = None
@@ -368,19 +373,22 @@ def create_app(m: Served):
 # ---------------------------------------------------------------------------------------------------------- main
 
 def load_served(preset: str, checkpoint: str, kernels: str, schedule: Schedule, device: str, dtype: str,
-                name: str = "") -> Served:
-    """Load the model (``analysis.hashes.load_model``: a preset's synthetic weights or a checkpoint folder).
+                name: str = "", weights: str = "bf16", kv_dtype: str = "bf16") -> Served:
+    """Load the model (``analysis.hashes.load_model``: a preset's synthetic weights or a checkpoint folder, the
+    projections quantized as ``weights`` says); every request's KV cache stores ``kv_dtype``.
 
     Raises:
-        ValueError: unknown preset, kernel set, device or dtype; checkpoint.CheckpointError: an unusable folder.
+        ValueError: unknown preset, kernel set, device, dtype, weights setting or kv_dtype;
+            checkpoint.CheckpointError: an unusable folder.
     """
     from ..analysis.hashes import load_model
 
     ks = get_set(kernels)
-    w, tok = load_model(preset, device, dtype, checkpoint)
+    KVFormat(kv_dtype)   # refuses an unknown name before the model loads
+    w, tok = load_model(preset, device, dtype, checkpoint, weights)
     if tok is None and w.cfg.vocab_size == BYTE_VOCAB:
         tok = ByteTokenizer()
-    return Served(name=name or w.cfg.name, w=w, tokenizer=tok, kernels=ks, schedule=schedule)
+    return Served(name=name or w.cfg.name, w=w, tokenizer=tok, kernels=ks, schedule=schedule, kv_dtype=kv_dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -396,6 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deep-threshold", type=int, default=512, help="rows from which deep segments run deep")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32 (default %(default)s)")
+    p.add_argument("--weights", default="bf16", choices=WEIGHT_FORMATS,
+                   help="projection weights: as stored or quantized (default %(default)s)")
+    p.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES, help="what the KV cache stores (default "
+                   "%(default)s)")
     p.add_argument("--served-model-name", default="", help="model name to serve (default: preset / folder name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
@@ -410,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sched = Schedule(args.path, args.step, args.deep_threshold)
         m = load_served(args.preset, args.checkpoint, args.kernels, sched, args.device, args.dtype,
-                        args.served_model_name)
+                        args.served_model_name, args.weights, args.kv_dtype)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -3,6 +3,11 @@
 Signature: ``attention(q [M, Hq, D], k_cache [S, T, Hkv, D], v_cache [S, T, Hkv, D], slots [M] int64,
 positions [M] int64) -> o [M, Hq, D]`` in the storage dtype. Row m attends to the keys at positions 0..positions[m]
 of cache slot slots[m]; the cache already holds the rows' own keys. Scale 1/sqrt(D) (Vaswani et al. 2017).
+
+An fp8 KV cache (cache.py: kv_dtype ``fp8_e4m3`` / ``fp8_e4m3_block``) is uint8 ``[S, T, Hkv, D + 4]`` (codes, then
+each row's fp32 scale); every kernel here dequantizes the rows it reads (cache.kv_rows) and is otherwise unchanged,
+so the invariant kernel reads an fp8 cache with the same KV blocks for prompt and decode rows. Slots are attended
+separately, so rows of different sequences in one call (a packed prefill, a decode batch) never see each other.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..cache import kv_rows
 from .tiles import pad_rows
 
 KV_BLOCK = 256  # keys per online-softmax block, shared by the invariant prompt and decode kernels
@@ -27,8 +33,8 @@ def attention_fast_decode(q, k_cache, v_cache, slots, positions):
     out = torch.empty_like(q)
     for m in range(q.shape[0]):
         s, p = int(slots[m]), int(positions[m])
-        k = k_cache[s, :p + 1].transpose(0, 1)[None]          # [1, Hkv, p+1, D]
-        v = v_cache[s, :p + 1].transpose(0, 1)[None]
+        k = kv_rows(k_cache[s, :p + 1], q.dtype).transpose(0, 1)[None]          # [1, Hkv, p+1, D]
+        v = kv_rows(v_cache[s, :p + 1], q.dtype).transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(q[m][None, :, None, :], k, v, enable_gqa=True)  # [1, Hq, 1, D]
         out[m] = o[0, :, 0, :]
     return out
@@ -40,8 +46,8 @@ def attention_fast_prompt(q, k_cache, v_cache, slots, positions):
     for s, rows in _groups(slots):
         pos = positions[rows]                                  # [m]
         T = int(pos.max()) + 1
-        k = k_cache[s, :T].transpose(0, 1)[None]              # [1, Hkv, T, D]
-        v = v_cache[s, :T].transpose(0, 1)[None]
+        k = kv_rows(k_cache[s, :T], q.dtype).transpose(0, 1)[None]              # [1, Hkv, T, D]
+        v = kv_rows(v_cache[s, :T], q.dtype).transpose(0, 1)[None]
         mask = torch.arange(T, device=q.device)[None, :] <= pos[:, None]   # [m, T] bool
         o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k, v, attn_mask=mask, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
@@ -52,8 +58,10 @@ ATT_ROWS = 8  # query rows per invariant attention tile (a decode row is padded 
 
 
 def _blocks(x: torch.Tensor, nblk: int, g: int) -> torch.Tensor:
-    """Cache rows x [T, Hkv, D] -> fp32 [nblk, Hq, KV_BLOCK, D] (zero-padded, kv heads repeated for GQA)."""
-    xb = pad_rows(x[:nblk * KV_BLOCK], KV_BLOCK)[:nblk * KV_BLOCK].float().repeat_interleave(g, dim=1)
+    """Cache rows x [T, Hkv, D] (or packed fp8 [T, Hkv, D + 4]) -> fp32 [nblk, Hq, KV_BLOCK, D] (zero-padded, kv
+    heads repeated for GQA)."""
+    x = kv_rows(x[:nblk * KV_BLOCK], torch.float32)
+    xb = pad_rows(x, KV_BLOCK)[:nblk * KV_BLOCK].float().repeat_interleave(g, dim=1)
     return xb.view(nblk, KV_BLOCK, xb.shape[1], xb.shape[2]).transpose(1, 2).contiguous()
 
 
@@ -95,3 +103,15 @@ def attention_invariant(q, k_cache, v_cache, slots, positions):
             tile_blocks = int(positions[r].max()) // KV_BLOCK + 1
             out[r] = _attend_tile(q[r], kb[:tile_blocks], vb[:tile_blocks], positions[r])
     return out
+
+
+def reads_fp8(fn):
+    """``fn`` (an attention kernel) for caches in the model dtype; an fp8 cache goes to attention_invariant, the
+    torch implementation (on any device), since the Triton attention reads the model dtype only."""
+    def attention(q, k_cache, v_cache, slots, positions):
+        if k_cache.dtype == torch.uint8:
+            return attention_invariant(q, k_cache, v_cache, slots, positions)
+        return fn(q, k_cache, v_cache, slots, positions)
+    attention.__doc__ = fn.__doc__
+    attention.__name__ = getattr(fn, "__name__", "attention")
+    return attention

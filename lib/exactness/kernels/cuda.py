@@ -57,7 +57,7 @@ def triton_on_cpu():
 
 
 def _tk(name: str):
-    """The Triton module ``name`` (triton_gemm, triton_attention or triton_rows), imported on first use.
+    """The Triton module ``name`` (triton_gemm, triton_attention, triton_rows or triton_moe), imported on first use.
 
     Raises:
         RuntimeError: Triton cannot be imported.
@@ -103,6 +103,23 @@ def down(h: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     if _gpu(h):
         return _tk("triton_gemm").linear(h, w_down)
     return _experts.down_invariant(h, w_down)
+
+
+def moe_experts(h: torch.Tensor, idx: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                w_down: torch.Tensor) -> torch.Tensor | None:
+    """All routed experts of a layer at once -> y [M, k, H] (triton_moe.experts), or None where not served (CPU
+    tensors, or shapes whose two expert configs differ in BLOCK_M): the caller then runs gate_up and down per expert.
+
+    Args:
+        h: [M, H]; idx: [M, k] int64; w_gate, w_up: [E, I, H]; w_down: [E, H, I] (stacked, contiguous).
+    Every row equals gate_up then down of its expert computed alone (the same tile arithmetic and rounding).
+    """
+    if not _gpu(h):
+        return None
+    tm = _tk("triton_moe")
+    if not tm.supported(h, w_gate, w_down):
+        return None
+    return tm.experts(h, idx, w_gate, w_up, w_down)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
@@ -209,9 +226,37 @@ def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[
                   dict(l_ptr=p, w_ptr=p, i_ptr="*i64", M=i32, E=i32),
                   dict(TOPK=cfg.top_k, NORM=cfg.norm_topk_prob, BR=8, BE=triton_next_pow2(cfg.n_experts),
                        BK=triton_next_pow2(cfg.top_k), EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
+    specs += _grouped_specs(cfg, dtype, capability, ty)
     specs.append(("moe combine", tr._combine_kernel, dict(y_ptr=p, w_ptr=p, s_ptr=p, o_ptr=p, M=i32, H=i32),
                   dict(K=cfg.top_k, HAS_SHARED=cfg.shared_expert_inter > 0, BH=min(1024, triton_next_pow2(H)),
                        EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
+    return specs
+
+
+def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:
+    """The grouped invariant MoE kernels (triton_moe.py): the route kernel and the gate/up and down GEMMs over the
+    stacked [E*N, K] expert weights, with the fixed configs of triton_gemm."""
+    tg, tm = _tk("triton_gemm"), _tk("triton_moe")
+    p, i32 = f"*{ty}", "i32"
+    E, H, I = cfg.n_experts, cfg.hidden, cfg.expert_inter
+    specs = []
+    for kind, N, K in (("gate_up", I, H), ("linear", H, I)):
+        c = tg.config_for(kind, N, K, dtype, capability)
+        tma = c.tma and capability[0] >= 9
+        a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
+        b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
+        sig = dict(a_src=a, b_src=b, b2_src=b, c_ptr=p, tile_e_ptr="*i32", dest_ptr="*i32", n_rows=i32, N=i32, K=i32,
+                   stride_am=i32, stride_bn=i32, stride_cm=i32)
+        const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GATE_UP=kind == "gate_up", SCATTER=kind == "linear",
+                     TMA=tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False)
+        specs.append((f"grouped moe {kind} {E}x{N}x{K} [{c.label()}]", tm._grouped_kernel, sig, const,
+                      dict(num_warps=c.num_warps, num_stages=c.num_stages)))
+    bm = tg.config_for("gate_up", I, H, dtype, capability).block_m
+    sig = dict(h_ptr=p, ids_ptr="*i64", sorted_ptr="*i64", order_ptr="*i64", xs_ptr=p, dest_ptr="*i32",
+               tile_e_ptr="*i32", n_pairs=i32, n_iter=i32, E=i32, H=i32)
+    const = dict(TOPK=cfg.top_k, BM=bm, BE=triton_next_pow2(E), BH=min(1024, triton_next_pow2(H)), SMALL=True,
+                 BP=triton_next_pow2(tm.SMALL_PAIRS))
+    specs.append(("grouped moe route", tm._route_kernel, sig, const, dict(num_warps=4)))
     return specs
 
 

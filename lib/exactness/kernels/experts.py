@@ -4,19 +4,31 @@ Signatures:
     expert_gate_up(x [M, H], w_gate [I, H], w_up [I, H]) -> h [M, I]   SiLU(x w_gate^T) * (x w_up^T), storage dtype
     expert_down(h [M, I], w_down [H, I]) -> y [M, H]                     storage dtype
     moe_combine(y [M, k, H], weights [M, k], shared [M, H] | None) -> [M, H] storage dtype
+
+The weights may be quant.QuantWeight (quantized experts): the GEMMs then go through dense.linear_fast /
+dense.tile_linear, which dispatch on the weight type.
+
+Expert-id-aware kernels: a set whose options hold ``expert_id_aware=True`` gets the expert id as a keyword,
+``expert_gate_up(x, w_gate, w_up, expert_id=e)`` and ``expert_down(h, w_down, expert_id=e)`` (e = -1 for the shared
+expert), so hot and cold experts can be served by different kernels (:func:`by_expert`).
 """
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
-from .dense import tile_linear
+from . import quant
+from .dense import linear_fast, tile_linear
+from .registry import KernelSet
 from .tiles import per_tile
 
 
 def gate_up_fast(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     """Library GEMMs on the whole block, then SiLU(gate) * up (Hugging Face Qwen3MoeMLP order of ops)."""
-    return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
+    return F.silu(linear_fast(x, w_gate)) * linear_fast(x, w_up)
 
 
 def gate_up_invariant(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -27,7 +39,7 @@ def gate_up_invariant(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor)
 
 def down_fast(h: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """Library GEMM on the whole block."""
-    return F.linear(h, w_down)
+    return linear_fast(h, w_down)
 
 
 def down_invariant(h: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -49,3 +61,45 @@ def combine_invariant(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tens
     if shared is not None:
         acc = acc + shared.float()
     return acc.to(y.dtype)
+
+
+def gate_up_any(x: torch.Tensor, w_gate, w_up) -> torch.Tensor:
+    """The invariant set's expert_gate_up on any weights: quantized ones run gate_up_invariant (plain torch, any
+    device), plain tensors cuda.gate_up. [M, I] storage dtype."""
+    if isinstance(w_gate, quant.QuantWeight):
+        return gate_up_invariant(x, w_gate, w_up)
+    from . import cuda  # at call time: cuda imports this module
+    return cuda.gate_up(x, w_gate, w_up)
+
+
+def down_any(h: torch.Tensor, w_down) -> torch.Tensor:
+    """The invariant set's expert_down on any weights (as gate_up_any). [M, H] storage dtype."""
+    if isinstance(w_down, quant.QuantWeight):
+        return down_invariant(h, w_down)
+    from . import cuda
+    return cuda.down(h, w_down)
+
+
+def by_expert(base: KernelSet, hot: Iterable[int], cold_gate_up: Callable, cold_down: Callable,
+              name: str | None = None) -> KernelSet:
+    """A residency-dependent set: ``base`` with expert ids in ``hot`` (and the shared expert, id -1) served by
+    base's expert kernels and every other (cold) expert by ``cold_gate_up`` / ``cold_down`` (the classes'
+    signatures), in both roles. The set is expert-id aware (module docstring) and not registered.
+
+    Raises:
+        ValueError: a hot id is negative.
+    """
+    hot = frozenset(int(e) for e in hot)
+    if any(e < 0 for e in hot):
+        raise ValueError(f"hot expert ids must be >= 0, got {sorted(hot)}")
+
+    def pick(spec, cold):
+        def fn(*args, expert_id: int = -1):
+            return (spec.fn if expert_id < 0 or expert_id in hot else cold)(*args)
+        return replace(spec, fn=fn)
+    cold = {"expert_gate_up": cold_gate_up, "expert_down": cold_down}
+    tab = {r: {c: (pick(s, cold[c]) if c in cold else s) for c, s in getattr(base, r).items()}
+           for r in ("decode", "prompt")}
+    return KernelSet(name or f"{base.name}+cold", tab["decode"], tab["prompt"], base.claims_exact,
+                     f"{base.description}; experts outside {sorted(hot)} served by other kernels",
+                     {**{k: v for k, v in base.options.items() if k != "grouped_experts"}, "expert_id_aware": True})

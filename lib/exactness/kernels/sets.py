@@ -45,13 +45,15 @@ FAST = register_set(
 )
 
 _INVARIANT = {
-    "dense": (cuda.dense, "CPU: F.linear on 64-row tiles; CUDA: Triton GEMM, fixed tile per (N, K), no split-K"),
-    "router": (cuda.router, "64-row tiles (CUDA: fixed-tile GEMM); fp32 softmax; top-k, lower id wins ties"),
-    "expert_gate_up": (cuda.gate_up, "64-row tiles for GEMMs and SiLU (CUDA: one fused fixed-tile GEMM)"),
-    "expert_down": (cuda.down, "CPU: F.linear on fixed 64-row tiles; CUDA: fixed-tile Triton GEMM"),
+    "dense": (dense.dense_invariant, "CPU: F.linear on 64-row tiles; CUDA: Triton GEMM, fixed tile per (N, K), no "
+              "split-K; quantized weights: fp32 dequantized products, fixed pairwise sum per row (any device)"),
+    "router": (router.router_any, "64-row tiles (CUDA: fixed-tile GEMM); fp32 softmax; top-k, lower id wins ties "
+               "(group-limited: CPU only)"),
+    "expert_gate_up": (experts.gate_up_any, "64-row tiles for GEMMs and SiLU (CUDA: one fused fixed-tile GEMM)"),
+    "expert_down": (experts.down_any, "CPU: F.linear on fixed 64-row tiles; CUDA: fixed-tile Triton GEMM"),
     "moe_combine": (cuda.combine, "fp32 sum over k in slot order"),
-    "attention": (cuda.attention, "query-row tiles, fixed KV blocks (CPU 256, CUDA per config), online softmax in "
-                                  "order"),
+    "attention": (attention.reads_fp8(cuda.attention), "query-row tiles, fixed KV blocks (CPU 256, CUDA per "
+                  "config; an fp8 cache: the torch kernel on any device), online softmax in order"),
     "rmsnorm": (cuda.rmsnorm, "64-row tiles (CUDA: one fixed row block per width)"),
     "rope": (cuda.rope, "cos/sin gathered from a table"),
     "residual": (cuda.residual, "a + b"),
@@ -62,4 +64,5 @@ _INVARIANT = {
 INVARIANT = register_set(
     "invariant", decode=dict(_INVARIANT), prompt=dict(_INVARIANT), claims_exact=True,
     description="batch-invariant: fixed tiles and reduction orders; prompt rows claim decode bytes",
+    options={"grouped_experts": cuda.moe_experts},   # model.moe_block: all experts at once (CUDA), same bytes
 )

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .triton_rows import INTERPRET, capability, dot_operand, launch, round_to
+from .triton_rows import INTERPRET, capability, cdiv, dot_operand, launch, next_pow2, round_to
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,26 @@ def _tiles(slots: torch.Tensor, n_slots: int, bm: int):
     return order, meta[0], meta[1], meta[2]
 
 
+_KV_DESC: dict[tuple, TensorDescriptor] = {}
+
+
+def _kv_descriptor(c: torch.Tensor, block_n: int) -> TensorDescriptor:
+    """TMA descriptor of a contiguous cache [S, T, Hkv, D] viewed as [S, T, Hkv*D] with a [1, block_n, D] box.
+
+    Kept per cache tensor (a descriptor is base address, shape, strides and box: one describing the same memory the
+    same way is interchangeable, and it reads whatever the memory holds at launch); at most 64 are kept.
+    """
+    S, T, Hkv, D = c.shape
+    key = (c.data_ptr(), S, T, Hkv, D, c.dtype, c.device, block_n)
+    d = _KV_DESC.get(key)
+    if d is None:
+        if len(_KV_DESC) >= 64:
+            _KV_DESC.clear()
+        d = _KV_DESC[key] = TensorDescriptor(c.view(S, T, Hkv * D), [S, T, Hkv * D], [T * Hkv * D, Hkv * D, 1],
+                                             [1, block_n, D])
+    return d
+
+
 def _check(q, k_cache, v_cache, slots, positions) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"expected q [M, Hq, D], k/v cache [S, T, Hkv, D]; got {tuple(q.shape)}, "
@@ -179,22 +199,21 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
     pos = positions.contiguous()
     if S == 1:
         grouped, rows, tstart, tlen, tslot = False, pos, pos, pos, pos
-        n_tiles = triton.cdiv(M, cfg.block_m)
+        n_tiles = cdiv(M, cfg.block_m)
     else:
         grouped = True
         rows, tstart, tlen, tslot = _tiles(slots, S, cfg.block_m)
         n_tiles = tstart.numel()
-    kv_tma = ((q.device.type != "cuda" or cap[0] >= 9) and D == triton.next_power_of_2(D)
+    kv_tma = ((q.device.type != "cuda" or cap[0] >= 9) and D == next_pow2(D)
               and D * q.element_size() >= 16)                                      # TMA box rules
     if kv_tma:
-        k_src, v_src = (TensorDescriptor(c.view(S, T, Hkv * D), [S, T, Hkv * D], [T * Hkv * D, Hkv * D, 1],
-                                         [1, cfg.block_n, D]) for c in (kc, vc))
+        k_src, v_src = (_kv_descriptor(c, cfg.block_n) for c in (kc, vc))
     else:
         k_src, v_src = kc, vc
     launch(_attn_kernel, (n_tiles, Hq),
            (qc, k_src, v_src, out, pos, rows, tstart, tlen, tslot, M, n_tiles, T, qc.stride(0), qc.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2), 1.0 / math.sqrt(D)),
-           dict(G=Hq // Hkv, D=D, BD=triton.next_power_of_2(D), BM=cfg.block_m, BN=cfg.block_n, GROUPED=grouped,
+           dict(G=Hq // Hkv, D=D, BD=next_pow2(D), BM=cfg.block_m, BN=cfg.block_n, GROUPED=grouped,
                 KV_TMA=kv_tma, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EMULATE=INTERPRET),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

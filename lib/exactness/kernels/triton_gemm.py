@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .triton_rows import INTERPRET, capability, dot_operand, launch, round_to
+from .triton_rows import INTERPRET, _spec, capability, cdiv, dot_operand, intern_key, launch, round_to
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -214,7 +214,6 @@ def _gemm_persistent_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, str
 
 
 _SMS: dict[int, int] = {}
-_WDESC: dict[tuple, TensorDescriptor] = {}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -224,24 +223,14 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
-def _operand(t: torch.Tensor, rows: int, cfg: GemmConfig, use_tma: bool, weight: bool = False):
-    """TMA descriptor of a [rows, K] operand with a [rows, BK] box, or the tensor itself for pointer loads.
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """TMA descriptor of a contiguous, 16-byte-aligned 2-D tensor whose row size is a multiple of 16 bytes.
 
-    Weight descriptors are kept (a descriptor is only base pointer, shape, strides and box: one describing the same
-    memory the same way is interchangeable); the cache holds at most 8192 and is then cleared.
+    Built without TensorDescriptor's per-field validation (callers guarantee the conditions above, which are the
+    ones it checks): it is built once per call for the activation operand, so its host cost counts per launch.
     """
-    if not use_tma:
-        return t
-    if t.data_ptr() % 16:
-        t = t.clone()                                   # TMA needs a 16-byte-aligned base
-    if not weight:
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cfg.block_k])
-    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, rows, cfg.block_k)
-    d = _WDESC.get(key)
-    if d is None:
-        if len(_WDESC) > 8192:
-            _WDESC.clear()
-        d = _WDESC[key] = TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cfg.block_k])
+    d = object.__new__(TensorDescriptor)
+    d.__dict__.update(base=t, shape=list(t.shape), strides=[t.shape[1], 1], block_shape=block, padding="zero")
     return d
 
 
@@ -258,31 +247,78 @@ def _check(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> None:
         raise ValueError(f"x on {x.device} but weights on {[str(w.device) for w in ws]}")
 
 
-def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> torch.Tensor:
+@dataclass
+class _Plan:
+    """Everything about one launch that depends on the weights and the config only, not on x or M."""
+
+    cfg: GemmConfig
+    N: int
+    K: int
+    use_tma: bool
+    kernel: object
+    b: object
+    b2: object | None
+    consts: dict
+    opts: dict
+    key: int
+    sms: int
+    weights: tuple
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _make_plan(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> _Plan:
     _check(x, ws)
-    x, ws = x.contiguous(), tuple(w.contiguous() for w in ws)
-    M, K = x.shape
-    N = ws[0].shape[0]
+    ws = tuple(w.contiguous() for w in ws)
+    N, K = ws[0].shape
     cap = capability(x.device)
     cfg = config or config_for(kind, N, K, x.dtype, cap)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)                         # [M, N] storage dtype
-    if M == 0 or N == 0:
-        return out
     use_tma = cfg.tma and (x.device.type != "cuda" or cap[0] >= 9) and (K * x.element_size()) % 16 == 0
-    a = _operand(x, cfg.block_m, cfg, use_tma)
-    bs = [_operand(w, cfg.block_n, cfg, use_tma, weight=True) for w in ws]
-    b2 = bs[1] if kind == "gate_up" else out             # unused by a linear launch (no third descriptor to encode)
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    if use_tma:
+        ws = tuple(w if w.data_ptr() % 16 == 0 else w.clone() for w in ws)   # TMA needs a 16-byte-aligned base
+        bs = [descriptor(w, [cfg.block_n, cfg.block_k]) for w in ws]
+    else:
+        bs = list(ws)
     consts = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, GATE_UP=kind == "gate_up",
                   TMA=use_tma, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EMULATE=INTERPRET)
-    args = (a, bs[0], b2, out, M, N, K, x.stride(0), ws[0].stride(0), out.stride(0))
-    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    sms = (_num_sms(x.device) if x.device.type == "cuda" else 4) if cfg.persistent else 0
+    kernel = _gemm_persistent_kernel if cfg.persistent else _gemm_kernel
     if cfg.persistent:
-        sms = _num_sms(x.device) if x.device.type == "cuda" else 4
-        launch(_gemm_persistent_kernel, (min(sms, tiles),), args,
-               consts | dict(NUM_SMS=sms, WS=cfg.warp_specialize), **opts)
+        consts |= dict(NUM_SMS=sms, WS=cfg.warp_specialize)
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    key = intern_key((kernel, tuple(consts.items()), tuple(opts.items()), x.dtype, N, K,
+                      tuple(_spec(b) for b in bs), x.device))
+    return _Plan(cfg, N, K, use_tma, kernel, bs[0], bs[1] if kind == "gate_up" else None, consts, opts, key, sms,
+                 ws)
+
+
+def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> torch.Tensor:
+    pk = (kind, config, x.dtype, x.device, x.dim(), x.shape[-1]) + tuple(
+        (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device) for w in ws)
+    p = _PLANS.get(pk)
+    if p is None:
+        p = _make_plan(x, ws, kind, config)
+        if all(w.is_contiguous() for w in ws):      # a copied weight must not be kept (its source may change)
+            if len(_PLANS) > 8192:
+                _PLANS.clear()
+            _PLANS[pk] = p
+    if not x.is_contiguous():
+        x = x.contiguous()
+    M = x.shape[0]
+    out = torch.empty(M, p.N, dtype=x.dtype, device=x.device)                       # [M, N] storage dtype
+    if M == 0 or p.N == 0:
+        return out
+    if p.use_tma:
+        if x.data_ptr() % 16:
+            x = x.clone()
+        a, key = descriptor(x, [p.cfg.block_m, p.cfg.block_k]), p.key
     else:
-        launch(_gemm_kernel, (tiles,), args, consts, **opts)
+        a, key = x, (p.key, x.data_ptr() % 16 == 0)
+    args = (a, p.b, p.b2 if p.b2 is not None else out, out, M, p.N, p.K, p.K, p.K, p.N)   # contiguous strides
+    tiles = cdiv(M, p.cfg.block_m) * cdiv(p.N, p.cfg.block_n)
+    grid = (min(p.sms, tiles),) if p.cfg.persistent else (tiles,)
+    launch(p.kernel, grid, args, p.consts, key=key, **p.opts)
     return out
 
 

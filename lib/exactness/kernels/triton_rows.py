@@ -26,12 +26,23 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NO_FMA = {} if INTERPRET else {"enable_fp_fusion": False}
 # Fast launch: after a kernel's first launch for a specialization key, later launches call the compiled kernel's
 # launcher directly (Triton's per-call binding costs tens of microseconds of host time, which a decode step pays
-# per kernel). EXACTNESS_FAST_LAUNCH=0 turns it off. It never changes which binary runs (see launch()).
+# per kernel). EXACTNESS_FAST_LAUNCH=0 turns it off, and so does any installed launch hook (a profiler's: it must
+# see every launch). It never changes which binary runs (see launch()).
 FAST_LAUNCH = os.environ.get("EXACTNESS_FAST_LAUNCH", "1") == "1" and not INTERPRET
 _COMPILED: dict = {}
 
 
 _CAPS: dict[int, tuple[int, int]] = {}
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints (plain Python: triton.cdiv is a constexpr function, slow to call from host code)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1); plain Python, as cdiv."""
+    return 1 << (max(1, n) - 1).bit_length()
 
 
 def capability(device: torch.device) -> tuple[int, int]:
@@ -59,37 +70,75 @@ def _spec(a) -> tuple:
     return (type(a).__name__, a)
 
 
-def launch(kernel, grid: tuple, args: tuple, consts: dict, **opts) -> None:
+def launch(kernel, grid: tuple, args: tuple, consts: dict, key: tuple | None = None, **opts) -> None:
     """``kernel[grid](*args, **consts, **opts)``; with FAST_LAUNCH, repeat launches skip Triton's argument binding.
 
-    The first launch of a key goes through Triton (compiling if needed) and its compiled kernel is kept under a key
-    holding the kernel, every constexpr and option, and the specialization-relevant properties of each runtime
-    argument (a superset of what Triton keys its own cache on), so a repeat launch runs the binary Triton would
-    have picked. ``args`` are the runtime parameters in declaration order, all before the constexpr ones.
+    The first launch of a key goes through Triton (compiling if needed) and its compiled kernel's launcher is kept
+    under a key holding the kernel, every constexpr and option, and the specialization-relevant properties of each
+    runtime argument (a superset of what Triton keys its own cache on), so a repeat launch runs the binary Triton
+    would have picked. ``args`` are the runtime parameters in declaration order, all before the constexpr ones.
+
+    Args:
+        key: a caller-built key that already determines all of the above (a wrapper that caches its per-shape
+            state builds it once, which saves building it per call); None = built here from the arguments.
     """
-    from triton import knobs
-    if not FAST_LAUNCH or knobs.runtime.launch_enter_hook is not None:
+    if not FAST_LAUNCH or _hooked(_knobs().runtime):
         kernel[grid](*args, **consts, **opts)
         return
-    key = (kernel, torch.cuda.current_device(), tuple(consts.items()), tuple(opts.items()),
-           tuple(_spec(a) for a in args))
-    hit = _COMPILED.get(key)
+    if key is None:
+        key = (kernel, tuple(consts.items()), tuple(opts.items()), tuple(_spec(a) for a in args))
+    dev = torch.cuda.current_device()
+    hit = _COMPILED.get((key, dev))
     if hit is None:
-        ck = kernel[grid](*args, **consts, **opts)
-        if hasattr(ck, "result"):
-            ck = ck.result()
-        names = kernel.arg_names[len(args):]
-        if sorted(names) != sorted(consts):            # runtime args must all precede the constexprs
-            return
-        if len(_COMPILED) > 4096:
-            _COMPILED.clear()
-        _COMPILED[key] = (ck, tuple(consts[n] for n in names))
+        _first_launch(kernel, grid, args, consts, opts, (key, dev))
         return
-    ck, const_vals = hit
-    g = tuple(grid) + (1,) * (3 - len(grid))
-    stream = torch.cuda.current_stream().cuda_stream
-    ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, knobs.runtime.launch_exit_hook,
-           *args, *const_vals)
+    run, fn, meta, const_vals = hit
+    g = grid + (1,) * (3 - len(grid)) if len(grid) < 3 else grid
+    run(g[0], g[1], g[2], _raw_stream(dev), fn, meta, None, None, None, *args, *const_vals)
+
+
+_KNOBS: list = []
+
+
+def _hooked(rt) -> bool:
+    """Whether a launch hook is installed (Triton 3.6 keeps them in HookChain objects that are never None)."""
+    e, x = rt.launch_enter_hook, rt.launch_exit_hook
+    return bool((e is not None and getattr(e, "calls", True)) or (x is not None and getattr(x, "calls", True)))
+
+
+def _knobs():
+    if not _KNOBS:
+        from triton import knobs
+        _KNOBS.append(knobs)
+    return _KNOBS[0]
+
+
+_KEY_IDS: dict[tuple, int] = {}
+
+
+def intern_key(key: tuple) -> int:
+    """A small int standing for a launch key (hashing a nested key tuple per launch costs host time)."""
+    i = _KEY_IDS.get(key)
+    if i is None:
+        i = _KEY_IDS[key] = len(_KEY_IDS)
+    return i
+
+
+def _raw_stream(dev: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(dev)
+
+
+def _first_launch(kernel, grid, args, consts, opts, key) -> None:
+    """Launch through Triton (compiling if needed) and keep the compiled kernel's launcher under ``key``."""
+    ck = kernel[grid](*args, **consts, **opts)
+    if hasattr(ck, "result"):
+        ck = ck.result()
+    names = kernel.arg_names[len(args):]
+    if sorted(names) != sorted(consts):            # runtime args must all precede the constexprs
+        return
+    if len(_COMPILED) > 4096:
+        _COMPILED.clear()
+    _COMPILED[key] = (ck.run, ck.function, ck.packed_metadata, tuple(consts[n] for n in names))
 
 
 @triton.jit
@@ -119,7 +168,7 @@ def _check_float(name: str, t: torch.Tensor) -> None:
 
 def _row_block(width: int) -> tuple[int, int, int]:
     """(rows per program, block width, warps) for rows of ``width`` elements: a function of the width only."""
-    bw = triton.next_power_of_2(width)
+    bw = next_pow2(width)
     rows = max(1, min(16, 2048 // bw))
     warps = 4 if rows * bw <= 2048 else 8
     return rows, bw, warps
@@ -158,8 +207,10 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     R = flat.shape[0]
     if R:
         br, bh, warps = _row_block(H)
-        launch(_rmsnorm_kernel, (triton.cdiv(R, br),), (flat, w.contiguous(), out, R, H, float(eps)),
-               dict(BR=br, BH=bh, EMULATE=INTERPRET), num_warps=warps, **_NO_FMA)
+        wc = w.contiguous()
+        key = (_rmsnorm_kernel, x.dtype, H, flat.data_ptr() % 16 == 0, wc.data_ptr() % 16 == 0)   # R: any
+        launch(_rmsnorm_kernel, (cdiv(R, br),), (flat, wc, out, R, H, float(eps)),
+               dict(BR=br, BH=bh, EMULATE=INTERPRET), key=key, num_warps=warps, **_NO_FMA)
     return out.reshape(x.shape)
 
 
@@ -211,8 +262,11 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     xc = x.contiguous()
     out = torch.empty_like(xc)
     if M:
-        launch(_rope_kernel, (M,), (xc, positions.contiguous(), cos, sin, out, M, cos.shape[0], NH, D, D // 2),
-               dict(BHN=triton.next_power_of_2(NH), BHALF=triton.next_power_of_2(D // 2), EMULATE=INTERPRET),
+        pc, L = positions.contiguous(), cos.shape[0]
+        key = (_rope_kernel, x.dtype, pc.dtype, NH, D, L % 16 == 0, L == 1) + tuple(
+            t.data_ptr() % 16 == 0 for t in (xc, pc, cos, sin))                           # M: any
+        launch(_rope_kernel, (M,), (xc, pc, cos, sin, out, M, L, NH, D, D // 2),
+               dict(BHN=next_pow2(NH), BHALF=next_pow2(D // 2), EMULATE=INTERPRET), key=key,
                num_warps=4, **_NO_FMA)
     return out
 
@@ -268,9 +322,9 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Te
     idx = torch.empty(M, top_k, dtype=torch.int64, device=logits.device)
     if M:
         br = 8
-        launch(_softmax_topk_kernel, (triton.cdiv(M, br),), (lc, w, idx, M, E),
-               dict(TOPK=top_k, NORM=bool(norm), BR=br, BE=triton.next_power_of_2(E),
-                    BK=triton.next_power_of_2(top_k), EMULATE=INTERPRET), num_warps=4, **_NO_FMA)
+        launch(_softmax_topk_kernel, (cdiv(M, br),), (lc, w, idx, M, E),
+               dict(TOPK=top_k, NORM=bool(norm), BR=br, BE=next_pow2(E),
+                    BK=next_pow2(top_k), EMULATE=INTERPRET), num_warps=4, **_NO_FMA)
     return w, idx
 
 
@@ -309,8 +363,8 @@ def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None)
         raise ValueError(f"y, weights and shared must share y's dtype {y.dtype}")
     out = torch.empty(M, H, dtype=y.dtype, device=y.device)
     if M:
-        bh = min(1024, triton.next_power_of_2(H))
+        bh = min(1024, next_pow2(H))
         s = shared.contiguous() if shared is not None else out
-        launch(_combine_kernel, (M, triton.cdiv(H, bh)), (y.contiguous(), weights.contiguous(), s, out, M, H),
+        launch(_combine_kernel, (M, cdiv(H, bh)), (y.contiguous(), weights.contiguous(), s, out, M, H),
                dict(K=k, HAS_SHARED=shared is not None, BH=bh, EMULATE=INTERPRET), num_warps=4, **_NO_FMA)
     return out

@@ -245,7 +245,7 @@ def _write_json(obj, out: str | None) -> None:
 
 
 def _diff_module():
-    from . import diff as diff  # diff.py: the receipt diff (BASE PR [--out DIR])
+    from . import diff  # diff.py: the receipt diff (BASE PR [--out DIR])
 
     return diff
 

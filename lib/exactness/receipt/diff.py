@@ -40,13 +40,14 @@ SECTION_NAMES = ("hashes", "contract", "fp64", "streams", "bench", "engines")
 FLAG_NAMES = {"equals_oracle": "tokens", "prompt_logits_equal": "prompt logits", "gen_logits_equal": "generated logits",
               "kv_equal": "KV cache", "rerun_equal": "rerun"}
 HASH_KEY = ("engine", "prompt", "config", "kernels", "path", "step", "offload")
-HASH_SAME = ("prompt_sha256", "prompt_tokens", "gen_tokens", "deep_threshold")
-CONTRACT_KEY = ("set", "class", "dtype", "device", "weights")
+HASH_SAME = ("prompt_sha256", "prompt_tokens", "gen_tokens", "deep_threshold", "weights", "kv_dtype", "routing_groups")
+CONTRACT_KEY = ("set", "class", "dtype", "device", "weights", "weights_format")
 CONTRACT_SAME = ("sweep", "control_sweep", "preset")
-FP64_KEY = ("set", "class", "path", "dtype", "input_set", "kernel", "K")
+FP64_KEY = ("set", "class", "path", "dtype", "input_set", "kernel", "K", "weights")
 STREAM_KEYS = {"drafted": ("set", "prompt", "path", "step", "draft", "k"),
                "resumed": ("set", "prompt", "mode", "step", "split"),
-               "concurrent": ("set", "streams", "offset", "step")}
+               "concurrent": ("set", "streams", "offset", "step"),
+               "packed": ("set", "streams", "plan")}
 STREAM_SAME = ("prompt_tokens", "gen_tokens")
 ENGINE_STREAM_KEY = ("check", "prompt", "config")
 # Identity fields of an engine that name its software and settings: they may differ between compared receipts (a

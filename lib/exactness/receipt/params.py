@@ -36,17 +36,27 @@ def _bool(name: str, v) -> None:
         raise ParamError(f"{name} must be true or false, got {v!r}")
 
 
+def _offload_weights(name: str, offload: bool, weights: str) -> None:
+    """Offloaded experts (offload.ExpertStore) are plain tensors: refuse them with quantized weights."""
+    if offload and weights != "bf16":
+        raise ParamError(f"{name} with weights={weights!r} is not allowed: offloaded experts hold plain tensors; "
+                         f"allowed: weights='bf16' with {name}, or {name} off")
+
+
 def check_common(values: dict) -> None:
     """Check the common fields present in ``values``: a known preset (unless a checkpoint is given), dtype, prompt
     and kernel set; a device cpu / cuda / cuda:N; steps a non-empty list of positive ints; gen_tokens and
-    deep_threshold positive ints; prompt_max_tokens null or a positive int. Absent names are not checked (a caller
-    may hold only some of them).
+    deep_threshold positive ints; prompt_max_tokens null or a positive int; weights one of
+    kernels.quant.WEIGHT_FORMATS and kv_dtype one of cache.KV_DTYPES. Absent names are not checked (a caller may
+    hold only some of them).
 
     Raises:
         ParamError: ``parameter <name>=<value> is not allowed; allowed: <what is>``.
     """
+    from ..cache import KV_DTYPES
     from ..config import PRESETS
     from ..kernels import KERNEL_SETS
+    from ..kernels.quant import WEIGHT_FORMATS
     from ..prompts import PROMPTS
 
     def bad(key, allowed):
@@ -70,6 +80,10 @@ def check_common(values: dict) -> None:
             bad(key, "a positive int")
     if values.get("prompt_max_tokens") is not None and not _positive_int(values["prompt_max_tokens"]):
         bad("prompt_max_tokens", "null (the full prompt) or a positive int (tokens)")
+    if values.get("weights") is not None and values["weights"] not in WEIGHT_FORMATS:
+        bad("weights", ", ".join(WEIGHT_FORMATS))
+    if values.get("kv_dtype") is not None and values["kv_dtype"] not in KV_DTYPES:
+        bad("kv_dtype", ", ".join(KV_DTYPES))
 
 
 def _check_kernel_sets(values: dict, known, bad) -> None:
@@ -110,6 +124,8 @@ class Common:
     gen_tokens: int | None = None
     deep_threshold: int | None = None
     kernel_sets: list[str] | None = None
+    weights: str = "bf16"
+    kv_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         missing = [k for k in self.NEEDS if getattr(self, k) is None]
@@ -185,10 +201,11 @@ class HashesParams(Common):
     hash_sweep_prompt: str = "code"
     hash_sweep_tokens: int = 300
     hash_fp32_control: bool = False
+    hash_features: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        offload_modes(self.hash_offload)
+        _offload_weights("hash_offload", True in offload_modes(self.hash_offload), self.weights)
         if self.hash_offload_paths is not None:
             check_offload_paths(self.hash_offload_paths)
         cut = self.max_tokens
@@ -196,6 +213,7 @@ class HashesParams(Common):
             raise ParamError(f"hash_max_tokens / prompt_max_tokens must be a positive int or None, got {cut!r}")
         _bool("hash_rerun", self.hash_rerun)
         _bool("hash_fp32_control", self.hash_fp32_control)
+        _bool("hash_features", self.hash_features)
         if not isinstance(self.hash_sweep_steps, (list, tuple)) or not all(
                 _positive_int(s) for s in self.hash_sweep_steps):
             raise ParamError(f"hash_sweep_steps must be a list of positive ints (tokens), got {self.hash_sweep_steps!r}")
@@ -227,6 +245,29 @@ class ContractParams(Common):
     contract_control_sweep: str | None = None
     contract_classes: list[str] | None = None
     contract_offload: bool = True
+    contract_weights: list[str] = field(default_factory=lambda: ["bf16"])
+    contract_router_groups: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from ..kernels.quant import WEIGHT_FORMATS
+
+        w = self.contract_weights
+        if (not isinstance(w, (list, tuple)) or not w or any(f not in WEIGHT_FORMATS for f in w)
+                or len(set(w)) != len(w)):
+            raise ParamError(f"contract_weights={w!r} is not allowed; allowed: a non-empty list of distinct "
+                             f"formats drawn from {', '.join(WEIGHT_FORMATS)}")
+        g = self.contract_router_groups
+        if g is None:
+            return
+        if not isinstance(g, (list, tuple)) or len(g) != 2 or not all(_positive_int(v) for v in g):
+            raise ParamError(f"contract_router_groups={g!r} is not allowed; allowed: null (the preset's routing) "
+                             "or [n_groups, topk_groups], two positive ints")
+        from ..config import get_preset
+        try:
+            get_preset(self.preset).replace(n_groups=g[0], topk_groups=g[1])
+        except ValueError as e:
+            raise ParamError(f"contract_router_groups={list(g)!r} does not fit preset {self.preset!r}: {e}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,11 +288,24 @@ class Fp64Params(Common):
     fp64_fp32_sweep: bool = True
     fp64_synth_classes: list[str] | None = None
     fp64_extra_positions: list[int] = field(default_factory=list)
+    fp64_weights: list[str] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if int(self.fp64_rows) < 1 or int(self.fp64_cert) < 1:
             raise ParamError(f"fp64_rows and fp64_cert must be >= 1, got {self.fp64_rows}, {self.fp64_cert}")
+        from ..kernels.quant import WEIGHT_FORMATS
+
+        w = self.fp64_weights
+        if w is not None and (not isinstance(w, (list, tuple)) or not w or len(set(w)) != len(w)
+                              or any(f not in WEIGHT_FORMATS for f in w)):
+            raise ParamError(f"fp64_weights={w!r} is not allowed; allowed: null (the profile's weights) or a "
+                             f"non-empty list of distinct formats drawn from {', '.join(WEIGHT_FORMATS)}")
+
+    @property
+    def weight_formats(self) -> list[str]:
+        """The weights formats the section judges: fp64_weights, else the profile's ``weights``."""
+        return list(self.fp64_weights or [self.weights])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,6 +375,7 @@ class BenchParams(Common):
         for name in ("bench_reps", "bench_itl_reps", "gen_tokens"):
             _at_least(name, getattr(self, name))
         _bool("offload", self.offload)
+        _offload_weights("offload", self.offload, self.weights)
         if not isinstance(self.bench_cold_lengths, (list, tuple)):
             raise ParamError(f"bench_cold_lengths must be a list of ints (tokens), got {self.bench_cold_lengths!r}")
         for n in self.bench_cold_lengths:

@@ -24,6 +24,10 @@ class Profile:
         gen_tokens: greedy tokens generated per run (end-of-sequence ignored).
         deep_threshold: the deep path serves segments of at least this many rows; shorter ones go batched.
         kernel_sets: kernel sets to run (kernels.registry.KERNEL_SETS).
+        weights: projection weights, ``"bf16"`` (as stored) or quantized ``"int4_g128"`` / ``"nvfp4"``
+            (kernels/quant.py).
+        kv_dtype: what the KV cache stores: ``"bf16"`` (the storage dtype), ``"fp8_e4m3"`` or ``"fp8_e4m3_block"``
+            (cache.py).
         extra: further notebook parameters as (name, literal) pairs, e.g. the bench's cold-prefill lengths; each
             notebook receives only the names it declares.
     """
@@ -39,6 +43,8 @@ class Profile:
     deep_threshold: int
     kernel_sets: tuple[str, ...]
     extra: tuple[tuple[str, object], ...] = ()
+    weights: str = "bf16"
+    kv_dtype: str = "bf16"
 
     def parameters(self) -> dict:
         """Notebook parameters: the fields and ``extra`` as JSON-friendly literals (tuples become lists)."""
@@ -54,6 +60,10 @@ class Profile:
 
 # Step sizes on both sides of the 64-row tile and of 128: a fault that shows only at some call sizes shows here.
 SWEEP = (63, 64, 65, 127, 128, 129)
+# The engine features in the kernel contract and the FP64 section (standard and full; the ci profile keeps its
+# contract and FP64 at bf16 weights and the preset's routing, and runs the features in the hash matrix only).
+FEATURES = (("contract_weights", ("bf16", "int4_g128", "nvfp4")), ("contract_router_groups", (4, 1)),
+            ("fp64_weights", ("bf16", "int4_g128", "nvfp4")))
 
 PROFILES: dict[str, Profile] = {
     "ci": Profile(name="ci", preset="tiny", device="cpu", dtype="bfloat16", prompts=("short", "code", "docs"),
@@ -62,20 +72,21 @@ PROFILES: dict[str, Profile] = {
                   extra=(("contract_sweep", "quick"), ("fp64_rows", 16), ("stream_counts", (1, 2, 4)),
                          ("bench_step", 128), ("bench_reps", 2), ("bench_itl_reps", 2),
                          ("bench_cold_lengths", (128, 256)), ("hash_sweep_steps", SWEEP),
-                         ("hash_fp32_control", True))),
+                         ("hash_fp32_control", True), ("hash_features", True))),
     "standard": Profile(name="standard", preset="tiny", device="cpu", dtype="bfloat16",
                         prompts=("short", "code", "docs"), prompt_max_tokens=1024, steps=(256, 200), gen_tokens=64,
                         deep_threshold=128, kernel_sets=("fast", "invariant"),
                         extra=(("contract_sweep", "quick"), ("contract_dtypes", ("bfloat16",)), ("fp64_rows", 32),
                                ("stream_counts", (1, 2, 4)), ("stream_prompt_tokens", 256), ("bench_step", 256),
                                ("bench_reps", 2), ("bench_itl_reps", 2), ("bench_cold_lengths", (512, 2048)),
-                               ("hash_sweep_steps", SWEEP), ("hash_fp32_control", True))),
+                               ("hash_sweep_steps", SWEEP), ("hash_fp32_control", True),
+                               ("hash_features", True)) + FEATURES),
     "full": Profile(name="full", preset="tiny", device="cpu", dtype="bfloat16", prompts=("short", "code", "docs"),
                     prompt_max_tokens=None, steps=(1024, 1000), gen_tokens=192, deep_threshold=512,
                     kernel_sets=("fast", "invariant"),
                     extra=(("contract_sweep", "full"), ("stream_prompt_tokens", 512), ("bench_step", 2048),
                            ("bench_cold_lengths", (2048, 8192, 30000)), ("hash_sweep_steps", SWEEP),
-                           ("hash_fp32_control", True))),
+                           ("hash_fp32_control", True), ("hash_features", True)) + FEATURES),
     "gpu": Profile(name="gpu", preset="small", device="cuda", dtype="bfloat16", prompts=("short", "code", "docs"),
                    prompt_max_tokens=None, steps=(2048, 1000), gen_tokens=64, deep_threshold=512,
                    kernel_sets=("fast", "invariant"),

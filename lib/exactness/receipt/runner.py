@@ -257,7 +257,7 @@ def _collect(tmp: Path, entries: list[dict], errors: list[dict]) -> dict:
 def _write_outputs(receipt: dict, tmp: Path, notebook_files: list[Path]) -> None:
     """Write receipt.md, receipt.html and receipt.json (with ``summary``: the markdown summary lines that open
     receipt.md); a rendering failure marks the receipt failed."""
-    from . import render as render
+    from . import render
 
     try:
         receipt["summary"] = render.render_summary(receipt)
@@ -272,6 +272,8 @@ def _write_outputs(receipt: dict, tmp: Path, notebook_files: list[Path]) -> None
             receipt["errors"].append(_error_entry(name, exc))
             receipt["status"] = "failed"
             text = render.fallback_text(receipt, html=name.endswith(".html"))
+        if name == "receipt.md" and receipt["summary"] and receipt["summary"] not in text:
+            receipt["summary"] = render.compact_tables(receipt["summary"])   # as it stands in a compacted receipt.md
         (tmp / name).write_text(text, encoding="utf-8")
     (tmp / "receipt.json").write_text(json.dumps(receipt, indent=1, default=str) + "\n", encoding="utf-8")
 

@@ -1,1 +1,6 @@
-"""The kernel contract: every prompt kernel's rows against the decode kernel it replaces, as bytes (check.py: the section; cases.py, inputs.py: what is fed; report.py: tables and plots)."""
+"""The kernel contract: every prompt kernel's rows against the decode kernel it replaces, as bytes.
+
+    check.py    the section (run_section, check_set, check_pair, render_md)
+    cases.py    the cases fed to each pair; inputs.py: random and captured inputs per class and call site
+    combine.py  coverage and merging parts computed separately; report.py: tables and plots
+"""

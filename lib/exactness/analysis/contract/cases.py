@@ -23,7 +23,8 @@ import torch
 from ...config import get_preset
 from ...kernels.registry import ClassNames, class_record, resolve
 from ...weights import synthetic_weights
-from .inputs import SITE_WEIGHTS, RandomInputs, sites_of
+from ...kernels.quant import WEIGHT_FORMATS, QuantWeight
+from .inputs import QUANT_CLASSES, SITE_WEIGHTS, RandomInputs, sites_of
 
 FULL_M: tuple[int, ...] = tuple(range(1, 131)) + (255, 256, 257, 511, 512, 513, 1024, 4097)
 SWEEPS = ("full", "quick")
@@ -214,16 +215,29 @@ class _Recorder:
         self.calls.setdefault(cls, []).append((layer, args, out))
 
 
-@functools.lru_cache(maxsize=4)
-def _captured(dtype: torch.dtype, device: str, preset: str) -> tuple[dict, object]:
-    """Kernel calls of one forward of ``preset`` (fast set, batched plan) over the first N_REAL + 2*N_MATES tokens of
-    the ``docs`` prompt; returns (class -> [(layer, args, out)], weights)."""
+def preset_config(preset: str, groups: tuple[int, int] | None = None):
+    """The ModelConfig of ``preset``, routing in ``groups`` = (n_groups, topk_groups) when given (else the
+    preset's own routing).
+
+    Raises:
+        ValueError: unknown preset, or groups that do not fit it (config.ModelConfig names the rule).
+    """
+    cfg = get_preset(preset)
+    return cfg if groups is None else cfg.replace(n_groups=int(groups[0]), topk_groups=int(groups[1]))
+
+
+@functools.lru_cache(maxsize=8)
+def _captured(dtype: torch.dtype, device: str, preset: str, weights: str = "bf16",
+              groups: tuple[int, int] | None = None) -> tuple[dict, object]:
+    """Kernel calls of one forward of ``preset`` (routing in ``groups`` when given) on its synthetic weights in
+    format ``weights`` (fast set, batched plan) over the first N_REAL + 2*N_MATES tokens of the ``docs`` prompt;
+    returns (class -> [(layer, args, out)], weights)."""
     from ...cache import KVCache
     from ...model import BATCHED, forward, tapping
     from ...prompts import build_prompt
 
-    cfg = get_preset(preset)
-    w = synthetic_weights(cfg, dtype, device)
+    cfg = preset_config(preset, groups)
+    w = synthetic_weights(cfg, dtype, device, weights=weights)
     ids = build_prompt(CAPTURE_PROMPT, _pool_rows()).ids.to(device)           # [P] int64
     cache = KVCache(cfg, ids.numel(), 1, dtype, device)
     rec = _Recorder()
@@ -243,11 +257,12 @@ def _rows_of(t: torch.Tensor, n: int) -> torch.Tensor:
     return t[:n] if t.shape[0] >= n else t[torch.arange(n, device=t.device) % t.shape[0]]
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def _storage(t) -> int:
+    """Address of the storage holding ``t`` (a QuantWeight: its codes'), shared by views such as one expert."""
+    return (t.codes if isinstance(t, QuantWeight) else t).untyped_storage().data_ptr()
 
 
-def _site_args(cls: str, site: str, calls: list, w, preset: str) -> tuple:
+def _site_args(cls: str, site: str, calls: list, w, preset: str, groups=None) -> tuple:
     """Args of the largest tapped call of ``cls`` at ``site``: the calls passing the site's weight (a routed
     expert's weights are views of the stacked tensors: matched by storage), or for a site without a weight the
     site's place among the class's calls in layer 0 (RoPE: q then k).
@@ -260,15 +275,23 @@ def _site_args(cls: str, site: str, calls: list, w, preset: str) -> tuple:
     if ref is not None:
         at = [c for c in calls if _storage(c[1][1]) == _storage(ref)]
     else:
-        names = class_sites(cls, preset)
+        names = class_sites(cls, preset, groups)
         at = [c for c in calls if c[0] == 0][names.index(site)::len(names)]
     if not at:
         raise ValueError(f"the forward of preset {preset!r} makes no {cls} call at site {site!r}")
     return max(at, key=lambda c: c[1][0].shape[0])[1]
 
 
-def _captured_pool(cls: str, dtype: torch.dtype, device: str, preset: str, site: str = "") -> Pool:
-    calls, w = _captured(dtype, device, preset)
+def _router_args(calls: list, site: str, cfg) -> tuple:
+    """The largest layer-0 router call's args with the site's routing: groups appended at ``grouped``, dropped
+    at ``topk`` and for a preset without groups."""
+    x, wr, top_k, norm, *_ = _largest(calls)
+    return (x, wr, top_k, norm, cfg.router_groups) if site == "grouped" else (x, wr, top_k, norm)
+
+
+def _captured_pool(cls: str, dtype: torch.dtype, device: str, preset: str, site: str = "",
+                   weights: str = "bf16", groups=None) -> Pool:
+    calls, w = _captured(dtype, device, preset, weights if cls in QUANT_CLASSES else "bf16", groups)
     n = _pool_rows()
     if cls == "attention":
         (q0, kc0, vc0, _, _), (q1, kc1, vc1, _, _) = calls["attention"][0][1], calls["attention"][1][1]
@@ -283,7 +306,12 @@ def _captured_pool(cls: str, dtype: torch.dtype, device: str, preset: str, site:
     if cls == "argmax":
         logits = calls["lm_head"][0][2]                                         # [P, V] fp32
         return Pool(cls, "captured", (logits.to(dtype),), (), _plain)
-    args = _site_args(cls, site, calls[cls], w, preset) if site else _largest(calls[cls], -1 if cls == "lm_head" else 0)
+    if cls == "router":
+        args = _router_args(calls[cls], site, preset_config(preset, groups))
+    elif site:
+        args = _site_args(cls, site, calls[cls], w, preset, groups)
+    else:
+        args = _largest(calls[cls], -1 if cls == "lm_head" else 0)
     rows = len(class_record(cls).row_args)   # leading per-row arguments (attention and argmax are built above)
     if cls == "moe_combine" and args[2] is None:   # no shared expert (e.g. the small preset): shared stays fixed
         rows = 2
@@ -295,28 +323,31 @@ def _weights32(preset: str):
     return synthetic_weights(get_preset(preset), torch.float32)
 
 
-def _random_pool(cls: str, dtype: torch.dtype, device: str, preset: str, site: str = "") -> Pool:
+def _random_pool(cls: str, dtype: torch.dtype, device: str, preset: str, site: str = "", weights: str = "bf16",
+                 groups=None) -> Pool:
     """The class record's builder (contract/inputs.py) for ``site`` on a generator seeded by the class's place in
-    ADAPTED and the site's place among the class's sites (the first site keeps the class's seed)."""
+    ADAPTED and the site's place among the class's sites (the first site keeps the class's seed); the weights
+    format changes the weights fed, never the draws."""
     rec = class_record(cls)
-    k = class_sites(cls, preset).index(site) if site else 0
+    k = class_sites(cls, preset, groups).index(site) if site else 0
     g = torch.Generator().manual_seed(1000 + ADAPTED.index(cls) + 100 * k)
-    inp = RandomInputs(get_preset(preset), _weights32(preset), g, _pool_rows(), N_REAL, N_MATES, dtype, device,
-                       site)
+    inp = RandomInputs(preset_config(preset, groups), _weights32(preset), g, _pool_rows(), N_REAL, N_MATES, dtype,
+                       device, site, weights)
     rows, fixed = resolve(rec.contract_inputs)(inp)
     return Pool(cls, "random", tuple(rows), tuple(fixed), rec.arrange)
 
 
-def class_sites(cls: str, preset: str = "tiny") -> tuple[str, ...]:
-    """The call sites the contract feeds class ``cls`` for ``preset`` (contract_inputs.sites): e.g. dense ->
-    ("q", "k", "v", "o"); ``("",)`` for a class with one operand shape.
+def class_sites(cls: str, preset: str = "tiny", groups: tuple[int, int] | None = None) -> tuple[str, ...]:
+    """The call sites the contract feeds class ``cls`` for ``preset`` (routing in ``groups`` when given;
+    contract_inputs.sites): e.g. dense -> ("q", "k", "v", "o"), a router routing in groups -> ("topk", "grouped");
+    ``("",)`` for a class with one operand shape.
 
     Raises:
-        ValueError: unknown class (no builder) or preset.
+        ValueError: unknown class (no builder) or preset, groups that do not fit the preset.
     """
     if cls not in ADAPTED:
         raise ValueError(f"no input builder for kernel class {cls!r}; known: {', '.join(ADAPTED)}")
-    return sites_of(resolve(class_record(cls).contract_inputs), get_preset(preset))
+    return sites_of(resolve(class_record(cls).contract_inputs), preset_config(preset, groups))
 
 
 ADAPTED = ClassNames(lambda r: r.contract_inputs is not None)   # the classes with an input builder, class order
@@ -339,22 +370,29 @@ def offloaded(pool: Pool) -> Pool:
 
 
 @functools.lru_cache(maxsize=128)
-def make_pool(cls: str, source: str, dtype: torch.dtype, device: str, preset: str = "tiny", site: str = "") -> Pool:
+def make_pool(cls: str, source: str, dtype: torch.dtype, device: str, preset: str = "tiny", site: str = "",
+              weights: str = "bf16", groups: tuple[int, int] | None = None) -> Pool:
     """The row pool of ``cls`` at call site ``site`` (class_sites; "" = the class's first site) from ``source``
     ("random" or "captured") in ``dtype`` on ``device``, shapes of ``preset`` (config.PRESETS; the CPU checks use
-    "tiny").
+    "tiny"), projection weights in format ``weights`` (kernels.quant.WEIGHT_FORMATS; QUANT_CLASSES only) and the
+    router routing in ``groups`` = (n_groups, topk_groups) when given (default: the preset's routing).
 
-    Captured rows come from a forward of the preset over the ``docs`` prompt (model.tapping): the calls at the site;
-    random rows are seeded.
+    Captured rows come from a forward of the preset (on weights of that format) over the ``docs`` prompt
+    (model.tapping): the calls at the site; random rows are seeded.
     Raises:
-        ValueError: unknown class (no builder), source, preset or site (listing the class's sites).
+        ValueError: unknown class (no builder), source, preset, site (listing the class's sites), weights format,
+            a quantized format for a class outside QUANT_CLASSES, groups that do not fit the preset.
     """
-    names = class_sites(cls, preset)
+    names = class_sites(cls, preset, groups)
     if source not in SOURCES:
         raise ValueError(f"unknown input source {source!r}; known: {', '.join(SOURCES)}")
+    if weights not in WEIGHT_FORMATS or (weights != "bf16" and cls not in QUANT_CLASSES):
+        raise ValueError(f"weights format {weights!r} is not allowed for class {cls!r}; allowed: "
+                         + (", ".join(WEIGHT_FORMATS) if cls in QUANT_CLASSES else "bf16 (its weights stay "
+                            f"unquantized; quantized formats apply to {', '.join(QUANT_CLASSES)})"))
     site = site or names[0]
     if site not in names:
         raise ValueError(f"unknown call site {site!r} of kernel class {cls!r}; known: {', '.join(names)}")
     if source == "captured":
-        return _captured_pool(cls, dtype, device, preset, site)
-    return _random_pool(cls, dtype, device, preset, site)
+        return _captured_pool(cls, dtype, device, preset, site, weights, groups)
+    return _random_pool(cls, dtype, device, preset, site, weights, groups)

@@ -11,7 +11,13 @@ projections, query-head and kv-head rows, every norm, routed and shared experts)
 one operand shape only is caught and the site named. Router outputs (weights, indices, logits) are all compared.
 With offload the expert classes are checked once more with their weights fetched per call as expert offload fetches
 them (prompt calls through the expert ring behind a decoy, decode references by a synchronous copy:
-contract_cases.offloaded), so "offload changes no byte" is a contract claim too. Rendering: contract/report.py (re-exported here).
+contract_cases.offloaded), so "offload changes no byte" is a contract claim too. Quantized weights
+(``contract_weights``: kernels/quant.py formats int4_g128, nvfp4) check the classes whose weights a format replaces
+(contract_inputs.QUANT_CLASSES: dense, expert_gate_up, expert_down) once more per format at every site, fed the
+site's weight quantized (random pools) or tapped from a forward on quantized weights (captured pools); their rows
+carry ``weights_format``. Grouped routing (the preset's n_groups > 1, or ``contract_router_groups``): the router is
+checked at sites ``topk`` and ``grouped`` (the groups passed to the kernel). Rendering: contract/report.py;
+coverage and merging of sections: contract/combine.py (both re-exported here).
 
 Results: one :class:`PairResult` per pair x set x device x dtype, a coverage table listing every class of
 KERNEL_CLASSES (a class the checker cannot feed is shown as uncovered, never left out), and the first mismatch of
@@ -29,9 +35,10 @@ from ...exact import INT_VIEW, differing_rows, first_differing_row, ulp_distance
 from ...progress import bar as progress_bar
 from ...kernels import KERNEL_CLASSES, KERNEL_SETS, KernelSpec, get_set
 from ...receipt.params import ContractParams
-from ...receipt.sections import join_provenance
 from .cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SOURCES, Case, bucket,
                              check_sweep, class_sites, make_pool, offloaded, plan, ranges)
+from .combine import MERGE_SAME, coverage, merge_sections  # noqa: F401  (merge_sections: the section table's)
+from .inputs import QUANT_CLASSES
 from .report import (INTRO, coverage_frame, coverage_table, mismatch_frame, mismatch_table,  # noqa: F401
                               offload_table, plot_heatmap, render_md, summary, summary_table, verdict_md)
 from ..hashes import resolve_device, resolve_dtype
@@ -69,6 +76,9 @@ class PairResult:
         buckets: M bucket -> [cases, mismatches]; seconds: wall time of the check.
         weights: "resident", or "offloaded" (contract_cases.offloaded: prompt calls take the weights from the
             expert ring, decode references from a synchronous fetch).
+        weights_format: the projection weights fed: "bf16" (plain tensors of the run's dtype) or a quantized
+            format (kernels/quant.py), also named in first_mismatch.
+        router_groups: [n_groups, topk_groups] the router's ``grouped`` site passed, None without groups.
     """
 
     cls: str
@@ -89,6 +99,8 @@ class PairResult:
     weights: str = "resident"
     sites: str = ""
     by_site: dict = field(default_factory=dict)
+    weights_format: str = "bf16"
+    router_groups: list | None = None
 
     def to_row(self) -> dict:
         """JSON row of the receipt's ``contract`` list (key ``class`` for cls)."""
@@ -198,6 +210,7 @@ def _check_case(res: PairResult, prompt_fn, pool, refs: DecodeRefs, case: Case, 
     s[1] += n_bad
     if n_bad and res.first_mismatch is None:
         res.first_mismatch = _locate(case, source, got, ref, bad, res.cls, dtype, site)
+        res.first_mismatch["weights_format"] = res.weights_format
 
 
 def _set_of(spec: KernelSpec) -> str:
@@ -216,7 +229,7 @@ def _kv_summary(cases: list[Case]) -> str:
 def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "cpu", dtype: str = "bfloat16",
                sweep: str = "full", set_name: str | None = None, sources=SOURCES,
                stop_at_first: bool = False, preset: str = "tiny", offload: bool = False,
-               progress=None) -> PairResult:
+               progress=None, weights: str = "bf16", groups=None) -> PairResult:
     """Check one pair on every case of ``plan(cls, sweep)``, at every call site of the class (class_sites; with
     ``offload`` the routed experts only: offload does not move the shared expert) and every input source.
 
@@ -230,28 +243,35 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
         preset: model preset whose shapes (and weights) the inputs use.
         offload: fetch the weights per call as expert offload does (contract_cases.offloaded).
         progress: a tqdm bar advanced by one per case (all its input sources).
+        weights: projection weights format (kernels.quant.WEIGHT_FORMATS; quantized ones for QUANT_CLASSES only).
+        groups: (n_groups, topk_groups) for the router's grouped site; None = the preset's routing.
     Raises:
         ValueError: mismatched pair, a class with no input builder, unknown device/dtype/sweep/source, offload
-            of a class whose weights offload does not move.
+            of a class whose weights offload does not move or of quantized weights, a weights format the class
+            does not read, groups that do not fit the preset.
     """
     if prompt_spec.cls != decode_spec.cls or prompt_spec.replaces != decode_spec.name:
         raise ValueError(f"{prompt_spec.name!r} (replaces {prompt_spec.replaces!r}) is not a prompt kernel "
                          f"replacing {decode_spec.name!r}")
     check_sweep(sweep)
+    if offload and weights != "bf16":
+        raise ValueError(f"offload is checked on bf16 weights only, not weights={weights!r}")
+    groups = None if groups is None else (int(groups[0]), int(groups[1]))   # hashable: the pools are cached
     dev, dt = str(resolve_device(device)), resolve_dtype(dtype)
     cls = prompt_spec.cls
     cases = plan(cls, sweep)
-    sites = class_sites(cls, preset)
+    sites = class_sites(cls, preset, groups)
     sites = ("routed",) if offload and "routed" in sites else sites
     res = PairResult(cls, prompt_spec.name, decode_spec.name, set_name or _set_of(prompt_spec), dev, dtype,
                      m_ranges=ranges(c.M for c in cases),
                      kv_lengths=_kv_summary(cases) if cls == "attention" else "",
                      inputs=",".join(sources), preset=preset, weights="offloaded" if offload else "resident",
-                     sites=",".join(sites))
+                     sites=",".join(sites), weights_format=weights,
+                     router_groups=list(groups) if groups and "grouped" in sites else None)
     t0 = time.perf_counter()
     with torch.no_grad():
         keys = [(site, s) for site in sites for s in sources]
-        pools = {k: make_pool(cls, k[1], dt, dev, preset, k[0]) for k in keys}
+        pools = {k: make_pool(cls, k[1], dt, dev, preset, k[0], weights, groups) for k in keys}
         pools = {k: offloaded(p) for k, p in pools.items()} if offload else pools
         refs = {k: DecodeRefs(decode_spec.fn, pools[k]) for k in keys}
         for case in cases:
@@ -265,9 +285,10 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
     return res
 
 
-def selected_pairs(set_name: str, classes=None, offload: bool = False) -> list:
+def selected_pairs(set_name: str, classes=None, offload: bool = False, weights: str = "bf16") -> list:
     """The (prompt spec, decode spec) pairs of ``set_name`` that :func:`check_set` checks per dtype: those of
-    ``classes`` (default every class) that have an input builder, and with ``offload`` only the OFFLOAD_CLASSES.
+    ``classes`` (default every class) that have an input builder, with ``offload`` only the OFFLOAD_CLASSES, with
+    a quantized ``weights`` format only the QUANT_CLASSES.
 
     Raises:
         ValueError: an unknown set or class (listing the known ones).
@@ -277,20 +298,24 @@ def selected_pairs(set_name: str, classes=None, offload: bool = False) -> list:
     if unknown:
         raise ValueError(f"unknown kernel class(es) {unknown}; known: {', '.join(KERNEL_CLASSES)}")
     return [(p, dec) for p, dec in get_set(set_name).pairs()
-            if p.cls in classes and p.cls in ADAPTED and (not offload or p.cls in OFFLOAD_CLASSES)]
+            if p.cls in classes and p.cls in ADAPTED and (not offload or p.cls in OFFLOAD_CLASSES)
+            and (weights == "bf16" or p.cls in QUANT_CLASSES)]
 
 
 def check_set(set_name: str, device: str = "cpu", dtypes=("bfloat16", "float32"), sweep: str = "full",
-              classes=None, progress=None, preset: str = "tiny", offload: bool = False) -> list[PairResult]:
+              classes=None, progress=None, preset: str = "tiny", offload: bool = False, weights: str = "bf16",
+              groups=None) -> list[PairResult]:
     """Check every pair of kernel set ``set_name`` (or only ``classes``) in each dtype; with ``offload`` only the
-    OFFLOAD_CLASSES among them, their weights fetched as expert offload does.
+    OFFLOAD_CLASSES among them, their weights fetched as expert offload does; with a quantized ``weights`` format
+    only the QUANT_CLASSES, fed weights of that format; ``groups`` as for :func:`check_pair`, for the router only
+    (the other classes keep the preset's inputs).
 
     Classes of KERNEL_CLASSES without an input builder are skipped here and reported as uncovered by
     :func:`coverage`. Raises ValueError on an unknown set or class (listing the known ones) or a bad
     device/dtype/sweep.
     """
     ks = get_set(set_name)
-    pairs = selected_pairs(set_name, classes, offload)
+    pairs = selected_pairs(set_name, classes, offload, weights)
     check_sweep(sweep)
     for d in dtypes:
         resolve_dtype(d)
@@ -298,38 +323,12 @@ def check_set(set_name: str, device: str = "cpu", dtypes=("bfloat16", "float32")
     for d in dtypes:
         for p, dec in pairs:
             if progress is not None:
-                progress.set_postfix_str(f"{ks.name} {d} {p.cls}{' offloaded' if offload else ''}", refresh=False)
+                what = (" offloaded" if offload else "") + (f" {weights}" if weights != "bf16" else "")
+                progress.set_postfix_str(f"{ks.name} {d} {p.cls}{what}", refresh=False)
             out.append(check_pair(p, dec, device, d, sweep, ks.name, preset=preset, offload=offload,
-                                  progress=progress))
+                                  progress=progress, weights=weights,
+                                  groups=groups if p.cls == "router" else None))   # the router's variant
     return out
-
-
-def coverage(rows: list[dict], set_names, device: str, dtypes) -> tuple[list[dict], list[dict]]:
-    """Coverage table: one entry per class of KERNEL_CLASSES x set x dtype, from contract rows (``to_row``).
-
-    Returns (coverage, uncovered): coverage entries carry class, set, prompt_kernel, decode_kernel, m_ranges,
-    kv_lengths, sites (the call sites checked, comma-separated), dtype, device, cases and status ("checked" or
-    "uncovered"); uncovered lists those not checked.
-    """
-    have = {(r["class"], r["set"], r["dtype"]): r for r in rows}
-    cov, unc = [], []
-    for s in set_names:
-        ks = KERNEL_SETS.get(s)
-        for d in dtypes:
-            for c in KERNEL_CLASSES:
-                r = have.get((c, s, d))
-                if r is None:
-                    why = ("no registered pair" if ks is None or c not in ks.prompt else
-                           "no input builder" if c not in ADAPTED else "not checked in this run")
-                    unc.append({"class": c, "set": s, "dtype": d, "device": device, "reason": why})
-                    cov.append({"class": c, "set": s, "prompt_kernel": None, "decode_kernel": None, "m_ranges": "",
-                                "kv_lengths": "", "sites": "", "dtype": d, "device": device, "cases": 0,
-                                "status": "uncovered"})
-                    continue
-                cov.append({k: r[k] for k in ("class", "set", "prompt_kernel", "decode_kernel", "m_ranges",
-                                              "kv_lengths", "dtype", "device", "cases")}
-                           | {"sites": r.get("sites", ""), "status": "checked"})
-    return cov, unc
 
 
 def run_section(params: ContractParams | dict) -> dict:
@@ -342,9 +341,12 @@ def run_section(params: ContractParams | dict) -> dict:
     "quick", default "full"), contract_control_sweep (the sweep of sets that claim no exactness, e.g. ``fast``:
     they are the negative control, whose mismatches any sweep shows; default contract_sweep), contract_classes
     (default: every class), contract_offload (default True: the OFFLOAD_CLASSES checked once more with their
-    weights fetched as expert offload does, into ``offload_rows``). Returns ``{"section": "contract", "sweep",
-    "control_sweep", "preset", "rows": [PairResult.to_row()...], "offload_rows": [...], "coverage": [...],
-    "uncovered": [...]}``. Raises ValueError on an unknown set/device/dtype/sweep/class.
+    weights fetched as expert offload does, into ``offload_rows``), contract_weights (weights formats, default
+    ["bf16"]; each quantized one checks the QUANT_CLASSES once more on weights of that format, rows with
+    ``weights_format``), contract_router_groups ([n_groups, topk_groups]: the router also checked routing in
+    groups; default the preset's routing). Returns ``{"section": "contract", "sweep", "control_sweep", "preset",
+    "weights_formats", "router_groups", "rows": [PairResult.to_row()...], "offload_rows": [...], "coverage": [...],
+    "uncovered": [...]}``. Raises ValueError on an unknown set/device/dtype/sweep/class/weights format.
     """
     p = ContractParams.from_dict(params)
     sets = [get_set(s).name for s in (p.kernel_sets or list(KERNEL_SETS))]   # references resolved to set names
@@ -358,59 +360,21 @@ def run_section(params: ContractParams | dict) -> dict:
     for s in sets:
         get_set(s)
     kw = {"preset": p.preset, "classes": p.contract_classes or None}
-    offloads = [False, True] if p.contract_offload else [False]
+    if p.contract_router_groups:   # passed only when asked for: the preset's own routing needs no argument
+        kw["groups"] = tuple(p.contract_router_groups)
+    formats = list(p.contract_weights)
+    runs = [(f, o) for f in formats for o in ([False, True] if p.contract_offload and f == "bf16" else [False])]
     sweeps = {s: sweep if get_set(s).claims_exact else control for s in sets}
-    total = len(dtypes) * sum(len(plan(pr.cls, sweeps[s])) for s in sets for o in offloads
-                              for pr, _ in selected_pairs(s, kw["classes"], o))
+    total = len(dtypes) * sum(len(plan(pr.cls, sweeps[s])) for s in sets for f, o in runs
+                              for pr, _ in selected_pairs(s, kw["classes"], o, f))
     rows, off = [], []
     with progress_bar(total, "contract", "case") as bar:
         for s in sets:
-            for o in offloads:
+            for f, o in runs:
+                fkw = {"weights": f} if f != "bf16" else {}
                 (off if o else rows).extend(r.to_row() for r in check_set(s, device, dtypes, sweeps[s], offload=o,
-                                                                          progress=bar, **kw))
-    cov, unc = coverage(rows, sets, str(resolve_device(device)), dtypes)
-    return {"section": "contract", "sweep": sweep, "control_sweep": control, "preset": kw["preset"], "rows": rows,
-            "offload_rows": off, "coverage": cov, "uncovered": unc}
-
-
-MERGE_SAME = ("sweep", "control_sweep", "preset")
-
-
-def merge_sections(parts: list[dict]) -> dict:
-    """One contract section from sections computed in separate calls (e.g. ``--param 'kernel_sets=[invariant]'`` and
-    ``[fast]``, or one dtype each, so that a device call's time limit cuts off at most one part): rows concatenated
-    in the given order, coverage and uncovered recomputed over the union of the parts' sets and dtypes, provenance
-    joined field by field. Every pair's check depends only on its own inputs (seeded pools), so the merge equals one
-    run.
-
-    Raises:
-        ValueError: fewer than two parts, a part that is not a contract section, parts that differ in sweep,
-            control_sweep, preset or device (names the field and both values), or a (class, set, dtype) present in
-            two parts.
-    """
-    if len(parts) < 2 or any(not isinstance(q, dict) or q.get("section") != "contract" for q in parts):
-        raise ValueError(f"merging needs two or more contract sections, got {len(parts)} part(s)")
-    for q in parts[1:]:
-        for key in MERGE_SAME:
-            if q.get(key) != parts[0].get(key):
-                raise ValueError(f"contract sections differ in {key}: {parts[0].get(key)!r} vs {q.get(key)!r}")
-    devices = list(dict.fromkeys(c["device"] for q in parts for c in q["coverage"]))
-    if len(devices) != 1:
-        raise ValueError(f"contract sections differ in device: {devices}")
-    rows = [r for q in parts for r in q["rows"]]
-    off = [r for q in parts for r in q.get("offload_rows", [])]
-    keys = [(r["class"], r["set"], r["dtype"], r.get("weights") or "resident") for r in rows + off]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
-        more = f" and {len(twice) - 3} more" if len(twice) > 3 else ""
-        raise ValueError(f"contract sections overlap in (class, set, dtype, weights) {twice[:3]}{more}: each may "
-                         "come from one part only")
-    sets = list(dict.fromkeys(c["set"] for q in parts for c in q["coverage"]))
-    dtypes = list(dict.fromkeys(c["dtype"] for q in parts for c in q["coverage"]))
-    cov, unc = coverage(rows, sets, devices[0], dtypes)
-    merged = {"section": "contract", **{k: parts[0].get(k) for k in MERGE_SAME}, "rows": rows, "offload_rows": off,
-              "coverage": cov, "uncovered": unc}
-    prov = join_provenance(parts)
-    if prov:
-        merged["provenance"] = prov
-    return merged
+                                                                          progress=bar, **kw, **fkw))
+    cov, unc = coverage(rows, sets, str(resolve_device(device)), dtypes, formats)
+    return {"section": "contract", "sweep": sweep, "control_sweep": control, "preset": kw["preset"],
+            "weights_formats": formats, "router_groups": list(kw["groups"]) if "groups" in kw else None,
+            "rows": rows, "offload_rows": off, "coverage": cov, "uncovered": unc}

@@ -11,6 +11,12 @@ hidden rows, query-head rows, kv-head rows and the final norm; ...) declares its
 builder then reads ``inp.site`` and returns that site's weight and row shape, so every shape the forward feeds the
 kernel is checked. :data:`SITE_WEIGHTS` names the weight of each site (captured pools pick the tapped calls that
 pass it); a site without a weight (RoPE) is picked by its order among the class's calls in a layer.
+
+*Weights formats.* With ``inp.weight_format`` other than ``"bf16"`` the builders of :data:`QUANT_CLASSES` (the
+classes whose weights weights.quantize_weights replaces) feed the site's weight quantized (kernels/quant.py:
+``quantize`` of the weight rounded to the pool dtype), as a QuantWeight. *Grouped routing.* With ``inp.cfg``
+routing in groups (ModelConfig.router_groups) the router has two sites: ``topk`` (plain top-k) and ``grouped``
+(the groups passed as the kernel's fifth argument).
 """
 from __future__ import annotations
 
@@ -18,6 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels.quant import quantize
+
+QUANT_CLASSES = ("dense", "expert_gate_up", "expert_down")   # classes whose weights a weights format replaces
 
 @dataclass(frozen=True)
 class RandomInputs:
@@ -39,6 +48,7 @@ class RandomInputs:
     dtype: torch.dtype
     device: str
     site: str = ""
+    weight_format: str = "bf16"
 
     @property
     def layer0(self):
@@ -49,9 +59,15 @@ class RandomInputs:
         return torch.randn(*shape, generator=self.gen)
 
     def cast(self, *ts) -> tuple:
-        """``ts`` on the device, float tensors in the pool dtype."""
+        """``ts`` on the device, float tensors in the pool dtype (a QuantWeight is moved, never cast)."""
         return tuple(t.to(device=self.device, dtype=self.dtype) if t.is_floating_point() else t.to(self.device)
                      for t in ts)
+
+    def weight(self, *ws) -> tuple:
+        """Projection weights ``ws`` [N, K] (fp32) for the pool: cast to the pool dtype, then quantized to
+        ``weight_format`` unless it is ``"bf16"`` (plain tensors)."""
+        ws = self.cast(*ws)
+        return ws if self.weight_format == "bf16" else tuple(quantize(w, self.weight_format) for w in ws)
 
 
 def sites(names):
@@ -93,13 +109,23 @@ SITE_WEIGHTS = {
 def dense(inp: RandomInputs):
     """x [n, K] and the site's projection weight [N, K] (o: K = Hq*D, the attention output)."""
     w = SITE_WEIGHTS[("dense", inp.site or "q")](inp.weights)
-    return inp.cast(inp.randn(inp.n, w.shape[1])), inp.cast(w)
+    return inp.cast(inp.randn(inp.n, w.shape[1])), inp.weight(w)
 
 
+def router_sites(cfg) -> tuple[str, ...]:
+    """("",) for plain top-k; ("topk", "grouped") when ``cfg`` routes in groups (n_groups > 1)."""
+    return ("",) if cfg.router_groups is None else ("topk", "grouped")
+
+
+@sites(router_sites)
 def router(inp: RandomInputs):
+    """x [n, H]; layer 0's router weight [E, H] with experts 0 and 1 tied (the top-k tie-break), top_k, norm, and
+    at site ``grouped`` the groups (n_groups, topk_groups)."""
     wr = inp.layer0.router.clone()
     wr[1] = wr[0]  # experts 0 and 1 tie in every row: exercises the top-k tie-break
-    return inp.cast(inp.randn(inp.n, inp.cfg.hidden)), (*inp.cast(wr), inp.cfg.top_k, inp.cfg.norm_topk_prob)
+    groups = (inp.cfg.router_groups,) if inp.site == "grouped" else ()
+    return inp.cast(inp.randn(inp.n, inp.cfg.hidden)), (*inp.cast(wr), inp.cfg.top_k, inp.cfg.norm_topk_prob,
+                                                        *groups)
 
 
 @sites(_shared)
@@ -107,14 +133,14 @@ def expert_gate_up(inp: RandomInputs):
     """x [n, H]; routed expert 0's (w_gate, w_up) [I, H], or the shared expert's [Is, H]."""
     lw = inp.layer0
     w = (lw.shared_gate, lw.shared_up) if inp.site == "shared" else (lw.w_gate[0], lw.w_up[0])
-    return inp.cast(inp.randn(inp.n, inp.cfg.hidden)), inp.cast(*w)
+    return inp.cast(inp.randn(inp.n, inp.cfg.hidden)), inp.weight(*w)
 
 
 @sites(_shared)
 def expert_down(inp: RandomInputs):
     """h [n, I]; routed expert 0's w_down [H, I], or the shared expert's [H, Is]."""
     w = inp.layer0.shared_down if inp.site == "shared" else inp.layer0.w_down[0]
-    return inp.cast(0.5 * inp.randn(inp.n, w.shape[1])), inp.cast(w)
+    return inp.cast(0.5 * inp.randn(inp.n, w.shape[1])), inp.weight(w)
 
 
 def moe_combine(inp: RandomInputs):

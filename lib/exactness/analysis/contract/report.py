@@ -22,13 +22,17 @@ def _md(rows: list[list], headers: list[str]) -> str:
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True, floatfmt=".4g")
 
 
+def _fmt(r: dict) -> str:
+    return r.get("weights_format") or "bf16"
+
+
 def summary(rows: list[dict]) -> list[dict]:
-    """Per (set, device, dtype): pairs checked, cases, mismatching pairs and rows."""
+    """Per (set, device, dtype, weights format): pairs checked, cases, mismatching pairs and rows."""
     out: dict[tuple, dict] = {}
     for r in rows:
-        s = out.setdefault((r["set"], r["device"], r["dtype"]), {"set": r["set"], "device": r["device"],
-                           "dtype": r["dtype"], "pairs": 0, "cases": 0, "mismatching_pairs": 0,
-                           "mismatching_rows": 0})
+        s = out.setdefault((r["set"], r["device"], r["dtype"], _fmt(r)), {"set": r["set"], "device": r["device"],
+                           "dtype": r["dtype"], "weights_format": _fmt(r), "pairs": 0, "cases": 0,
+                           "mismatching_pairs": 0, "mismatching_rows": 0})
         s["pairs"] += 1
         s["cases"] += r["cases"]
         s["mismatching_pairs"] += bool(r["mismatches"])
@@ -55,6 +59,8 @@ def render_md(section) -> str:
     rows, uncovered classes, and the first mismatch of every mismatching pair. Accepts the section dict or its
     ``rows`` list."""
     rows = section["rows"] if isinstance(section, dict) else list(section)
+    quant = [r for r in rows if _fmt(r) != "bf16"]
+    rows = [r for r in rows if _fmt(r) == "bf16"]
     unc = section.get("uncovered", []) if isinstance(section, dict) else []
     sweep = section.get("sweep", "?") if isinstance(section, dict) else "?"
     control = section.get("control_sweep", sweep) if isinstance(section, dict) else sweep
@@ -77,10 +83,18 @@ def render_md(section) -> str:
                for r in rows if r["mismatches"] and len(r.get("by_site") or {}) > 1]
     if by_site:
         out += ["", "Mismatching rows / rows checked per call site, for pairs with a mismatch: " + "; ".join(by_site)]
+    if quant:
+        out += ["", "Quantized weights (kernels/quant.py: the site's weight quantized, or tapped from a forward on "
+                "quantized weights): mismatching rows / rows checked per call site:", "",
+                _md([[r["set"], r["dtype"], _fmt(r), r["class"], r["sites"] or DASH,
+                      ", ".join(f"{k or DASH} {n[1]}/{n[0]}" for k, n in r["by_site"].items()),
+                      f"{r['mismatches']}/{r['cases']}"] for r in quant],
+                    ["set", "dtype", "weights", "class", "sites", "per site", "all sites"])]
     if unc:
         groups: dict[tuple, list] = {}
         for u in unc:
-            groups.setdefault((u["class"], u["reason"]), []).append(f"{u['set']} {u['dtype']}")
+            fmt = "" if _fmt(u) == "bf16" else f" {_fmt(u)}"
+            groups.setdefault((u["class"], u["reason"]), []).append(f"{u['set']} {u['dtype']}{fmt}")
         out += ["", "Uncovered: " + "; ".join(f"{c} ({', '.join(w)}: {why})" for (c, why), w in groups.items())]
     off = section.get("offload_rows", []) if isinstance(section, dict) else []
     if off:
@@ -88,14 +102,15 @@ def render_md(section) -> str:
                 "in the same slot; each decode reference from a synchronous copy out of host memory):", "",
                 _md([[r["set"], r["dtype"], r["class"], f"{r['mismatches']}/{r['cases']}"] for r in off],
                     ["set", "dtype", "class", "mismatching rows / rows checked"])]
-    bad = [r for r in rows + off if r["first_mismatch"]]
+    bad = [r for r in rows + quant + off if r["first_mismatch"]]
     if bad:
         hdr = ["set", "dtype", "class", "site", "M", "T", "segmentation", "call rows", "row", "output", "element",
                "ULP", "prompt", "decode"]
         body = []
         for r in bad:
             f = r["first_mismatch"]
-            cls = r["class"] + (" (offloaded)" if r.get("weights") == "offloaded" else "")
+            cls = r["class"] + (" (offloaded)" if r.get("weights") == "offloaded" else "") + \
+                (f" ({_fmt(r)} weights)" if _fmt(r) != "bf16" else "")
             body.append([r["set"], r["dtype"], cls, f.get("site") or DASH, f["M"], f.get("kv_len") or DASH,
                          f["segmentation"], f.get("call_rows", DASH), f["row"], f["output"], f["element"],
                          DASH if f["ulp"] is None else f["ulp"],
@@ -112,7 +127,8 @@ def render_md(section) -> str:
 
 def summary_table(rows: list[dict]) -> Table:
     """:func:`summary` as a table: per set, device and dtype, pairs and rows checked, and how many differ."""
-    return Table(summary(rows), {"set": "set", "device": "device", "dtype": "dtype", "pairs": "pairs checked",
+    return Table(summary(rows), {"set": "set", "device": "device", "dtype": "dtype", "weights_format": "weights",
+                                 "pairs": "pairs checked",
                                  "cases": "rows compared", "mismatching_pairs": "pairs with a mismatch",
                                  "mismatching_rows": "rows that differ"},
                  formats={"cases": ",", "mismatching_rows": ","})
@@ -124,7 +140,8 @@ def coverage_table(section: dict) -> Table:
     recs = [{**c, "m": c.get("m_ranges", "").replace(",", ", ") or None,
              "t": (c.get("kv_lengths") or "").replace(",", ", ") or None,
              "s": (c.get("sites") or "").replace(",", ", ") or None} for c in section["coverage"]]
-    return Table(recs, {"class": "class", "set": "set", "dtype": "dtype", "m": "rows per call M",
+    return Table(recs, {"class": "class", "set": "set", "dtype": "dtype", "weights_format": "weights",
+                        "m": "rows per call M",
                         "t": "KV lengths T", "s": "call sites", "cases": "rows compared", "status": "status"},
                  formats={"cases": ","}, dash="not applicable: only attention reads a KV cache, a class called "
                                                 "with one operand shape has no named sites, and an uncovered class "
@@ -137,15 +154,15 @@ def mismatch_table(section: dict, offload: bool = True) -> Table:
     note. With ``offload``, the pairs checked with offloaded expert weights are included."""
     rows = section["rows"] + (section.get("offload_rows", []) if offload else [])
     bad = [r for r in rows if r["first_mismatch"]]
-    recs = [{**r["first_mismatch"], "set": r["set"], "dtype": r["dtype"],
+    recs = [{**r["first_mismatch"], "set": r["set"], "dtype": r["dtype"], "weights_format": _fmt(r),
              "class": r["class"] + (" (offloaded)" if r.get("weights") == "offloaded" else ""),
              "differ": f"{r['mismatches']:,} of {r['cases']:,}"} for r in bad]
     for rec in recs:
         rec["site"] = rec.get("site") or None
         for k in ("prompt", "decode"):  # 9 significant digits tell fp32 neighbours apart
             rec[k] = None if rec.get(k) is None else format(rec[k], ".9g")
-    return Table(recs, {"set": "set", "dtype": "dtype", "class": "class", "site": "site",
-                        "differ": "rows that differ", "M": "M", "kv_len": "T", "segmentation": "segmentation",
+    return Table(recs, {"set": "set", "dtype": "dtype", "weights_format": "weights", "class": "class",
+                        "site": "site", "differ": "rows that differ", "M": "M", "kv_len": "T", "segmentation": "segmentation",
                         "call_rows": "call rows", "row": "row", "output": "output",
                         "element": "element", "ulp": "ULPs", "prompt": "prompt kernel", "decode": "decode kernel"},
                  dash=_MISMATCH_DASH,
@@ -179,7 +196,8 @@ def mismatch_frame(section: dict):
         vals = {k: fm.get(k) for k in keep}
         for k in ("prompt", "decode"):   # 9 significant digits tell fp32 neighbours apart
             vals[k] = None if vals[k] is None else format(vals[k], ".9g")
-        rows.append({"set": r["set"], "device": r["device"], "dtype": r["dtype"], "class": r["class"],
+        rows.append({"set": r["set"], "device": r["device"], "dtype": r["dtype"], "weights_format": _fmt(r),
+                     "class": r["class"],
                      "cases": r["cases"], "mismatches": r["mismatches"], **vals})
     df = pd.DataFrame(rows)
     for k in ("M", "kv_len", "call_rows", "row", "element", "ulp"):
@@ -198,7 +216,7 @@ def plot_heatmap(section: dict, set_name: str = "fast"):
 
     from .cases import BUCKETS, bucket
 
-    rows = [r for r in section["rows"] if r["set"] == set_name]
+    rows = [r for r in section["rows"] if r["set"] == set_name and _fmt(r) == "bf16"]   # one cell per class
     if not rows:
         have = sorted({r["set"] for r in section["rows"]})
         raise ValueError(f"no contract rows for set {set_name!r}; sets here: {have}")

@@ -1,1 +1,6 @@
-"""The FP64 per-class receipt: references (ref.py), certified bounds (cert.py), synthetic inputs (synth.py), the section (section.py) and its report (report.py)."""
+"""The FP64 per-class receipt.
+
+    section.py  the section (run_section, render_md)
+    ref.py      FP64 references and error bounds per class; cert.py: certification of the references
+    synth.py    synthetic input sets; report.py: tables and plots
+"""

@@ -1,7 +1,8 @@
 """Certification of the FP64 references (fp64/ref.py) on picked output elements, against exact arithmetic.
 
 Sum classes (dense, router, expert_down, lm_head, moe_combine, residual): the output is a sum of products of
-stored-dtype numbers. Each product is exact in fp64 (at most 48 significand bits), so the exact output, correctly
+stored-dtype numbers (a quantized weight enters as its dequantized fp32 values, fp64/ref.py). Each product is exact
+in fp64 (at most 48 significand bits), so the exact output, correctly
 rounded to fp64, is ``math.fsum`` of the products (Python docs: fsum tracks exact partials); it is recomputed with
 ``mpmath.fsum`` at 320 bits and the two must be the same double.
 
@@ -23,7 +24,7 @@ import torch
 from mpmath import mp, mpf
 
 from ...kernels.registry import ClassNames
-from .ref import CERT_MAX_ULPS, CERT_PRECS, MP_AGREE, Eval, rope_angles, weight_key
+from .ref import CERT_MAX_ULPS, CERT_PRECS, MP_AGREE, Eval, rope_angles, weight_key, weight_row
 
 # The groups come from the class records' ``fp64_cert``; the terms (sum_terms) and values (mp_value) are per class.
 SUM_CLASSES = ClassNames(lambda r: r.fp64_cert == "sum")
@@ -64,7 +65,7 @@ def sum_terms(ev: Eval, i: int, params: dict) -> list[float]:
     """The exact-product terms whose sum is element ``i`` of ``ev`` (sum classes)."""
     s, j = ev.samples[int(ev.sid[i])], int(ev.j[i])
     if ev.cls in ("dense", "router", "expert_down", "lm_head"):
-        return _products(s.data["x"], params[weight_key(ev.cls, s)][j])
+        return _products(s.data["x"], weight_row(params[weight_key(ev.cls, s)], j))
     if ev.cls == "moe_combine":
         terms = _products(s.data["g"], s.data["y"][:, j])
         return terms + ([float(s.data["shared"][j])] if "shared" in s.data else [])
@@ -102,8 +103,8 @@ def mp_value(ev: Eval, i: int, params: dict, kv: dict, cache: dict) -> mpf:
     """Element ``i`` of ``ev`` evaluated in mpmath at the current precision (transcendental classes)."""
     s, j = ev.samples[int(ev.sid[i])], int(ev.j[i])
     if ev.cls == "expert_gate_up":
-        g = _mdot(s.data["x"], params[(s.layer, s.tag + ".gate")][j])
-        return _silu(g) * _mdot(s.data["x"], params[(s.layer, s.tag + ".up")][j])
+        g = _mdot(s.data["x"], weight_row(params[(s.layer, s.tag + ".gate")], j))
+        return _silu(g) * _mdot(s.data["x"], weight_row(params[(s.layer, s.tag + ".up")], j))
     if ev.cls == "rmsnorm":
         x = s.data["x"].reshape(-1, s.data["x"].shape[-1])
         row, col = divmod(j, x.shape[1])

@@ -22,6 +22,20 @@ C_RSQRT·u_a per rsqrt and C_TRIG·u_a (absolute) per fp32 cos/sin; they are fir
 terms kept where they are cheap to keep. RoPE's angle is pos·inv_freq with the model's fp32 inv_freq (a model
 constant, like a weight); the kernel's fp32 rounding of the angle is charged as u_a·|angle|.
 
+Quantized weights (kernels/quant.py: a QuantWeight where a tensor was). The weight's values are its
+``dequantize()`` fp32 values (for nvfp4 these include the format's one fp32 rounding of e2m1·scale·gscale: it is
+part of the format's definition, not an error of the kernel), converted to fp64 exactly (:func:`weight64`,
+:func:`weight_row`); the references and A use them. The GEMM bound stays gamma_K·A, and this is where it is
+needed in full: Higham's inner-product bound (§3.1, (3.2)-(3.5)) gives every term one rounding of its product
+x_k·w_k plus the additions on its path (K - 1 in a recursive sum, ceil(log2 K) in quant.linear_rows' pairwise
+tree), gamma_K covering both. With bf16 (or int4_g128: a 4-bit integer times a bf16 scale, <= 11 significant bits)
+weights and bf16 activations a product has <= 19 significant bits and is exact in fp32, so the product's share of
+gamma_K is unused; nvfp4's dequantized weights carry 24 significant bits, so each product x_k·w_k is rounded once
+in fp32 (relative error <= u_a), which is exactly the share gamma_K reserves for it. A kernel that rounds the
+dequantized weights to the storage dtype before its GEMM (the fast set's recipe above quant.FAST_GEMM_ROWS rows)
+adds a relative error up to u_s per weight, which this bound does not charge: such rows are judged against the
+format's weights and show that extra error.
+
 Certification (:func:`certify`): on picked output elements, the exact value is recomputed independently: sums of
 exact fp64 products with ``math.fsum`` and with ``mpmath.fsum`` at 320 bits (they must agree); classes with exp,
 rsqrt, SiLU, cos or sin in mpmath at 320 and 640 bits, which must agree to 2^-100·A. ``ref_cert_ulps`` is the worst
@@ -36,6 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...kernels.quant import QuantWeight
 from ...kernels.registry import ClassNames, class_record, resolve
 from ..taps import Sample
 from ..ulp import U_ACC, unit_roundoff
@@ -119,9 +134,22 @@ def _stack(samples, sids, name, dev=None) -> torch.Tensor:
     return t if dev is None else t.to(dev)
 
 
-def _gemm(x: torch.Tensor, w: torch.Tensor):
-    """x [r, K], w [N, K] (stored dtype) -> y = x w^T, A = |x||w|^T, both [r, N] fp64 on w's device."""
-    xd, wd = x.to(w.device, F64), w.to(F64)
+def weight64(w) -> torch.Tensor:
+    """The fp64 values of a weight [..., N, K]: a tensor converted, a QuantWeight's fp32 dequantized values
+    converted (both exact), on the weight's device."""
+    return (w.dequantize() if isinstance(w, QuantWeight) else w).to(F64)
+
+
+def weight_row(w, j: int) -> torch.Tensor:
+    """Row ``j`` [K] of a weight [N, K] in its own values: a tensor's row, or a QuantWeight's dequantized fp32 row
+    (only that row is dequantized)."""
+    return w.dequantize(slice(j, j + 1))[0] if isinstance(w, QuantWeight) else w[j]
+
+
+def _gemm(x: torch.Tensor, w):
+    """x [r, K] (stored dtype), w [N, K] (stored dtype or QuantWeight) -> y = x w^T, A = |x||w|^T, both [r, N]
+    fp64 on w's device."""
+    xd, wd = x.to(w.device, F64), weight64(w)
     return xd @ wd.T, xd.abs() @ wd.abs().T
 
 
@@ -144,13 +172,34 @@ def _eval_gemm(cls, samples, params, kv):
     return parts.build(cls, samples, decisions if cls in ("router", "lm_head") else ())
 
 
+def group_mask(y: torch.Tensor, groups: tuple[int, int]) -> tuple[torch.Tensor, float]:
+    """Group-limited routing on reference logits y [E] fp64 (kernels/router.py): a group's score is its largest
+    logit (the kernels score by the largest probability; softmax keeps the order), the topk_groups best groups are
+    kept. Returns (allowed [E] bool: the experts of the kept groups, margin: the score of the last kept group minus
+    the best dropped one's, inf when none is dropped)."""
+    G, Gk = groups
+    score = y.view(G, -1).amax(dim=-1)                                             # [G]
+    order = torch.sort(score, descending=True, stable=True)
+    keep = torch.zeros(G, dtype=torch.bool)
+    keep[order.indices[:Gk]] = True
+    margin = float(order.values[Gk - 1] - order.values[Gk]) if Gk < G else math.inf
+    return keep.repeat_interleave(y.numel() // G), margin
+
+
 def _decision(cls, s: Sample, y: torch.Tensor, yhat: torch.Tensor):
-    """(kernel choice, reference choice, reference margin): top-k expert set or argmax token."""
+    """(kernel choice, reference choice, reference margin): top-k expert set or argmax token. A router routing in
+    groups (meta ``groups``) chooses among the experts of the reference's kept groups (group_mask); its margin is
+    the smaller of the group margin and the top-k margin among the allowed experts."""
     if cls == "router":
         k = int(s.meta["top_k"])
+        gm = math.inf
+        if s.meta.get("groups"):
+            allowed, gm = group_mask(y, tuple(s.meta["groups"]))
+            y = torch.where(allowed, y, torch.full_like(y, -math.inf))
         ys = torch.sort(y, descending=True).values
-        margin = float(ys[k - 1] - ys[k]) if k < y.numel() else math.inf
-        return (tuple(sorted(s.data["idx"].tolist())), tuple(sorted(torch.topk(y, k).indices.tolist())), margin)
+        margin = float(ys[k - 1] - ys[k]) if k < y.numel() and math.isfinite(float(ys[k])) else math.inf
+        return (tuple(sorted(s.data["idx"].tolist())), tuple(sorted(torch.topk(y, k).indices.tolist())),
+                min(margin, gm))
     ys = torch.topk(y, 2).values
     return (int(torch.argmax(yhat.float())), int(torch.argmax(y)), float(ys[0] - ys[1]))
 

@@ -65,10 +65,18 @@ def _uncertified(rs) -> str:
     return "" if all(r["ref_certified"] for r in rs) else " (reference NOT certified)"
 
 
+def _labelled(rows: list[dict]) -> list[dict]:
+    """Rows with their weights format named in the class label when quantized (``dense (nvfp4 weights)``), so
+    that the tables keep rows of different weights on separate lines."""
+    return [r if r.get("weights", "bf16") == "bf16" else {**r, "class": f"{r['class']} ({r['weights']} weights)"}
+            for r in rows]
+
+
 def captured_table(rows: list[dict]) -> Table:
-    """Captured activations: one line per (class, kernel set, K), the paths decode / batched / deep side by side:
-    verdict, the largest share of the bound used (pre/β), the largest η (units of u), the share of outputs whose
-    bytes equal decode's, and top-k / argmax flips against the FP64 choice (with the smallest margin)."""
+    """Captured activations: one line per (class, weights, kernel set, K), the paths decode / batched / deep side
+    by side: verdict, the largest share of the bound used (pre/β), the largest η (units of u), the share of outputs
+    whose bytes equal decode's, and top-k / argmax flips against the FP64 choice (with the smallest margin)."""
+    rows = _labelled(rows)
     recs = [{"class": cls + _uncertified(rs), "set": ks, "K": K, "verdict": _verdicts(rs),
              "bound": max(r["bound_use"] for r in rs), "eta": max(r["eta_max_u"] for r in rs), "eq": _eq(rs),
              "flips": _flips(rs)} for (cls, ks, K), rs in _grouped(rows, ("class", "set", "K")).items()]
@@ -81,7 +89,9 @@ def captured_table(rows: list[dict]) -> Table:
 
 def synthetic_table(rows: list[dict]) -> Table:
     """Synthetic input sets: one line per (class, input set, dtype, K), the kernel sets side by side: verdicts per
-    path, the largest share of the bound used, and the fast set's share of outputs equal to decode."""
+    path, the largest share of the bound used, and the fast set's share of outputs equal to decode; quantized
+    weights on lines of their own."""
+    rows = _labelled(rows)
     recs = []
     for (cls, iset, dt, K), rs in _by_case(rows).items():
         f, i = ([r for r in rs if r["set"] == ks] for ks in ("fast", "invariant"))
@@ -137,13 +147,16 @@ def _by_case(rows) -> dict:
 
 
 def notes_md(section) -> list[str]:
+    """One markdown line per class (and weights format) with rows outside bound or uncertified: where, and what
+    the excess says about the kernel."""
     rows = section.get("rows", [])
     notes = []
     bad = [r for r in rows if r["verdict"] in ("outside bound", "uncertified")]
-    for cls in sorted({r["class"] for r in bad}):
-        rs = [r for r in bad if r["class"] == cls]
+    for label in sorted({r["class"] for r in _labelled(bad)}):
+        rs = [r for r, lr in zip(bad, _labelled(bad)) if lr["class"] == label]
+        cls, quantized = rs[0]["class"], rs[0].get("weights", "bf16") != "bf16"
         where = sorted({f"{r['set']}/{r['path']}/{r['input_set']}" for r in rs})
-        line = f"- **{cls}** outside bound or uncertified in {len(rs)} rows ({', '.join(where[:6])}" + \
+        line = f"- **{label}** outside bound or uncertified in {len(rs)} rows ({', '.join(where[:6])}" + \
             (", ..." if len(where) > 6 else "") + ")."
         if cls == "attention" and all(r.get("bound_use_p_stored") is not None for r in rs):
             worst = max(r["bound_use_p_stored"] for r in rs)
@@ -155,7 +168,9 @@ def notes_md(section) -> list[str]:
             worst = max(r["eta_over_gamma"] for r in rs)
             line += (f" pre/γ_K reaches {worst:.3g}: no fp32 round-to-nearest accumulation, in any order, gives "
                      f"these outputs; part of the sum was rounded more coarsely (for example a split-K reduction "
-                     f"in the storage dtype, or an accumulator that truncates).")
+                     f"in the storage dtype, or an accumulator that truncates)"
+                     + (", or the dequantized weights were rounded to the storage dtype before the GEMM (the "
+                        "fast set's recipe on quantized weights, kernels/quant.py)." if quantized else "."))
         notes.append(line)
     return notes
 

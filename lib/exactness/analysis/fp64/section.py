@@ -24,7 +24,10 @@ Verdict rule: ``uncertified`` when the reference failed certification; else ``ex
 and every sampled output's bytes equal decode's; else ``within bound`` when bound_use <= 1, i.e. for every output
 there is a value within the class bound of the exact result whose rounding to the stored dtype is the stored
 output (for GEMMs: |z - y| <= gamma_K·sum|x·w| for the fp32 value z before storage); else ``outside bound``.
-A captured row's verdict speaks of the prompt positions it sampled only: ``sampled.position_list`` lists them (the
+Weights formats (``fp64_weights``, default the profile's ``weights``): each format runs the captured paths on the
+preset's synthetic weights quantized to it (weights.synthetic_weights) and the synthetic cases of the classes whose
+weights it replaces; every row names its ``weights``, and a quantized GEMM is judged against its dequantized
+weights (fp64/ref.py). A captured row's verdict speaks of the prompt positions it sampled only: ``sampled.position_list`` lists them (the
 evenly spaced ones plus any ``extra_positions``, e.g. the rows the kernel contract flagged), and the verdict
 markdown names them.
 """
@@ -45,7 +48,7 @@ from ...paths import PATHS, Schedule, generate
 from ...progress import bar as progress_bar
 from ...prompts import build_prompt
 from ...weights import synthetic_weights
-from . import synth as synth
+from . import synth
 from .cert import certify
 from .ref import CERT_MAX_ULPS, evaluate, gamma
 from .report import (INTRO, LEGEND, captured_table, meta_md, notes_md, render_md,  # noqa: F401  (views)
@@ -207,7 +210,7 @@ def capture(w, plan: dict, kernel_sets, deep_threshold: int) -> tuple[TapRecorde
     return rec, secs
 
 
-def _captured_rows(rec, p, plan, out, memo):
+def _captured_rows(rec, p, plan, out, memo, weights: str = "bf16"):
     dtype = p.dtype
     for ks in p.kernel_sets:
         evs = {}
@@ -223,7 +226,7 @@ def _captured_rows(rec, p, plan, out, memo):
                 cert = certify(ev, pick_elements(ev, p.fp64_cert, 0, st["eta"]), rec.params, kv, memo)
                 plans = {pl: n for (k0, p0, c0, pl), n in rec.calls.items() if (k0, p0, c0) == (ks, path, cls)}
                 meta = {"class": cls, "path": path, "set": ks, "dtype": dtype, "input_set": "captured",
-                        **_kernel_meta(ks, cls, path),
+                        "weights": weights, **_kernel_meta(ks, cls, path),
                         "sampled": {"prompt": plan["prompt"], "positions": len(plan["positions"]),
                                     "position_list": list(plan["positions"]), "extra_positions": plan["extra"],
                                     "samples": len(samples), "outputs": int(ev.y.numel()), "certified": cert["n"],
@@ -241,38 +244,45 @@ def _emit(out, ev, dec, cert, meta, st=None):
     row, st = make_row(ev, dec, cert, meta, st)
     out["rows"].append(row)
     tag = "|".join(str(meta[k]) for k in ("class", "path", "set", "input_set", "dtype"))
-    out["hist"][tag + f"|K{row['K']}"] = ulp_hist(st["ulps"])
+    fmt = meta.get("weights", "bf16")
+    out["hist"][tag + f"|K{row['K']}" + ("" if fmt == "bf16" else f"|{fmt}")] = ulp_hist(st["ulps"])
     Ks = ev.K if torch.unique(ev.K).numel() <= 8 else 2 ** torch.ceil(torch.log2(ev.K.double())).long()
     for K in torch.unique(Ks).tolist():  # K varies per row (attention): powers-of-two buckets
         m = Ks == K
-        out["by_k"].append({k: meta[k] for k in ("class", "path", "set", "input_set", "dtype")} |
+        out["by_k"].append({k: meta[k] for k in ("class", "path", "set", "input_set", "dtype", "weights")} |
                            {"K": K, "eta_max": float(st["eta"][m].max()), "pre_max": float(st["eta_pre"][m].max()),
                             "gamma": float(gamma(K)), "n": int(m.sum())})
     if meta["input_set"] == "captured":
         layers = torch.tensor([s.layer for s in ev.samples])[ev.sid]
         for L in torch.unique(layers).tolist():
             m = layers == L
-            out["per_layer"].append({k: meta[k] for k in ("class", "path", "set")} |
+            out["per_layer"].append({k: meta[k] for k in ("class", "path", "set", "weights")} |
                                     {"layer": L, "eta_max_u": float(st["eta"][m].max()) / U_ACC,
                                      "ulp_max": int(st["ulps"][m].max())})
 
 
-def synthetic_cases(p: dict, cfg) -> list[tuple]:
+def synthetic_cases(p: dict, cfg, weights: str = "bf16") -> list[tuple]:
     """(class, input set, K, dtype name) of the synthetic sweep: fp64_synth.default_cases in the profile dtype,
     plus the dense K sweep in float32 storage (where the fp32 accumulation error is not hidden by a bf16
-    rounding) unless fp64_fp32_sweep is False."""
+    rounding) unless fp64_fp32_sweep is False. A quantized ``weights`` format keeps the cases of the classes whose
+    weights it replaces (synth.QUANT_CLASSES), in the profile dtype."""
     base = synth.default_cases(cfg, int(p.fp64_k_max))
     if p.fp64_synth_classes:
         base = [c for c in base if c[0] in p.fp64_synth_classes]
     out = [(c, s, K, p.dtype) for c, s, K in base]
+    if weights != "bf16":
+        return [c for c in out if c[0] in synth.QUANT_CLASSES]
     if p.fp64_fp32_sweep and p.dtype != "float32":
         out += [(c, s, K, "float32") for c, s, K in base if c == "dense"]
     return out
 
 
-def _synthetic_rows(p, cfg, dev, out, memo):
-    for n, (cls, iset, K, dname) in enumerate(synthetic_cases(p, cfg)):
-        case = synth.make_case(cls, iset, cfg, DTYPES[dname], dev, M=int(p.fp64_synth_rows), K=K, seed=n)
+def _synthetic_rows(p, cfg, dev, out, memo, weights: str = "bf16"):
+    full = synthetic_cases(p, cfg)
+    for cls, iset, K, dname in synthetic_cases(p, cfg, weights):
+        n = full.index((cls, iset, K, dname))            # the bf16 case's seed: the same draws in every format
+        case = synth.make_case(cls, iset, cfg, DTYPES[dname], dev, M=int(p.fp64_synth_rows), K=K, seed=n,
+                               weights=weights)
         evs = {}
         for ks in p.kernel_sets:
             for path in PATHS:
@@ -287,7 +297,7 @@ def _synthetic_rows(p, cfg, dev, out, memo):
         for (ks, path), ev in evs.items():
             cert = certify(ev, picks, case.params, case.kv, memo)
             meta = {"class": cls, "path": path, "set": ks, "dtype": dname, "input_set": iset,
-                    **_kernel_meta(ks, cls, path),
+                    "weights": weights, **_kernel_meta(ks, cls, path),
                     "sampled": {"rows": int(case.args[0].shape[0]), "outputs": int(ev.y.numel()),
                                 "certified": cert["n"]}}
             _emit(out, ev, evs.get((ks, "decode")), cert, meta, sts[(ks, path)])
@@ -301,7 +311,8 @@ def run_section(params: Fp64Params | dict, extra_positions=()) -> dict:
             class, default 64), fp64_cert (elements certified per row, 12), fp64_tokens / fp64_prompt (captured
             prompt; see capture_plan), fp64_synthetic (run the synthetic input sets, True), fp64_k_max (largest
             synthetic K, 16384), fp64_synth_rows (rows per synthetic case, 128), fp64_fp32_sweep (dense K sweep
-            also in float32 storage, True), fp64_synth_classes (restrict the synthetic classes; None = all).
+            also in float32 storage, True), fp64_synth_classes (restrict the synthetic classes; None = all),
+            fp64_weights (weights formats to judge, captured and synthetic; None = the profile's ``weights``).
         extra_positions: prompt positions to judge besides the evenly spaced ones (capture_plan), e.g. the rows
             the kernel contract flagged; every captured row's verdict then covers them.
     Returns:
@@ -312,30 +323,36 @@ def run_section(params: Fp64Params | dict, extra_positions=()) -> dict:
     p = Fp64Params.from_dict(params)
     dtype, dev = DTYPES[p.dtype], resolve_device(p.device)   # a clear error where CUDA is asked for but absent
     cfg = get_preset(p.preset)
-    w = synthetic_weights(cfg, dtype, dev)
     plan = capture_plan(p, extra_positions)
     out = {"section": "fp64", "rows": [], "hist": {}, "by_k": [], "per_layer": []}
-    memo: dict = {}
-    with progress_bar(3 if p.fp64_synthetic else 2, "fp64", "stage") as bar:
-        bar.set_postfix_str("tapped runs")
-        t0 = time.perf_counter()
-        rec, secs = capture(w, plan, p.kernel_sets, int(p.deep_threshold))
-        bar.update(1)
-        bar.set_postfix_str("captured inputs vs FP64")
-        t1 = time.perf_counter()
-        _captured_rows(rec, p, plan, out, memo)
-        bar.update(1)
-        t2 = time.perf_counter()
-        if p.fp64_synthetic:
-            bar.set_postfix_str("synthetic inputs vs FP64")
-            _synthetic_rows(p, cfg, dev, out, memo)
+    formats = p.weight_formats
+    secs = {"tapped_runs": 0.0, "captured_refs": 0.0, "synthetic": 0.0, "runs": {}}
+    with progress_bar(len(formats) * (3 if p.fp64_synthetic else 2), "fp64", "stage") as bar:
+        for fmt in formats:
+            memo: dict = {}    # certified exact values keyed by inputs: one table per weights format
+            w = synthetic_weights(cfg, dtype, dev, weights=fmt)
+            bar.set_postfix_str(f"tapped runs ({fmt})")
+            t0 = time.perf_counter()
+            rec, runs = capture(w, plan, p.kernel_sets, int(p.deep_threshold))
             bar.update(1)
+            bar.set_postfix_str(f"captured inputs vs FP64 ({fmt})")
+            t1 = time.perf_counter()
+            _captured_rows(rec, p, plan, out, memo, fmt)
+            bar.update(1)
+            t2 = time.perf_counter()
+            if p.fp64_synthetic:
+                bar.set_postfix_str(f"synthetic inputs vs FP64 ({fmt})")
+                _synthetic_rows(p, cfg, dev, out, memo, fmt)
+                bar.update(1)
+            secs["tapped_runs"] += t1 - t0
+            secs["captured_refs"] += t2 - t1
+            secs["synthetic"] += time.perf_counter() - t2
+            secs["runs"].update({(k if fmt == "bf16" else f"{k}/{fmt}"): v for k, v in runs.items()})
     out["meta"] = {"prompt": plan["prompt"], "tokens": plan["tokens"], "step": plan["step"],
                    "positions": len(plan["positions"]), "position_list": list(plan["positions"]),
                    "extra_positions": plan["extra"], "cert_per_row": int(p.fp64_cert),
-                   "cert_max_ulps": CERT_MAX_ULPS, "hist_edges": list(HIST_EDGES),
-                   "seconds": {"tapped_runs": t1 - t0, "captured_refs": t2 - t1,
-                               "synthetic": time.perf_counter() - t2, "runs": secs}}
+                   "cert_max_ulps": CERT_MAX_ULPS, "hist_edges": list(HIST_EDGES), "weights": formats,
+                   "seconds": secs}
     return out
 
 

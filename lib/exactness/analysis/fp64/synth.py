@@ -7,7 +7,9 @@ a round-toward-zero accumulation shows as a negative bias instead of cancelling)
 Paths on synthetic inputs (M rows): ``decode`` = the set's decode kernel called on one row at a time; ``batched`` =
 its prompt kernel on the whole [M, ...] block; ``deep`` = the prompt kernel on consecutive 64-row tiles, only for
 the classes the deep plan tiles (dense, expert_gate_up, expert_down; model.Ops). Weight matrices are drawn from the
-same set and scaled by 1/sqrt(K) so that SiLU and softmax see O(1) arguments.
+same set and scaled by 1/sqrt(K) so that SiLU and softmax see O(1) arguments. With ``weights`` a quantized format
+(kernels/quant.py; the ``fp64_weights`` parameter) the weight matrices of QUANT_CLASSES are quantized after the
+draw (the draws do not change), and the references use their dequantized values (fp64/ref.py).
 """
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ import torch
 
 from ...config import ModelConfig
 from ...kernels import get_set
+from ...kernels.quant import WEIGHT_FORMATS, quantize
 from ...kernels.registry import ClassNames, class_record
 from ..taps import Sample
 
 INPUT_SETS = ("normal", "outliers", "same_sign")
 TILED = ClassNames(lambda r: r.deep_tiles)
 SYNTH_CLASSES = ("dense", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope")
+QUANT_CLASSES = ("dense", "expert_gate_up", "expert_down")   # the classes whose weights a weights format replaces
 TILE = 64
 
 
@@ -38,6 +42,7 @@ class Case:
     params: dict
     kv: dict
     positions: list
+    weights: str = "bf16"
 
 
 def draw(gen: torch.Generator, shape, input_set: str, dtype, device, scale: float = 1.0) -> torch.Tensor:
@@ -57,14 +62,27 @@ def draw(gen: torch.Generator, shape, input_set: str, dtype, device, scale: floa
 
 
 def make_case(cls: str, input_set: str, cfg: ModelConfig, dtype, device, M: int = 128, K: int | None = None,
-              T: int = 320, seed: int = 0) -> Case:
-    """Inputs for one synthetic case; K (dense only) overrides the reduction length (default cfg.hidden).
+              T: int = 320, seed: int = 0, weights: str = "bf16") -> Case:
+    """Inputs for one synthetic case; K (dense only) overrides the reduction length (default cfg.hidden);
+    ``weights`` quantizes the weight matrices of QUANT_CLASSES (``"bf16"``: none).
 
     Shapes follow ``cfg``: H, I, k, Hq, Hkv, D; attention reads T cached keys, queries at positions T-M..T-1
     (M <= T); rope uses random positions below 16384.
     Raises:
-        ValueError: unknown class or input set, or M > T for attention.
+        ValueError: unknown class, input set or weights format, a quantized format for a class outside
+            QUANT_CLASSES, or M > T for attention.
     """
+    if weights not in WEIGHT_FORMATS or (weights != "bf16" and cls not in QUANT_CLASSES):
+        raise ValueError(f"weights {weights!r} not allowed for synthetic class {cls!r}; allowed: "
+                         + (", ".join(WEIGHT_FORMATS) if cls in QUANT_CLASSES else "bf16"))
+    case = _draw_case(cls, input_set, cfg, dtype, device, M, K, T, seed)
+    if weights != "bf16":
+        case.params = {k: quantize(w, weights) for k, w in case.params.items()}
+        case.weights = weights
+    return case
+
+
+def _draw_case(cls, input_set, cfg, dtype, device, M, K, T, seed) -> Case:
     g = torch.Generator().manual_seed(seed)
     d = lambda shape, scale=1.0: draw(g, shape, input_set, dtype, device, scale)  # noqa: E731
     H, I, k = cfg.hidden, cfg.expert_inter, cfg.top_k

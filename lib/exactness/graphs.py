@@ -1,0 +1,263 @@
+"""CUDA-graph decode: one decode step captured once per batch size, replayed for every generated token.
+
+A decode step launches some seventy kernels whose host launch time exceeds their GPU time; a CUDA graph records
+them once and replays them with one call. The graph reads static device tensors (input tokens, positions and slots
+[B] int64, the KV cache's tensors), so each step copies its inputs into them and replays; the host keeps the cache's
+lengths. The kernels, their shapes and their order are those of the eager decode step (model.forward on the decode
+plan), so a replay writes the bytes the eager step writes, which tests/test_cuda_graphs.py checks as bytes.
+
+Two parts of a step cannot be recorded as they are, and are handled so that the bytes stay the eager ones:
+
+    attention  a kernel whose launch shape depends on the position (the fast set's one SDPA call over keys 0..p)
+               or that reads positions on the host (the torch kernel of an fp8 cache, the slot grouping of a
+               multi-slot cache) runs eagerly between graph pieces: the step is captured as pieces cut at each
+               attention call, and the attention writes into a static buffer the next piece reads. Only the
+               invariant set's Triton kernel on a one-slot model-dtype cache reads the positions on the device with
+               a fixed launch, and is captured.
+    experts    a set without a grouped expert kernel (the fast set) runs one GEMM chain per routed expert, chosen
+               on the host. For one stream every routed expert has exactly one member row, so the graph gathers
+               the k experts' weights by the device-side ids and runs the same per-expert kernels on the same
+               [1, H] row (the same shapes, hence the same library calls): the eager bytes, at the cost of copying
+               k experts' weights per layer. With more streams an expert's member count varies, so such a set is
+               not captured.
+
+Where a graph cannot serve (no CUDA device, kernel taps active, an expert provider other than the resident
+weights, quantized or expert-id-aware experts, an exception during capture) GraphDecoder runs the eager step and
+records why (GraphDecoder.info).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from .cache import KVCache
+from .kernels import KernelSet, get_set
+from .model import _TAPS, DECODE, ExpertProvider, Ops, ResidentExperts, attention_block, forward, moe_block
+from .weights import Weights
+
+
+def _device_indexed_attention() -> tuple:
+    """Attention kernels that read slots and positions on the device with a launch that does not depend on them
+    (for a one-slot cache in the model dtype): the invariant set's Triton kernel."""
+    return (get_set("invariant").fn("attention", "decode"),)
+
+
+def _host_indexed_attention() -> tuple:
+    """Attention kernels that read slots and positions only through int(): given host tensors they need no device
+    read (the fast set's per-row SDPA)."""
+    from .kernels import attention
+    return (attention.attention_fast_decode,)
+
+
+def why_not(w: Weights, kernels: KernelSet | str, batch: int = 1, experts: ExpertProvider | None = None) -> str | None:
+    """Why a decode step of ``batch`` streams cannot be captured (None: it can be tried).
+
+    Raises:
+        ValueError: batch is not a positive int.
+    """
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int (streams), got {batch!r}")
+    ks = get_set(kernels)
+    if w.device.type != "cuda":
+        return f"CUDA graphs need a CUDA device; the weights are on {w.device}"
+    if _TAPS:
+        return "kernel taps are active: every kernel call is reported on the host"
+    if experts is not None and type(experts) is not ResidentExperts:
+        return f"experts come from {type(experts).__name__}, which stages them on the host per call"
+    if not all(torch.is_tensor(lw.w_gate) for lw in w.layers):
+        return "quantized expert weights: the experts run a per-expert loop chosen on the host"
+    if ks.options.get("expert_id_aware"):
+        return f"set {ks.name!r} picks expert kernels by expert id on the host"
+    if ks.options.get("grouped_experts") is None and batch > 1:
+        return (f"set {ks.name!r} runs one kernel chain per routed expert over its member rows; with {batch} "
+                "streams the member counts (GEMM shapes) depend on the routing")
+    return None
+
+
+def _gathered_experts(ks: KernelSet):
+    """A grouped_experts option for a one-stream step of a set without one: y [1, k, H] from the set's decode
+    expert kernels on the row h [1, H], with each expert's weights gathered by the device-side ids idx [1, k]."""
+    gate_up, down = ks.fn("expert_gate_up", "decode"), ks.fn("expert_down", "decode")
+
+    def grouped(h, idx, w_gate, w_up, w_down):
+        e = idx[0]                                                                   # [k] int64, device
+        g, u, d = w_gate[e], w_up[e], w_down[e]                                      # [k, I, H], [k, I, H], [k, H, I]
+        return torch.stack([down(gate_up(h, g[j], u[j]), d[j]) for j in range(e.shape[0])], dim=1)
+    return grouped
+
+
+class _Eager:
+    """An attention call between graph pieces: out.copy_(fn(*args)) at replay."""
+
+    def __init__(self, fn, args: tuple, out: torch.Tensor):
+        self.fn, self.args, self.out = fn, args, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn(*self.args))
+
+
+class _Capture:
+    """Graph pieces captured into one memory pool, cut where ``cut`` is called."""
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.pieces: list = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        g, self.graph = self.graph, None
+        g.capture_end()
+        self.pieces.append(g)
+
+    def cut(self, fn, args: tuple, like: torch.Tensor) -> torch.Tensor:
+        """End the current piece, record fn(*args) to run eagerly into a static buffer shaped like ``like``, begin
+        the next piece; returns the buffer."""
+        self.end()
+        out = torch.empty_like(like)
+        self.pieces.append(_Eager(fn, args, out))
+        self.begin()
+        return out
+
+    def abort(self) -> None:
+        if self.graph is not None:
+            try:
+                self.graph.capture_end()
+            except Exception:   # an invalidated capture cannot end cleanly; the graph is dropped either way
+                pass
+            self.graph = None
+
+
+class GraphDecoder:
+    """Decode steps of ``batch`` streams over one cache, replayed from a CUDA graph (module docstring).
+
+    The first step runs eagerly (it warms every kernel up) and then captures; later steps replay. Where a graph
+    cannot serve, every step runs model.forward on the decode plan, and ``reason`` says why.
+
+    Args:
+        w: weights; cache: the KV cache the steps write (its tensors are the graph's, so keep using this one);
+        kernels: the kernel set; batch: streams per step (B); experts: the expert provider (None: resident).
+    Raises:
+        ValueError: batch is not a positive int.
+    """
+
+    def __init__(self, w: Weights, cache: KVCache, kernels: KernelSet | str, *, batch: int = 1,
+                 experts: ExpertProvider | None = None):
+        self.w, self.cache, self.ks, self.batch, self.experts = w, cache, get_set(kernels), batch, experts
+        self.reason = why_not(w, self.ks, batch, experts)
+        self.replays, self.eager_steps, self.pieces, self._out = 0, 0, None, None
+        if self.reason is None:
+            dev, i64 = w.device, torch.int64
+            self.tokens, self.positions, self.slots = (torch.zeros(batch, dtype=i64, device=dev) for _ in range(3))
+            self.host_positions, self.host_slots = torch.zeros(batch, dtype=i64), torch.zeros(batch, dtype=i64)
+            opts = self.ks.options
+            if opts.get("grouped_experts") is None:
+                opts = {**opts, "grouped_experts": _gathered_experts(self.ks)}
+            self._set = dataclasses.replace(self.ks, options=opts)
+            attn = self.ks.fn("attention", "decode")
+            self._attn = attn
+            self._attn_in_graph = (attn in _device_indexed_attention() and not cache.format.quantized
+                                   and len(cache.lengths) == 1)
+            self._attn_host = attn in _host_indexed_attention()
+
+    def info(self) -> dict:
+        """{"served": any step replayed, "replays", "eager_steps", "pieces": graph pieces + eager attention calls
+        per step (0 before capture), "reason": why a graph did not serve (None when it did)}."""
+        return {"served": self.replays > 0, "replays": self.replays, "eager_steps": self.eager_steps,
+                "pieces": len(self.pieces or ()), "reason": self.reason}
+
+    def step(self, tokens: torch.Tensor, positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+        """One decode step: tokens [B] int64 (device) at host ``positions`` of cache ``slots`` -> logits [B, V] fp32.
+
+        Raises:
+            ValueError: wrong lengths, or a position outside 0..cache capacity - 1.
+        """
+        positions, slots = [int(p) for p in positions], [int(s) for s in slots]
+        if tokens.shape != (self.batch,) or len(positions) != self.batch or len(slots) != self.batch:
+            raise ValueError(f"a step of {self.batch} streams needs tokens [{self.batch}], {self.batch} positions "
+                             f"and slots; got {tuple(tokens.shape)}, {len(positions)}, {len(slots)}")
+        if min(positions) < 0 or max(positions) >= self.cache.capacity:
+            raise ValueError(f"positions {min(positions)}..{max(positions)} outside the cache capacity "
+                             f"0..{self.cache.capacity - 1}")
+        if self.reason is None and _TAPS:
+            self.reason = "kernel taps became active: every kernel call is reported on the host"
+        if self.reason is not None:
+            self.eager_steps += 1
+            dev = self.w.device
+            return forward(self.w, tokens, torch.tensor(positions, device=dev), self.cache, self.ks, DECODE,
+                           slots=torch.tensor(slots, device=dev), experts=self.experts).logits
+        self._load(tokens, positions, slots)
+        if self.pieces is None:
+            out = self._warm_and_capture()
+            self.eager_steps += 1
+        else:
+            for p in self.pieces:
+                p.replay()
+            out = self._out.clone()
+            self.replays += 1
+        self.cache.advance(self.host_slots, self.host_positions)
+        return out
+
+    def _load(self, tokens: torch.Tensor, positions: list[int], slots: list[int]) -> None:
+        self.tokens.copy_(tokens)
+        if self.batch == 1:                          # fill_: the value travels as a launch argument, no copy
+            self.positions.fill_(positions[0])
+            if int(self.host_slots[0]) != slots[0] or self.pieces is None:
+                self.slots.fill_(slots[0])
+        else:
+            self.positions.copy_(torch.tensor(positions))
+            self.slots.copy_(torch.tensor(slots))
+        self.host_positions[:] = torch.tensor(positions)
+        self.host_slots[:] = torch.tensor(slots)
+
+    def _forward(self, cap: _Capture | None) -> torch.Tensor:
+        """model.forward's decode step on the static inputs; attention cut out of the capture where it must run
+        eagerly. -> logits [B, V] fp32."""
+        w, cfg, cache = self.w, self.w.cfg, self.cache
+        ops = Ops(self._set, DECODE)
+        ops.positions = self.positions
+        if not self._attn_in_graph:
+            ops.attention = lambda q, k, v, s, p: self._attention(cap, q, k, v, s, p)
+        experts = ResidentExperts(w.layers)
+        x = w.embed[self.tokens]                                                     # [B, H]
+        for i, lw in enumerate(w.layers):
+            ops.layer = i
+            x = attention_block(ops, lw, cfg, x, self.positions, self.slots, cache, i)
+            x = moe_block(ops, lw, cfg, x, experts, i)
+        ops.layer = -1
+        return ops.lm_head(ops.rmsnorm(x, w.final_norm, cfg.rms_eps), w.lm_head)  # [B, V] fp32
+
+    def _attention(self, cap, q, k_cache, v_cache, slots, positions):
+        if self._attn_host:
+            slots, positions = self.host_slots, self.host_positions
+        if cap is None:
+            return self._attn(q, k_cache, v_cache, slots, positions)
+        return cap.cut(self._attn, (q, k_cache, v_cache, slots, positions), q)
+
+    def _warm_and_capture(self) -> torch.Tensor:
+        """Run this step eagerly (every kernel warmed up, the library handles of the capture stream made), then
+        capture it on the same side stream. -> this step's logits [B, V] fp32."""
+        dev = self.w.device
+        main, side = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
+        side.wait_stream(main)
+        cap = _Capture()
+        with torch.cuda.stream(side):
+            out = self._forward(None)
+            torch.cuda.synchronize(dev)
+            try:
+                cap.begin()
+                graph_out = self._forward(cap)
+                cap.end()
+                self.pieces, self._out = cap.pieces, graph_out
+            except Exception as e:  # whatever the kernels raise under capture: the eager steps serve instead
+                cap.abort()
+                self.reason = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                torch.cuda.synchronize(dev)
+        main.wait_stream(side)
+        out.record_stream(main)
+        return out

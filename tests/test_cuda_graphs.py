@@ -1,0 +1,161 @@
+"""CUDA-graph decode (graphs.py): with graphs the tokens, generated logits and KV bytes equal the eager run's.
+
+GPU tests (skipped without CUDA and Triton) run the ``small`` preset's layer shapes at two layers, for both kernel
+sets (and the invariant set over an fp8 cache, whose attention runs eagerly between graph pieces). The negative
+control replays with a stale device position (the host still records the right one) and must be caught by the same
+comparison, at the stale position. Where a graph cannot serve (CPU weights, kernel taps, another expert provider)
+the run records why and its bytes are the eager run's.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from exactness import graphs
+from exactness.exact import bytes_equal, kv_first_difference
+from exactness.model import ResidentExperts, tapping
+from exactness.paths import Schedule, generate
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+GPU = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and Triton")
+GEN = 6
+
+
+def same_run(a, b) -> bool:
+    """Generated tokens, generated logits and the KV cache of two runs equal as bytes."""
+    return (bytes_equal(a.gen_ids, b.gen_ids) and bytes_equal(a.gen_logits, b.gen_logits)
+            and kv_first_difference(a.cache, b.cache) is None)
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+
+def test_cpu_falls_back_with_reason(tiny_weights):
+    ids = torch.arange(5, 17)
+    eager = generate(tiny_weights, ids, 4, "invariant", keep_cache=True)
+    run = generate(tiny_weights, ids, 4, "invariant", keep_cache=True, graphs=True)
+    assert run.graphs["served"] is False and run.graphs["replays"] == 0 and run.graphs["eager_steps"] == 3
+    assert "CUDA device" in run.graphs["reason"] and "cpu" in run.graphs["reason"]
+    assert eager.graphs == {}
+    assert same_run(eager, run)
+    other = generate(tiny_weights, torch.cat([ids[:-1], ids[-1:] + 1]), 4, "invariant", keep_cache=True)
+    assert not same_run(eager, other)          # negative control: one prompt token changed
+
+
+def test_batch_must_be_positive(tiny_weights):
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        graphs.why_not(tiny_weights, "fast", 0)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+@pytest.fixture(scope="module")
+def gpu_weights():
+    from exactness.config import get_preset
+    from exactness.kernels.cuda import device_random_weights
+    return device_random_weights(get_preset("small").replace(n_layers=2), torch.bfloat16, "cuda", seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(0, 258, (40,), generator=torch.Generator().manual_seed(3))
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels,kv_dtype", [("fast", "bf16"), ("invariant", "bf16"),
+                                              ("invariant", "fp8_e4m3_block")])
+def test_gpu_graph_bytes_equal_eager(gpu_weights, prompt, kernels, kv_dtype, monkeypatch):
+    sched = Schedule("batched")
+    eager = generate(gpu_weights, prompt, GEN, kernels, sched, keep_cache=True, kv_dtype=kv_dtype)
+    run = generate(gpu_weights, prompt, GEN, kernels, sched, keep_cache=True, kv_dtype=kv_dtype, graphs=True)
+    info = run.graphs
+    assert info["reason"] is None, info
+    assert info["served"] and info["replays"] == GEN - 2 and info["eager_steps"] == 1
+    one_piece = kernels == "invariant" and kv_dtype == "bf16"     # attention captured: one graph per step
+    assert (info["pieces"] == 1) == one_piece
+    assert same_run(eager, run)
+
+    load = graphs.GraphDecoder._load
+
+    def stale(self, tokens, positions, slots):  # replays read the previous position; the host keeps the right one
+        load(self, tokens, positions, slots)
+        if self.pieces is not None:
+            self.positions.sub_(1)
+    monkeypatch.setattr(graphs.GraphDecoder, "_load", stale)
+    bad = generate(gpu_weights, prompt, GEN, kernels, sched, keep_cache=True, kv_dtype=kv_dtype, graphs=True)
+    assert bad.graphs["served"]
+    assert not same_run(eager, bad)
+    P = prompt.numel()                       # replays start at position P + 1 and write P, P + 1, ... instead
+    assert P <= kv_first_difference(eager.cache, bad.cache) <= P + GEN - 2
+    assert bytes_equal(eager.gen_logits[:2], bad.gen_logits[:2])          # before the first replay: untouched
+    assert not bytes_equal(eager.gen_logits[2:3], bad.gen_logits[2:3])    # the first replay's logits
+
+
+class _Staged(ResidentExperts):
+    """An expert provider other than the resident weights (the same experts)."""
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = 0
+
+    def record(self, **call):
+        self.calls += 1
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_falls_back_with_reason(gpu_weights, prompt):
+    eager = generate(gpu_weights, prompt, 4, "invariant", keep_cache=True)
+    run = generate(gpu_weights, prompt, 4, "invariant", keep_cache=True, graphs=True,
+                   experts=_Staged(gpu_weights.layers))
+    assert not run.graphs["served"] and "_Staged" in run.graphs["reason"]
+    assert same_run(eager, run)
+    rec = _Recorder()
+    with tapping(rec):
+        tapped = generate(gpu_weights, prompt, 4, "invariant", keep_cache=True, graphs=True)
+    assert not tapped.graphs["served"] and "taps" in tapped.graphs["reason"] and rec.calls > 0
+    assert same_run(eager, tapped)
+    assert "streams" in graphs.why_not(gpu_weights, "fast", batch=2)
+    assert graphs.why_not(gpu_weights, "invariant", batch=2) is None
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_two_streams_bytes_equal_eager(gpu_weights, monkeypatch):
+    from exactness.cache import KVCache
+    from exactness.paths import decode_step, prefill
+
+    def run(graph: bool):
+        w = gpu_weights
+        cache = KVCache(w.cfg, 48, 2, w.dtype, w.device)
+        for s, n in ((0, 30), (1, 37)):             # two streams at different positions
+            prefill(w, cache, torch.arange(n) % 251, "invariant", Schedule("batched"), slot=s)
+        dec = graphs.GraphDecoder(w, cache, "invariant", batch=2)
+        tok, pos, out = torch.tensor([5, 9], device=w.device), [30, 37], []
+        for _ in range(4):
+            if graph:
+                logits = dec.step(tok, pos, [0, 1])
+            else:
+                logits = decode_step(w, cache, tok, torch.tensor(pos, device=w.device),
+                                     torch.tensor([0, 1], device=w.device), "invariant")
+            out.append(logits)
+            tok, pos = logits.argmax(-1), [p + 1 for p in pos]
+        return torch.cat(out).cpu(), cache, dec.info()
+
+    def same(a, b) -> bool:
+        return bytes_equal(a[0], b[0]) and all(kv_first_difference(a[1].select(s), b[1].select(s)) is None
+                                              for s in (0, 1))
+    eager, graph = run(False), run(True)
+    assert graph[2]["served"] and graph[2]["replays"] == 3 and graph[2]["reason"] is None, graph[2]
+    assert same(eager, graph)
+    load = graphs.GraphDecoder._load
+
+    def stale(self, tokens, positions, slots):
+        load(self, tokens, positions, slots)
+        if self.pieces is not None:
+            self.positions.sub_(1)
+    monkeypatch.setattr(graphs.GraphDecoder, "_load", stale)
+    assert not same(eager, run(True))
