@@ -130,6 +130,7 @@ def test_a_bench_figure_beyond_its_spread_is_reported_and_one_within_it_is_not(r
     assert [(c[0], c[1], c[3]) for c in _reported(result)] == [("change", "bench", "decode_tps")]
     c = result["changes"][0]
     assert c["spread"] == pytest.approx(max(spread, 2 * spread)) and "ITL repetitions" in c["spread_of"]
+    assert result["speed_moved"] == 1 and result["moved"] is False   # speed is listed, not an exactness move
     # negative control: a shift smaller than the spread is not a move
     small = _edited(receipt, lambda pr: [run.update(decode_tps=run["decode_tps"] + spread / 4)
                                          for run in _itl(pr)["runs"]])

@@ -20,7 +20,9 @@ not compared, and rows whose engine identity or inputs (prompt text, lengths) di
 in ``not_comparable`` with the reason, never dropped. Rows present in one receipt only are listed.
 
 Exit status of :func:`main`: 0 nothing moved (every row compared, all equal), 1 something moved, was present in one
-receipt only or could not be compared, 2 bad input (a message on stderr, nothing written).
+receipt only or could not be compared, 2 bad input (a message on stderr, nothing written). Bench figures beyond their
+spread are listed as speed changes and do not count as moved: two receipts of one commit made at different times of
+a loaded machine differ in speed by more than one receipt's repeats do.
 """
 from __future__ import annotations
 
@@ -321,7 +323,9 @@ def diff_receipts(base: dict, pr: dict, base_name: str = "BASE", pr_name: str = 
             diff_bench(result, b, p, [(r.get("env") or {}).get("device") for r in (base, pr)], match)
         else:
             DIFFS[name](result, b, p)
-    result["moved"] = bool(result["changes"] or result["only_base"] or result["only_pr"] or result["not_comparable"])
+    exact = [c for c in result["changes"] if c["section"] != "bench"]
+    result["speed_moved"] = len(result["changes"]) - len(exact)
+    result["moved"] = bool(exact or result["only_base"] or result["only_pr"] or result["not_comparable"])
     return result
 
 

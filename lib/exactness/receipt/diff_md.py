@@ -105,7 +105,11 @@ def not_judged_rows(items: list[dict]) -> list[list]:
 def headline(result: dict) -> str:
     """One line: nothing moved, or the counts of what moved, what is in one receipt only, what was not compared."""
     n = {k: len(result[k]) for k in ("changes", "only_base", "only_pr", "not_comparable")}
+    n["changes"] -= result.get("speed_moved", 0)
     judged = f"; {result['within_spread']} bench figures within their spread" if result["within_spread"] else ""
+    speed = result.get("speed_moved", 0)
+    judged += (f"; {speed} bench figure(s) beyond their spread (speed, listed below: not an exactness change)"
+               if speed else "")
     compared = ", ".join(f"{k} {v}" for k, v in result["compared"].items()) or "none"
     if not result["moved"]:
         return f"**Nothing moved.** Row pairs compared: {compared}{judged}."
