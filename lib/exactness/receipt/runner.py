@@ -1,4 +1,5 @@
-"""Receipt runs: running the notebooks into one receipt (run folders: runfolder.py; the environment record: env.py).
+"""Receipt runs: running the notebooks into one receipt (run folders: runfolder.py; the environment record: env.py;
+a run's parameters and their checks: overrides.py).
 
 A run executes each notebook of a profile with papermill into a hidden temporary folder beside the final one,
 collects the section JSON each notebook wrote (through the lib) to its ``out_json`` parameter, assembles
@@ -20,12 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from .env import REPO_ROOT, environment, git_state  # noqa: F401  (re-exported: receipt.environment, ...)
-from .params import ParamError, check_common
-from .preflight import check_run
-from .profiles import PROFILES, get_profile
+from .overrides import (OUT_JSON, RUNNER_SET, check_common_values, check_override_types,  # noqa: F401
+                        check_section_values, declared_parameters, parse_overrides, plan_parameters)
+from .profiles import get_profile
 from .runfolder import ReceiptError, remove_stale_temporaries, run_folder, sigterm_as_interrupt
 from .sections import SECTIONS, section_of
 
@@ -33,9 +32,6 @@ SCHEMA = 2  # 2: sections stored as computed under receipt["sections"]
 KERNEL_NAME = "exactness"
 DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 
-OUT_JSON = "out_json"  # the parameter through which the runner tells a notebook where to write its section
-# Notebook parameters the runner sets itself (--profile, --precomputed, the section file), never a user's override.
-RUNNER_SET = {OUT_JSON, "precomputed_json", "profile"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -46,130 +42,6 @@ class ReceiptRun:
     folder: Path
     status: str
     receipt: dict
-
-
-# ---------------------------------------------------------------------------------------------------- parameters
-
-def parse_overrides(items: list[str] | None) -> dict:
-    """Parse ``["key=value", ...]``; each value is read with ``yaml.safe_load`` (``steps=[64,100]`` is a list).
-
-    Raises:
-        ReceiptError: an item without ``=`` or whose key is not a Python identifier.
-    """
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise ReceiptError(f"bad parameter {item!r}: expected key=value with key a Python identifier")
-        try:
-            out[key] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ReceiptError(f"bad value in parameter {item!r}: not valid YAML ({first}); no spaces inside a value, "
-                               "e.g. steps=[64,100], gen_tokens=32, prompts=[code]") from None
-    return out
-
-
-def declared_parameters(notebooks_dir: Path, notebooks: list[str]) -> dict[str, set[str]]:
-    """Parameter names each notebook's ``parameters`` cell declares (via ``papermill.inspect_notebook``).
-
-    Raises:
-        ReceiptError: a notebook file is missing, cannot be inspected (no kernelspec metadata), or does not
-            declare ``out_json``.
-    """
-    import papermill
-
-    declared = {}
-    for nb in notebooks:
-        path = Path(notebooks_dir) / f"{nb}.ipynb"
-        if not path.is_file():
-            raise ReceiptError(f"notebook {nb!r} not found: {path} does not exist")
-        try:
-            declared[nb] = set(papermill.inspect_notebook(str(path)))
-        except ValueError as e:  # e.g. no kernelspec in the notebook's metadata
-            raise ReceiptError(f"notebook {nb!r} cannot be inspected: {e}") from None
-        if OUT_JSON not in declared[nb]:
-            raise ReceiptError(f"notebook {nb!r} has no {OUT_JSON!r} in its parameters cell; "
-                               f"it declares: {', '.join(sorted(declared[nb])) or '(nothing)'}")
-    return declared
-
-
-def _kind(v) -> str | None:
-    """Coarse type of a parameter value for the override check (None for null: anything may replace it)."""
-    if v is None:
-        return None
-    if isinstance(v, bool):
-        return "bool"
-    if isinstance(v, int):
-        return "int"
-    if isinstance(v, float):
-        return "number"
-    return {str: "str", list: "list", tuple: "list", dict: "dict"}.get(type(v), type(v).__name__)
-
-
-def check_override_types(base: dict, overrides: dict) -> None:
-    """Refuse an override whose coarse type differs from the profile's value (an int for an int, a list for a
-    list; a null profile value accepts anything).
-
-    Raises:
-        ReceiptError: naming the parameter, the value given and the type expected.
-    """
-    for key, value in overrides.items():
-        want, got = _kind(base.get(key)), _kind(value)
-        if want and got != want and not (want == "number" and got == "int"):
-            raise ReceiptError(f"parameter {key}={value!r} is of type {got or 'null'}; the profile's value "
-                               f"{base[key]!r} is of type {want}, so type {want} is expected")
-
-
-def check_common_values(params: dict) -> None:
-    """Refuse, before anything runs, the values every section would refuse later (params.check_common: an unknown
-    preset unless a checkpoint is given, dtype, prompt or kernel set; a device other than cpu / cuda / cuda:N;
-    steps, gen_tokens, deep_threshold, prompt_max_tokens that are not positive ints).
-
-    Raises:
-        ReceiptError: naming the parameter, the bad value and what is allowed.
-    """
-    try:
-        check_common(params)
-    except ParamError as e:
-        raise ReceiptError(str(e)) from None
-
-
-def check_section_values(params: dict, sections: list[str]) -> None:
-    """Build each section's typed parameters (sections.Section.params_class) from ``params`` (the profile's and the
-    overrides), so that a value a section refuses is refused before any section runs.
-
-    Raises:
-        ReceiptError: the section and the refusal (names the value and what is allowed).
-    """
-    for name in sections:
-        cls = SECTIONS[name].params_class
-        try:
-            cls.from_dict({k: v for k, v in params.items() if k in cls.names()})
-        except ValueError as e:
-            raise ReceiptError(f"{name}: {e}") from None
-
-
-def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) -> dict[str, dict]:
-    """Parameters per notebook: ``base`` (the profile's) updated by ``overrides``, each notebook getting only
-    the names it declares.
-
-    Raises:
-        ReceiptError: an override names a parameter no notebook of the run declares (the message lists the
-            allowed names), or overrides ``out_json`` (the runner sets it).
-    """
-    allowed = set().union(*declared.values()) - RUNNER_SET
-    for key in overrides:
-        if key in RUNNER_SET or key not in allowed:
-            raise ReceiptError(f"unknown parameter {key!r} for notebooks {', '.join(declared)}; "
-                               f"allowed: {', '.join(sorted(allowed))}")
-    check_override_types(base, overrides)
-    merged = {**base, **overrides}
-    check_common_values(merged)
-    check_section_values(merged, [section_of(nb) for nb in declared if section_of(nb) in SECTIONS])
-    check_run(merged, [section_of(nb) for nb in declared])
-    return {nb: {k: v for k, v in merged.items() if k in names} for nb, names in declared.items()}
 
 
 def _check_kernel(kernel_name: str) -> None:
