@@ -213,3 +213,21 @@ def test_engine_bench_measures_each_configuration_and_refuses_a_cache_hit_as_col
                                                                           {"cached_tokens": 16}}})
     (row,) = cold_rows(cached, source, [32], 2, "a")
     assert row["cold"] is False and row["cached_tokens"] == 16
+
+
+def test_engine_targets_are_checked_before_anything_runs(tmp_path, tiny_folder):
+    """A model folder without config.json, a file that is not GGUF, a URL that is not http(s): refused with the
+    spec named; our engine on a checkpoint runs once per kernel set, each labelled with its set."""
+    not_gguf = tmp_path / "m.gguf"
+    not_gguf.write_bytes(b"NOPE")
+    for spec, msg in ((f"transformers:{tmp_path}", "is not a model folder"), ("transformers", "is not a model folder"),
+                      (f"reference:{tmp_path / 'x'}", "is not a model folder"), (f"llamacpp:{not_gguf}",
+                                                                                "is not a GGUF file"),
+                      ("openai:localhost:8000", "is not a base URL")):
+        with pytest.raises(ValueError, match=msg):
+            parse_spec(spec)
+    sec = E.run_section(dict(engine=[f"reference:{tiny_folder}"], device="cpu", dtype="bfloat16", prompts=["short"],
+                             prompt_max_tokens=24, steps=[8], gen_tokens=2, kernel_sets=["fast", "invariant"],
+                             preset="tiny", deep_threshold=8, engine_streams=False))
+    assert [e["spec"] for e in sec["engines"]] == [f"reference:{tiny_folder}:fast", f"reference:{tiny_folder}:invariant"]
+    assert {r["verdict"] for r in sec["rows"] if r["engine"].endswith(":invariant")} == {"equal"}

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..engines import open_engine
+from ..engines import open_engine, parse_spec
 from ..engines.base import Engine, EngineError, Generation, NotAvailable
 from ..exact import bytes_equal, differing_rows, first_differing_row, token_hash
 from ..receipt.params import EnginesParams
@@ -22,8 +22,10 @@ from ..progress import bar as progress_bar
 from .engines_md import (INTRO, bench_block, cross_table, engines_table, hash_table, render_md,  # noqa: F401
                          streams_block, verdict_md)
 
-NOT_KERNEL_LEVEL = ("needs kernel-level access: our reference engine (make receipts without ENGINE), or the "
-                    "engine's tensor dumps (python -m exactness contract --dumps DIR)")
+def not_kernel_level(section: str) -> str:
+    """Why the kernel-level section ``section`` is not computed from engines, and how to get it."""
+    return ("needs kernel-level access: our reference engine (make receipts without ENGINE), or the engine's tensor "
+            f"dumps (make receipts DUMPS=DIR, or python -m exactness {section} --dumps DIR)")
 
 
 def _rows_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[bool | None, int | None, int]:
@@ -168,11 +170,12 @@ def run_section(params: EnginesParams | dict) -> dict:
     common = dict(device=p.device, dtype=p.dtype, steps=list(p.steps), kernel_sets=list(p.kernel_sets or []),
                   preset=p.preset, deep_threshold=p.deep_threshold)
     section = {"section": "engines", "engines": [], "rows": [], "streams": {}, "errors": [],
-               "not_available": {"contract": NOT_KERNEL_LEVEL, "fp64": NOT_KERNEL_LEVEL}}
+               "not_available": {s: not_kernel_level(s) for s in ("contract", "fp64")}}
     with progress_bar(None, "engines", "run") as bar:
         for spec in p.engine:
-            sets = p.kernel_sets if spec == "reference" else [None]   # our engine: one engine per kernel set
-            for ks in sets:
+            kind, _, options = parse_spec(spec)
+            ours = kind == "reference" and "kernels" not in options
+            for ks in (p.kernel_sets if ours else [None]):   # our engine: one engine per kernel set
                 _run_engine(spec, {**common, "kernels": ks}, p, section, bar)
     section["cross"] = cross_engine(section["rows"]) if len(section["engines"]) > 1 else []
     return section

@@ -8,7 +8,6 @@ from ..receipt.render import render_extra, table
 from .hashes_report import INTRO, control_table, differs_in, first_difference, verdict_md
 
 DIFF_MARK = "✗"
-OPTIONAL_RUN_COLUMNS = ("prompt_logits_equal", "kv_equal", "max_prompt_logit_diff", "rerun_equal", "seconds")
 
 
 def render_md(section: dict) -> str:
@@ -104,19 +103,18 @@ def render_hashes(rows: list[dict]) -> str:
                                                   for r in reruns)
                   + ". A set whose reruns differ is not run-to-run deterministic: its other differences (offload "
                     "included) cannot be told from noise."]
-    return "\n".join(parts + ["", "### Runs", "", _runs_table(rows)])
+    idle = _deep_unserved(rows)
+    tail = ["", f"_Every run's row ({len(rows)}: timings, plans served, byte verdicts) is in receipt.json and in the "
+                  "notebook's run tables._"]
+    return "\n".join(parts + (["", idle] if idle else []) + tail)
 
 
-def _runs_table(rows: list[dict]) -> str:
-    heads = ["prompt", "kernels", "run", "tokens", "gen", "equals oracle", "served"]
-    opt = [k for k in OPTIONAL_RUN_COLUMNS if any(k in r for r in rows)]
-    body = []
-    for r in rows:
-        served = _served(r.get("served"))
-        deep = r["served"].get("deep") if isinstance(r.get("served"), dict) else None
-        if r.get("path") == "deep" and isinstance(r.get("served"), dict) and not (deep or {}).get("rows"):
-            served = f"{served} ⚠ deep path served nothing"
-        body.append([r.get("prompt"), r.get("kernels"), _col(r), r.get("prompt_tokens"),
-                     r.get("gen_tokens"), r.get("equals_oracle"), served, *[r.get(k) for k in opt]])
-    return table(body, heads + [k.replace("_", " ").replace("seconds", "time (s)") for k in opt],
-                 dash="not applicable: the oracle itself, or a value this run did not record")
+def _deep_unserved(rows: list[dict]) -> str:
+    """A warning line naming the deep runs whose deep plan served no row (every segment under the threshold), or ""."""
+    idle = [f"{r.get('prompt')} {r.get('kernels')} {_col(r)}" for r in rows
+            if r.get("path") == "deep" and isinstance(r.get("served"), dict)
+            and not (r["served"].get("deep") or {}).get("rows")]
+    if not idle:
+        return ""
+    return (f"⚠ deep path served nothing in {len(idle)} deep run(s) (every segment shorter than deep_threshold: "
+            f"they ran the batched plan): " + "; ".join(idle[:12]) + (" ..." if len(idle) > 12 else ""))

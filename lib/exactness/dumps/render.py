@@ -40,7 +40,7 @@ def verdict_md(obj: dict) -> str:
             f"{t['origin_mismatches']:,} of them had byte-equal inputs.")
     f, o = obj.get("first_mismatch"), obj.get("first_origin")
     if f:
-        line += f" The roles first part at class `{f['class']}`" + (f", site `{f['site']}`" if f.get("site") else "")
+        line += f" The roles first differ at class `{f['class']}`" + (f", site `{f['site']}`" if f.get("site") else "")
         line += f" (M = {f.get('call_rows')}, position {f.get('pos')})."
     if o and o is not f and o != f:
         line += f" The first mismatch with equal inputs is at `{o['class']}`" + \

@@ -52,7 +52,35 @@ def parse_spec(spec: str) -> tuple[str, str, dict]:
         options = {}
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine kind {kind!r} in {spec!r}; allowed: {', '.join(ENGINE_KINDS)}")
+    check_target(kind, target, options, spec)
     return kind, target, options
+
+
+def _magic(path: Path) -> bytes:
+    with path.open("rb") as fh:
+        return fh.read(4)
+
+
+def check_target(kind: str, target: str, options: dict, spec: str) -> None:
+    """Refuse, before anything runs, a target the engine could not open: a model folder without config.json
+    (reference with a checkpoint, transformers), a file that is not GGUF (llamacpp), a URL that is not http(s)
+    (openai without configurations in its YAML file).
+
+    Raises:
+        ValueError: naming the spec, the target and what is allowed.
+    """
+    path = Path(target) if target else None
+    if kind in ("reference", "transformers") and (target or kind == "transformers"):
+        if path is None or not (path / "config.json").is_file():
+            raise ValueError(f"engine {spec!r}: {target or '(no folder)'} is not a model folder (no config.json); "
+                             f"allowed: {kind}:/path/to/model_folder")
+    elif kind == "llamacpp":
+        if path is None or not path.is_file() or _magic(path) != b"GGUF":
+            raise ValueError(f"engine {spec!r}: {target or '(no file)'} is not a GGUF file; allowed: "
+                             "llamacpp:/path/model.gguf (python -m exactness tiny-model DIR --gguf FILE writes one)")
+    elif kind == "openai" and not options.get("configurations") and not target.startswith(("http://", "https://")):
+        raise ValueError(f"engine {spec!r}: {target or '(no URL)'} is not a base URL; allowed: "
+                         "openai:http://host:port/v1, or a YAML engine file with configurations")
 
 
 def open_engine(spec: str, **common) -> Engine:

@@ -117,7 +117,9 @@ def render_errors(errors: list[dict]) -> str:
 def render_header(receipt: dict) -> str:
     """Title, a FAILED banner when failed, the environment table, the errors and the parameters."""
     failed = receipt.get("status") != "ok"
-    parts = [f"# Exactness receipt: {receipt.get('profile')} — {'FAILED' if failed else 'ok'}", ""]
+    on = [k for k in receipt.get("runs_on") or [] if k != "reference"]
+    what = f"{receipt.get('profile')}" + (f" ({', '.join(on)})" if on else "")
+    parts = [f"# Exactness receipt: {what} — {'FAILED' if failed else 'ok'}", ""]
     if failed:
         parts += ["**This run FAILED: the receipt is incomplete. The errors are listed below.**", ""]
     summary = render_summary(receipt)

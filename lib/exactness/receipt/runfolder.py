@@ -28,7 +28,8 @@ class ReceiptError(Exception):
 
 
 def run_folder(profile: str, out: Path | str | None, env: dict, receipts_dir: Path | str | None = None) -> Path:
-    """The final run folder: ``out`` if given, else ``<receipts_dir>/<UTC %Y%m%dT%H%M%SZ>-<git short>-<profile>``.
+    """The final run folder: ``out`` if given, else ``<receipts_dir>/<UTC %Y%m%dT%H%M%SZ>-<git short>-<profile>``
+    (``profile`` names the run: the profile, with ``-engines`` / ``-dumps`` for runs on engines or dumps).
 
     Raises:
         ReceiptError: the folder already exists (receipts are never overwritten).

@@ -238,7 +238,8 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
     per_nb = plan_parameters(prof.parameters(), overrides, declared_parameters(nb_dir, names))
     _check_kernel(kernel_name)
     env = environment()
-    final = run_folder(profile, out, env, receipts_dir)
+    kinds = sorted(run_kinds(overrides) - {"reference"})   # an engines or dumps run is named so in its folder
+    final = run_folder("-".join([profile, *kinds]), out, env, receipts_dir)
     if precomputed is not None:
         env = precomputed_parameters(precomputed, per_nb, env)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -255,6 +256,8 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    for e in receipt["errors"]:   # the reason, not only the FAILED file's name
+        print(f"[receipt] error in {e.get('notebook')}: {e.get('ename')}: {e.get('evalue')}", file=sys.stderr)
     print(f"[receipt] {receipt['status']}: {final}", file=sys.stderr, flush=True)
     return ReceiptRun(folder=final, status=receipt["status"], receipt=receipt)
 
@@ -307,7 +310,7 @@ def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: d
         entries.append(_execute(nb, nb_dir / f"{nb}.ipynb", tmp, nb_params, kernel_name, f"{i}/{len(per_nb)}"))
     errors = [e.pop("error") for e in entries if "error" in e]
     sections = _collect(tmp, entries, errors)
-    receipt = {"schema": SCHEMA, "status": "failed" if errors else "ok", "profile": prof.name,
+    receipt = {"schema": SCHEMA, "status": "failed" if errors else "ok", "profile": prof.name, "runs_on": sorted(ran),
                "parameters": params, "env": env, "sections": sections, "errors": errors, "notebooks": entries}
     files = [tmp / e["file"] for e in entries if (tmp / e["file"]).is_file()]
     _write_outputs(receipt, tmp, files)
