@@ -18,7 +18,7 @@ STAMP         := $(VENV)/.setup-stamp
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?=
 KERNEL_NAME   := exactness
-LLAMA_WHEELS  ?= ../shared/wheels
+LLAMA_WHEELS  ?=
 PROFILE       ?= standard
 SECTIONS      ?=
 OUT           ?=
@@ -39,9 +39,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e '.[dev]'
 	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL_NAME) --display-name "Python (exactness)"
-	@# llama.cpp (optional; its tests skip without it): the prebuilt wheel beside the checkout when there is one,
+	@# llama.cpp (optional; its tests skip without it): from a folder of prebuilt wheels when LLAMA_WHEELS names one,
 	@# since building it from source takes 15-40 minutes; elsewhere `pip install llama-cpp-python`.
-	@if ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
+	@if [ -n "$(LLAMA_WHEELS)" ] && ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
 	    $(PY) -m pip install --find-links $(LLAMA_WHEELS) "llama-cpp-python[server]==0.3.36"; \
 	else echo "llama-cpp-python not installed (its tests skip); for the llamacpp engine: pip install llama-cpp-python"; fi
 	touch $(STAMP)
