@@ -2,7 +2,6 @@
 #
 #   make receipts [PROFILE=standard|ci|full|gpu] [OUT=dir] [SECTIONS=hashes,streams] [PARAMS="gen_tokens=8 steps=[64,100]"]
 #                 [ENGINE="reference transformers:/path/to/model llamacpp:/path/model.gguf openai:URL"] [DUMPS=dir]
-#   make diff BASE=receipt-folder PR=receipt-folder [OUT=dir]
 #   make diff BASE=receipt-folder PR=receipt-folder [OUT=dir]   (what moved, as markdown; exit 1 when it did)
 #   make test | make lab [LAB_ARGS="--port=8890"] | make clean
 #
@@ -10,6 +9,13 @@
 # to it; where only PyPI is seen, PyPI's Linux torch is a multi-GB CUDA build, so ask for the build you want:
 #   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu          (CPU)
 #   make setup TORCH_VERSION=2.11.0 TORCH_INDEX=https://download.pytorch.org/whl/cu130   (CUDA 13)
+#
+# With an existing Python instead of the venv (e.g. the GPU machine: torch there, no network):
+#   make receipts PROFILE=gpu PY=python3 WHEELS=.whl            (likewise make test / make diff with PY=...)
+# PY names that Python: no venv is made and nothing is installed into it. WHEELS names a folder of wheels of the
+# packages it lacks (scripts/gpu_wheels.sh fills .whl/ for the GPU machine); `setup` installs them offline into
+# .deps/ and registers the Jupyter kernel there (scripts/setup_python.sh). The commands then run with lib and .deps
+# on PYTHONPATH and .deps/share/jupyter (the kernel, nbconvert's templates) on JUPYTER_PATH.
 
 PYTHON        ?= python3
 VENV          := .venv
@@ -19,6 +25,8 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?=
 KERNEL_NAME   := exactness
 LLAMA_WHEELS  ?=
+WHEELS        ?=
+DEPS          := .deps
 PROFILE       ?= standard
 SECTIONS      ?=
 OUT           ?=
@@ -32,7 +40,14 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup receipts diff test lab clean
 
+ifeq ($(PY),$(VENV)/bin/python)
 setup: $(STAMP)
+else
+export PYTHONPATH   := $(abspath lib):$(abspath $(DEPS))$(if $(PYTHONPATH),:$(PYTHONPATH))
+export JUPYTER_PATH := $(abspath $(DEPS))/share/jupyter$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
+setup:
+	scripts/setup_python.sh '$(PY)' '$(WHEELS)' $(DEPS) $(KERNEL_NAME)
+endif
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,5 +76,5 @@ lab: setup
 	scripts/lab.sh $(LAB_ARGS)
 
 clean:
-	rm -rf $(VENV) build lib/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(DEPS) build lib/*.egg-info .pytest_cache
 	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +

@@ -1,10 +1,11 @@
-"""CUDA-graph decode (graphs.py): with graphs the tokens, generated logits and KV bytes equal the eager run's.
+"""CUDA-graph decode (graphs.py): with graphs the tokens, generated logits and KV bytes equal the eager run's, and
+on the decode path (every prompt row one decode step, replayed too) the prompt logits as well.
 
 GPU tests (skipped without CUDA and Triton) run the ``small`` preset's layer shapes at two layers, for both kernel
 sets (and the invariant set over an fp8 cache, whose attention runs eagerly between graph pieces). The negative
-control replays with a stale device position (the host still records the right one) and must be caught by the same
-comparison, at the stale position. Where a graph cannot serve (CPU weights, kernel taps, another expert provider)
-the run records why and its bytes are the eager run's.
+controls replay with a stale device position (the host still records the right one), or move one replayed prompt
+row's logit by one ULP, and must be caught by the same comparison, where planted. Where a graph cannot serve (CPU
+weights, kernel taps, another expert provider) the run records why and its bytes are the eager run's.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from exactness import graphs
-from exactness.exact import bytes_equal, kv_first_difference
+from exactness.exact import bytes_equal, first_differing_row, kv_first_difference, ulp_distance
 from exactness.model import ResidentExperts, tapping
 from exactness.paths import Schedule, generate
 
@@ -29,18 +30,25 @@ def same_run(a, b) -> bool:
             and kv_first_difference(a.cache, b.cache) is None)
 
 
+def same_decode_run(a, b) -> bool:
+    """same_run, and every prompt row's logits equal as bytes (the decode path runs the prompt as decode steps)."""
+    return same_run(a, b) and bytes_equal(a.prompt_logits, b.prompt_logits)
+
+
 # ------------------------------------------------------------------------------------------------ CPU
 
 def test_cpu_falls_back_with_reason(tiny_weights):
     ids = torch.arange(5, 17)
-    eager = generate(tiny_weights, ids, 4, "invariant", keep_cache=True)
+    eager = generate(tiny_weights, ids, 4, "invariant", keep_cache=True)     # the decode path: 12 prompt rows
     run = generate(tiny_weights, ids, 4, "invariant", keep_cache=True, graphs=True)
-    assert run.graphs["served"] is False and run.graphs["replays"] == 0 and run.graphs["eager_steps"] == 3
+    assert run.graphs["served"] is False and run.graphs["replays"] == 0 and run.graphs["eager_steps"] == 12 + 3
     assert "CUDA device" in run.graphs["reason"] and "cpu" in run.graphs["reason"]
-    assert eager.graphs == {}
-    assert same_run(eager, run)
+    assert eager.graphs == {} and run.served == eager.served
+    assert same_decode_run(eager, run)
     other = generate(tiny_weights, torch.cat([ids[:-1], ids[-1:] + 1]), 4, "invariant", keep_cache=True)
-    assert not same_run(eager, other)          # negative control: one prompt token changed
+    assert not same_decode_run(eager, other)   # negative control: one prompt token changed
+    batched = generate(tiny_weights, ids, 4, "invariant", Schedule("batched"), keep_cache=True, graphs=True)
+    assert batched.graphs["eager_steps"] == 3   # another path's prompt runs its own plan: the reply's steps only
 
 
 def test_batch_must_be_positive(tiny_weights):
@@ -91,6 +99,67 @@ def test_gpu_graph_bytes_equal_eager(gpu_weights, prompt, kernels, kv_dtype, mon
     assert P <= kv_first_difference(eager.cache, bad.cache) <= P + GEN - 2
     assert bytes_equal(eager.gen_logits[:2], bad.gen_logits[:2])          # before the first replay: untouched
     assert not bytes_equal(eager.gen_logits[2:3], bad.gen_logits[2:3])    # the first replay's logits
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels,kv_dtype", [("fast", "bf16"), ("invariant", "bf16"),
+                                              ("invariant", "fp8_e4m3_block")])
+def test_gpu_decode_path_prompt_replays_bytes_equal_eager(gpu_weights, prompt, kernels, kv_dtype, monkeypatch):
+    """The serial oracle with graphs: every prompt row and every reply step after the first is a replay, and the
+    prompt logits, tokens, generated logits and KV cache equal the eager decode path's as bytes."""
+    sched, P = Schedule("decode"), prompt.numel()
+    eager = generate(gpu_weights, prompt, GEN, kernels, sched, keep_cache=True, kv_dtype=kv_dtype)
+    run = generate(gpu_weights, prompt, GEN, kernels, sched, keep_cache=True, kv_dtype=kv_dtype, graphs=True)
+    info = run.graphs
+    assert info["reason"] is None, info
+    assert info["served"] and info["eager_steps"] == 1 and info["replays"] == P + GEN - 2   # row 0 captures
+    assert run.served == eager.served and run.served["decode"] == {"segments": P, "rows": P}
+    assert same_decode_run(eager, run)
+
+    row, step = P // 2, graphs.GraphDecoder.step   # a replayed prompt row; its logits feed nothing later
+
+    def planted(self, tokens, positions, slots):   # one logit of that row moved up by one ULP
+        out = step(self, tokens, positions, slots)
+        if list(positions) == [row]:
+            out = out.clone()
+            out[0, 0] = torch.nextafter(out[0, 0], torch.tensor(float("inf"), device=out.device))
+        return out
+    monkeypatch.setattr(graphs.GraphDecoder, "step", planted)
+    bad = generate(gpu_weights, prompt, GEN, kernels, sched, keep_cache=True, kv_dtype=kv_dtype, graphs=True)
+    assert bad.graphs["served"] and bad.graphs["replays"] == P + GEN - 2
+    assert not same_decode_run(eager, bad)
+    assert first_differing_row(bad.prompt_logits, eager.prompt_logits) == row
+    assert int(ulp_distance(bad.prompt_logits, eager.prompt_logits).max()) == 1
+    assert same_run(eager, bad)                    # tokens, generated logits and KV: untouched by the planted row
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_hash_matrix_rows_record_graphs_and_keep_their_values(gpu_weights, monkeypatch):
+    """run_prompt with graphs (hash_graphs on a CUDA device): every row records that a graph served, the oracle's
+    prompt rows replayed, and the rows' hashes and byte verdicts are those of the eager runs."""
+    from exactness.analysis import hashes
+    from exactness.prompts import build_prompt
+
+    def same_rows(a, b) -> bool:   # timings and the graphs record aside
+        def strip(r):
+            return {k: v for k, v in r.items() if k not in ("ttft_s", "decode_s", "seconds", "graphs")}
+        return len(a) == len(b) and all(strip(x) == strip(y) for x, y in zip(a, b))
+    args = (gpu_weights, build_prompt("short"), ["invariant"], [16], GEN, 16)
+    eager, rows = hashes.run_prompt(*args), hashes.run_prompt(*args, graphs=True)
+    P = rows[0]["prompt_tokens"]
+    assert all(r["graphs"] is None for r in eager)
+    assert all(r["graphs"]["served"] and r["graphs"]["reason"] is None for r in rows), [r["graphs"] for r in rows]
+    assert [r["graphs"]["replays"] for r in rows if r["path"] == "decode"] == [P + GEN - 2]
+    assert same_rows(rows, eager)
+    step = graphs.GraphDecoder.step
+
+    def planted(self, tokens, positions, slots):   # every replayed step's logits negated: other tokens picked
+        out = step(self, tokens, positions, slots)
+        return -out if self.replays else out
+    monkeypatch.setattr(graphs.GraphDecoder, "step", planted)
+    assert not same_rows(hashes.run_prompt(*args, graphs=True), eager)
 
 
 class _Staged(ResidentExperts):

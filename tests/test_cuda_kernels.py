@@ -117,14 +117,17 @@ def _attn_inputs(P: int, S: int, dtype, seed: int, Hq=32, Hkv=4, D=128):
 def test_gpu_attention_prompt_rows_equal_decode_rows(dtype):
     from exactness.kernels import attention as cpu_attn
     from exactness.kernels import triton_attention as ta
-    q, kc, vc, slots, pos = _attn_inputs(700, 1, dtype, 3)
-    full = ta.attention(q, kc, vc, slots, pos)                                              # [700, 32, 128]
-    rows = list(range(0, 700, 7)) + [63, 64, 127, 128, 255, 256, 699]
-    dec = [ta.attention(q[m:m + 1], kc, vc, slots[m:m + 1], pos[m:m + 1]) for m in rows]
+    q, kc, vc, slots, pos = _attn_inputs(1300, 1, dtype, 3)                                # 3 key chunks
+    full = ta.attention(q, kc, vc, slots, pos, split=False)                                 # [1300, 32, 128]
+    rows = list(range(0, 1300, 13)) + [63, 64, 127, 128, 255, 256, 511, 512, 1023, 1024, 1299]
+    dec = [ta.attention(q[m:m + 1], kc, vc, slots[m:m + 1], pos[m:m + 1]) for m in rows]    # split-KV (decode)
     assert row_mismatches(full[rows], dec) == 0
-    segs = ((0, 1), (1, 50), (51, 129), (180, 300), (480, 220))                             # prefill chunks
+    assert row_mismatches(full, [ta.attention(q, kc, vc, slots, pos, split=True)]) == 0
+    segs = ((0, 1), (1, 50), (51, 129), (180, 300), (480, 220), (700, 600))                # prefill chunks
     assert row_mismatches(full, [ta.attention(q[a:a + n], kc, vc, slots[a:a + n], pos[a:a + n])
                                  for a, n in segs]) == 0
+    fine = ta.AttnConfig(**{**ta.config_for(128, dtype, (9, 0)).__dict__, "chunk": 256})   # control: other merge
+    assert row_mismatches(ta.attention(q, kc, vc, slots, pos, fine)[rows], dec) > 0
     ref = cpu_attn.attention_invariant(q.double().cpu(), kc.double().cpu(), vc.double().cpu(), slots.cpu(),
                                        pos.cpu())
     assert rel_err(full.cpu(), ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -281,6 +284,7 @@ def _interp_main() -> int:
     from exactness.kernels import triton_attention as ta
     from exactness.kernels import triton_gemm as tg
     from exactness.kernels import triton_rows as tr
+    from dataclasses import replace
     torch.manual_seed(0)
     bf = torch.bfloat16
     x, w, w2 = torch.randn(37, 48).to(bf), (torch.randn(40, 48) / 7).to(bf), (torch.randn(40, 48) / 7).to(bf)
@@ -291,6 +295,19 @@ def _interp_main() -> int:
                                                   [tg.linear(x[m:m + 1], w) for m in (0, 31, 32, 36)]) == 0,
         "linear chunks": row_mismatches(y, chunked(tg.linear, 37, (5, 32), x, extra=(w,))) == 0,
     }
+    xf, wf = torch.randn(37, 96), torch.randn(40, 96) / 7                    # fp32: K = 96, 6 chunks of 16
+    c3 = tg.GemmConfig(32, 32, 16, 1, 4, split_k=3)
+    par = tg.linear(xf, wf, c3)                                                 # 4 tiles: runs in parallel
+    below, tg.SPLIT_TILES_BELOW = tg.SPLIT_TILES_BELOW, 0
+    try:
+        turn = tg.linear(xf, wf, c3)                                            # one program per tile
+    finally:
+        tg.SPLIT_TILES_BELOW = below
+    checks["split-K parallel == in turn"] = row_mismatches(par, [turn]) == 0
+    checks["split-K M=1 rows"] = row_mismatches(turn, [tg.linear(xf[m:m + 1], wf, c3) for m in range(37)]) == 0
+    checks["split-K error < 1e-5"] = rel_err(par, xf.double() @ wf.double().T) < 1e-5
+    checks["split-K control (one run) caught"] = row_mismatches(tg.linear(xf, wf, replace(c3, split_k=1)),
+                                                                [par]) > 0
     gu = tg.gate_up(x, w, w2)
     g, u = y.float(), tg.linear(x, w2).float()
     checks["gate_up rounding points"] = torch.equal(bits(gu), bits(((g / (1 + torch.exp(-g))).to(bf).float() * u
@@ -298,6 +315,18 @@ def _interp_main() -> int:
     checks["gate_up rows"] = row_mismatches(gu[[3, 33]], [tg.gate_up(x[m:m + 1], w, w2) for m in (3, 33)]) == 0
     split = (x[:, :24].double() @ w[:, :24].double().T).to(bf).double() + x[:, 24:].double() @ w[:, 24:].double().T
     checks["negative control caught"] = row_mismatches(split.to(bf), [y]) > 0
+    kl, vl, ql = torch.randn(2, 100, 2, 16).to(bf), torch.randn(2, 100, 2, 16).to(bf), torch.randn(12, 4, 16).to(bf)
+    sl, pl = torch.tensor([0, 1] * 6), torch.tensor([99, 98, 70, 64, 63, 33, 32, 31, 5, 0, 95, 40])
+    whole = ta.attention(ql, kl, vl, sl, pl, split=False)                                  # 4 chunks of 32 keys
+    checks["attention split-KV == one program per tile"] = row_mismatches(whole, [ta.attention(ql, kl, vl, sl, pl,
+                                                                                                split=True)]) == 0
+    checks["attention split-KV M=1 rows"] = row_mismatches(whole, [ta.attention(ql[m:m + 1], kl, vl, sl[m:m + 1],
+                                                                                pl[m:m + 1], split=True)
+                                                                   for m in range(12)]) == 0
+    checks["attention chunks error < 1e-2"] = rel_err(whole, cpu_attn.attention_invariant(
+        ql.double(), kl.double(), vl.double(), sl, pl)) < 1e-2
+    other = ta.AttnConfig(16, 16, 4, 1, 16)
+    checks["attention chunk-size control caught"] = row_mismatches(ta.attention(ql, kl, vl, sl, pl, other), [whole]) > 0
     kc, vc = torch.randn(2, 40, 2, 16).to(bf), torch.randn(2, 40, 2, 16).to(bf)
     q = torch.randn(30, 4, 16).to(bf)
     slots = torch.tensor([0, 1] * 15)

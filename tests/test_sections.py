@@ -84,7 +84,7 @@ def test_the_parameter_names_are_the_fields_of_the_typed_parameters():
     """Each section's names are its params class's fields beyond Common; the profile's fields are Common's and
     every extra a profile sets is a field of some section."""
     common = {f.name for f in dataclasses.fields(Common)}
-    assert {f.name for f in dataclasses.fields(Profile)} - {"name", "extra"} | {"profile"} == common
+    assert {f.name for f in dataclasses.fields(Profile)} - {"name", "extra", "side_by_side"} | {"profile"} == common
     for s in SECTIONS.values():
         assert issubclass(s.params_class, Common) and s.params_class.SECTION == s.name
         assert set(s.params) == s.params_class.names() - common

@@ -7,7 +7,8 @@
 
 A Schedule names the path with its step and deep threshold. Every run records how many segments and rows each plan
 actually served, so a deep run that never ran deep shows. Generation is greedy (the set's argmax kernel),
-end-of-sequence ignored.
+end-of-sequence ignored. With ``graphs`` the decode steps (on the decode path every prompt row's step too) replay
+from a CUDA graph (graphs.GraphDecoder), which writes the eager steps' bytes.
 """
 from __future__ import annotations
 
@@ -86,8 +87,9 @@ class RunResult:
         token_times: perf_counter stamp of each generated token (seconds).
         cache: the KV cache after the run (kept only when asked).
         kv_dtype: what the KV cache stored (cache.KV_DTYPES).
-        graphs: {} when CUDA graphs were not asked for; else graphs.GraphDecoder.info() of the decode steps
-            ("served", "replays", "eager_steps", "pieces", "reason": why a graph did not serve).
+        graphs: {} when CUDA graphs were not asked for; else graphs.GraphDecoder.info() of the decode steps, on
+            the decode path the prompt rows' steps included ("served", "replays", "eager_steps", "pieces",
+            "reason": why a graph did not serve).
     """
 
     path: str
@@ -175,6 +177,40 @@ def decode_step(w: Weights, cache: KVCache, tokens: torch.Tensor, positions: tor
     return forward(w, tokens, positions, cache, kernels, DECODE, slots=slots, experts=experts).logits
 
 
+def _stepper(w: Weights, cache: KVCache, ks: KernelSet, experts: ExpertProvider | None, dec: GraphDecoder | None):
+    """step(token [1] int64 (device), position) -> logits [1, V] fp32: one decode step of slot 0, replayed by
+    ``dec`` when given (it runs the eager step itself where a graph cannot serve), else the eager decode step."""
+    if dec is not None:
+        return lambda token, pos: dec.step(token, [pos], [0])
+    slots = torch.zeros(1, dtype=torch.int64, device=w.device)
+    return lambda token, pos: decode_step(w, cache, token, torch.tensor([pos], device=w.device), slots, ks,
+                                          experts=experts)
+
+
+def _decode_loop(step, token: torch.Tensor, start: int, n: int, after) -> None:
+    """``n`` decode steps of one stream at positions start..start+n-1, the first on ``token`` [1] int64;
+    after(i, logits [1, V] fp32) keeps step i's logits and returns the next step's token (the prompt's next id,
+    or the reply's pick)."""
+    for i in range(n):
+        token = after(i, step(token, start + i))
+
+
+def _decode_prompt(step, ids: torch.Tensor, served: dict, progress=None) -> torch.Tensor:
+    """The decode path's prefill through ``step``: prompt ids [P] int64 (device), one decode step per row at
+    positions 0..P-1 -> logits [P, V] fp32 (what prefill returns on the decode path)."""
+    out = []
+
+    def after(i, logits):
+        out.append(logits)
+        served["decode"]["segments"] += 1
+        served["decode"]["rows"] += 1
+        if progress is not None:
+            progress.update(1)
+        return ids[i + 1:i + 2]
+    _decode_loop(step, ids[:1], 0, ids.numel(), after)
+    return torch.cat(out)
+
+
 def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",
              schedule: Schedule = Schedule("decode"), *, keep_cache: bool = False,
              experts: ExpertProvider | None = None, progress=None, kv_dtype: str | KVFormat = "bf16",
@@ -185,8 +221,9 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
         keep_cache: keep the KV cache in the result; experts: the expert provider (None: the resident weights);
         progress: a tqdm bar, advanced by one per prompt row and per generated token;
         kv_dtype: what the KV cache stores (cache.KV_DTYPES name or a cache.KVFormat);
-        graphs: replay the decode steps from a CUDA graph (graphs.GraphDecoder: the same bytes; where a graph
-            cannot serve, the eager steps run and RunResult.graphs says why).
+        graphs: replay the decode steps from a CUDA graph (graphs.GraphDecoder: the same bytes), on the decode
+            path the prompt rows' steps too; where a graph cannot serve, the eager steps run and RunResult.graphs
+            says why.
     Raises:
         ValueError: see check_run_args; an unknown kernel set or kv_dtype.
     """
@@ -195,32 +232,25 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
     check_run_args(w, P, gen_tokens)
     cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, w.device, kv_dtype)
     served = _served()
-    t0 = time.perf_counter()
-    plog = prefill(w, cache, prompt_ids, ks, schedule, served=served, experts=experts, progress=progress).logits
-    gen, glog = [], []
-    last = plog[-1:]
-    times = []
-    if gen_tokens:
-        gen.append(ks.fn("argmax", schedule.role)(last))
-        glog.append(last)
-        _sync(w)
-        times.append(time.perf_counter())
-        if progress is not None:
-            progress.update(1)
-    slots = torch.zeros(1, dtype=torch.int64, device=w.device)
     dec = GraphDecoder(w, cache, ks, experts=experts) if graphs else None
-    for i in range(1, gen_tokens):
-        if dec is not None:
-            last = dec.step(gen[-1], [P + i - 1], [0])
-        else:
-            last = decode_step(w, cache, gen[-1], torch.tensor([P + i - 1], device=w.device), slots, ks,
-                               experts=experts)
-        gen.append(ks.fn("argmax", "decode")(last))
-        glog.append(last)
+    step = _stepper(w, cache, ks, experts, dec)
+    t0 = time.perf_counter()
+    if dec is not None and schedule.path == "decode":
+        plog = _decode_prompt(step, prompt_ids.to(w.device), served, progress)
+    else:
+        plog = prefill(w, cache, prompt_ids, ks, schedule, served=served, experts=experts, progress=progress).logits
+    gen, glog, times = [], [], []
+
+    def pick(i, logits, role="decode"):
+        gen.append(ks.fn("argmax", role)(logits))
+        glog.append(logits)
         _sync(w)
         times.append(time.perf_counter())
         if progress is not None:
             progress.update(1)
+        return gen[-1]
+    if gen_tokens:   # the first token comes from the last prompt row, the others from decode steps at P, P + 1, ...
+        _decode_loop(step, pick(0, plog[-1:], schedule.role), P, gen_tokens - 1, pick)
     V = w.cfg.vocab_size
     return RunResult(
         path=schedule.path, step=schedule.step, kernels=ks.name, deep_threshold=schedule.deep_threshold,

@@ -161,14 +161,23 @@ def _path_served(served: dict) -> str:
     return ", ".join(parts)
 
 
-def _record(kind: str, ids: torch.Tensor, gen_ids, served: dict, ttft: float, times: list, peak) -> dict:
+def _record(kind: str, ids: torch.Tensor, gen_ids, served: dict, ttft: float, times: list, peak,
+            graphs: dict | None = None) -> dict:
     P = int(ids.numel())
     rows = _served_rows(served)
     return {"kind": kind, "prompt_tokens": P, "hash": token_hash(gen_ids), "_gen_ids": gen_ids.cpu(),
+            "decode_graphs": _graphs_note(graphs),
             "served": served, "path_served": _path_served(served), "prefilled_rows": rows,
             "cache_state": "cold" if rows == P else f"hit ({P - rows} rows not prefilled)",
             "peak_mem_bytes": peak, "last_token_s": times[-1] if times else None,
             "_gaps_ms": np.diff(np.asarray(times, dtype=np.float64)) * 1e3, **timing_metrics(P, ttft, times)}
+
+
+def _graphs_note(info: dict | None) -> str | None:
+    """How the reply's decode steps ran: None (graphs not asked for), "replayed" or "eager: <reason>"."""
+    if not info:
+        return None
+    return "replayed" if info.get("served") else f"eager: {info.get('reason')}"
 
 
 # ------------------------------------------------------------------------------------------------------ runner
@@ -184,14 +193,16 @@ class Runner:
         self.w, self.experts, self.device = w, experts, w.device
         self.schedule = Schedule(p.bench_path, p.bench_step, p.deep_threshold)
         self.mtp, self.kv_dtype = None, p.kv_dtype   # what every request's KV cache stores
+        self.graphs = p.bench_graphs and w.device.type == "cuda"   # plain replies' decode steps from a CUDA graph
 
     def plain(self, ids: torch.Tensor, ks: str, gen: int, path: str | None = None) -> dict:
         """One paths.generate request (``path`` overrides the bench path, e.g. for the memory comparison)."""
         schedule = self.schedule if path is None else replace(self.schedule, path=path)
         with peak_memory(self.device) as mem:
-            r = generate(self.w, ids, gen, ks, schedule, experts=self.experts, kv_dtype=self.kv_dtype)
+            r = generate(self.w, ids, gen, ks, schedule, experts=self.experts, kv_dtype=self.kv_dtype,
+                         graphs=self.graphs)
         return self._note(_record("plain", ids, r.gen_ids, r.served, r.ttft_s, list(r.token_times),
-                                  mem["peak_bytes"]))
+                                  mem["peak_bytes"], r.graphs))
 
     def _note(self, rec: dict) -> dict:
         """Say so in ``path_served`` when offloaded experts had no ring (deep rows then fetched synchronously)."""
@@ -476,6 +487,7 @@ def _config(p: BenchParams, w, store) -> dict:
             "path": p.bench_path, "step": p.bench_step, "deep_threshold": p.deep_threshold,
             "gen_tokens": p.gen_tokens, "reps": p.bench_reps, "itl_reps": p.bench_itl_reps,
             "cold_lengths": list(p.bench_cold_lengths), "offload": p.offload, "mtp_k": MTP_K,
+            "decode_graphs": bool(p.bench_graphs and w.device.type == "cuda"),
             "stream_counts": list(STREAM_COUNTS), "prompt_cache": "off (paths.generate holds no prompt cache)",
             "temperature": 0, "eos": "ignored", "weights_device_bytes": w.nbytes(),
             "ring_bytes": store.ring_bytes if store else 0,

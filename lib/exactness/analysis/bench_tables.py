@@ -195,7 +195,9 @@ def config_line(data: dict) -> str:
             f"{c.get('kv_dtype', 'bf16')}); prefill {c['path']}@{c['step']} (deep threshold "
             f"{c['deep_threshold']}); {c['gen_tokens']} new tokens, temperature 0, EOS ignored; {c['reps']} reps "
             f"(cold = rep 0, warm = repeat), ITL over {c['itl_reps']} reps; MTP k={c['mtp_k']}; expert offload "
-            f"{offload}; prompt cache {c['prompt_cache']}")
+            f"{offload}; prompt cache {c['prompt_cache']}"
+            + ("; plain replies' decode steps replayed from CUDA graphs (graphs.GraphDecoder; each run's "
+               "`decode_graphs` says whether it served)" if c.get("decode_graphs") else ""))
 
 
 def render_md(section: dict) -> str:

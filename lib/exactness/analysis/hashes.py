@@ -7,6 +7,9 @@ max |logit difference| of prompt rows (binned) for the plot. Rows record the mod
 and routing groups. Control runs (control_runs) repeat the matrix on a cut prompt: a step sweep, an fp32 control
 and, with ``hash_features``, each engine feature (FEATURES: quantized weights, fp8 KV caches, grouped routing)
 against that feature's own decode oracle; packed rows (packed_rows) prefill the prompts together in one forward.
+With ``hash_graphs`` on a CUDA device the runs replay their decode steps from CUDA graphs (the oracle its prompt
+rows too: graphs.GraphDecoder, the eager steps' bytes) and each row's ``graphs`` says whether a graph served and,
+if not, why; ``graphs`` is None where graphs were not tried (hash_graphs off, a CPU device, the packed rows).
 Tables and the plot: analysis/hashes_report.py (re-exported here).
 """
 from __future__ import annotations
@@ -134,13 +137,22 @@ def _row(prompt, run: RunResult, seconds: float, w) -> dict:
         "weights": weights_format(w), "kv_dtype": run.kv_dtype, "routing_groups": w.cfg.router_groups,
         "deep_threshold": run.deep_threshold if run.path == "deep" else None,
         "gen_tokens": int(run.gen_ids.numel()), "hash": token_hash(run.gen_ids), "served": run.served,
-        "ttft_s": round(run.ttft_s, 4), "decode_s": round(run.decode_s, 4), "seconds": round(seconds, 3),
+        "graphs": _graphs(run), "ttft_s": round(run.ttft_s, 4), "decode_s": round(run.decode_s, 4),
+        "seconds": round(seconds, 3),
     }
+
+
+def _graphs(run: RunResult) -> dict | None:
+    """A row's ``graphs``: None when the run did not ask for CUDA graphs, else {"served": any step replayed,
+    "replays", "eager_steps", "reason": why a graph did not serve (None when it did)}."""
+    if not run.graphs:
+        return None
+    return {k: run.graphs[k] for k in ("served", "replays", "eager_steps", "reason")}
 
 
 def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress=None,
                store=None, offload_paths=("decode", "batched", "deep"), rerun: bool = False, *,
-               kv_dtype: str = "bf16", oracles: dict | None = None) -> list[dict]:
+               kv_dtype: str = "bf16", oracles: dict | None = None, graphs: bool = False) -> list[dict]:
     """All runs of one prompt; rows as documented in the module docstring (``_curve`` holds the plot data).
 
     With an offload ``store`` (offload.ExpertStore) the runs of ``offload_paths`` are repeated with the experts in
@@ -154,20 +166,21 @@ def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
 
     Every run's KV cache stores ``kv_dtype`` (cache.KV_DTYPES). ``oracles``, when given, receives each set's
     decode oracle (paths.RunResult with its cache) under (prompt name, kernel set name), for later comparisons.
+    ``graphs``: every run replays its decode steps from CUDA graphs where one serves (paths.generate).
     """
     rows, first = _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress, store,
-                             offload_paths, kv_dtype, oracles)
+                             offload_paths, kv_dtype, oracles, graphs)
     for ks in (kernel_sets if rerun else []):
         row, logits = first[get_set(ks).name]
         again = generate(w, prompt.ids, gen_tokens, ks, Schedule("batched", row["step"], deep_threshold),
-                         progress=progress, kv_dtype=kv_dtype)
+                         progress=progress, kv_dtype=kv_dtype, graphs=graphs)
         row["rerun_equal"] = (token_hash(again.gen_ids) == row["hash"]
                               and bytes_equal(again.prompt_logits, logits))
     return rows
 
 
 def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress, store, offload_paths,
-               kv_dtype="bf16", oracles=None):
+               kv_dtype="bf16", oracles=None, graphs=False):
     """run_prompt without the rerun control: (rows, {kernel set name: (its first resident batched row, that run's
     prompt logits [P, V] fp32)})."""
     rows, oracle, first = [], {}, {}
@@ -178,7 +191,7 @@ def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
             t0 = time.perf_counter()
             run = generate(store.weights if off else w, prompt.ids, gen_tokens, ks,
                            Schedule(path, step, deep_threshold), keep_cache=True,
-                           experts=store if off else None, progress=progress, kv_dtype=kv_dtype)
+                           experts=store if off else None, progress=progress, kv_dtype=kv_dtype, graphs=graphs)
             row = {**_row(prompt, run, time.perf_counter() - t0, w), "offload": off}
             if path == "decode" and not off:
                 oracle[run.kernels] = run
@@ -285,10 +298,14 @@ def run_section(params: HashesParams | dict) -> dict:
     three), hash_sweep_steps (extra steps at tile and block boundaries, e.g. [63, 64, 65, 127, 128, 129], run on
     hash_sweep_prompt cut to hash_sweep_tokens tokens, so that a fault that appears only at some call sizes shows end
     to end), hash_fp32_control (the profile's steps again in float32 on that cut prompt: bf16 storage hides many
-    reduction-order changes that fp32 exposes; control rows carry ``control``), hash_max_tokens (int|None: cuts the prompts of this section only, default prompt_max_tokens; the serial
-    oracle costs one decode step per prompt token), hash_rerun (True: repeat each set's first batched run once and
-    record ``rerun_equal`` on its row, see run_prompt), weights ("bf16", "int4_g128" or "nvfp4": the model's
-    projections), kv_dtype ("bf16", "fp8_e4m3" or "fp8_e4m3_block": what every run's KV cache stores),
+    reduction-order changes that fp32 exposes; control rows carry ``control``), hash_max_tokens (int|None: cuts
+    the prompts of this section only, default prompt_max_tokens; the serial oracle costs one decode step per prompt
+    token), hash_graphs (True: on a CUDA device every run replays its decode steps, the oracle's prompt rows
+    included, from CUDA graphs, the eager steps' bytes, and its row's ``graphs`` records whether a graph served and
+    why not; on a CPU device graphs are never tried and ``graphs`` is None), hash_rerun (True: repeat each set's
+    first batched run once and record ``rerun_equal`` on its row, see run_prompt), weights ("bf16", "int4_g128" or
+    "nvfp4": the model's projections), kv_dtype ("bf16", "fp8_e4m3" or "fp8_e4m3_block": what every run's KV cache
+    stores),
     hash_features (False: the control runs of FEATURES on the cut prompt, each against its own model's decode
     oracle, and the prompts packed into one prefill (packed_rows) against their oracles). Rows record weights,
     kv_dtype and routing_groups.
@@ -321,17 +338,18 @@ def run_section(params: HashesParams | dict) -> dict:
     tokens += sum(len(run_configs(c.steps, p.kernel_sets)) * (c.prompt.n_tokens + p.gen_tokens) for c in controls)
     tokens += len(p.kernel_sets) * sum(pr.n_tokens + p.gen_tokens for pr in prompts) if p.hash_features else 0
     rows, oracles = [], {}
+    graphs = p.hash_graphs and w.device.type == "cuda"
     with progress_bar(tokens, "hash matrix", "token") as bar:
         for pr in prompts:
             rows += run_prompt(w, pr, p.kernel_sets, p.steps, p.gen_tokens, p.deep_threshold, bar, store,
-                               off_paths, rerun, kv_dtype=p.kv_dtype, oracles=oracles)
+                               off_paths, rerun, kv_dtype=p.kv_dtype, oracles=oracles, graphs=graphs)
         if p.hash_features:
             rows += packed_rows(w, prompts, p.kernel_sets, p.gen_tokens, oracles, p.kv_dtype, bar)
         oracles.clear()   # their caches are no longer needed
         for c in controls:
             rows += [{**r, "control": c.label}
                      for r in run_prompt(control_model(p, c, w), c.prompt, p.kernel_sets, c.steps, p.gen_tokens,
-                                         p.deep_threshold, bar, kv_dtype=c.kv_dtype)]
+                                         p.deep_threshold, bar, kv_dtype=c.kv_dtype, graphs=graphs)]
     curves = [{"prompt": r["prompt"], "kernels": r["kernels"], "path": r["path"], "step": r["step"],
                "offload": r["offload"],
                "bin_width": max(1, -(-r["prompt_tokens"] // DIFF_BINS)), "max_abs_diff": r.pop("_curve")}

@@ -5,7 +5,7 @@ the rerun control and what each path actually served.
 from __future__ import annotations
 
 from ..receipt.render import render_extra, table
-from .hashes_report import INTRO, control_table, differs_in, first_difference, verdict_md
+from .hashes_report import INTRO, control_table, differs_in, first_difference, graphs_summary, verdict_md
 
 DIFF_MARK = "✗"
 
@@ -103,10 +103,22 @@ def render_hashes(rows: list[dict]) -> str:
                                                   for r in reruns)
                   + ". A set whose reruns differ is not run-to-run deterministic: its other differences (offload "
                     "included) cannot be told from noise."]
+    graphs = _graphs_line(rows)
+    parts += ["", graphs] if graphs else []
     idle = _deep_unserved(rows)
     tail = ["", f"_Every run's row ({len(rows)}: timings, plans served, byte verdicts) is in receipt.json and in the "
                   "notebook's run tables._"]
     return "\n".join(parts + (["", idle] if idle else []) + tail)
+
+
+def _graphs_line(rows: list[dict]) -> str:
+    """One line: per kernel set, how its runs' decode steps (the oracle's prompt rows included) ran with CUDA
+    graphs, and why a graph did not serve; "" when no run tried graphs."""
+    sets = {}
+    for r in rows:
+        sets.setdefault(r.get("kernels"), []).append(r)
+    parts = [f"{ks}: {text}" for ks, rs in sets.items() if (text := graphs_summary(rs))]
+    return "CUDA graphs (decode steps, the oracle's prompt rows included): " + " | ".join(parts) if parts else ""
 
 
 def _deep_unserved(rows: list[dict]) -> str:

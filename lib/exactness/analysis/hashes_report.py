@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import textwrap
+from collections import Counter
 
 import numpy as np
 
@@ -161,9 +162,21 @@ def oracle_table(rows: list[dict]) -> Table:
                  dash="no divergence: the tokens equal the oracle's, so there is no position or margin to give")
 
 
+def graphs_summary(rows: list[dict]) -> str | None:
+    """How the runs' decode steps ran (the rows' ``graphs``): ``replayed in n of m runs`` (from CUDA graphs) and, per
+    reason, the runs no graph served; None when no run tried graphs (hash_graphs off, a CPU device)."""
+    tried = [r["graphs"] for r in rows if r.get("graphs")]
+    if not tried:
+        return None
+    why = Counter(g.get("reason") or "no step to replay" for g in tried if not g.get("served"))
+    return (f"replayed in {len(tried) - sum(why.values())} of {len(tried)} runs"
+            + "".join(f"; not in {n}: {reason}" for reason, n in why.items()))
+
+
 def summary_table(rows: list[dict]) -> Table:
-    """Per kernel set: runs compared, how many equal the oracle in tokens, prompt-logit bytes and KV bytes, and
-    (when the section has it) whether the rerun control repeated the set's first batched run identically."""
+    """Per kernel set: runs compared, how many equal the oracle in tokens, prompt-logit bytes and KV bytes,
+    (when the section has it) whether the rerun control repeated the set's first batched run identically, and
+    (when runs tried them) how many of the set's runs, its oracle included, replayed from CUDA graphs."""
     runs = _runs(rows)
     recs = []
     for ks in dict.fromkeys(r["kernels"] for r in runs):
@@ -171,11 +184,14 @@ def summary_table(rows: list[dict]) -> Table:
         rerun = [r["rerun_equal"] for r in rs if "rerun_equal" in r]
         recs.append({"set": ks, "runs": len(rs), "tok": _of(rs, lambda r: r["equals_oracle"]),
                      "logits": _of(rs, lambda r: r.get("prompt_logits_equal")),
-                     "kv": _of(rs, lambda r: r.get("kv_equal")), "rerun": all(rerun) if rerun else None})
+                     "kv": _of(rs, lambda r: r.get("kv_equal")), "rerun": all(rerun) if rerun else None,
+                     "graphs": graphs_summary([r for r in rows if r["kernels"] == ks])})
     cols = {"set": "kernel set", "runs": "runs (oracle excluded)", "tok": "tokens equal",
             "logits": "prompt-logit bytes equal", "kv": "KV-cache bytes equal"}
     if any("rerun_equal" in r for r in rows):
         cols["rerun"] = "rerun identical (run-to-run deterministic)"
+    if graphs_summary(rows):
+        cols["graphs"] = "CUDA graphs (decode steps, the oracle's prompt rows included)"
     return Table(recs, cols, words={"rerun": ("yes", "NO")}, dash="no rerun control for this set")
 
 

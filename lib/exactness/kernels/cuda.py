@@ -196,12 +196,15 @@ def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[
         sig = dict(a_src=a, b_src=b, b2_src=b, c_ptr=p, M=i32, N=i32, K=i32, stride_am=i32, stride_bn=i32,
                    stride_cm=i32)
         const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, GATE_UP=kind == "gate_up",
-                     TMA=tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False)
+                     TMA=tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False,
+                     SPLIT=c.split_k)
         fn = tg._gemm_kernel
         if c.persistent:
             fn, const = tg._gemm_persistent_kernel, const | dict(NUM_SMS=132, WS=c.warp_specialize)
-        specs.append((f"gemm {name} {N}x{K} [{c.label()}]", fn, sig, const,
-                      dict(num_warps=c.num_warps, num_stages=c.num_stages)))
+        opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
+        specs.append((f"gemm {name} {N}x{K} [{c.label()}]", fn, sig, const, opts))
+        if c.split_k > 1 and kind == "linear":
+            specs += _split_specs(name, N, K, c, sig, const, opts, p)
     ac = ta.config_for(D, dtype, capability)
     kv_tma = capability[0] >= 9 and D == triton_next_pow2(D)
     kv = f"tensordesc<{ty}[1, {ac.block_n}, {D}]>" if kv_tma else p
@@ -209,10 +212,19 @@ def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[
                tlen_ptr="*i64", tslot_ptr="*i64", M=i32, n_tiles=i32, T=i32, sq_m=i32, sq_h=i32, sk_s=i32,
                sk_t=i32, sk_h=i32, scale=f32)
     const = dict(G=cfg.n_heads // cfg.n_kv_heads, D=D, BD=triton_next_pow2(D), BM=ac.block_m, BN=ac.block_n,
-                 GROUPED=False, KV_TMA=kv_tma, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                 CH=ac.chunk, GROUPED=False, KV_TMA=kv_tma, PRECISION="ieee" if dtype == torch.float32 else "tf32",
                  EMULATE=False)
-    specs.append((f"attention D={D} [{ac.label()}]", ta._attn_kernel, sig, const,
-                  dict(num_warps=ac.num_warps, num_stages=ac.num_stages)))
+    aopts = dict(num_warps=ac.num_warps, num_stages=ac.num_stages, enable_fp_fusion=False)
+    specs.append((f"attention D={D} [{ac.label()}]", ta._attn_kernel, sig, const, aopts))
+    split_sig = {**{k: v for k, v in sig.items() if k != "o_ptr"}, "ws_ptr": "*fp32", "ml_ptr": "*fp32", "NC": i32}
+    order = ["q_ptr", "k_src", "v_src", "ws_ptr", "ml_ptr", "pos_ptr", "rows_ptr", "tstart_ptr", "tlen_ptr",
+             "tslot_ptr", "M", "n_tiles", "T", "NC", "sq_m", "sq_h", "sk_s", "sk_t", "sk_h", "scale"]
+    specs.append((f"attention split-KV D={D} [{ac.label()}]", ta._attn_split_kernel,
+                  {k: split_sig[k] for k in order}, const, aopts))
+    specs.append((f"attention chunk combine D={D}", ta._combine_kernel,
+                  dict(ws_ptr="*fp32", ml_ptr="*fp32", o_ptr=p, pos_ptr="*i64", M=i32, NC=i32, sq_m=i32, sq_h=i32),
+                  dict(D=D, BD=triton_next_pow2(D), BR=ta.COMBINE_ROWS, CH=ac.chunk, EMULATE=False),
+                  dict(num_warps=4, enable_fp_fusion=False)))
     for width in (H, D):
         br, bh, warps = tr._row_block(width)
         specs.append((f"rmsnorm H={width}", tr._rmsnorm_kernel,
@@ -233,6 +245,18 @@ def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[
     return specs
 
 
+def _split_specs(name: str, N: int, K: int, c, sig: dict, const: dict, opts: dict, p: str) -> list[tuple]:
+    """The parallel split-K pair of a linear shape whose config splits K: per-split partials, then their sum."""
+    tg = _tk("triton_gemm")
+    ssig = dict(a_src=sig["a_src"], b_src=sig["b_src"], ws_ptr="*fp32", M="i32", N="i32", K="i32", stride_am="i32",
+                stride_bn="i32")
+    sconst = {k: v for k, v in const.items() if k in ("BM", "BN", "BK", "GROUP_M", "TMA", "PRECISION", "EMULATE",
+                                                       "SPLIT")}
+    return [(f"gemm {name} {N}x{K} split-K partials", tg._gemm_split_kernel, ssig, sconst, opts),
+            (f"gemm {name} split-K sum", tg._split_reduce_kernel, dict(ws_ptr="*fp32", c_ptr=p, M="i32", N="i32"),
+             dict(**tg._REDUCE, SPLIT=c.split_k, EMULATE=False), dict(num_warps=4))]
+
+
 def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:
     """The grouped invariant MoE kernels (triton_moe.py): the route kernel and the gate/up and down GEMMs over the
     stacked [E*N, K] expert weights, with the fixed configs of triton_gemm."""
@@ -248,13 +272,14 @@ def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str
         sig = dict(a_src=a, b_src=b, b2_src=b, c_ptr=p, tile_e_ptr="*i32", dest_ptr="*i32", n_rows=i32, N=i32, K=i32,
                    stride_am=i32, stride_bn=i32, stride_cm=i32)
         const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GATE_UP=kind == "gate_up", SCATTER=kind == "linear",
-                     TMA=tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False)
+                     TMA=tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False,
+                     SPLIT=c.split_k)
         specs.append((f"grouped moe {kind} {E}x{N}x{K} [{c.label()}]", tm._grouped_kernel, sig, const,
                       dict(num_warps=c.num_warps, num_stages=c.num_stages)))
     bm = tg.config_for("gate_up", I, H, dtype, capability).block_m
     sig = dict(h_ptr=p, ids_ptr="*i64", sorted_ptr="*i64", order_ptr="*i64", xs_ptr=p, dest_ptr="*i32",
                tile_e_ptr="*i32", n_pairs=i32, n_iter=i32, E=i32, H=i32)
-    const = dict(TOPK=cfg.top_k, BM=bm, BE=triton_next_pow2(E), BH=min(1024, triton_next_pow2(H)), SMALL=True,
+    const = dict(TOPK=cfg.top_k, BM=bm, BE=triton_next_pow2(E), BH=min(tm.ROUTE_COLUMNS, triton_next_pow2(H)), SMALL=True,
                  BP=triton_next_pow2(tm.SMALL_PAIRS))
     specs.append(("grouped moe route", tm._route_kernel, sig, const, dict(num_warps=4)))
     return specs

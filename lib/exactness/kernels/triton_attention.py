@@ -4,14 +4,21 @@ Signature as attention.attention_invariant: ``attention(q [M, Hq, D], k_cache [S
 positions [M]) -> o [M, Hq, D]`` in the storage dtype; row m attends to keys 0..positions[m] of slot slots[m].
 
 Invariance device: rows are grouped by slot into tiles of BLOCK_M rows (host side; a single-slot cache needs no
-grouping and no sync); one program handles one (tile, query head). Keys are visited in fixed BLOCK_N-key blocks in
-ascending order from key 0 (no split-KV), with the online softmax (Milakov & Gimelshein 2018, arXiv 1805.02867) in
-fp32: s = (q k^T) * 1/sqrt(D) (Vaswani et al. 2017), keys after the row's position masked to -inf, m/l/acc
-rescaled per block, o = acc / l rounded once. In a block holding none of a row's keys (one a tile visits only for
+grouping and no sync). Keys are cut into fixed chunks of CHUNK keys from key 0, and each chunk into BLOCK_N-key
+blocks. A row's chunk state (m, l, acc) is computed from a fresh start over the chunk's blocks in ascending order
+with the online softmax (Milakov & Gimelshein 2018, arXiv 1805.02867) in fp32: s = (q k^T) * 1/sqrt(D) (Vaswani et
+al. 2017), keys after the row's position masked to -inf, m/l/acc rescaled per block; the chunk states are then
+merged in ascending chunk order by the two-state combine (m = max(m1, m2), l = l1 e^(m1-m) + l2 e^(m2-m), acc
+likewise), and o = acc / l is rounded once. Prompt calls run one program per (tile, query head) that merges each
+chunk as it ends; decode-sized calls run one program per (tile, head, chunk) (split-KV: a 4,096-key decode row
+becomes 8 parallel programs instead of one serial one) and a combine kernel that merges the stored fp32 states
+with the same operations in the same order. In a block holding none of a row's keys (one a tile visits only for
 its later rows) the row keeps m and l (as the CPU kernel's ``active`` mask), its rescale factor is exactly 1 and
-all its probabilities are exactly 0, so acc * 1 + 0 @ v leaves its accumulator's bytes unchanged; the tile config
-is fixed per (D, dtype, arch) and the row count is not specialized, so a one-row decode call and an M-row prompt
-call run the same binary and give every row the same bytes.
+all its probabilities are exactly 0, so its state's bytes stay unchanged; a chunk holding none of a row's keys is
+not merged. The tile config and chunk size are fixed per (D, dtype, arch), the row count is not specialized and
+floating-point contraction is off, so a one-row decode call and an M-row prompt call give every row the same
+bytes whichever of the two kernels runs (tests/test_cuda_kernels.py compares them). With one chunk (contexts up to
+CHUNK keys) the merge returns the chunk state itself: the plain online softmax.
 
 Precision: q k^T on tensor cores with fp32 accumulation; the probabilities are rounded to the storage dtype for
 the p @ v product (as FlashAttention-2 does; fp32 storage keeps fp32 with ``input_precision="ieee"``); exp is
@@ -27,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .triton_rows import INTERPRET, capability, cdiv, dot_operand, launch, next_pow2, round_to
+from .triton_rows import _NO_FMA, INTERPRET, capability, cdiv, dot_operand, launch, next_pow2, round_to
 
 
 @dataclass(frozen=True)
@@ -38,10 +45,15 @@ class AttnConfig:
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    chunk: int = 512
+
+    def __post_init__(self) -> None:
+        if self.chunk % self.block_n:
+            raise ValueError(f"chunk={self.chunk} must be a multiple of block_n={self.block_n}")
 
     def label(self) -> str:
-        """Short id such as ``m64 n128 w4 s3``."""
-        return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}"
+        """Short id such as ``m64 n128 w4 s3 c512``."""
+        return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages} c{self.chunk}"
 
 
 _DEFAULTS: dict[tuple[str, str], AttnConfig] = {
@@ -51,10 +63,12 @@ _DEFAULTS: dict[tuple[str, str], AttnConfig] = {
     ("fp32", "sm90"): AttnConfig(32, 32, 4, 2),
     ("fp32", "sm120"): AttnConfig(32, 32, 4, 2),
     ("fp32", "other"): AttnConfig(32, 32, 4, 2),
-    ("16bit", "interp"): AttnConfig(16, 16, 4, 1),      # CPU interpreter (tests)
-    ("fp32", "interp"): AttnConfig(16, 16, 4, 1),
+    ("16bit", "interp"): AttnConfig(16, 16, 4, 1, 32),  # CPU interpreter (tests): chunks of 2 blocks
+    ("fp32", "interp"): AttnConfig(16, 16, 4, 1, 32),
 }
 SHAPE_CONFIGS: dict[tuple[int, str, str], AttnConfig] = {}
+SPLIT_BELOW_PROGRAMS = 264   # (tile, head) programs under which the chunks run in parallel (2 per H200 SM)
+COMBINE_ROWS = 16            # rows per program of the chunk combine
 
 
 def config_for(D: int, dtype: torch.dtype, capability: tuple[int, int]) -> AttnConfig:
@@ -76,13 +90,9 @@ def _kv_block(src, slot, b0, kvh, kv_off, keys, d, T, sk_t, D: tl.constexpr, BN:
     return blk
 
 
-@triton.jit(do_not_specialize=["M", "n_tiles", "T"])
-def _attn_kernel(q_ptr, k_src, v_src, o_ptr, pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, M, n_tiles, T,
-                 sq_m, sq_h, sk_s, sk_t, sk_h, scale, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, GROUPED: tl.constexpr, KV_TMA: tl.constexpr,
-                 PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+@triton.jit
+def _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M, BM: tl.constexpr, GROUPED: tl.constexpr):
+    """Tile t's [BM] row ids, validity, positions (-1 where not valid) and its cache slot."""
     i = tl.arange(0, BM)
     if GROUPED:
         start = tl.load(tstart_ptr + t)
@@ -94,16 +104,19 @@ def _attn_kernel(q_ptr, k_src, v_src, o_ptr, pos_ptr, rows_ptr, tstart_ptr, tlen
         valid = rows < M
         slot = 0
     pos = tl.load(pos_ptr + rows, mask=valid, other=-1).to(tl.int32)           # [BM] (int32: fewer registers)
-    d = tl.arange(0, BD)
-    dmask = d[None, :] < D
-    q = tl.load(q_ptr + rows[:, None] * sq_m + h * sq_h + d[None, :], mask=valid[:, None] & dmask, other=0.0)
-    kvh = h // G
-    kv_off = slot * sk_s + kvh * sk_h
+    return rows, valid, pos, slot
+
+
+@triton.jit
+def _chunk_state(q, k_src, v_src, slot, kvh, kv_off, pos, c0, c1, d, T, sk_t, scale, D: tl.constexpr,
+                 BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KV_TMA: tl.constexpr,
+                 PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """Online-softmax state (m [BM], l [BM], acc [BM, BD], fp32) of keys c0..c1-1 from a fresh start, in BN-key
+    blocks ascending; a block holding none of a row's keys leaves the row's state bytes unchanged."""
     m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, BD), dtype=tl.float32)
-    hi = tl.max(pos, axis=0) + 1
-    for b0 in range(0, hi, BN):
+    for b0 in range(c0, c1, BN):
         keys = b0 + tl.arange(0, BN)
         k = _kv_block(k_src, slot, b0, kvh, kv_off, keys, d, T, sk_t, D, BN, BD, KV_TMA)          # [BN, BD]
         s = tl.dot(dot_operand(q, EMULATE), dot_operand(k, EMULATE).T, input_precision=PRECISION) * scale
@@ -120,9 +133,96 @@ def _attn_kernel(q_ptr, k_src, v_src, o_ptr, pos_ptr, rows_ptr, tstart_ptr, tlen
         acc = tl.dot(pv, dot_operand(v, EMULATE), acc * alpha[:, None], input_precision=PRECISION)
         m_i = tl.where(active, m_new, m_i)
         l_i = tl.where(active, l_new, l_i)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _merge(m_g, l_g, acc_g, m_c, l_c, acc_c, active):
+    """Fold a chunk's state into the running one (rows where ``active``; the others keep theirs): the two-state
+    combine of the online softmax (Milakov & Gimelshein 2018), the same fp32 operations wherever it runs."""
+    m_new = tl.maximum(m_g, m_c)
+    a_g = tl.exp(m_g - m_new)
+    a_c = tl.exp(m_c - m_new)
+    l_new = l_g * a_g + l_c * a_c
+    acc_new = acc_g * a_g[:, None] + acc_c * a_c[:, None]
+    return tl.where(active, m_new, m_g), tl.where(active, l_new, l_g), tl.where(active[:, None], acc_new, acc_g)
+
+
+@triton.jit(do_not_specialize=["M", "n_tiles", "T"])
+def _attn_kernel(q_ptr, k_src, v_src, o_ptr, pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, M, n_tiles, T,
+                 sq_m, sq_h, sk_s, sk_t, sk_h, scale, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, GROUPED: tl.constexpr,
+                 KV_TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """One program per (tile, query head): the chunks of CH keys in ascending order, each merged as it ends."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    rows, valid, pos, slot = _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M, BM, GROUPED)
+    d = tl.arange(0, BD)
+    dmask = d[None, :] < D
+    q = tl.load(q_ptr + rows[:, None] * sq_m + h * sq_h + d[None, :], mask=valid[:, None] & dmask, other=0.0)
+    kvh = h // G
+    kv_off = slot * sk_s + kvh * sk_h
+    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, BD), dtype=tl.float32)
+    hi = tl.max(pos, axis=0) + 1
+    for c0 in range(0, hi, CH):
+        m_c, l_c, acc_c = _chunk_state(q, k_src, v_src, slot, kvh, kv_off, pos, c0, tl.minimum(c0 + CH, hi), d, T,
+                                       sk_t, scale, D, BD, BM, BN, KV_TMA, PRECISION, EMULATE)
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c, pos >= c0)
     out = tl.math.div_rn(acc, l_i[:, None])
     tl.store(o_ptr + rows[:, None] * sq_m + h * sq_h + d[None, :], round_to(out, o_ptr.dtype.element_ty, EMULATE),
              mask=valid[:, None] & dmask)
+
+
+@triton.jit(do_not_specialize=["M", "n_tiles", "T"])
+def _attn_split_kernel(q_ptr, k_src, v_src, ws_ptr, ml_ptr, pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, M,
+                       n_tiles, T, NC, sq_m, sq_h, sk_s, sk_t, sk_h, scale, G: tl.constexpr, D: tl.constexpr,
+                       BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr,
+                       GROUPED: tl.constexpr, KV_TMA: tl.constexpr, PRECISION: tl.constexpr,
+                       EMULATE: tl.constexpr):
+    """One program per (tile, query head, chunk): the chunk's state, stored for _combine_kernel (fp32)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    c0 = tl.program_id(2) * CH
+    rows, valid, pos, slot = _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M, BM, GROUPED)
+    hi = tl.max(pos, axis=0) + 1
+    if c0 < hi:
+        d = tl.arange(0, BD)
+        q = tl.load(q_ptr + rows[:, None] * sq_m + h * sq_h + d[None, :], mask=valid[:, None] & (d[None, :] < D),
+                    other=0.0)
+        kvh = h // G
+        m_c, l_c, acc_c = _chunk_state(q, k_src, v_src, slot, kvh, slot * sk_s + kvh * sk_h, pos, c0,
+                                       tl.minimum(c0 + CH, hi), d, T, sk_t, scale, D, BD, BM, BN, KV_TMA, PRECISION,
+                                       EMULATE)
+        idx = (rows * tl.num_programs(1) + h) * NC + tl.program_id(2)                          # [BM]
+        tl.store(ml_ptr + idx * 2, m_c, mask=valid)
+        tl.store(ml_ptr + idx * 2 + 1, l_c, mask=valid)
+        tl.store(ws_ptr + idx[:, None] * BD + d[None, :], acc_c, mask=valid[:, None])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _combine_kernel(ws_ptr, ml_ptr, o_ptr, pos_ptr, M, NC, sq_m, sq_h, D: tl.constexpr, BD: tl.constexpr,
+                    BR: tl.constexpr, CH: tl.constexpr, EMULATE: tl.constexpr):
+    """BR rows of one query head: their chunk states merged in ascending chunk order as _attn_kernel merges them."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    h = tl.program_id(1)
+    valid = r < M
+    pos = tl.load(pos_ptr + r, mask=valid, other=-1).to(tl.int32)
+    d = tl.arange(0, BD)
+    m_i = tl.full((BR,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BR,), dtype=tl.float32)
+    acc = tl.zeros((BR, BD), dtype=tl.float32)
+    for c in range(0, tl.cdiv(tl.max(pos, axis=0) + 1, CH)):
+        act = valid & (pos >= c * CH)
+        idx = (r * tl.num_programs(1) + h) * NC + c
+        m_c = tl.load(ml_ptr + idx * 2, mask=act, other=float("-inf"))
+        l_c = tl.load(ml_ptr + idx * 2 + 1, mask=act, other=0.0)
+        acc_c = tl.load(ws_ptr + idx[:, None] * BD + d[None, :], mask=act[:, None], other=0.0)
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c, act)
+    out = tl.math.div_rn(acc, l_i[:, None])
+    tl.store(o_ptr + r[:, None] * sq_m + h * sq_h + d[None, :], round_to(out, o_ptr.dtype.element_ty, EMULATE),
+             mask=valid[:, None] & (d[None, :] < D))
 
 
 def _tiles(slots: torch.Tensor, n_slots: int, bm: int):
@@ -174,14 +274,23 @@ def _check(q, k_cache, v_cache, slots, positions) -> None:
         raise ValueError(f"q {q.dtype} and cache {k_cache.dtype}/{v_cache.dtype} must share one dtype")
 
 
+def split_chunks(M: int, Hq: int, T: int, cfg: AttnConfig) -> bool:
+    """Whether a call runs chunk by chunk in parallel (_attn_split_kernel + _combine_kernel) rather than one
+    program per (tile, head): when the (tile, head) grid alone would leave most SMs idle and the cache holds more
+    than one chunk. Either way every row gets the same bytes (the module docstring), so this may depend on M."""
+    return T > cfg.chunk and cdiv(M, cfg.block_m) * Hq < SPLIT_BELOW_PROGRAMS
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              positions: torch.Tensor, config: AttnConfig | None = None) -> torch.Tensor:
+              positions: torch.Tensor, config: AttnConfig | None = None, split: bool | None = None) -> torch.Tensor:
     """Causal GQA attention, batch-invariant (module docstring).
 
     Args:
         q: [M, Hq, D]; k_cache, v_cache: [S, T, Hkv, D] (the rows' own keys already written); slots, positions:
             [M] int64 with 0 <= positions < T. One dtype (bf16/fp16/fp32), one device.
         config: override the fixed config (benchmarks only; never choose it from M).
+        split: run the chunks in parallel (True) or in one program per (tile, head) (False); None = split_chunks.
+            Both give the same bytes.
     Returns:
         [M, Hq, D] in q's dtype.
     Raises:
@@ -210,10 +319,19 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
         k_src, v_src = (_kv_descriptor(c, cfg.block_n) for c in (kc, vc))
     else:
         k_src, v_src = kc, vc
-    launch(_attn_kernel, (n_tiles, Hq),
-           (qc, k_src, v_src, out, pos, rows, tstart, tlen, tslot, M, n_tiles, T, qc.stride(0), qc.stride(1),
-            kc.stride(0), kc.stride(1), kc.stride(2), 1.0 / math.sqrt(D)),
-           dict(G=Hq // Hkv, D=D, BD=next_pow2(D), BM=cfg.block_m, BN=cfg.block_n, GROUPED=grouped,
-                KV_TMA=kv_tma, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EMULATE=INTERPRET),
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    tiles = (pos, rows, tstart, tlen, tslot, M, n_tiles, T)
+    strides = (qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), 1.0 / math.sqrt(D))
+    consts = dict(G=Hq // Hkv, D=D, BD=next_pow2(D), BM=cfg.block_m, BN=cfg.block_n, CH=cfg.chunk, GROUPED=grouped,
+                  KV_TMA=kv_tma, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EMULATE=INTERPRET)
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_NO_FMA)
+    if not (split_chunks(M, Hq, T, cfg) if split is None else split):
+        launch(_attn_kernel, (n_tiles, Hq), (qc, k_src, v_src, out) + tiles + strides, consts, **opts)
+        return out
+    nc = cdiv(T, cfg.chunk)
+    ws = torch.empty(M * Hq * nc, next_pow2(D), dtype=torch.float32, device=q.device)   # chunk accumulators
+    ml = torch.empty(M * Hq * nc * 2, dtype=torch.float32, device=q.device)             # chunk (m, l)
+    launch(_attn_split_kernel, (n_tiles, Hq, nc), (qc, k_src, v_src, ws, ml) + tiles + (nc,) + strides, consts,
+           **opts)
+    launch(_combine_kernel, (cdiv(M, COMBINE_ROWS), Hq), (ws, ml, out, pos, M, nc, qc.stride(0), qc.stride(1)),
+           dict(D=D, BD=next_pow2(D), BR=COMBINE_ROWS, CH=cfg.chunk, EMULATE=INTERPRET), num_warps=4, **_NO_FMA)
     return out

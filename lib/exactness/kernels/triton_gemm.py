@@ -3,8 +3,10 @@
 Invariance device: one compiled kernel per weight shape serves every M. The tile config (BLOCK_M, BLOCK_N,
 BLOCK_K, stages, warps, persistent or not) is looked up from the weight shape (N, K), the dtype and the GPU
 architecture only, never from M; ``M`` is marked ``do_not_specialize`` so Triton compiles one binary for M = 1 and
-M = 16384 alike; each output tile is computed by one program with its K loop in ascending order, fp32
-accumulation and no split-K. A row's bytes therefore depend only on the row and the weights: a decode call (M = 1)
+M = 16384 alike; each output tile's K chunks are accumulated in ascending order in fp32, either in one run or, where
+the shape's config has split_k > 1, in split_k fixed runs whose partials (each from zero) are added in run order
+-- by parallel programs and a reduce kernel for small M, by one program in turn for large M: the same operations,
+hence the same bytes. A row's bytes therefore depend only on the row and the weights: a decode call (M = 1)
 reproduces the row of a prompt call (M rows) bit for bit. Tile placement (which program computes which tile, and
 the persistent grid size) may depend on M; it does not change any tile's arithmetic.
 
@@ -43,6 +45,10 @@ class GemmConfig:
         group_m: tiles of this many M-blocks are walked N-first (L2 reuse; no effect on any tile's bytes).
         tma: load through TMA tensor descriptors (sm_90+ only).
         warp_specialize: ask Triton to warp-specialize the persistent loop (experimental on Hopper).
+        split_k: K is cut into this many runs of whole BLOCK_K chunks; each run's partial is accumulated from zero
+            and the partials are added in run order in fp32 (no atomics), whether the runs go to parallel programs
+            (small M: more programs than tiles) or one program does them in turn (large M: no partial buffer).
+            Part of the shape's fixed config, so decode and prompt rows share it.
     """
 
     block_m: int = 128
@@ -54,11 +60,17 @@ class GemmConfig:
     group_m: int = 8
     tma: bool = True
     warp_specialize: bool = False
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.split_k, int) or self.split_k < 1:
+            raise ValueError(f"split_k must be an int >= 1, got {self.split_k!r}")
 
     def label(self) -> str:
         """Short id such as ``128x128x64 s4 w8 P tma``."""
         flags = ("P" if self.persistent else "NP") + (" tma" if self.tma else " ptr")
         flags += " ws" if self.warp_specialize else ""
+        flags += f" k/{self.split_k}" if self.split_k > 1 else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps} {flags}"
 
     def smem_bytes(self, elem: int, gate_up: bool = False) -> int:
@@ -90,16 +102,18 @@ _DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
     ("gate_up", "fp32", "interp"): GemmConfig(32, 32, 16, 1, 4),
 }
 # Chosen on an H200 by benchmarks/bench_gpu_kernels.py --tune: per shape, the candidate with the best GEMM/cuBLAS
-# ratio at M = 4096 and 16384 (at smaller M host launch time dominates and does not separate the candidates). The
-# ratios this table reaches, with the command that measures them, are in measurements/h200/README.md.
+# ratio at M = 4096 and 16384. The dense projections' split_k makes a decode row (one 128-row tile per BLOCK_N
+# columns: 4 to 32 programs for 132 SMs) run split_k times as many programs; it is part of the shape's config, so
+# prompt rows use the same split (one program running the runs in turn). The ratios this table reaches, with the
+# command that measures them, are in measurements/h200/README.md.
 SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
-    ("linear", 4096, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, persistent=True),   # q
-    ("linear", 512, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8),                     # k, v
-    ("linear", 2048, 4096, "16bit", "sm90"): GemmConfig(128, 256, 64, 3, 8, persistent=True),   # o
+    ("linear", 4096, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, persistent=True, split_k=4),  # q
+    ("linear", 512, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, split_k=8),                   # k, v
+    ("linear", 2048, 4096, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, persistent=True, split_k=8),  # o
     ("linear", 768, 2048, "16bit", "sm90"): GemmConfig(128, 256, 64, 3, 8, persistent=True),    # gate|up alone
     ("linear", 2048, 768, "16bit", "sm90"): GemmConfig(128, 256, 64, 3, 8, persistent=True),    # down
-    ("linear", 128, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8),                     # router
-    ("linear", 258, 2048, "16bit", "sm90"): GemmConfig(128, 64, 64, 4, 4),                      # lm_head
+    ("linear", 128, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, split_k=8),                   # router
+    ("linear", 258, 2048, "16bit", "sm90"): GemmConfig(128, 64, 64, 4, 4, split_k=4),                    # lm_head
     ("gate_up", 768, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 3, 8),                    # fused gate/up
 }
 
@@ -154,19 +168,49 @@ def _load_tile(src, off_r, off_k, n_rows, K, stride_r, BR: tl.constexpr, BK: tl.
 
 
 @triton.jit
-def _tile_product(a_src, b_src, b2_src, off_m, off_n, M, N, K, stride_am, stride_bn,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
-                  TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    """fp32 [BM, BN] accumulator(s) of one output tile, K chunks in ascending order (no split)."""
+def _k_range(a_src, b_src, b2_src, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_bn,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
+             TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 [BM, BN] accumulator(s) over the K chunks k_lo..k_hi-1 (of BK columns each) in ascending order."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-    for ki in range(0, tl.cdiv(K, BK)):
+    for ki in range(k_lo, k_hi):
         a = _load_tile(a_src, off_m, ki * BK, M, K, stride_am, BM, BK, TMA)          # [BM, BK]
         b = _load_tile(b_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)          # [BN, BK]
         acc = tl.dot(dot_operand(a, EMULATE), dot_operand(b, EMULATE).T, acc, input_precision=PRECISION)
         if GATE_UP:
             b2 = _load_tile(b2_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)
             acc2 = tl.dot(dot_operand(a, EMULATE), dot_operand(b2, EMULATE).T, acc2, input_precision=PRECISION)
+    return acc, acc2
+
+
+@triton.jit
+def _split_bounds(K, s, BK: tl.constexpr, SPLIT: tl.constexpr):
+    """K chunks [lo, hi) of split s: the tl.cdiv(K, BK) chunks cut into SPLIT runs of equal length (the last shorter)."""
+    nk = tl.cdiv(K, BK)
+    per = tl.cdiv(nk, SPLIT)
+    return tl.minimum(s * per, nk), tl.minimum((s + 1) * per, nk)
+
+
+@triton.jit
+def _tile_product(a_src, b_src, b2_src, off_m, off_n, M, N, K, stride_am, stride_bn,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
+                  TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr = 1):
+    """fp32 [BM, BN] accumulator(s) of one output tile. SPLIT = 1: all K chunks in ascending order. SPLIT > 1: each
+    split's partial from zero (_k_range), added in split order to a zero total, the arithmetic of
+    _gemm_split_kernel + _split_reduce_kernel (which run the splits in parallel) in one program."""
+    if SPLIT == 1:
+        acc, acc2 = _k_range(a_src, b_src, b2_src, off_m, off_n, 0, tl.cdiv(K, BK), M, N, K, stride_am, stride_bn,
+                             BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in range(0, SPLIT):
+            lo, hi = _split_bounds(K, s, BK, SPLIT)
+            p, p2 = _k_range(a_src, b_src, b2_src, off_m, off_n, lo, hi, M, N, K, stride_am, stride_bn,
+                             BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
+            acc = acc + p
+            acc2 = acc2 + p2
     return acc, acc2
 
 
@@ -190,11 +234,12 @@ def _store_tile(c_ptr, acc, acc2, off_m, off_n, M, N, stride_cm, BM: tl.constexp
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 GATE_UP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+                 GATE_UP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+                 SPLIT: tl.constexpr):
     """One program per output tile."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     acc, acc2 = _tile_product(a_src, b_src, b2_src, pid_m * BM, pid_n * BN, M, N, K, stride_am, stride_bn,
-                              BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
+                              BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE, SPLIT)
     _store_tile(c_ptr, acc, acc2, pid_m * BM, pid_n * BN, M, N, stride_cm, BM, BN, GATE_UP, EMULATE)
 
 
@@ -202,15 +247,44 @@ def _gemm_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, stride_bn, str
 def _gemm_persistent_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                             GATE_UP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-                            NUM_SMS: tl.constexpr, WS: tl.constexpr):
+                            SPLIT: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr):
     """One program per SM, walking tiles start, start + NUM_SMS, ...; each tile computed as in _gemm_kernel."""
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True, warp_specialize=WS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         acc, acc2 = _tile_product(a_src, b_src, b2_src, pid_m * BM, pid_n * BN, M, N, K, stride_am, stride_bn,
-                                  BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
+                                  BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE, SPLIT)
         _store_tile(c_ptr, acc, acc2, pid_m * BM, pid_n * BN, M, N, stride_cm, BM, BN, GATE_UP, EMULATE)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_split_kernel(a_src, b_src, ws_ptr, M, N, K, stride_am, stride_bn, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+                       EMULATE: tl.constexpr, SPLIT: tl.constexpr):
+    """One program per (output tile, split): the split's fp32 partial (_k_range from zero) stored to ws[split]."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    s = tl.program_id(1)
+    lo, hi = _split_bounds(K, s, BK, SPLIT)
+    acc, _ = _k_range(a_src, b_src, b_src, pid_m * BM, pid_n * BN, lo, hi, M, N, K, stride_am, stride_bn,
+                      BM, BN, BK, False, TMA, PRECISION, EMULATE)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    tl.store(ws_ptr + (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc,
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_reduce_kernel(ws_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                         EMULATE: tl.constexpr):
+    """The splits' partials added in split order to a zero total (as _tile_product), rounded once and stored."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc = acc + tl.load(ws_ptr + (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :], mask=mask, other=0.0)
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], round_to(acc, c_ptr.dtype.element_ty, EMULATE), mask=mask)
 
 
 _SMS: dict[int, int] = {}
@@ -263,6 +337,8 @@ class _Plan:
     key: int
     sms: int
     weights: tuple
+    split_consts: dict
+    split_key: int
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -281,7 +357,9 @@ def _make_plan(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config:
     else:
         bs = list(ws)
     consts = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, GATE_UP=kind == "gate_up",
-                  TMA=use_tma, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EMULATE=INTERPRET)
+                  TMA=use_tma, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EMULATE=INTERPRET,
+                  SPLIT=cfg.split_k)
+    split_consts = {k: v for k, v in consts.items() if k != "GATE_UP"}
     sms = (_num_sms(x.device) if x.device.type == "cuda" else 4) if cfg.persistent else 0
     kernel = _gemm_persistent_kernel if cfg.persistent else _gemm_kernel
     if cfg.persistent:
@@ -289,8 +367,10 @@ def _make_plan(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config:
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     key = intern_key((kernel, tuple(consts.items()), tuple(opts.items()), x.dtype, N, K,
                       tuple(_spec(b) for b in bs), x.device))
+    split_key = intern_key((_gemm_split_kernel, tuple(split_consts.items()), tuple(opts.items()), x.dtype, N, K,
+                            _spec(bs[0]), x.device))
     return _Plan(cfg, N, K, use_tma, kernel, bs[0], bs[1] if kind == "gate_up" else None, consts, opts, key, sms,
-                 ws)
+                 ws, split_consts, split_key)
 
 
 def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> torch.Tensor:
@@ -315,11 +395,29 @@ def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmC
         a, key = descriptor(x, [p.cfg.block_m, p.cfg.block_k]), p.key
     else:
         a, key = x, (p.key, x.data_ptr() % 16 == 0)
-    args = (a, p.b, p.b2 if p.b2 is not None else out, out, M, p.N, p.K, p.K, p.K, p.N)   # contiguous strides
     tiles = cdiv(M, p.cfg.block_m) * cdiv(p.N, p.cfg.block_n)
+    if p.cfg.split_k > 1 and p.b2 is None and tiles < SPLIT_TILES_BELOW and M <= SPLIT_MAX_ROWS:
+        _run_split(p, a, out, M, key)
+        return out
+    args = (a, p.b, p.b2 if p.b2 is not None else out, out, M, p.N, p.K, p.K, p.K, p.N)   # contiguous strides
     grid = (min(p.sms, tiles),) if p.cfg.persistent else (tiles,)
     launch(p.kernel, grid, args, p.consts, key=key, **p.opts)
     return out
+
+
+SPLIT_TILES_BELOW = 132   # output tiles under which a split-K config runs its splits in parallel (H200: 132 SMs)
+SPLIT_MAX_ROWS = 256      # ...and rows up to which it does: beyond, the fp32 partials cost more than idle SMs
+_REDUCE = dict(BM=32, BN=128)
+
+
+def _run_split(p: _Plan, a, out: torch.Tensor, M: int, key) -> None:
+    """The splits in parallel programs (partials [split_k, M, N] fp32), then their fixed-order sum, rounded."""
+    ws = torch.empty(p.cfg.split_k, M, p.N, dtype=torch.float32, device=out.device)
+    skey = p.split_key if key == p.key else (p.split_key, key[1])
+    launch(_gemm_split_kernel, (cdiv(M, p.cfg.block_m) * cdiv(p.N, p.cfg.block_n), p.cfg.split_k),
+           (a, p.b, ws, M, p.N, p.K, p.K, p.K), p.split_consts, key=skey, **p.opts)
+    launch(_split_reduce_kernel, (cdiv(M, _REDUCE["BM"]), cdiv(p.N, _REDUCE["BN"])), (ws, out, M, p.N),
+           dict(**_REDUCE, SPLIT=p.cfg.split_k, EMULATE=INTERPRET), num_warps=4)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:

@@ -6,7 +6,8 @@ combine over slots stays with the moe_combine kernel (fp32, slot order).
 
 Layout: the (row, slot) pairs are sorted by expert (stable), each expert's run is padded to a whole number of
 BLOCK_M-row tiles, and every tile belongs to one expert. A route kernel copies each tile's member rows of h into a
-padded buffer (zero rows as padding) and records where each padded row's result goes; the fused gate/up GEMM and
+padded buffer (padding rows are not written: each GEMM row depends on its own row only, and a padding row's result
+is never stored) and records where each padded row's result goes; the fused gate/up GEMM and
 the down GEMM then run one program per (tile, BLOCK_N columns), the tile's expert read from the route table, and
 the down GEMM stores each row straight into its (row, slot) place of y.
 
@@ -82,28 +83,35 @@ def _tile_pairs(ids_ptr, order_ptr, n_pairs, e, first_pair, local, valid, SMALL:
 def _route_kernel(h_ptr, ids_ptr, sorted_ptr, order_ptr, xs_ptr, dest_ptr, tile_e_ptr, n_pairs, n_iter, E, H,
                   TOPK: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, SMALL: tl.constexpr,
                   BP: tl.constexpr):
-    """Tile t: its expert (or -1), its rows' (row, slot) destinations (or -1) and h's rows copied to xs."""
+    """Program (t, c): tile t's expert (or -1) and its rows' (row, slot) destinations (or -1), written by c = 0,
+    and columns c*BH.. of h's member rows copied to xs. Padding rows of xs are left as they are: a GEMM row reads
+    only its own row of xs, and a padding row's result is never stored (dest -1)."""
     t = tl.program_id(0)
+    c0 = tl.program_id(1) * BH
     ee = tl.arange(0, BE)
     counts, first = _pair_counts(ids_ptr, sorted_ptr, n_pairs, n_iter, ee, E, SMALL, BP)
     ntiles = (counts + BM - 1) // BM
     ends = tl.cumsum(ntiles, axis=0)                                                       # inclusive
     e = tl.sum((ends <= t).to(tl.int32), axis=0)                                           # this tile's expert
-    first_tile = tl.sum(tl.where(ee < e, ntiles, 0), axis=0)
-    first_pair = tl.sum(tl.where(ee == e, first, 0), axis=0)
-    n_e = tl.sum(tl.where(ee == e, counts, 0), axis=0)
     i = tl.arange(0, BM)
-    local = (t - first_tile) * BM + i
-    valid = (local < n_e) & (e < E)
-    pair = _tile_pairs(ids_ptr, order_ptr, n_pairs, e, first_pair, local, valid, SMALL, BP)
-    tl.store(dest_ptr + t * BM + i, pair)
-    tl.store(tile_e_ptr + t, tl.where(e < E, e, -1))
-    row = tl.where(valid, pair // TOPK, 0)
-    for c0 in range(0, H, BH):
+    if c0 == 0:
+        tl.store(tile_e_ptr + t, tl.where(e < E, e, -1))
+    if e < E:
+        first_tile = tl.sum(tl.where(ee < e, ntiles, 0), axis=0)
+        first_pair = tl.sum(tl.where(ee == e, first, 0), axis=0)
+        n_e = tl.sum(tl.where(ee == e, counts, 0), axis=0)
+        local = (t - first_tile) * BM + i
+        valid = local < n_e
+        pair = _tile_pairs(ids_ptr, order_ptr, n_pairs, e, first_pair, local, valid, SMALL, BP)
+        if c0 == 0:
+            tl.store(dest_ptr + t * BM + i, pair)
+        row = tl.where(valid, pair // TOPK, 0)
         cols = c0 + tl.arange(0, BH)
-        cm = cols[None, :] < H
-        x = tl.load(h_ptr + row[:, None] * H + cols[None, :], mask=valid[:, None] & cm, other=0.0)
-        tl.store(xs_ptr + (t * BM + i)[:, None] * H + cols[None, :], x, mask=cm)
+        m = valid[:, None] & (cols[None, :] < H)
+        x = tl.load(h_ptr + row[:, None] * H + cols[None, :], mask=m, other=0.0)
+        tl.store(xs_ptr + (t * BM + i)[:, None] * H + cols[None, :], x, mask=m)
+    elif c0 == 0:
+        tl.store(dest_ptr + t * BM + i, tl.full((BM,), -1, dtype=tl.int32))
 
 
 @triton.jit
@@ -119,7 +127,8 @@ def _scatter_tile(c_ptr, acc, dest_ptr, off_m, off_n, N, stride_cm, BM: tl.const
 @triton.jit(do_not_specialize=["n_rows"])
 def _grouped_kernel(a_src, b_src, b2_src, c_ptr, tile_e_ptr, dest_ptr, n_rows, N, K, stride_am, stride_bn,
                     stride_cm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
-                    SCATTER: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+                    SCATTER: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+                    SPLIT: tl.constexpr):
     """One program per (tile, BLOCK_N columns); the expert's weights are rows e*N.. of the stacked [E*N, K]."""
     num_pid_n = tl.cdiv(N, BN)
     t = tl.program_id(0) // num_pid_n
@@ -133,7 +142,7 @@ def _grouped_kernel(a_src, b_src, b2_src, c_ptr, tile_e_ptr, dest_ptr, n_rows, N
             b2 = b2_src + e.to(tl.int64) * N * stride_bn
             off_b = pid_n * BN
         acc, acc2 = _tile_product(a_src, b, b2, t * BM, off_b, n_rows, N, K, stride_am, stride_bn,
-                                  BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
+                                  BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE, SPLIT)
         if SCATTER:
             _scatter_tile(c_ptr, acc, dest_ptr, t * BM, pid_n * BN, N, stride_cm, BM, BN, EMULATE)
         else:
@@ -154,6 +163,7 @@ class _Plan:
 
 _PLANS: dict[tuple, _Plan] = {}
 SMALL_PAIRS = 256   # up to this many (row, slot) pairs the route kernel groups them itself (no torch.sort launch)
+ROUTE_COLUMNS = 128  # columns of h per route program: [BLOCK_M, 128] stays in registers (wider tiles spill)
 
 
 def _gemm_state(kind: str, w: torch.Tensor, w2: torch.Tensor | None, dtype, device, scatter: bool) -> tuple:
@@ -165,7 +175,8 @@ def _gemm_state(kind: str, w: torch.Tensor, w2: torch.Tensor | None, dtype, devi
     flat = [t.view(E * N, K) for t in (w, w2) if t is not None]
     bs = [descriptor(t, [cfg.block_n, cfg.block_k]) for t in flat] if use_tma else flat
     consts = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GATE_UP=kind == "gate_up", SCATTER=scatter,
-                  TMA=use_tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=INTERPRET)
+                  TMA=use_tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=INTERPRET,
+                  SPLIT=cfg.split_k)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     key = intern_key((_grouped_kernel, tuple(consts.items()), tuple(opts.items()), dtype, N, K,
                       tuple(_spec(b) for b in bs), device))
@@ -247,9 +258,10 @@ def experts(h: torch.Tensor, idx: torch.Tensor, w_gate: torch.Tensor, w_up: torc
     xs = torch.empty(n_tiles * bm, p.H, dtype=h.dtype, device=h.device)            # padded member rows
     route = torch.empty(n_tiles * (bm + 1), dtype=torch.int32, device=h.device)
     dest, tile_e = route[:n_tiles * bm], route[n_tiles * bm:]
-    launch(_route_kernel, (n_tiles,), (hc, ids, srt, order, xs, dest, tile_e, n_pairs, n_pairs.bit_length(), p.E,
-                                       p.H),
-           dict(TOPK=k, BM=bm, BE=next_pow2(p.E), BH=min(1024, next_pow2(p.H)),
+    bh = min(ROUTE_COLUMNS, next_pow2(p.H))
+    launch(_route_kernel, (n_tiles, cdiv(p.H, bh)), (hc, ids, srt, order, xs, dest, tile_e, n_pairs,
+                                                     n_pairs.bit_length(), p.E, p.H),
+           dict(TOPK=k, BM=bm, BE=next_pow2(p.E), BH=bh,
                 SMALL=small, BP=next_pow2(n_pairs) if small else 1), num_warps=4)
     g = torch.empty(n_tiles * bm, p.I, dtype=h.dtype, device=h.device)             # SiLU(gate) * up per row
     _launch_gemm(p.gate_up, xs, g, tile_e, dest, n_tiles, p.I, p.H)

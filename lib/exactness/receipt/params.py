@@ -202,6 +202,7 @@ class HashesParams(Common):
     hash_sweep_tokens: int = 300
     hash_fp32_control: bool = False
     hash_features: bool = False
+    hash_graphs: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -214,6 +215,7 @@ class HashesParams(Common):
         _bool("hash_rerun", self.hash_rerun)
         _bool("hash_fp32_control", self.hash_fp32_control)
         _bool("hash_features", self.hash_features)
+        _bool("hash_graphs", self.hash_graphs)
         if not isinstance(self.hash_sweep_steps, (list, tuple)) or not all(
                 _positive_int(s) for s in self.hash_sweep_steps):
             raise ParamError(f"hash_sweep_steps must be a list of positive ints (tokens), got {self.hash_sweep_steps!r}")
@@ -358,6 +360,7 @@ class BenchParams(Common):
     bench_reps: int = 2
     bench_itl_reps: int = 3
     bench_cold_lengths: list[int] = field(default_factory=lambda: [2048, 8192, 30000])
+    bench_graphs: bool = True
     offload: bool = False
     checkpoint: str = ""
     allow_unpinned: bool = False
@@ -380,6 +383,7 @@ class BenchParams(Common):
             raise ParamError(f"bench_cold_lengths must be a list of ints (tokens), got {self.bench_cold_lengths!r}")
         for n in self.bench_cold_lengths:
             _at_least("every bench_cold_lengths entry", n, 2)
+        _bool("bench_graphs", self.bench_graphs)
 
     def check_lengths(self, max_positions: int, model: str = "the model") -> None:
         """Refuse a cold length whose prompt and reply pass ``max_positions`` (``model`` names it in the message).

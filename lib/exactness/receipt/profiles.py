@@ -30,6 +30,10 @@ class Profile:
             (cache.py).
         extra: further notebook parameters as (name, literal) pairs, e.g. the bench's cold-prefill lengths; each
             notebook receives only the names it declares.
+        side_by_side: how many sections that time nothing (sections.Section.timed False) a receipt run executes
+            at once, each notebook in its own kernel process (a GPU host has the cores and memory for several);
+            the timed sections then run one at a time, alone. 1 = every section in table order, one at a time.
+            A run setting, not a notebook parameter.
     """
 
     name: str
@@ -45,11 +49,15 @@ class Profile:
     extra: tuple[tuple[str, object], ...] = ()
     weights: str = "bf16"
     kv_dtype: str = "bf16"
+    side_by_side: int = 1
 
     def parameters(self) -> dict:
-        """Notebook parameters: the fields and ``extra`` as JSON-friendly literals (tuples become lists)."""
+        """Notebook parameters: the fields but side_by_side, and ``extra``, as JSON-friendly literals (tuples
+        become lists)."""
         out = {}
         for f in dataclasses.fields(self):
+            if f.name == "side_by_side":
+                continue
             v = getattr(self, f.name)
             out[f.name] = list(v) if isinstance(v, tuple) else v
         out["profile"] = out.pop("name")
@@ -90,17 +98,19 @@ PROFILES: dict[str, Profile] = {
     "gpu": Profile(name="gpu", preset="small", device="cuda", dtype="bfloat16", prompts=("short", "code", "docs"),
                    prompt_max_tokens=None, steps=(2048, 1000), gen_tokens=64, deep_threshold=512,
                    kernel_sets=("fast", "invariant"),
-                   # Sized so that each part of scripts/h200_receipt.sh (one or two sections) fits in 10 minutes on
-                   # one H200. A decode step is bound by kernel launches, not GPU work, so the exactness sections
-                   # generate 64 tokens; the hash matrix cuts its prompts to 2560 tokens (its serial oracle costs
-                   # one step per prompt token; 2 segments at step 2048, 3 at step 1000) and repeats only the
-                   # batched/deep runs offloaded (their replies still decode with offloaded experts); concurrent
-                   # streams use 256-token prompts; the fast set, the contract's negative control, gets the quick
-                   # sweep. The bench keeps its standard definitions: full prompts and 192 generated tokens.
+                   # A decode step is bound by kernel launches, not GPU work, so the exactness sections generate
+                   # 64 tokens. The hash matrix runs the full prompts, its serial oracle included (each prompt row
+                   # one decode step, replayed from a CUDA graph: hash_graphs), and repeats only the batched/deep
+                   # runs offloaded (their replies still decode with offloaded experts); concurrent streams use
+                   # 256-token prompts; the fast set, the contract's negative control, gets the quick sweep. The
+                   # bench keeps its definitions (full prompts, 192 generated tokens) with 2 ITL repetitions. The
+                   # four untimed sections run side by side (one kernel process each), then the bench alone.
+                   side_by_side=4,
                    extra=(("contract_sweep", "full"), ("contract_control_sweep", "quick"),
                           ("stream_prompt_tokens", 256), ("bench_step", 2048), ("bench_gen_tokens", 192),
+                          ("bench_itl_reps", 2),
                           ("hash_offload", (False, True)), ("hash_offload_paths", ("batched", "deep")),
-                          ("hash_max_tokens", 2560), ("bench_cold_lengths", (2048, 8192, 30000)))),
+                          ("bench_cold_lengths", (2048, 8192, 30000)))),
 }
 
 DEFAULT_PROFILE = "standard"

@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +51,9 @@ def _check_kernel(kernel_name: str) -> None:
     try:
         KernelSpecManager().get_kernel_spec(kernel_name)
     except NoSuchKernel:
-        raise ReceiptError(f"Jupyter kernel {kernel_name!r} is not registered; run `make setup` (it runs "
-                           f"python -m ipykernel install --sys-prefix --name {kernel_name})") from None
+        raise ReceiptError(f"Jupyter kernel {kernel_name!r} is not registered; run `make setup` (it runs python -m "
+                           f"ipykernel install --sys-prefix --name {kernel_name}; with PY=another Python, it "
+                           f"registers it in .deps/share/jupyter, which make puts on JUPYTER_PATH)") from None
 
 
 # ------------------------------------------------------------------------------------------------------- the run
@@ -296,6 +298,31 @@ def _notebooks(profile: str, kinds: set[str], sections: list[str] | None) -> lis
     return [nb for nb in names if section_of(nb) in sections]
 
 
+def _execute_all(tmp: Path, nb_dir: Path, per_nb: dict[str, dict], kernel_name: str, side_by_side: int) -> list:
+    """Every notebook's ``notebooks`` entry, in table order. With side_by_side > 1 the notebooks of untimed
+    sections run that many at a time (threads waiting on their kernel processes), then the timed ones alone."""
+    jobs = [(nb, {**p, OUT_JSON: str(tmp / "sections" / f"{nb}.json")}, f"{i}/{len(per_nb)}")
+            for i, (nb, p) in enumerate(per_nb.items(), 1)]
+
+    def run(job):
+        nb, params, position = job
+        return _execute(nb, nb_dir / f"{nb}.ipynb", tmp, params, kernel_name, position)
+
+    timed = {nb for nb, _, _ in jobs if section_of(nb) in SECTIONS and SECTIONS[section_of(nb)].timed}
+    shared = [j for j in jobs if j[0] not in timed] if side_by_side > 1 else []
+    done = {}
+    if shared:
+        pool = ThreadPoolExecutor(max_workers=side_by_side)
+        try:
+            done = dict(zip((j[0] for j in shared), pool.map(run, shared)))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)   # an interrupt must not wait for the others
+    for job in jobs:
+        if job[0] not in done:
+            done[job[0]] = run(job)
+    return [done[nb] for nb, _, _ in jobs]
+
+
 def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: dict[str, dict],
             kernel_name: str) -> dict:
     """Execute the notebooks into ``tmp``, assemble the receipt and write its files; returns the receipt."""
@@ -304,14 +331,12 @@ def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: d
     env = {**env, "kernel_sets": params.get("kernel_sets") if "reference" in ran else None,
            "engines": params.get("engine") if "engines" in ran else None,
            "dumps": params.get("dumps") if "dumps" in ran else None}
-    entries = []
-    for i, (nb, nb_params) in enumerate(per_nb.items(), 1):
-        nb_params = {**nb_params, OUT_JSON: str(tmp / "sections" / f"{nb}.json")}
-        entries.append(_execute(nb, nb_dir / f"{nb}.ipynb", tmp, nb_params, kernel_name, f"{i}/{len(per_nb)}"))
+    entries = _execute_all(tmp, nb_dir, per_nb, kernel_name, prof.side_by_side)
     errors = [e.pop("error") for e in entries if "error" in e]
     sections = _collect(tmp, entries, errors)
     receipt = {"schema": SCHEMA, "status": "failed" if errors else "ok", "profile": prof.name, "runs_on": sorted(ran),
-               "parameters": params, "env": env, "sections": sections, "errors": errors, "notebooks": entries}
+               "parameters": params, "env": env, "sections": sections, "errors": errors, "notebooks": entries,
+               "side_by_side": prof.side_by_side}
     files = [tmp / e["file"] for e in entries if (tmp / e["file"]).is_file()]
     _write_outputs(receipt, tmp, files)
     if receipt["status"] != "ok":

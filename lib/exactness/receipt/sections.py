@@ -39,6 +39,8 @@ class Section:
             ``dumps``); a receipt run given ``engine`` or ``dumps`` runs the sections of those kinds only.
         from_dumps: ``module:function`` computing this section's check from a dump folder (the subcommand's
             ``--dumps DIR``), or "".
+        timed: it reports speed, so a receipt run gives it the machine alone (profiles.Profile.side_by_side lets
+            the other sections share it).
     """
 
     name: str
@@ -49,6 +51,7 @@ class Section:
     mergeable: bool = False
     runs_on: str = "reference"
     from_dumps: str = ""
+    timed: bool = False
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -71,10 +74,11 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     Section("streams", "exactness.analysis.streams", "40_streams",
             "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON", StreamsParams),
     Section("bench", "exactness.analysis.bench", "50_bench",
-            "the bench tables (TTFT, tok/s, ITL, streams, memory) -> section JSON", BenchParams, mergeable=True),
+            "the bench tables (TTFT, tok/s, ITL, streams, memory) -> section JSON", BenchParams, mergeable=True,
+            timed=True),
     Section("engines", "exactness.analysis.engines", "60_engines",
             "engines under test (--param engine=[...]): hash matrix, stream equalities -> section JSON",
-            EnginesParams, runs_on="engines"),
+            EnginesParams, runs_on="engines", timed=True),
     Section("dumps", "exactness.dumps.section", "70_dumps",
             "kernel contract and FP64 of an engine's tensor dumps (--param dumps=DIR) -> section JSON", DumpsParams,
             runs_on="dumps"),
