@@ -3,7 +3,7 @@
 Run from the repository root on the GPU machine (needs torch and triton; the package need not be installed):
 
     PYTHONPATH=lib python3 benchmarks/bench_gpu_kernels.py [--sections ceilings,gemm,gate_up,attention,rows,
-        overhead,moe,profile,decode_step,e2e,compile,contract,tests] [--tune] [--out DIR]
+        overhead,moe,profile,decode_step,e2e,compile,contract,oracle,tests] [--tune] [--out DIR]
         [--e2e-weights synthetic|device]
 
 Every ratio is invariant time / fast time (lower is better) and is printed with its goal, met or missed:
@@ -595,6 +595,31 @@ def contract(args) -> dict:
     return {"rows": rows_, "coverage": cov, "uncovered": unc, "mismatches": bad}
 
 
+def oracle(args) -> dict:
+    """The serial decode oracle (paths.generate on the decode path: one decode step per prompt row), each set with
+    its steps replayed from a CUDA graph (the prompt rows included) and eagerly, on a random ``--oracle-tokens``
+    prompt, timed side by side: wall ms per prompt row, and the graph's info (pieces, replays, reason)."""
+    from exactness.exact import bytes_equal
+    w = _weights(args.e2e_weights)
+    ids = torch.randint(0, 256, (args.oracle_tokens,), generator=torch.Generator().manual_seed(0))
+    out, logits = [], {}
+    for ks in ("invariant", "fast"):
+        for graphs in (True, False):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r = paths.generate(w, ids, 4, ks, paths.Schedule("decode"), graphs=graphs)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            logits[(ks, graphs)] = r.prompt_logits
+            out.append({"set": ks, "graphs": graphs, "prompt_rows": ids.numel(), "seconds": dt,
+                        "ms_per_row": dt / ids.numel() * 1e3, "pieces": r.graphs.get("pieces"),
+                        "replays": r.graphs.get("replays"), "reason": r.graphs.get("reason")})
+    for row in out:
+        row["same_prompt_logits"] = bytes_equal(logits[(row["set"], True)], logits[(row["set"], False)])
+    _print_rows(f"serial decode oracle, {ids.numel()} prompt rows: CUDA-graph replays vs eager steps", out)
+    return {"rows": out}
+
+
 def tests(_args) -> dict:
     """tests/test_cuda_kernels.py's GPU tests in this process, so they run with the configs pinned by --tune."""
     import pytest
@@ -607,7 +632,7 @@ def tests(_args) -> dict:
 
 SECTIONS = {"ceilings": ceilings, "gemm": gemm, "gate_up": gate_up, "attention": attention, "rows": rows,
             "overhead": overhead, "moe": moe, "profile": profile, "decode_step": decode_step, "e2e": e2e,
-            "compile": compile_sm120, "contract": contract, "tests": tests}
+            "compile": compile_sm120, "contract": contract, "oracle": oracle, "tests": tests}
 
 
 def main(argv=None) -> int:
@@ -620,6 +645,7 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e-reps", type=int, default=3)
     ap.add_argument("--e2e-oracle", action="store_true", help="also prefill on the serial decode path (slow)")
     ap.add_argument("--contract-sweep", default="full", choices=("quick", "full"))
+    ap.add_argument("--oracle-tokens", type=int, default=3000, help="prompt rows of the oracle section")
     args = ap.parse_args(argv)
     names = [s for s in args.sections.split(",") if s]
     unknown = [s for s in names if s not in SECTIONS]

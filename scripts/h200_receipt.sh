@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU receipt on a machine with one H200, in parts that each finish within 10 minutes: every step gets the time
+# The GPU receipt on a machine with one H200, in parts that each finish within 10 minutes (the whole receipt in one
+# command is `make receipts PROFILE=gpu PY=python3 WHEELS=.whl`, which takes longer): every step gets the time
 # left of DEADLINE (580 s by default) and is cut with `timeout`, so a part can run as one bounded job and a cut loses
 # at most one step. Run from the repo root on the GPU machine with OUT set; results go to $OUT/gpu.
 #
@@ -25,9 +26,9 @@
 #   .venv/bin/python -m exactness merge --out <folder>/contract.json contract_invariant/contract.json \
 #       contract_fast/contract.json
 # and render with  .venv/bin/python -m exactness receipts --profile gpu --precomputed <folder> --out <run folder>
-# The prompts need mpmath 1.3.0 there: here `pip download --no-deps mpmath==1.3.0 -d .whl`, and copy .whl/ to the
-# GPU machine with the tree (it is git-ignored, so a git-based copy leaves it out); the script installs it to
-# /tmp/site (without it the prompt pins fail).
+# The prompts need mpmath 1.3.0 there: scripts/gpu_wheels.sh fills .whl/ (mpmath and what the notebooks need), and
+# copy .whl/ to the GPU machine with the tree (it is git-ignored, so a git-based copy leaves it out); the script
+# installs it to /tmp/site (without it the prompt pins fail).
 # Set EXACTNESS_GIT_SHA (and EXACTNESS_GIT_DIRTY=0/1) to the commit copied when the GPU machine's tree has no .git
 # or an older one, so that the records name the commit that ran.
 set -uo pipefail

@@ -59,7 +59,9 @@ def test_a_cpu_run_that_asks_for_graphs_records_why_none_served(tiny_weights, ca
     assert calls == [False] * 3 + [True] * 3            # the spy sees graphs=True when it is asked for
     P = prompt.n_tokens
     steps = {r["path"]: r["graphs"]["eager_steps"] for r in rows}
-    assert steps == {"decode": P + 3, "batched": 3, "deep": 3}   # the oracle's prompt rows are decode steps too
+    assert steps == {"decode": 3, "batched": 3, "deep": 3}   # the oracle's prompt rows ran as eager decode rows
+    assert rows[0]["graphs"]["prompt"].startswith("eager: CUDA graphs need a CUDA device")
+    assert all("prompt" not in r["graphs"] for r in rows[1:])  # said only of the decode path
     for r in rows:
         assert r["graphs"]["served"] is False and r["graphs"]["replays"] == 0
         assert "CUDA device" in r["graphs"]["reason"] and "cpu" in r["graphs"]["reason"]
@@ -67,8 +69,8 @@ def test_a_cpu_run_that_asks_for_graphs_records_why_none_served(tiny_weights, ca
     assert all(r["equals_oracle"] and r["prompt_logits_equal"] and r["kv_equal"] for r in rows)
     summary = graphs_summary(rows)
     assert summary.startswith("replayed in 0 of 3 runs; not in 3: CUDA graphs need a CUDA device")
-    assert hashes_md._graphs_line(rows) == ("CUDA graphs (decode steps, the oracle's prompt rows included): "
-                                            f"invariant: {summary}")
+    assert hashes_md._graphs_line(rows) == ("CUDA graphs (decode steps; the oracle's prompt rows where a replay is "
+                                            f"the whole step): invariant: {summary}")
     assert hashes.summary_table(rows).columns["graphs"]
 
 
@@ -82,5 +84,8 @@ def test_the_graphs_summary_counts_replayed_runs_and_each_reason():
     assert graphs_summary(rows[:3]) == f"replayed in 1 of 3 runs; not in 2: {store}"
     assert graphs_summary(rows[3:]) == "replayed in 0 of 1 runs; not in 1: no step to replay"
     assert graphs_summary(rows[4:]) is None
+    pieces = {"served": True, "reason": None, "prompt": "eager: attention runs eagerly between graph pieces"}
+    assert graphs_summary([{"kernels": "fast", "graphs": pieces}]) == (
+        "replayed in 1 of 1 runs; oracle prompt rows eager: attention runs eagerly between graph pieces (1 runs)")
     line = hashes_md._graphs_line(rows)
     assert line.count(" | ") == 1 and "fast: replayed in 1 of 3 runs" in line

@@ -89,7 +89,8 @@ class RunResult:
         kv_dtype: what the KV cache stored (cache.KV_DTYPES).
         graphs: {} when CUDA graphs were not asked for; else graphs.GraphDecoder.info() of the decode steps, on
             the decode path the prompt rows' steps included ("served", "replays", "eager_steps", "pieces",
-            "reason": why a graph did not serve).
+            "reason": why a graph did not serve), and on the decode path "prompt": "replayed" or "eager: <why>"
+            (paths._prompt_graphs).
     """
 
     path: str
@@ -211,6 +212,16 @@ def _decode_prompt(step, ids: torch.Tensor, served: dict, progress=None) -> torc
     return torch.cat(out)
 
 
+def _prompt_graphs(dec: GraphDecoder) -> str:
+    """How the decode path's prompt rows run with graphs: "replayed" where a replay is the whole step in one graph;
+    else "eager: <why>" (the eager decode rows, as without graphs): a step cut into graph pieces around eager
+    attention calls is slower per prompt row than the eager step (benchmarks/bench_gpu_kernels.py --sections
+    oracle measures both)."""
+    if dec.whole_step:
+        return "replayed"
+    return "eager: " + (dec.reason or "attention runs eagerly between graph pieces")
+
+
 def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",
              schedule: Schedule = Schedule("decode"), *, keep_cache: bool = False,
              experts: ExpertProvider | None = None, progress=None, kv_dtype: str | KVFormat = "bf16",
@@ -222,8 +233,8 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
         progress: a tqdm bar, advanced by one per prompt row and per generated token;
         kv_dtype: what the KV cache stores (cache.KV_DTYPES name or a cache.KVFormat);
         graphs: replay the decode steps from a CUDA graph (graphs.GraphDecoder: the same bytes), on the decode
-            path the prompt rows' steps too; where a graph cannot serve, the eager steps run and RunResult.graphs
-            says why.
+            path the prompt rows' steps too where a replay is the whole step (_prompt_graphs); where a graph
+            cannot serve, the eager steps run and RunResult.graphs says why.
     Raises:
         ValueError: see check_run_args; an unknown kernel set or kv_dtype.
     """
@@ -235,7 +246,8 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
     dec = GraphDecoder(w, cache, ks, experts=experts) if graphs else None
     step = _stepper(w, cache, ks, experts, dec)
     t0 = time.perf_counter()
-    if dec is not None and schedule.path == "decode":
+    prompt_graphs = None if dec is None or schedule.path != "decode" else _prompt_graphs(dec)
+    if prompt_graphs == "replayed":
         plog = _decode_prompt(step, prompt_ids.to(w.device), served, progress)
     else:
         plog = prefill(w, cache, prompt_ids, ks, schedule, served=served, experts=experts, progress=progress).logits
@@ -258,4 +270,5 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
         prompt_logits=plog.cpu(), gen_logits=torch.cat(glog).cpu() if glog else torch.zeros(0, V),
         served=served, ttft_s=(times[0] - t0) if times else 0.0,
         decode_s=(times[-1] - times[0]) if len(times) > 1 else 0.0, token_times=[t - t0 for t in times],
-        cache=cache if keep_cache else None, kv_dtype=cache.kv_dtype, graphs=dec.info() if dec is not None else {})
+        cache=cache if keep_cache else None, kv_dtype=cache.kv_dtype,
+        graphs={} if dec is None else {**dec.info(), **({"prompt": prompt_graphs} if prompt_graphs else {})})

@@ -144,10 +144,11 @@ def _row(prompt, run: RunResult, seconds: float, w) -> dict:
 
 def _graphs(run: RunResult) -> dict | None:
     """A row's ``graphs``: None when the run did not ask for CUDA graphs, else {"served": any step replayed,
-    "replays", "eager_steps", "reason": why a graph did not serve (None when it did)}."""
+    "replays", "eager_steps", "reason": why a graph did not serve (None when it did), and on the decode path
+    "prompt": "replayed" or "eager: <why>" (how its prompt rows ran)}."""
     if not run.graphs:
         return None
-    return {k: run.graphs[k] for k in ("served", "replays", "eager_steps", "reason")}
+    return {k: run.graphs[k] for k in ("served", "replays", "eager_steps", "reason", "prompt") if k in run.graphs}
 
 
 def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress=None,

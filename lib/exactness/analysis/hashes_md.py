@@ -112,13 +112,14 @@ def render_hashes(rows: list[dict]) -> str:
 
 
 def _graphs_line(rows: list[dict]) -> str:
-    """One line: per kernel set, how its runs' decode steps (the oracle's prompt rows included) ran with CUDA
+    """One line: per kernel set, how its runs' decode steps (the oracle's prompt rows too) ran with CUDA
     graphs, and why a graph did not serve; "" when no run tried graphs."""
     sets = {}
     for r in rows:
         sets.setdefault(r.get("kernels"), []).append(r)
     parts = [f"{ks}: {text}" for ks, rs in sets.items() if (text := graphs_summary(rs))]
-    return "CUDA graphs (decode steps, the oracle's prompt rows included): " + " | ".join(parts) if parts else ""
+    return "CUDA graphs (decode steps; the oracle's prompt rows where a replay is the whole step): " + \
+        " | ".join(parts) if parts else ""
 
 
 def _deep_unserved(rows: list[dict]) -> str:

@@ -169,8 +169,10 @@ def graphs_summary(rows: list[dict]) -> str | None:
     if not tried:
         return None
     why = Counter(g.get("reason") or "no step to replay" for g in tried if not g.get("served"))
+    prompt = Counter(g["prompt"] for g in tried if g.get("served") and g.get("prompt", "replayed") != "replayed")
     return (f"replayed in {len(tried) - sum(why.values())} of {len(tried)} runs"
-            + "".join(f"; not in {n}: {reason}" for reason, n in why.items()))
+            + "".join(f"; not in {n}: {reason}" for reason, n in why.items())
+            + "".join(f"; oracle prompt rows {text} ({n} runs)" for text, n in prompt.items()))
 
 
 def summary_table(rows: list[dict]) -> Table:
@@ -191,7 +193,7 @@ def summary_table(rows: list[dict]) -> Table:
     if any("rerun_equal" in r for r in rows):
         cols["rerun"] = "rerun identical (run-to-run deterministic)"
     if graphs_summary(rows):
-        cols["graphs"] = "CUDA graphs (decode steps, the oracle's prompt rows included)"
+        cols["graphs"] = "CUDA graphs (decode steps; the oracle's prompt rows where a replay is the whole step)"
     return Table(recs, cols, words={"rerun": ("yes", "NO")}, dash="no rerun control for this set")
 
 

@@ -25,11 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import triton
-import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .triton_rows import INTERPRET, _spec, capability, cdiv, dot_operand, intern_key, launch, round_to
+from .triton_rows import INTERPRET, _spec, capability, cdiv, intern_key, launch
+from .triton_tiles import _gemm_kernel, _gemm_persistent_kernel, _gemm_split_kernel, _split_reduce_kernel
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -142,149 +141,6 @@ def config_for(kind: str, N: int, K: int, dtype: torch.dtype, capability: tuple[
         raise ValueError(f"GEMM kind must be 'linear' or 'gate_up', got {kind!r}")
     arch, dk = arch_of(capability), _dkey(dtype)
     return SHAPE_CONFIGS.get((kind, N, K, dk, arch)) or _DEFAULTS[(kind, dk, arch)]
-
-
-@triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile_id // in_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % in_group) % size_m
-    pid_n = (tile_id % in_group) // size_m
-    return pid_m, pid_n
-
-
-@triton.jit
-def _load_tile(src, off_r, off_k, n_rows, K, stride_r, BR: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
-    """[BR, BK] tile of a row-major [n_rows, K] operand; out-of-range rows/columns read as 0."""
-    if TMA:
-        t = src.load([off_r, off_k])
-    else:
-        r = off_r + tl.arange(0, BR)
-        k = off_k + tl.arange(0, BK)
-        t = tl.load(src + r[:, None] * stride_r + k[None, :], mask=(r[:, None] < n_rows) & (k[None, :] < K),
-                    other=0.0)
-    return t
-
-
-@triton.jit
-def _k_range(a_src, b_src, b2_src, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_bn,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
-             TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    """fp32 [BM, BN] accumulator(s) over the K chunks k_lo..k_hi-1 (of BK columns each) in ascending order."""
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-    for ki in range(k_lo, k_hi):
-        a = _load_tile(a_src, off_m, ki * BK, M, K, stride_am, BM, BK, TMA)          # [BM, BK]
-        b = _load_tile(b_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)          # [BN, BK]
-        acc = tl.dot(dot_operand(a, EMULATE), dot_operand(b, EMULATE).T, acc, input_precision=PRECISION)
-        if GATE_UP:
-            b2 = _load_tile(b2_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)
-            acc2 = tl.dot(dot_operand(a, EMULATE), dot_operand(b2, EMULATE).T, acc2, input_precision=PRECISION)
-    return acc, acc2
-
-
-@triton.jit
-def _split_bounds(K, s, BK: tl.constexpr, SPLIT: tl.constexpr):
-    """K chunks [lo, hi) of split s: the tl.cdiv(K, BK) chunks cut into SPLIT runs of equal length (the last shorter)."""
-    nk = tl.cdiv(K, BK)
-    per = tl.cdiv(nk, SPLIT)
-    return tl.minimum(s * per, nk), tl.minimum((s + 1) * per, nk)
-
-
-@triton.jit
-def _tile_product(a_src, b_src, b2_src, off_m, off_n, M, N, K, stride_am, stride_bn,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
-                  TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr = 1):
-    """fp32 [BM, BN] accumulator(s) of one output tile. SPLIT = 1: all K chunks in ascending order. SPLIT > 1: each
-    split's partial from zero (_k_range), added in split order to a zero total, the arithmetic of
-    _gemm_split_kernel + _split_reduce_kernel (which run the splits in parallel) in one program."""
-    if SPLIT == 1:
-        acc, acc2 = _k_range(a_src, b_src, b2_src, off_m, off_n, 0, tl.cdiv(K, BK), M, N, K, stride_am, stride_bn,
-                             BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        for s in range(0, SPLIT):
-            lo, hi = _split_bounds(K, s, BK, SPLIT)
-            p, p2 = _k_range(a_src, b_src, b2_src, off_m, off_n, lo, hi, M, N, K, stride_am, stride_bn,
-                             BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
-            acc = acc + p
-            acc2 = acc2 + p2
-    return acc, acc2
-
-
-@triton.jit
-def _store_tile(c_ptr, acc, acc2, off_m, off_n, M, N, stride_cm, BM: tl.constexpr, BN: tl.constexpr,
-                GATE_UP: tl.constexpr, EMULATE: tl.constexpr):
-    """Round to the storage dtype (gate_up: SiLU(g) * u with storage-dtype rounding points) and store."""
-    dt = c_ptr.dtype.element_ty
-    if GATE_UP:
-        g = round_to(acc, dt, EMULATE).to(tl.float32)
-        u = round_to(acc2, dt, EMULATE).to(tl.float32)
-        s = round_to(tl.math.div_rn(g, 1.0 + tl.exp(-g)), dt, EMULATE).to(tl.float32)
-        out = round_to(s * u, dt, EMULATE)
-    else:
-        out = round_to(acc, dt, EMULATE)
-    rm = off_m + tl.arange(0, BM)
-    rn = off_n + tl.arange(0, BN)
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], out, mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 GATE_UP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-                 SPLIT: tl.constexpr):
-    """One program per output tile."""
-    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
-    acc, acc2 = _tile_product(a_src, b_src, b2_src, pid_m * BM, pid_n * BN, M, N, K, stride_am, stride_bn,
-                              BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE, SPLIT)
-    _store_tile(c_ptr, acc, acc2, pid_m * BM, pid_n * BN, M, N, stride_cm, BM, BN, GATE_UP, EMULATE)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _gemm_persistent_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
-                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                            GATE_UP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-                            SPLIT: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr):
-    """One program per SM, walking tiles start, start + NUM_SMS, ...; each tile computed as in _gemm_kernel."""
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True, warp_specialize=WS):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        acc, acc2 = _tile_product(a_src, b_src, b2_src, pid_m * BM, pid_n * BN, M, N, K, stride_am, stride_bn,
-                                  BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE, SPLIT)
-        _store_tile(c_ptr, acc, acc2, pid_m * BM, pid_n * BN, M, N, stride_cm, BM, BN, GATE_UP, EMULATE)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _gemm_split_kernel(a_src, b_src, ws_ptr, M, N, K, stride_am, stride_bn, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
-                       EMULATE: tl.constexpr, SPLIT: tl.constexpr):
-    """One program per (output tile, split): the split's fp32 partial (_k_range from zero) stored to ws[split]."""
-    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
-    s = tl.program_id(1)
-    lo, hi = _split_bounds(K, s, BK, SPLIT)
-    acc, _ = _k_range(a_src, b_src, b_src, pid_m * BM, pid_n * BN, lo, hi, M, N, K, stride_am, stride_bn,
-                      BM, BN, BK, False, TMA, PRECISION, EMULATE)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    tl.store(ws_ptr + (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc,
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit(do_not_specialize=["M"])
-def _split_reduce_kernel(ws_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                         EMULATE: tl.constexpr):
-    """The splits' partials added in split order to a zero total (as _tile_product), rounded once and stored."""
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc = acc + tl.load(ws_ptr + (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :], mask=mask, other=0.0)
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], round_to(acc, c_ptr.dtype.element_ty, EMULATE), mask=mask)
 
 
 _SMS: dict[int, int] = {}

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from .triton_gemm import _check as _check_gemm
-from .triton_gemm import DTYPES, _spec, _store_tile, _tile_product, capability, config_for, descriptor
+from .triton_gemm import DTYPES, _spec, capability, config_for, descriptor
+from .triton_tiles import _store_tile, _tile_product
 from .triton_rows import INTERPRET, cdiv, intern_key, launch, next_pow2, round_to
 
 
