@@ -13,7 +13,7 @@ import time
 
 from ..engines.base import Engine, NotAvailable
 from ..exact import token_hash
-from .bench import timing_metrics
+from .bench_runner import timing_metrics
 
 
 def _cached(info: dict) -> int | None:

@@ -301,12 +301,12 @@ def bench(engine: OpenAIEngine, prompt_ids: list[int], gen_tokens: int, config: 
 
     Returns:
         {"cold": metrics, "warm": metrics, "streams": [{streams, wall_s, aggregate_tps, equal_to_alone}, ...]} with
-        metrics as analysis.bench.timing_metrics (ttft_s, prefill_tps, decode_tps, itl_mean_ms, itl_p50_ms,
+        metrics as analysis.bench_runner.timing_metrics (ttft_s, prefill_tps, decode_tps, itl_mean_ms, itl_p50_ms,
         itl_p95_ms, generated); seconds and tokens per second.
     Raises:
         EngineError, ValueError: as OpenAIEngine.generate.
     """
-    from ..analysis.bench import timing_metrics
+    from ..analysis.bench_runner import timing_metrics
 
     P = len(prompt_ids)
     runs = {k: engine.generate(prompt_ids, gen_tokens, config) for k in ("cold", "warm")}
