@@ -221,14 +221,14 @@ def test_reference_engine_and_serve_take_the_feature_options():
 def test_bench_runs_on_the_profile_weights_and_kv_dtype(monkeypatch):
     """Every bench request runs the configured model: each paths.generate call gets int4_g128 weights and an fp8
     block-scaled cache, and the plain and drafted hashes equal paths.generate's on that model."""
-    from exactness.analysis import bench
+    from exactness.analysis import bench, bench_runner
     from exactness.weights import weights_format
     seen = []
 
     def spy(w, *args, **kw):
         seen.append((weights_format(w), kw.get("kv_dtype")))
         return generate(w, *args, **kw)
-    monkeypatch.setattr(bench, "generate", spy)
+    monkeypatch.setattr(bench_runner, "generate", spy)   # the module whose requests call it
     params = dict(preset="tiny", device="cpu", dtype="bfloat16", prompts=["short"], prompt_max_tokens=16,
                   gen_tokens=3, deep_threshold=8, kernel_sets=["invariant"], bench_path="deep", bench_step=8,
                   bench_reps=1, bench_itl_reps=1, bench_cold_lengths=[16], weights="int4_g128",
