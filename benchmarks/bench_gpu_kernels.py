@@ -82,6 +82,20 @@ def graph_ms(fn, rep: int = 10) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
+def host_us(fn, warm: int, n: int) -> float:
+    """Host microseconds per call of ``fn`` over ``n`` back-to-back calls after ``warm`` warm-up calls (the launch
+    cost: the device is synchronized before the clock starts, not inside the loop)."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
 def _rand(*shape, scale=1.0):
     return (torch.randn(*shape, device="cuda") * scale).to(BF16)
 
@@ -302,17 +316,7 @@ def overhead(_args) -> dict:
                       lambda: [experts.down_fast(experts.gate_up_fast(x, g, g), g.T) for g in lay]))
     out = []
     for name, inv, fast in cases:
-        row = {"case": name}
-        for label, fn in (("invariant_us", inv), ("fast_us", fast)):
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(500):
-                fn()
-            row[label] = (time.perf_counter() - t0) / 500 * 1e6
-            torch.cuda.synchronize()
-        out.append(row)
+        out.append({"case": name, "invariant_us": host_us(inv, 20, 500), "fast_us": host_us(fast, 20, 500)})
     _print_rows("host time per call (us, launch-bound)", out)
     return {"rows": out}
 
@@ -501,14 +505,7 @@ def profile(args) -> dict:
              "x + x": lambda: x + x}
     out = []
     for name, fn in cases.items():
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(1000):
-            fn()
-        out.append({"case": name, "host_us": (time.perf_counter() - t0) / 1000 * 1e6})
-        torch.cuda.synchronize()
+        out.append({"case": name, "host_us": host_us(fn, 50, 1000)})
     _print_rows(f"host time per call (us), SMALL_PAIRS={tm.SMALL_PAIRS}", out)
     return {"rows": out, "profile": buf.getvalue()[-20000:]}
 

@@ -109,6 +109,14 @@ class RunResult:
     kv_dtype: str = "bf16"
     graphs: dict = field(default_factory=dict)
 
+    def graphs_record(self) -> dict | None:
+        """What a report keeps of ``graphs``: None when CUDA graphs were not asked for, else {"served": any step
+        replayed, "replays", "eager_steps", "reason": why a graph did not serve (None when it did), and on the
+        decode path "prompt": "replayed" or "eager: <why>" (how its prompt rows ran)}."""
+        if not self.graphs:
+            return None
+        return {k: self.graphs[k] for k in ("served", "replays", "eager_steps", "reason", "prompt") if k in self.graphs}
+
 
 def check_run_args(w: Weights, n_prompt: int, gen_tokens: int) -> None:
     """Validate a run's lengths (the Schedule validates itself).

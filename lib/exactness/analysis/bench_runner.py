@@ -27,7 +27,7 @@ def _sync(device: torch.device) -> None:
 
 
 def timing_metrics(n_prompt: int, ttft_s: float, token_times: list[float]) -> dict:
-    """Metrics of one stream (defined in this module's docstring).
+    """Metrics of one stream (defined in analysis/bench.py's module docstring).
 
     Args:
         n_prompt: prompt tokens; ttft_s: seconds to the first token; token_times: seconds since the request of
@@ -99,18 +99,11 @@ def _record(kind: str, ids: torch.Tensor, gen_ids, served: dict, ttft: float, ti
     P = int(ids.numel())
     rows = _served_rows(served)
     return {"kind": kind, "prompt_tokens": P, "hash": token_hash(gen_ids), "_gen_ids": gen_ids.cpu(),
-            "decode_graphs": _graphs_note(graphs),
+            "decode_graphs": graphs,
             "served": served, "path_served": _path_served(served), "prefilled_rows": rows,
             "cache_state": "cold" if rows == P else f"hit ({P - rows} rows not prefilled)",
             "peak_mem_bytes": peak, "last_token_s": times[-1] if times else None,
             "_gaps_ms": np.diff(np.asarray(times, dtype=np.float64)) * 1e3, **timing_metrics(P, ttft, times)}
-
-
-def _graphs_note(info: dict | None) -> str | None:
-    """How the reply's decode steps ran: None (graphs not asked for), "replayed" or "eager: <reason>"."""
-    if not info:
-        return None
-    return "replayed" if info.get("served") else f"eager: {info.get('reason')}"
 
 
 # ------------------------------------------------------------------------------------------------------ runner
@@ -135,7 +128,7 @@ class Runner:
             r = generate(self.w, ids, gen, ks, schedule, experts=self.experts, kv_dtype=self.kv_dtype,
                          graphs=self.graphs)
         return self._note(_record("plain", ids, r.gen_ids, r.served, r.ttft_s, list(r.token_times),
-                                  mem["peak_bytes"], r.graphs))
+                                  mem["peak_bytes"], r.graphs_record()))
 
     def _note(self, rec: dict) -> dict:
         """Say so in ``path_served`` when offloaded experts had no ring (deep rows then fetched synchronously)."""

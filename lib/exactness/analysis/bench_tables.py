@@ -197,7 +197,7 @@ def config_line(data: dict) -> str:
             f"(cold = rep 0, warm = repeat), ITL over {c['itl_reps']} reps; MTP k={c['mtp_k']}; expert offload "
             f"{offload}; prompt cache {c['prompt_cache']}"
             + ("; plain replies' decode steps replayed from CUDA graphs (graphs.GraphDecoder; each run's "
-               "`decode_graphs` says whether it served)" if c.get("decode_graphs") else ""))
+               "`decode_graphs` says whether they served and why not)" if c.get("decode_graphs") else ""))
 
 
 def render_md(section: dict) -> str:

@@ -137,18 +137,9 @@ def _row(prompt, run: RunResult, seconds: float, w) -> dict:
         "weights": weights_format(w), "kv_dtype": run.kv_dtype, "routing_groups": w.cfg.router_groups,
         "deep_threshold": run.deep_threshold if run.path == "deep" else None,
         "gen_tokens": int(run.gen_ids.numel()), "hash": token_hash(run.gen_ids), "served": run.served,
-        "graphs": _graphs(run), "ttft_s": round(run.ttft_s, 4), "decode_s": round(run.decode_s, 4),
+        "graphs": run.graphs_record(), "ttft_s": round(run.ttft_s, 4), "decode_s": round(run.decode_s, 4),
         "seconds": round(seconds, 3),
     }
-
-
-def _graphs(run: RunResult) -> dict | None:
-    """A row's ``graphs``: None when the run did not ask for CUDA graphs, else {"served": any step replayed,
-    "replays", "eager_steps", "reason": why a graph did not serve (None when it did), and on the decode path
-    "prompt": "replayed" or "eager: <why>" (how its prompt rows ran)}."""
-    if not run.graphs:
-        return None
-    return {k: run.graphs[k] for k in ("served", "replays", "eager_steps", "reason", "prompt") if k in run.graphs}
 
 
 def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress=None,

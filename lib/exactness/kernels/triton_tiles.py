@@ -53,7 +53,8 @@ def _k_range(a_src, b_src, b2_src, off_m, off_n, k_lo, k_hi, M, N, K, stride_am,
 
 @triton.jit
 def _split_bounds(K, s, BK: tl.constexpr, SPLIT: tl.constexpr):
-    """K chunks [lo, hi) of split s: the tl.cdiv(K, BK) chunks cut into SPLIT runs of equal length (the last shorter)."""
+    """K chunks [lo, hi) of split s: the tl.cdiv(K, BK) chunks cut into SPLIT runs of equal length (the last
+    shorter)."""
     nk = tl.cdiv(K, BK)
     per = tl.cdiv(nk, SPLIT)
     return tl.minimum(s * per, nk), tl.minimum((s + 1) * per, nk)
