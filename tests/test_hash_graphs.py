@@ -69,8 +69,8 @@ def test_a_cpu_run_that_asks_for_graphs_records_why_none_served(tiny_weights, ca
     assert all(r["equals_oracle"] and r["prompt_logits_equal"] and r["kv_equal"] for r in rows)
     summary = graphs_summary(rows)
     assert summary.startswith("replayed in 0 of 3 runs; not in 3: CUDA graphs need a CUDA device")
-    assert hashes_md._graphs_line(rows) == ("CUDA graphs (decode steps; the oracle's prompt rows where a replay is "
-                                            f"the whole step): invariant: {summary}")
+    assert hashes_md._graphs_line(rows) == ("CUDA graphs (decode steps, the oracle's prompt rows included): "
+                                            f"invariant: {summary}")
     assert hashes.summary_table(rows).columns["graphs"]
 
 

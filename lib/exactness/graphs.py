@@ -165,12 +165,6 @@ class GraphDecoder:
                                    and len(cache.lengths) == 1)
             self._attn_host = attn in _host_indexed_attention()
 
-    @property
-    def whole_step(self) -> bool:
-        """Whether a replay is one graph (attention captured too), rather than graph pieces with eager attention
-        calls between them."""
-        return self.reason is None and self._attn_in_graph
-
     def info(self) -> dict:
         """{"served": any step replayed, "replays", "eager_steps", "pieces": graph pieces + eager attention calls
         per step (0 before capture), "reason": why a graph did not serve (None when it did)}."""

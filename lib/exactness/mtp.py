@@ -32,7 +32,7 @@ from .kernels import KernelSet, get_set
 from .model import (BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, ResidentExperts, attention_block, forward,
                     moe_block)
 from .paths import PATHS, Schedule, check_run_args, prefill
-from .weights import LayerWeights, Weights, _linear, _norm
+from .weights import LayerWeights, Weights, _linear, _norm, shared_draw
 
 K_MIN, K_MAX = 1, 4
 DRAFTS = ("mtp", "self")
@@ -57,7 +57,10 @@ class MTPWeights:
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "MTPWeights":
         """Copy on ``device`` with floating tensors cast to ``dtype`` (round-to-nearest-even)."""
-        fn = lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)  # noqa: E731
+        return self.map_tensors(lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype))
+
+    def map_tensors(self, fn) -> "MTPWeights":
+        """fn applied to every tensor."""
         return MTPWeights(fn(self.emb_norm), fn(self.hidden_norm), fn(self.proj), self.layer.map(fn),
                           fn(self.final_norm), self.source)
 
@@ -72,7 +75,13 @@ def check_k(k) -> int:
 def synthetic_mtp_weights(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device="cpu") -> MTPWeights:
     """Seeded synthetic MTP weights: the init rules of weights.synthetic_weights (norms 1 + 0.1·N(0,1), linears
     N(0, 1/in_features), router ×4), drawn in fp32 from ``Generator().manual_seed(cfg.seed + 1000)`` in the order
-    emb_norm, hidden_norm, proj, then one layer in weights.py's order, then final_norm; rounded to ``dtype``."""
+    emb_norm, hidden_norm, proj, then one layer in weights.py's order, then final_norm; rounded to ``dtype``.
+    Inside weights.sharing_synthetic_weights() drawn once per config."""
+    return shared_draw(("mtp", cfg), lambda: _mtp_draw(cfg), device, dtype)
+
+
+def _mtp_draw(cfg: ModelConfig) -> MTPWeights:
+    """The fp32 CPU draw of synthetic_mtp_weights (see there)."""
     g = torch.Generator().manual_seed(cfg.seed + MTP_SEED_OFFSET)
     H, D, E, I, Is = cfg.hidden, cfg.head_dim, cfg.n_experts, cfg.expert_inter, cfg.shared_expert_inter
     emb_norm, hidden_norm, proj = _norm(g, H), _norm(g, H), _linear(g, H, 2 * H)
@@ -83,8 +92,7 @@ def synthetic_mtp_weights(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
         w_gate=_linear(g, I, H, E), w_up=_linear(g, I, H, E), w_down=_linear(g, H, I, E),
         shared_gate=_linear(g, Is, H) if Is else None, shared_up=_linear(g, Is, H) if Is else None,
         shared_down=_linear(g, H, Is) if Is else None)
-    m = MTPWeights(emb_norm, hidden_norm, proj, layer, _norm(g, H), f"synthetic (seed {cfg.seed} + 1000)")
-    return m.to(device=device, dtype=dtype)
+    return MTPWeights(emb_norm, hidden_norm, proj, layer, _norm(g, H), f"synthetic (seed {cfg.seed} + 1000)")
 
 
 _LAYER_NAMES = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",

@@ -221,13 +221,9 @@ def _decode_prompt(step, ids: torch.Tensor, served: dict, progress=None) -> torc
 
 
 def _prompt_graphs(dec: GraphDecoder) -> str:
-    """How the decode path's prompt rows run with graphs: "replayed" where a replay is the whole step in one graph;
-    else "eager: <why>" (the eager decode rows, as without graphs): a step cut into graph pieces around eager
-    attention calls is slower per prompt row than the eager step (benchmarks/bench_gpu_kernels.py --sections
-    oracle measures both)."""
-    if dec.whole_step:
-        return "replayed"
-    return "eager: " + (dec.reason or "attention runs eagerly between graph pieces")
+    """How the decode path's prompt rows ran with graphs (after the run): "replayed" where the graph served, else
+    "eager: <why>" (GraphDecoder.reason: the eager decode rows, as without graphs)."""
+    return "replayed" if dec.reason is None else "eager: " + dec.reason
 
 
 def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",
@@ -241,8 +237,8 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
         progress: a tqdm bar, advanced by one per prompt row and per generated token;
         kv_dtype: what the KV cache stores (cache.KV_DTYPES name or a cache.KVFormat);
         graphs: replay the decode steps from a CUDA graph (graphs.GraphDecoder: the same bytes), on the decode
-            path the prompt rows' steps too where a replay is the whole step (_prompt_graphs); where a graph
-            cannot serve, the eager steps run and RunResult.graphs says why.
+            path the prompt rows' steps too; where a graph cannot serve, the eager steps run and RunResult.graphs
+            says why.
     Raises:
         ValueError: see check_run_args; an unknown kernel set or kv_dtype.
     """
@@ -254,11 +250,11 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
     dec = GraphDecoder(w, cache, ks, experts=experts) if graphs else None
     step = _stepper(w, cache, ks, experts, dec)
     t0 = time.perf_counter()
-    prompt_graphs = None if dec is None or schedule.path != "decode" else _prompt_graphs(dec)
-    if prompt_graphs == "replayed":
+    if dec is not None and schedule.path == "decode":   # the prompt rows are decode steps: replayed too
         plog = _decode_prompt(step, prompt_ids.to(w.device), served, progress)
     else:
         plog = prefill(w, cache, prompt_ids, ks, schedule, served=served, experts=experts, progress=progress).logits
+    prompt_graphs = None if dec is None or schedule.path != "decode" else _prompt_graphs(dec)
     gen, glog, times = [], [], []
 
     def pick(i, logits, role="decode"):

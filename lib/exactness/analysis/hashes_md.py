@@ -118,7 +118,7 @@ def _graphs_line(rows: list[dict]) -> str:
     for r in rows:
         sets.setdefault(r.get("kernels"), []).append(r)
     parts = [f"{ks}: {text}" for ks, rs in sets.items() if (text := graphs_summary(rs))]
-    return "CUDA graphs (decode steps; the oracle's prompt rows where a replay is the whole step): " + \
+    return "CUDA graphs (decode steps, the oracle's prompt rows included): " + \
         " | ".join(parts) if parts else ""
 
 

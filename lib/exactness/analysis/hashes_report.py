@@ -193,7 +193,7 @@ def summary_table(rows: list[dict]) -> Table:
     if any("rerun_equal" in r for r in rows):
         cols["rerun"] = "rerun identical (run-to-run deterministic)"
     if graphs_summary(rows):
-        cols["graphs"] = "CUDA graphs (decode steps; the oracle's prompt rows where a replay is the whole step)"
+        cols["graphs"] = "CUDA graphs (decode steps, the oracle's prompt rows included)"
     return Table(recs, cols, words={"rerun": ("yes", "NO")}, dash="no rerun control for this set")
 
 

@@ -43,6 +43,7 @@ from ..paths import Schedule, generate
 from ..progress import bar as progress_bar
 from ..prompt_cache import PromptCache, generate_cached
 from ..prompts import build_prompt
+from ..weights import sharing_synthetic_weights
 from .hashes import load_model
 from .streams_report import (INTRO, concurrent_table, drafted_table, packed_table,  # noqa: F401  (its views)
                              render_md, resumed_table, settings_md, summary_rows, summary_table, verdict_md)
@@ -389,7 +390,8 @@ def run_section(params: StreamsParams | dict) -> dict:
     w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint, p.weights)
     prompts = [build_prompt(n, p.prompt_max_tokens, p.allow_unpinned, tok) for n in p.prompts]
     data = {"drafted": [], "resumed": [], "concurrent": [], "packed": []}
-    with progress_bar(len(p.kernel_sets) * (len(prompts) + 1), "streams", "cfg") as bar:
+    with progress_bar(len(p.kernel_sets) * (len(prompts) + 1), "streams", "cfg") as bar, \
+            sharing_synthetic_weights():   # the MTP head's synthetic weights: drawn once for every drafted run
         for ks in p.kernel_sets:
             for pr in prompts:
                 step = prompt_step(p.steps[0], pr.n_tokens)

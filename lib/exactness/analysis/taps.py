@@ -87,7 +87,8 @@ def _row_hash(x: torch.Tensor) -> torch.Tensor:
 
 
 class TapRecorder:
-    """Keeps sampled rows of every kernel call (see module docstring).
+    """Keeps sampled rows of every kernel call (see module docstring); a sample's data reaches the CPU when its
+    run (:meth:`run`) ends.
 
     Args:
         positions: prompt positions to keep (ints >= 0).
@@ -120,6 +121,7 @@ class TapRecorder:
         self._seen: set = set()
         self._fwd = None
         self._kvref: dict[tuple, list] = {}
+        self._staged: list = []   # (rows on the device, [(row, Sample)]): the samples waiting for their CPU data
 
     # ------------------------------------------------------------------ run bookkeeping
     @contextmanager
@@ -132,6 +134,7 @@ class TapRecorder:
             for key, (kc, vc, slot, pmax) in self._kvref.items():
                 self.kv[key] = (kc[slot, :pmax + 1].cpu().clone(), vc[slot, :pmax + 1].cpu().clone())
             self._kvref.clear()
+            self._to_cpu()
             self.path, self._fwd = None, None
 
     def _new_forward(self, positions: torch.Tensor) -> None:
@@ -151,17 +154,30 @@ class TapRecorder:
         kept = []
         if not len(rows):
             return kept
-        idx = torch.as_tensor(rows, dtype=torch.int64)
-        cpu = {k: v.index_select(0, idx.to(v.device)).cpu() for k, v in data.items()}
+        idx = None
         for i, p in enumerate(pos):
             key = (ks, self.path or plan, cls, layer, tag, int(p))
             if key in self._seen:
                 continue
             self._seen.add(key)
-            s = Sample(cls, layer, tag, int(p), plan, {k: v[i].clone() for k, v in cpu.items()}, dict(meta or {}))
+            if idx is None:   # the rows copied on the device now, to the CPU when the run ends (_to_cpu)
+                idx = torch.as_tensor(rows, dtype=torch.int64, device=next(iter(data.values())).device)
+                rows_of = {k: v.index_select(0, idx.to(v.device)) for k, v in data.items()}
+                self._staged.append((rows_of, []))
+            s = Sample(cls, layer, tag, int(p), plan, {}, dict(meta or {}))
+            self._staged[-1][1].append((i, s))
             self.samples[(ks, self.path or plan, cls)].append(s)
             kept.append(s)
         return kept
+
+    def _to_cpu(self) -> None:
+        """Give the samples kept since the last call their CPU data: one copy per call's tensor, made after the
+        run, so that no kernel call waits for a copy to the host while the run is going."""
+        for rows_of, samples in self._staged:
+            cpu = {k: v.cpu() for k, v in rows_of.items()}
+            for i, s in samples:
+                s.data = {k: v[i].clone() for k, v in cpu.items()}
+        self._staged.clear()
 
     def _select(self, start: int = 0, n: int | None = None):
         """(row indices, positions) of the sampled rows among the forward's rows start..start+n-1 (default all)."""

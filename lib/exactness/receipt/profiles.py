@@ -100,12 +100,11 @@ PROFILES: dict[str, Profile] = {
                    kernel_sets=("fast", "invariant"),
                    # A decode step is bound by kernel launches, not GPU work, so the exactness sections generate
                    # 64 tokens. The hash matrix runs the full prompts, its serial oracle included (each prompt row
-                   # one decode step; replayed from a CUDA graph where a replay is the whole step: hash_graphs),
-                   # and repeats only the batched/deep runs offloaded (their replies still decode with offloaded
-                   # experts); concurrent streams use 256-token prompts; the fast set, the contract's negative
-                   # control, gets the quick sweep. The bench keeps its definitions (full prompts, 192 generated
-                   # tokens) with 2 ITL repetitions. The four untimed sections run side by side (one kernel process
-                   # each), then the bench alone.
+                   # one decode step, replayed from a CUDA graph: hash_graphs), and repeats only the batched/deep
+                   # runs offloaded (their replies still decode with offloaded experts); concurrent streams use
+                   # 256-token prompts; the fast set, the contract's negative control, gets the quick sweep. The
+                   # bench keeps its definitions (full prompts, 192 generated tokens) with 2 ITL repetitions. The
+                   # four untimed sections run side by side (one kernel process each), then the bench alone.
                    side_by_side=4,
                    extra=(("contract_sweep", "full"), ("contract_control_sweep", "quick"),
                           ("stream_prompt_tokens", 256), ("bench_step", 2048), ("bench_gen_tokens", 192),

@@ -42,6 +42,7 @@ from .inputs import QUANT_CLASSES
 from .report import (INTRO, coverage_frame, coverage_table, mismatch_frame, mismatch_table,  # noqa: F401
                               offload_table, plot_heatmap, render_md, summary, summary_table, verdict_md)
 from ..hashes import resolve_device, resolve_dtype
+from ...weights import sharing_synthetic_weights
 
 OUTPUT_NAMES = {"router": ("weights", "idx", "logits")}
 
@@ -120,9 +121,10 @@ class DecodeRefs:
         self.fn, self.pool = fn, pool
         self.done = [False] * N_REAL
         self.refs: list[torch.Tensor] | None = None
+        self.idx = torch.arange(N_REAL, device=pool.rows[0].device)   # row indices made once, not per row
 
     def _compute(self, i: int) -> None:
-        outs = _outputs(self.fn(*self.pool.args(torch.tensor([i], device=self.pool.rows[0].device))))
+        outs = _outputs(self.fn(*self.pool.args(self.idx[i:i + 1])))
         if self.refs is None:
             self.refs = [torch.empty((N_REAL, *o.shape[1:]), dtype=o.dtype, device=o.device) for o in outs]
         for r, o in zip(self.refs, outs):
@@ -152,7 +154,8 @@ def prompt_rows(fn, pool, case: Case) -> list[torch.Tensor]:
     parts = []
     for j in range(len(case.variant.segments)):
         lead, real, tail = call_layout(case, j)
-        outs = _outputs(fn(*pool.args(torch.tensor(lead + real + tail, dtype=torch.int64, device=dev), "ring")))
+        idx = torch.tensor(lead + real + tail, dtype=torch.int64).to(dev, non_blocking=True)   # no wait for the GPU
+        outs = _outputs(fn(*pool.args(idx, "ring")))
         parts.append([o[len(lead):len(lead) + len(real)] for o in outs])
     return [torch.cat(p) for p in zip(*parts)]
 
@@ -368,7 +371,7 @@ def run_section(params: ContractParams | dict) -> dict:
     total = len(dtypes) * sum(len(plan(pr.cls, sweeps[s])) for s in sets for f, o in runs
                               for pr, _ in selected_pairs(s, kw["classes"], o, f))
     rows, off = [], []
-    with progress_bar(total, "contract", "case") as bar:
+    with progress_bar(total, "contract", "case") as bar, sharing_synthetic_weights():   # one draw: captured, random
         for s in sets:
             for f, o in runs:
                 fkw = {"weights": f} if f != "bf16" else {}
