@@ -59,7 +59,7 @@ def test_a_cpu_run_that_asks_for_graphs_records_why_none_served(tiny_weights, ca
     assert calls == [False] * 3 + [True] * 3            # the spy sees graphs=True when it is asked for
     P = prompt.n_tokens
     steps = {r["path"]: r["graphs"]["eager_steps"] for r in rows}
-    assert steps == {"decode": 3, "batched": 3, "deep": 3}   # the oracle's prompt rows ran as eager decode rows
+    assert steps == {"decode": P + 3, "batched": 3, "deep": 3}   # the oracle's prompt rows: eager decode steps too
     assert rows[0]["graphs"]["prompt"].startswith("eager: CUDA graphs need a CUDA device")
     assert all("prompt" not in r["graphs"] for r in rows[1:])  # said only of the decode path
     for r in rows:
