@@ -662,6 +662,7 @@ def main(argv=None) -> int:
         results[s]["seconds"] = round(time.perf_counter() - t0, 1) if isinstance(results[s], dict) else None
         print(f"[{s}: {time.perf_counter() - t0:.1f} s]", flush=True)
         if args.out:
+            os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "bench_gpu_kernels.json"), "w") as f:
                 json.dump(results, f, indent=1, default=str)
     return 0
