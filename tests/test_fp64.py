@@ -154,6 +154,13 @@ def tapped(tiny_weights, code_prompt):
     return rec
 
 
+def test_taps_record_inside_a_run_only(tiny_weights, code_prompt):
+    """A sample's data reaches the CPU when its run ends, so a recorder tapped outside ``run()`` refuses."""
+    rec = TapRecorder(POSITIONS, tiny_weights)
+    with pytest.raises(RuntimeError, match="inside `with recorder.run"), tapping(rec):
+        generate(tiny_weights, code_prompt.ids[:8], 1, "invariant", Schedule("batched"))
+
+
 def _recompute(s, rec, kv):
     fn = get_set("invariant").fn(s.cls, "decode")
     d, P = s.data, rec.params

@@ -84,8 +84,8 @@ def test_the_graphs_summary_counts_replayed_runs_and_each_reason():
     assert graphs_summary(rows[:3]) == f"replayed in 1 of 3 runs; not in 2: {store}"
     assert graphs_summary(rows[3:]) == "replayed in 0 of 1 runs; not in 1: no step to replay"
     assert graphs_summary(rows[4:]) is None
-    pieces = {"served": True, "reason": None, "prompt": "eager: attention runs eagerly between graph pieces"}
-    assert graphs_summary([{"kernels": "fast", "graphs": pieces}]) == (
-        "replayed in 1 of 1 runs; oracle prompt rows eager: attention runs eagerly between graph pieces (1 runs)")
+    one_row = {"served": True, "reason": None, "prompt": "eager: a one-row prompt: its row captured the graph"}
+    assert graphs_summary([{"kernels": "fast", "graphs": one_row}]) == (
+        "replayed in 1 of 1 runs; oracle prompt rows eager: a one-row prompt: its row captured the graph (1 runs)")
     line = hashes_md._graphs_line(rows)
     assert line.count(" | ") == 1 and "fast: replayed in 1 of 3 runs" in line

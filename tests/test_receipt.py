@@ -379,6 +379,30 @@ def test_shared_synthetic_weights_are_the_same_bytes_and_never_aliased():
     assert not torch.equal(a32.layers[0].wq, b32.layers[0].wq)  # negative control: the mutation is seen
 
 
+def test_shared_mtp_draw_is_drawn_once_same_bytes_and_never_aliased(monkeypatch):
+    """The MTP head's synthetic weights share one draw too (nested blocks included): drawn once, the same bytes
+    as a fresh draw, and an fp32 copy a caller mutates does not reach the next caller."""
+    import torch
+    from exactness import mtp
+    from exactness.config import get_preset
+    from exactness.exact import bytes_equal
+    from exactness.weights import sharing_synthetic_weights
+    cfg = get_preset("tiny")
+    fresh = mtp.synthetic_mtp_weights(cfg, torch.float32)
+    draws, draw = [], mtp._mtp_draw
+    monkeypatch.setattr(mtp, "_mtp_draw", lambda c: draws.append(c) or draw(c))
+    with sharing_synthetic_weights():
+        a = mtp.synthetic_mtp_weights(cfg, torch.float32)
+        a.proj.add_(1.0)
+        with sharing_synthetic_weights():
+            b, b16 = mtp.synthetic_mtp_weights(cfg, torch.float32), mtp.synthetic_mtp_weights(cfg)
+    assert len(draws) == 1
+    assert bytes_equal(b.proj, fresh.proj) and bytes_equal(b16.layer.wq, fresh.layer.wq.to(torch.bfloat16))
+    assert not torch.equal(a.proj, b.proj)                      # negative control: the mutation is seen
+    mtp.synthetic_mtp_weights(cfg)
+    assert len(draws) == 2                                      # outside the block: a fresh draw
+
+
 def test_sections_computed_elsewhere_show_their_provenance():
     """A section carrying a ``provenance`` record (measurements/h200/assemble.py) gets a row in receipt.md's
     provenance table; a receipt without one has no such table."""

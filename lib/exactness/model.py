@@ -175,7 +175,7 @@ def _experts_one_by_one(ops: Ops, cfg, h, idx, experts: ExpertProvider, layer: i
     y = h.new_zeros(M, k, cfg.hidden)                                                # [M, k, H]
     flat = idx.flatten()                                                             # [M*k], member = row*k + slot
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat.cpu(), minlength=cfg.n_experts).tolist()   # one device read (not two) per call
+    counts = torch.bincount(flat.cpu(), minlength=cfg.n_experts).tolist()   # one device read per call
     experts.prepare(layer, [e for e, n in enumerate(counts) if n], ops.plan.kind)
     start = 0
     for e, n in enumerate(counts):

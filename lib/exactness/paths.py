@@ -221,9 +221,11 @@ def _decode_prompt(step, ids: torch.Tensor, served: dict, progress=None) -> torc
 
 
 def _prompt_graphs(dec: GraphDecoder) -> str:
-    """How the decode path's prompt rows ran with graphs (after the run): "replayed" where the graph served, else
-    "eager: <why>" (GraphDecoder.reason: the eager decode rows, as without graphs)."""
-    return "replayed" if dec.reason is None else "eager: " + dec.reason
+    """How the decode path's prompt rows ran with graphs (asked after them): "replayed" where the graph served
+    them (row 0 captures it), else "eager: <why>" (the eager decode rows, as without graphs)."""
+    if dec.reason is None and dec.replays:
+        return "replayed"
+    return "eager: " + (dec.reason or "a one-row prompt: its row captured the graph")
 
 
 def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",

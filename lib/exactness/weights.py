@@ -139,21 +139,22 @@ def shared_draw(key, draw, device: str | torch.device, dtype: torch.dtype):
     master = _SHARED.get(key)
     if master is None:
         master = _SHARED[key] = draw()
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
+    if torch.device(device).type == "cpu" and dtype in (None, torch.float32):
         return master.map_tensors(torch.clone)  # never hand out the shared fp32 draw itself (callers may mutate)
     return master.to(device=device, dtype=dtype)
 
 
-_SHARED: dict | None = None  # cfg -> fp32 CPU draw, while sharing_synthetic_weights() is active
+_SHARED: dict | None = None  # shared_draw's key -> fp32 CPU draw, while sharing_synthetic_weights() is active
 
 
 @contextmanager
 def sharing_synthetic_weights():
-    """Within the block, synthetic_weights draws each config's fp32 values once and derives every later
-    (dtype, device) from that draw (same bytes as a fresh draw, minus the seconds to minutes of CPU time: the
-    ``small`` preset is about 2.4 G values). For one process that runs several analysis sections
-    (``python -m exactness sections``) or one section that builds several formats. Holds the fp32 draw (4 bytes
-    per value) until the outermost block ends; a nested block shares the outer block's draws.
+    """Within the block, synthetic_weights (and mtp.synthetic_mtp_weights, through shared_draw) draw each
+    config's fp32 values once and derive every later (dtype, device) from that draw (same bytes as a fresh draw,
+    minus the seconds to minutes of CPU time: the ``small`` preset is about 2.4 G values). For one process that
+    runs several analysis sections (``python -m exactness sections``) or one section that builds several formats.
+    Holds the fp32 draw (4 bytes per value) until the outermost block ends, and an fp32 CPU request gets a copy
+    beside it (a second 4 bytes per value); a nested block shares the outer block's draws.
     """
     global _SHARED
     old = _SHARED

@@ -40,7 +40,8 @@ class Sample:
     Attributes:
         cls: kernel class; layer: decoder layer (-1 = head); tag: which weight / which call (``wq``, ``e3``, ...).
         pos: prompt position of the row; plan: the plan that actually ran it (decode/batched/deep).
-        data: CPU tensors in the stored dtype (class-specific names: x, y, q, o, a, b, logits, idx, g, shared).
+        data: CPU tensors in the stored dtype (class-specific names: x, y, q, o, a, b, logits, idx, g, shared);
+            empty until the recorder's run (TapRecorder.run) that kept the sample ends.
         meta: python scalars (eps, theta, top_k, slot; router: groups = (n_groups, topk_groups) when it routes in
             groups).
     """
@@ -131,11 +132,13 @@ class TapRecorder:
         try:
             yield self
         finally:
-            for key, (kc, vc, slot, pmax) in self._kvref.items():
-                self.kv[key] = (kc[slot, :pmax + 1].cpu().clone(), vc[slot, :pmax + 1].cpu().clone())
-            self._kvref.clear()
-            self._to_cpu()
-            self.path, self._fwd = None, None
+            try:
+                for key, (kc, vc, slot, pmax) in self._kvref.items():
+                    self.kv[key] = (kc[slot, :pmax + 1].cpu().clone(), vc[slot, :pmax + 1].cpu().clone())
+            finally:
+                self._kvref.clear()
+                self._to_cpu()
+                self.path, self._fwd = None, None
 
     def _new_forward(self, positions: torch.Tensor) -> None:
         if positions is not self._fwd:
@@ -161,8 +164,8 @@ class TapRecorder:
                 continue
             self._seen.add(key)
             if idx is None:   # the rows copied on the device now, to the CPU when the run ends (_to_cpu)
-                idx = torch.as_tensor(rows, dtype=torch.int64, device=next(iter(data.values())).device)
-                rows_of = {k: v.index_select(0, idx.to(v.device)) for k, v in data.items()}
+                idx = torch.as_tensor(rows, dtype=torch.int64)
+                rows_of = {k: v.index_select(0, idx.to(v.device, non_blocking=True)) for k, v in data.items()}
                 self._staged.append((rows_of, []))
             s = Sample(cls, layer, tag, int(p), plan, {}, dict(meta or {}))
             self._staged[-1][1].append((i, s))
@@ -172,7 +175,8 @@ class TapRecorder:
 
     def _to_cpu(self) -> None:
         """Give the samples kept since the last call their CPU data: one copy per call's tensor, made after the
-        run, so that no kernel call waits for a copy to the host while the run is going."""
+        run, so that the run makes no copy to the host per kernel call (it still reads positions and, for the
+        experts, matches rows on the host)."""
         for rows_of, samples in self._staged:
             cpu = {k: v.cpu() for k, v in rows_of.items()}
             for i, s in samples:
@@ -192,6 +196,9 @@ class TapRecorder:
         """Called by model.Ops for every kernel call (see model.tapping). Keeps the sampled rows only."""
         if cls not in self.classes:
             return
+        if self.path is None:
+            raise RuntimeError("TapRecorder records inside `with recorder.run(path):` only (a sample's data "
+                               "reaches the CPU when its run ends)")
         self._new_forward(positions)
         self.calls[(kernels, self.path or plan, cls, plan)] += 1
         if self._fwd_sel[0]:               # a forward with no sampled row costs one dict update per call
