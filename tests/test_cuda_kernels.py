@@ -382,3 +382,19 @@ def test_interpreter_kernels_row_invariant_and_exact():
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"            # before Triton compiles anything (no-op under the pytest test)
     sys.exit(_interp_main())
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_weights_cast_on_the_device_equal_a_cpu_cast():
+    """weights.moved casts a CPU tensor on the CUDA device after the copy: the same bf16 bytes as a cast on the CPU,
+    for normal, subnormal, signed-zero, infinite and tie-breaking values (weights hold no NaN)."""
+    from exactness.weights import moved
+    t = torch.randn(1000, 257, generator=torch.Generator().manual_seed(0)) * 3
+    t[0, :6] = torch.tensor([float("inf"), -float("inf"), 1e-40, -0.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8])
+    a = moved(t, "cuda", torch.bfloat16)
+    b = t.to(torch.bfloat16)
+    assert a.device.type == "cuda" and a.dtype == torch.bfloat16
+    assert torch.equal(a.cpu().view(torch.int16), b.view(torch.int16))
+    assert not torch.equal(moved(t * (1 + 2 ** -9), "cuda", torch.bfloat16).cpu().view(torch.int16),
+                           b.view(torch.int16))   # negative control: every value scaled by 1 + 2^-9 shows

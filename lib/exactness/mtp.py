@@ -32,7 +32,7 @@ from .kernels import KernelSet, get_set
 from .model import (BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, ResidentExperts, attention_block, forward,
                     moe_block)
 from .paths import PATHS, Schedule, check_run_args, prefill
-from .weights import LayerWeights, Weights, _linear, _norm, shared_draw
+from .weights import LayerWeights, Weights, _linear, _norm, moved, shared_draw
 
 K_MIN, K_MAX = 1, 4
 DRAFTS = ("mtp", "self")
@@ -57,7 +57,7 @@ class MTPWeights:
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "MTPWeights":
         """Copy on ``device`` with floating tensors cast to ``dtype`` (round-to-nearest-even)."""
-        return self.map_tensors(lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype))
+        return self.map_tensors(lambda t: moved(t, device, dtype))
 
     def map_tensors(self, fn) -> "MTPWeights":
         """fn applied to every tensor."""

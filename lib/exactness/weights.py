@@ -72,9 +72,7 @@ class Weights:
 
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> "Weights":
         """Return a copy on ``device`` with floating tensors cast to ``dtype`` (round-to-nearest-even)."""
-        def fn(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=device, dtype=dtype if (dtype is not None and t.is_floating_point()) else t.dtype)
-        return self.map_tensors(fn)
+        return self.map_tensors(lambda t: moved(t, device, dtype))
 
     def map_tensors(self, fn) -> "Weights":
         """A Weights whose every tensor is ``fn(tensor)`` (e.g. torch.clone)."""
@@ -96,6 +94,18 @@ class Weights:
         for lw in self.layers:
             total += sum(getattr(lw, f.name).nbytes for f in fields(lw) if getattr(lw, f.name) is not None)
         return total
+
+
+def moved(t: torch.Tensor, device: str | torch.device | None, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` on ``device`` (None: where it is), a floating tensor cast to ``dtype`` (None: kept), rounded to nearest
+    even. A CPU tensor bound for a CUDA device crosses first and is cast there: a blocking ``Tensor.to`` that
+    changes both would cast on the CPU (PyTorch's CUDA copy converts on the CPU for blocking transfers), seconds
+    of CPU time for the small preset's 2.4 G values; the rounding, and so the bytes, are the same for every
+    value but NaN payloads (tests/test_cuda_kernels.py checks them on a GPU)."""
+    dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+    if device is not None and t.device.type == "cpu" and torch.device(device).type == "cuda" and dt != t.dtype:
+        return t.to(device=device).to(dt)
+    return t.to(device=device, dtype=dt)
 
 
 def _linear(g: torch.Generator, out_f: int, in_f: int, *lead: int) -> torch.Tensor:
