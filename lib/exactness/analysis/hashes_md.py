@@ -118,8 +118,9 @@ def _graphs_line(rows: list[dict]) -> str:
     for r in rows:
         sets.setdefault(r.get("kernels"), []).append(r)
     parts = [f"{ks}: {text}" for ks, rs in sets.items() if (text := graphs_summary(rs))]
-    return "CUDA graphs (decode steps, the oracle's prompt rows included): " + \
-        " | ".join(parts) if parts else ""
+    if not parts:
+        return ""
+    return "CUDA graphs (decode steps, the oracle's prompt rows included): " + " | ".join(parts)
 
 
 def _deep_unserved(rows: list[dict]) -> str:

@@ -159,7 +159,7 @@ class TapRecorder:
             return kept
         idx = None
         for i, p in enumerate(pos):
-            key = (ks, self.path or plan, cls, layer, tag, int(p))
+            key = (ks, self.path, cls, layer, tag, int(p))
             if key in self._seen:
                 continue
             self._seen.add(key)
@@ -169,7 +169,7 @@ class TapRecorder:
                 self._staged.append((rows_of, []))
             s = Sample(cls, layer, tag, int(p), plan, {}, dict(meta or {}))
             self._staged[-1][1].append((i, s))
-            self.samples[(ks, self.path or plan, cls)].append(s)
+            self.samples[(ks, self.path, cls)].append(s)
             kept.append(s)
         return kept
 
@@ -200,7 +200,7 @@ class TapRecorder:
             raise RuntimeError("TapRecorder records inside `with recorder.run(path):` only (a sample's data "
                                "reaches the CPU when its run ends)")
         self._new_forward(positions)
-        self.calls[(kernels, self.path or plan, cls, plan)] += 1
+        self.calls[(kernels, self.path, cls, plan)] += 1
         if self._fwd_sel[0]:               # a forward with no sampled row costs one dict update per call
             getattr(self, "_" + cls)(kernels, plan, layer, positions, args, out)
 
@@ -268,7 +268,7 @@ class TapRecorder:
         if len(slot_vals) != 1:
             raise ValueError(f"sampled attention rows span cache slots {sorted(slot_vals)}; one slot per run")
         slot = slot_vals.pop()
-        key = (ks, self.path or plan, layer)
+        key = (ks, self.path, layer)
         ref = self._kvref.get(key)
         pmax = max(pos)
         if ref is not None and (ref[0] is not kc or ref[2] != slot):

@@ -280,8 +280,7 @@ def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str
     sig = dict(h_ptr=p, ids_ptr="*i64", sorted_ptr="*i64", order_ptr="*i64", xs_ptr=p, dest_ptr="*i32",
                tile_e_ptr="*i32", n_pairs=i32, n_iter=i32, E=i32, H=i32)
     const = dict(TOPK=cfg.top_k, BM=bm, BE=triton_next_pow2(E), BH=min(tm.ROUTE_COLUMNS, triton_next_pow2(H)),
-                 SMALL=True,
-                 BP=triton_next_pow2(tm.SMALL_PAIRS))
+                 SMALL=True, BP=triton_next_pow2(tm.SMALL_PAIRS))
     specs.append(("grouped moe route", tm._route_kernel, sig, const, dict(num_warps=4)))
     return specs
 
