@@ -234,3 +234,37 @@ def test_gpu_two_streams_bytes_equal_eager(gpu_weights, monkeypatch):
             self.positions.sub_(1)
     monkeypatch.setattr(graphs.GraphDecoder, "_load", stale)
     assert not same(eager, run(True))
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels,n", [("invariant", 1), ("invariant", 2), ("fast", 1), ("fast", 2)])
+def test_gpu_concurrent_streams_on_graphs_equal_eager(gpu_weights, kernels, n, monkeypatch):
+    """batch.run_streams with graphs: tokens, prompt and generated logits of every stream equal the eager run's
+    as bytes, a graph served every B where graphs.why_not allows it (the fast set at B = 2 runs eagerly and says
+    why); control: a stale device position at replay must change a stream."""
+    from exactness.batch import run_streams
+    prompts = [torch.arange(30) % 251, torch.arange(5, 42) % 251][:n]
+
+    def run(graph: bool):
+        return run_streams(gpu_weights, prompts, GEN, kernels, Schedule("batched"), offset=0, graphs=graph)
+
+    def same(a, b) -> bool:
+        return all(bytes_equal(x.gen_ids, y.gen_ids) and bytes_equal(x.gen_logits, y.gen_logits)
+                   and bytes_equal(x.prompt_logits, y.prompt_logits) for x, y in zip(a.streams, b.streams))
+    eager, graph = run(False), run(True)
+    info = graph.graphs[n]
+    expect = graphs.why_not(gpu_weights, kernels, batch=n)
+    assert info["reason"] == expect and info["served"] == (expect is None), info
+    assert same(eager, graph)
+    if expect is not None:
+        return
+    assert info["replays"] == GEN - 2   # GEN - 1 forwards; the first captures
+    load = graphs.GraphDecoder._load
+
+    def stale(self, tokens, positions, slots):
+        load(self, tokens, positions, slots)
+        if self.pieces is not None:
+            self.positions.sub_(1)
+    monkeypatch.setattr(graphs.GraphDecoder, "_load", stale)
+    assert not same(eager, run(True))

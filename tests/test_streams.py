@@ -46,6 +46,17 @@ def test_concurrent_streams_equal_alone_and_serial_invariant(tiny_weights, promp
         assert same(s, serial), f"stream {j} differs from the serial oracle"
 
 
+def test_graphs_on_cpu_fall_back_per_batch_size_with_reason(tiny_weights, prompts):
+    """run_streams(graphs=True) without a CUDA device: one GraphDecoder per active count (1 while stream 0 is
+    alone, then 2), every forward eager with the reason recorded, and the eager run's bytes."""
+    args = (tiny_weights, prompts[:2], GEN, "invariant", Schedule("batched", STEP))
+    eager, run = run_streams(*args, offset=OFFSET), run_streams(*args, offset=OFFSET, graphs=True)
+    assert eager.graphs == {} and sorted(run.graphs) == [1, 2]
+    assert all(not g["served"] and "CUDA device" in g["reason"] for g in run.graphs.values())
+    assert sum(g["eager_steps"] for g in run.graphs.values()) == run.decode_forwards == eager.decode_forwards
+    assert all(same(a, b) for a, b in zip(run.streams, eager.streams))
+
+
 def test_batch_dependent_kernel_is_caught_where_it_acts(tiny_weights, prompts):
     """Negative control: RMSNorm perturbed (about one ulp) on row 0 of every call of more than one row. Stream 0
     decodes alone for steps 0-1; stream 1 joins at step 2, so stream 0's token 3 (decoded at step 2) is the first

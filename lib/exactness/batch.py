@@ -8,6 +8,11 @@ position); a stream leaves once it has ``gen_tokens`` tokens. Prompts may differ
 sit at different positions. With row-invariant decode kernels each stream equals its run alone (paths.generate on
 the same prefill path) and the serial no-draft oracle (paths.generate on ``decode``).
 
+With ``graphs`` each decode forward of B active streams replays a CUDA graph captured for B rows
+(graphs.GraphDecoder, one per active count, the slots loaded per step): the eager forward's bytes. Where a graph
+cannot serve (the fast set at B > 1: its per-expert GEMM shapes follow the routing) the eager forward runs and
+StreamsResult.graphs says why.
+
 Packed prefill (``packed``): several prompts in ONE prefill forward, prompt j's rows at positions 0..P_j-1 of cache
 slot j, rows concatenated in prompt order (a varlen batch; attention is per slot, so a row sees only its own
 sequence's keys). run_packed then decodes the prompts together, one decode forward per step. With row-invariant
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache, KVFormat
+from .graphs import GraphDecoder
 from .kernels import KernelSet, get_set
 from .model import BATCHED, DEEP, ExpertProvider, ForwardOut, ResidentExperts, forward
 from .paths import PATHS, RunResult, Schedule, check_run_args, decode_step, prefill
@@ -44,12 +50,14 @@ class StreamRun:
 
 @dataclass
 class StreamsResult:
-    """A concurrent run: the streams, global steps taken, decode forwards run and the largest batch (rows)."""
+    """A concurrent run: the streams, global steps taken, decode forwards run, the largest batch (rows), and with
+    graphs, per active count B the GraphDecoder.info() of its forwards ({} when graphs were not asked for)."""
 
     streams: list[StreamRun] = field(default_factory=list)
     steps: int = 0
     decode_forwards: int = 0
     max_batch_rows: int = 0
+    graphs: dict[int, dict] = field(default_factory=dict)
 
 
 def check_streams(n: int, offset: int, max_batch: int = BATCH_LIMIT) -> None:
@@ -62,13 +70,15 @@ def check_streams(n: int, offset: int, max_batch: int = BATCH_LIMIT) -> None:
 
 def run_streams(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernels: KernelSet | str = "fast",
                 schedule: Schedule = Schedule("batched"), *, offset: int = 2, max_batch: int = BATCH_LIMIT,
-                experts: ExpertProvider | None = None, kv_dtype: str | KVFormat = "bf16") -> StreamsResult:
+                experts: ExpertProvider | None = None, kv_dtype: str | KVFormat = "bf16",
+                graphs: bool = False) -> StreamsResult:
     """Decode ``len(prompts)`` streams concurrently (module docstring).
 
     Args:
         prompts: token ids [P_j] int64 per stream (stream j = prompts[j]); gen_tokens: tokens per stream (>= 1).
         schedule: each stream's prefill (as paths.prefill); offset: steps between joins.
-        experts: the expert provider (None: the resident weights); kv_dtype: what the KV cache stores.
+        experts: the expert provider (None: the resident weights); kv_dtype: what the KV cache stores;
+        graphs: decode forwards replayed from CUDA graphs, one per active count (module docstring).
     Returns:
         StreamsResult with one StreamRun per stream.
     Raises:
@@ -85,6 +95,7 @@ def run_streams(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernel
     glog: list[list] = [[] for _ in prompts]
     plog: list = [None] * N
     res, t = StreamsResult(), 0
+    decoders: dict[int, GraphDecoder] = {}
     while any(len(g) < gen_tokens for g in gen):
         for j in range(N):
             if j * offset == t:  # join: prefill alone into slot j
@@ -93,23 +104,31 @@ def run_streams(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernel
                 glog[j].append(plog[j][-1:])
         active = [j for j in range(N) if gen[j] and len(gen[j]) < gen_tokens]
         if active:
-            _batched_step(w, cache, ks, prompts, gen, glog, active, experts)
+            dec = None
+            if graphs:
+                dec = decoders.setdefault(len(active), GraphDecoder(w, cache, ks, batch=len(active), experts=experts))
+            _batched_step(w, cache, ks, prompts, gen, glog, active, experts, dec)
             res.decode_forwards += 1
             res.max_batch_rows = max(res.max_batch_rows, len(active))
         t += 1
     res.steps = t
+    res.graphs = {b: d.info() for b, d in sorted(decoders.items())}
     res.streams = [StreamRun(j, j * offset, prompts[j].cpu(), torch.cat(gen[j]).cpu(), plog[j].cpu(),
                              torch.cat(glog[j]).cpu()) for j in range(N)]
     return res
 
 
-def _batched_step(w, cache, ks, prompts, gen, glog, active, experts) -> None:
-    """One decode forward with one row per active stream; appends each stream's token and logits row."""
+def _batched_step(w, cache, ks, prompts, gen, glog, active, experts, dec: GraphDecoder | None = None) -> None:
+    """One decode forward with one row per active stream (replayed by ``dec`` when given); appends each stream's
+    token and logits row."""
     dev = w.device
     tokens = torch.cat([gen[j][-1] for j in active])                                   # [B] int64
-    pos = torch.tensor([int(prompts[j].numel()) + len(gen[j]) - 1 for j in active], device=dev)  # [B]
-    slots = torch.tensor(active, device=dev)                                           # [B]
-    logits = decode_step(w, cache, tokens, pos, slots, ks, experts=experts)            # [B, V] fp32
+    pos = [int(prompts[j].numel()) + len(gen[j]) - 1 for j in active]                  # [B] host
+    if dec is not None:
+        logits = dec.step(tokens, pos, active)                                         # [B, V] fp32
+    else:
+        logits = decode_step(w, cache, tokens, torch.tensor(pos, device=dev), torch.tensor(active, device=dev), ks,
+                             experts=experts)
     ids = ks.fn("argmax", "decode")(logits)                                            # [B]
     for r, j in enumerate(active):
         gen[j].append(ids[r:r + 1])

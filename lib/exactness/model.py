@@ -174,17 +174,18 @@ def _experts_one_by_one(ops: Ops, cfg, h, idx, experts: ExpertProvider, layer: i
     M, k = idx.shape
     y = h.new_zeros(M, k, cfg.hidden)                                                # [M, k, H]
     flat = idx.flatten()                                                             # [M*k], member = row*k + slot
-    order = torch.sort(flat, stable=True).indices
+    order = torch.sort(flat, stable=True).indices                                    # members grouped by expert
+    rows = order // k                                                                # [M*k] each member's row
     counts = torch.bincount(flat.cpu(), minlength=cfg.n_experts).tolist()   # one device read per call
     experts.prepare(layer, [e for e, n in enumerate(counts) if n], ops.plan.kind)
-    start = 0
+    start, out = 0, y.view(M * k, -1)
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        members = order[start:start + n]
+        members = slice(start, start + n)
         start += n
         wg, wu, wd = experts.fetch(layer, e)                                         # [I, H], [I, H], [H, I]
-        y.view(M * k, -1)[members] = ops.expert(h[members // k], wg, wu, wd, e)
+        out.index_copy_(0, order[members], ops.expert(h.index_select(0, rows[members]), wg, wu, wd, e))
     return y
 
 

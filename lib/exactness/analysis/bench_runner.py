@@ -119,7 +119,7 @@ class Runner:
         self.w, self.experts, self.device = w, experts, w.device
         self.schedule = Schedule(p.bench_path, p.bench_step, p.deep_threshold)
         self.mtp, self.kv_dtype = None, p.kv_dtype   # what every request's KV cache stores
-        self.graphs = p.bench_graphs and w.device.type == "cuda"   # plain replies' decode steps from a CUDA graph
+        self.graphs = p.bench_graphs and w.device.type == "cuda"   # plain replies' and streams' decode steps
 
     def plain(self, ids: torch.Tensor, ks: str, gen: int, path: str | None = None) -> dict:
         """One paths.generate request (``path`` overrides the bench path, e.g. for the memory comparison)."""
@@ -179,12 +179,14 @@ class Runner:
             stack.enter_context(after_calls(batch, "_batched_step", stepped, self.device))
             t0 = time.perf_counter()
             res = batch.run_streams(self.w, [ids] * n, gen, ks, self.schedule, offset=0, experts=self.experts,
-                                    kv_dtype=self.kv_dtype)
+                                    kv_dtype=self.kv_dtype, graphs=self.graphs)
+        graphs = ({k: g[k] for k in ("served", "replays", "eager_steps", "reason")} for g in res.graphs.values())
+        graphs = next(graphs, None)   # all streams join at step 0 and leave together: one batch size
         out = []
         for j, s in enumerate(res.streams):
             times = [t - t0 for t in stamps[j]]
             served = {p: {"segments": 0, "rows": 0} for p in PATHS}  # run_streams does not report it
-            rec = _record("stream", ids, s.gen_ids, served, times[0], times, mem["peak_bytes"])
+            rec = _record("stream", ids, s.gen_ids, served, times[0], times, mem["peak_bytes"], graphs)
             rec.update(prefilled_rows=None, cache_state="cold (fresh cache per run)", path_served=None)
             out.append(rec)
         return out
