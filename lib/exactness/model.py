@@ -197,7 +197,7 @@ def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer
     ``grouped_experts`` (same bytes as its expert kernels) computes all resident experts at once instead, unless
     kernel calls are being tapped.
     """
-    M, k = x.shape[0], cfg.top_k
+    k = cfg.top_k
     h = ops.rmsnorm(x, lw.mlp_norm, cfg.rms_eps)                                     # [M, H]
     groups = () if cfg.router_groups is None else (cfg.router_groups,)               # group-limited routing
     weights, idx, _ = ops.router(h, lw.router, k, cfg.norm_topk_prob, *groups)      # [M, k], [M, k]
