@@ -135,6 +135,28 @@ def test_gpu_attention_prompt_rows_equal_decode_rows(dtype):
 
 @GPU
 @pytest.mark.gpu
+def test_gpu_fast_prompt_attention_memory_and_error():
+    """The fast set's prompt attention on 8,192 rows of one slot (small preset heads): its peak device memory stays
+    below the fp32 scores [Hq, m, T] that the math backend would allocate (8.6 GB), and its error against the
+    fp64 invariant attention is within bf16 rounding (relative 1e-2)."""
+    from exactness.kernels import attention as cpu_attn
+    P = 8192
+    q, kc, vc, slots, pos = _attn_inputs(P, 1, torch.bfloat16, 5)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = cpu_attn.attention_fast_prompt(q, kc, vc, slots, pos)
+    torch.cuda.synchronize()
+    peak, scores = torch.cuda.max_memory_allocated() - base, 32 * P * P * 4
+    assert peak < scores / 4, f"peak {peak / 1e9:.2f} GB against fp32 scores {scores / 1e9:.2f} GB"
+    rows = torch.arange(0, P, 97, device="cuda")
+    ref = cpu_attn.attention_invariant(q[rows].double().cpu(), kc.double().cpu(), vc.double().cpu(),
+                                       slots[rows].cpu(), pos[rows].cpu())
+    assert rel_err(out[rows].cpu(), ref) < 1e-2
+
+
+@GPU
+@pytest.mark.gpu
 def test_gpu_attention_multi_slot_and_negative_control():
     from exactness.kernels import triton_attention as ta
     q, kc, vc, slots, pos = _attn_inputs(300, 3, torch.bfloat16, 4)
