@@ -298,9 +298,18 @@ def _notebooks(profile: str, kinds: set[str], sections: list[str] | None) -> lis
     return [nb for nb in names if section_of(nb) in sections]
 
 
+def _out_of_memory(entry: dict) -> str | None:
+    """The error line of a notebook that failed for want of device memory (None for any other outcome)."""
+    err = entry.get("error") or {}
+    line = f"{err.get('ename')}: {err.get('evalue') or ''}".splitlines()[0]
+    return line if entry.get("status") == "failed" and "out of memory" in line.lower() else None
+
+
 def _execute_all(tmp: Path, nb_dir: Path, per_nb: dict[str, dict], kernel_name: str, side_by_side: int) -> list:
     """Every notebook's ``notebooks`` entry, in table order. With side_by_side > 1 the notebooks of untimed
-    sections run that many at a time (threads waiting on their kernel processes), then the timed ones alone."""
+    sections run that many at a time (threads waiting on their kernel processes); one that failed out of device
+    memory there runs again alone (the others' memory is free then; its entry keeps the first error in
+    ``retried_alone``); then the timed ones run alone."""
     jobs = [(nb, {**p, OUT_JSON: str(tmp / "sections" / f"{nb}.json")}, f"{i}/{len(per_nb)}")
             for i, (nb, p) in enumerate(per_nb.items(), 1)]
 
@@ -317,6 +326,12 @@ def _execute_all(tmp: Path, nb_dir: Path, per_nb: dict[str, dict], kernel_name: 
             done = dict(zip((j[0] for j in shared), pool.map(run, shared)))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)   # an interrupt must not wait for the others
+    for job in shared:
+        first = _out_of_memory(done[job[0]])
+        if first:
+            print(f"[receipt] {job[0]} ran out of device memory side by side; running it again alone",
+                  file=sys.stderr, flush=True)
+            done[job[0]] = {**run(job), "retried_alone": first}
     for job in jobs:
         if job[0] not in done:
             done[job[0]] = run(job)
