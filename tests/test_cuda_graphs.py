@@ -35,6 +35,17 @@ def same_decode_run(a, b) -> bool:
     return same_run(a, b) and bytes_equal(a.prompt_logits, b.prompt_logits)
 
 
+def stale_positions(monkeypatch) -> None:
+    """Negative control: replays read the previous position on the device; the host keeps the right one."""
+    load = graphs.GraphDecoder._load
+
+    def stale(self, tokens, positions, slots):
+        load(self, tokens, positions, slots)
+        if self.pieces is not None:
+            self.positions.sub_(1)
+    monkeypatch.setattr(graphs.GraphDecoder, "_load", stale)
+
+
 # ------------------------------------------------------------------------------------------------ CPU
 
 def test_cpu_falls_back_with_reason(tiny_weights):
@@ -87,13 +98,7 @@ def test_gpu_graph_bytes_equal_eager(gpu_weights, prompt, kernels, kv_dtype, mon
     assert (info["pieces"] == 1) == one_piece
     assert same_run(eager, run)
 
-    load = graphs.GraphDecoder._load
-
-    def stale(self, tokens, positions, slots):  # replays read the previous position; the host keeps the right one
-        load(self, tokens, positions, slots)
-        if self.pieces is not None:
-            self.positions.sub_(1)
-    monkeypatch.setattr(graphs.GraphDecoder, "_load", stale)
+    stale_positions(monkeypatch)
     bad = generate(gpu_weights, prompt, GEN, kernels, sched, keep_cache=True, kv_dtype=kv_dtype, graphs=True)
     assert bad.graphs["served"]
     assert not same_run(eager, bad)
@@ -226,13 +231,7 @@ def test_gpu_two_streams_bytes_equal_eager(gpu_weights, monkeypatch):
     eager, graph = run(False), run(True)
     assert graph[2]["served"] and graph[2]["replays"] == 3 and graph[2]["reason"] is None, graph[2]
     assert same(eager, graph)
-    load = graphs.GraphDecoder._load
-
-    def stale(self, tokens, positions, slots):
-        load(self, tokens, positions, slots)
-        if self.pieces is not None:
-            self.positions.sub_(1)
-    monkeypatch.setattr(graphs.GraphDecoder, "_load", stale)
+    stale_positions(monkeypatch)
     assert not same(eager, run(True))
 
 
@@ -260,11 +259,5 @@ def test_gpu_concurrent_streams_on_graphs_equal_eager(gpu_weights, kernels, n, m
     if expect is not None:
         return
     assert info["replays"] == GEN - 2   # GEN - 1 forwards; the first captures
-    load = graphs.GraphDecoder._load
-
-    def stale(self, tokens, positions, slots):
-        load(self, tokens, positions, slots)
-        if self.pieces is not None:
-            self.positions.sub_(1)
-    monkeypatch.setattr(graphs.GraphDecoder, "_load", stale)
+    stale_positions(monkeypatch)
     assert not same(eager, run(True))
