@@ -241,7 +241,8 @@ def test_gpu_two_streams_bytes_equal_eager(gpu_weights, monkeypatch):
 def test_gpu_concurrent_streams_on_graphs_equal_eager(gpu_weights, kernels, n, monkeypatch):
     """batch.run_streams with graphs: tokens, prompt and generated logits of every stream equal the eager run's
     as bytes, a graph served every B where graphs.why_not allows it (the fast set at B = 2 runs eagerly and says
-    why); control: a stale device position at replay must change a stream."""
+    why: there the bytes check compares two eager runs, and only the reason is checked); control: a stale device
+    position at replay must change a stream."""
     from exactness.batch import run_streams
     prompts = [torch.arange(30) % 251, torch.arange(5, 42) % 251][:n]
 

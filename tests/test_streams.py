@@ -46,12 +46,20 @@ def test_concurrent_streams_equal_alone_and_serial_invariant(tiny_weights, promp
         assert same(s, serial), f"stream {j} differs from the serial oracle"
 
 
-def test_graphs_on_cpu_fall_back_per_batch_size_with_reason(tiny_weights, prompts):
+def test_graphs_on_cpu_fall_back_per_batch_size_with_reason(tiny_weights, prompts, monkeypatch):
     """run_streams(graphs=True) without a CUDA device: one GraphDecoder per active count (1 while stream 0 is
     alone, then 2), every forward eager with the reason recorded, and the eager run's bytes."""
+    from exactness import batch
+    built = []
+
+    class Counted(batch.GraphDecoder):
+        def __init__(self, *a, **kw):
+            built.append(kw.get("batch"))
+            super().__init__(*a, **kw)
+    monkeypatch.setattr(batch, "GraphDecoder", Counted)
     args = (tiny_weights, prompts[:2], GEN, "invariant", Schedule("batched", STEP))
     eager, run = run_streams(*args, offset=OFFSET), run_streams(*args, offset=OFFSET, graphs=True)
-    assert eager.graphs == {} and sorted(run.graphs) == [1, 2]
+    assert eager.graphs == {} and sorted(run.graphs) == [1, 2] and built == [1, 2]   # one decoder per batch size
     assert all(not g["served"] and "CUDA device" in g["reason"] for g in run.graphs.values())
     assert sum(g["eager_steps"] for g in run.graphs.values()) == run.decode_forwards == eager.decode_forwards
     assert all(same(a, b) for a, b in zip(run.streams, eager.streams))

@@ -104,9 +104,9 @@ def run_streams(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernel
                 glog[j].append(plog[j][-1:])
         active = [j for j in range(N) if gen[j] and len(gen[j]) < gen_tokens]
         if active:
-            dec = None
-            if graphs:
-                dec = decoders.setdefault(len(active), GraphDecoder(w, cache, ks, batch=len(active), experts=experts))
+            dec = decoders.get(len(active)) if graphs else None
+            if graphs and dec is None:
+                dec = decoders[len(active)] = GraphDecoder(w, cache, ks, batch=len(active), experts=experts)
             _batched_step(w, cache, ks, prompts, gen, glog, active, experts, dec)
             res.decode_forwards += 1
             res.max_batch_rows = max(res.max_batch_rows, len(active))

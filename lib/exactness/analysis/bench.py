@@ -13,11 +13,11 @@ Runs, per kernel set (greedy, temperature 0, end-of-sequence ignored; prefill on
                 row (nothing came from a cache), otherwise it is refused and not reported
     streams     1 and 2 concurrent streams of each prompt (batch.run_streams, all joining at step 0), each stream
                 compared with the plain run alone
+    memory      peak device memory per run (torch.cuda.max_memory_allocated; None on CPU), and on CUDA the peak of
+                a batched and a ``bench_path`` prefill of the longest prompt; the ring's reserved bytes (offload)
 
 With ``bench_graphs`` (CUDA) the plain replies' and the streams' decode steps replay from CUDA graphs (the eager
 steps' bytes; each record's ``decode_graphs`` says whether a graph served and why not); drafted runs decode eagerly.
-    memory      peak device memory per run (torch.cuda.max_memory_allocated; None on CPU), and on CUDA the peak of
-                a batched and a ``bench_path`` prefill of the longest prompt; the ring's reserved bytes (offload)
 
 Metrics: TTFT = seconds from the request to the first generated token; prefill tok/s = prompt tokens /
 TTFT; decode tok/s = (generated - 1) / (time of last token - time of first token); mean ITL = that span /

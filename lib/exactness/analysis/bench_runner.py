@@ -180,8 +180,8 @@ class Runner:
             t0 = time.perf_counter()
             res = batch.run_streams(self.w, [ids] * n, gen, ks, self.schedule, offset=0, experts=self.experts,
                                     kv_dtype=self.kv_dtype, graphs=self.graphs)
-        graphs = ({k: g[k] for k in ("served", "replays", "eager_steps", "reason")} for g in res.graphs.values())
-        graphs = next(graphs, None)   # all streams join at step 0 and leave together: one batch size
+        g = res.graphs.get(n)   # all n streams join at step 0 and leave together: every forward has n rows
+        graphs = {k: g[k] for k in ("served", "replays", "eager_steps", "reason")} if g else None
         out = []
         for j, s in enumerate(res.streams):
             times = [t - t0 for t in stamps[j]]

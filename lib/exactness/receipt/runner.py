@@ -309,7 +309,7 @@ def _execute_all(tmp: Path, nb_dir: Path, per_nb: dict[str, dict], kernel_name: 
     """Every notebook's ``notebooks`` entry, in table order. With side_by_side > 1 the notebooks of untimed
     sections run that many at a time (threads waiting on their kernel processes); one that failed out of device
     memory there runs again alone (the others' memory is free then; its entry keeps the first error in
-    ``retried_alone``); then the timed ones run alone."""
+    ``retried_alone`` and that attempt's time in ``first_seconds``); then the timed ones run alone."""
     jobs = [(nb, {**p, OUT_JSON: str(tmp / "sections" / f"{nb}.json")}, f"{i}/{len(per_nb)}")
             for i, (nb, p) in enumerate(per_nb.items(), 1)]
 
@@ -331,7 +331,7 @@ def _execute_all(tmp: Path, nb_dir: Path, per_nb: dict[str, dict], kernel_name: 
         if first:
             print(f"[receipt] {job[0]} ran out of device memory side by side; running it again alone",
                   file=sys.stderr, flush=True)
-            done[job[0]] = {**run(job), "retried_alone": first}
+            done[job[0]] = {**run(job), "retried_alone": first, "first_seconds": done[job[0]].get("seconds")}
     for job in jobs:
         if job[0] not in done:
             done[job[0]] = run(job)
