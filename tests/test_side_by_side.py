@@ -88,10 +88,13 @@ def test_profiles_side_by_side_is_a_run_setting():
 
 
 def test_receipt_md_says_which_notebook_ran_again_alone():
+    """receipt.md's notebook table: the retry note on the retried notebook only; times with one decimal."""
     from exactness.receipt.render import render_header
     nbs = [{"name": "20_kernel_contract", "status": "ok", "seconds": 250.0,
-            "retried_alone": "OutOfMemoryError: CUDA out of memory."}, {"name": "40_streams", "status": "ok"}]
+            "retried_alone": "OutOfMemoryError: CUDA out of memory."}, {"name": "40_streams", "status": "ok", "seconds": 57.83}]
     md = render_header({"status": "ok", "profile": "gpu", "notebooks": nbs})
     row = next(line for line in md.splitlines() if "20_kernel_contract" in line)
     assert "ok (run again alone after: OutOfMemoryError: CUDA out of memory.)" in row
     assert "run again" not in next(line for line in md.splitlines() if "40_streams" in line)
+    streams = next(line for line in md.splitlines() if "40_streams" in line)
+    assert "250.0" in row and "57.8" in streams and "57.83" not in streams

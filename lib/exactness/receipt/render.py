@@ -143,8 +143,9 @@ def render_header(receipt: dict) -> str:
                                                  ["parameter", "value"])]
     nbs = receipt.get("notebooks") or []
     if nbs:
+        secs = lambda v: f"{v:.1f}" if isinstance(v, (int, float)) else v  # noqa: E731  (one decimal for all)
         rows = [[n.get("name"), f"{n.get('status')}" + (f" (run again alone after: {n['retried_alone']})"
-                                                         if n.get("retried_alone") else ""), n.get("seconds")]
+                                                         if n.get("retried_alone") else ""), secs(n.get("seconds"))]
                 for n in nbs]
         parts += ["", "## Notebooks", "", table(rows, ["notebook", "status", "time (s)"], dash="not timed")]
     return "\n".join(parts)
