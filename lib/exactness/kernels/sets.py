@@ -54,7 +54,8 @@ _INVARIANT = {
     "expert_down": (experts.down_any, "CPU: F.linear on fixed 64-row tiles; CUDA: fixed-tile Triton GEMM"),
     "moe_combine": (cuda.combine, "fp32 sum over k in slot order"),
     "attention": (attention.reads_fp8(cuda.attention), "query-row tiles, fixed KV blocks (CPU 256, CUDA per "
-                  "config; an fp8 cache: the torch kernel on any device), online softmax in order"),
+                  "config; an fp8 cache: the torch kernel on any device), online softmax in order (CUDA: "
+                  "softmax weights rounded to the storage dtype for P·V, as FlashAttention-2)"),
     "rmsnorm": (cuda.rmsnorm, "64-row tiles (CUDA: one fixed row block per width)"),
     "rope": (cuda.rope, "cos/sin gathered from a table"),
     "residual": (cuda.residual, "a + b"),
