@@ -99,9 +99,9 @@ class Weights:
 def moved(t: torch.Tensor, device: str | torch.device | None, dtype: torch.dtype | None) -> torch.Tensor:
     """``t`` on ``device`` (None: where it is), a floating tensor cast to ``dtype`` (None: kept), rounded to nearest
     even. A CPU tensor bound for a CUDA device crosses first and is cast there: a blocking ``Tensor.to`` that
-    changes both would cast on the CPU (PyTorch's CUDA copy converts on the CPU for blocking transfers), seconds
-    of CPU time for the small preset's 2.4 G values; the rounding, and so the bytes, are the same for every
-    value but NaN payloads (tests/test_cuda_kernels.py checks them on a GPU)."""
+    changes both would cast on the CPU (PyTorch's CUDA copy converts on the CPU for blocking transfers), a pass
+    over the small preset's 2.4 G values on the receipts' one CPU thread; the rounding, and so the bytes, are the
+    same for every value but NaN payloads (tests/test_cuda_kernels.py checks them on a GPU)."""
     dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
     if device is not None and t.device.type == "cpu" and torch.device(device).type == "cuda" and dt != t.dtype:
         return t.to(device=device).to(dt)

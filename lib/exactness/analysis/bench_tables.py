@@ -196,9 +196,8 @@ def config_line(data: dict) -> str:
             f"{c['deep_threshold']}); {c['gen_tokens']} new tokens, temperature 0, EOS ignored; {c['reps']} reps "
             f"(cold = rep 0, warm = repeat), ITL over {c['itl_reps']} reps; MTP k={c['mtp_k']}; expert offload "
             f"{offload}; prompt cache {c['prompt_cache']}"
-            + ("; plain replies' and concurrent streams' decode steps replayed from CUDA graphs (graphs.GraphDecoder;"
-               " each run's "
-               "`decode_graphs` says whether they served and why not)" if c.get("decode_graphs") else ""))
+            + ("; plain replies' and concurrent streams' decode steps replayed from CUDA graphs (graphs.GraphDecoder; "
+               "each run's `decode_graphs` says whether they served and why not)" if c.get("decode_graphs") else ""))
 
 
 def render_md(section: dict) -> str:

@@ -52,10 +52,10 @@ def attention_fast_prompt(q, k_cache, v_cache, slots, positions):
     """One scaled_dot_product_attention call per slot with a boolean causal mask built from the positions (the
     library picks its algorithm among FAST_SDPA_BACKENDS).
 
-    On CUDA the KV heads are repeated to the query heads rather than passed with ``enable_gqa``: of the backends
+    The KV heads are repeated to the query heads rather than passed with ``enable_gqa``: on CUDA, of the backends
     allowed, only the math one takes a mask together with ``enable_gqa``, and it materialises the fp32 scores
     [Hq, m, T] (on an H200, a 16,022-row chunk of the small preset's heads peaked at 70.55 GiB; with repeated
-    heads the memory-efficient backend takes the mask, at 1.69 GiB)."""
+    heads the memory-efficient backend takes the mask, at 1.69 GiB). On the CPU both forms give the same bytes."""
     out = torch.empty_like(q)
     g = q.shape[1] // k_cache.shape[2]                             # query heads per KV head
     with sdpa_kernel(list(FAST_SDPA_BACKENDS)):
@@ -65,12 +65,8 @@ def attention_fast_prompt(q, k_cache, v_cache, slots, positions):
             k = kv_rows(k_cache[s, :T], q.dtype).transpose(0, 1)[None]              # [1, Hkv, T, D]
             v = kv_rows(v_cache[s, :T], q.dtype).transpose(0, 1)[None]
             mask = torch.arange(T, device=q.device)[None, :] <= pos[:, None]   # [m, T] bool
-            qs = q[rows].transpose(0, 1)[None]                                      # [1, Hq, m, D]
-            if q.is_cuda:
-                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [1, Hq, T, D]
-                o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask)
-            else:
-                o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)      # [1, Hq, T, D]
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k, v, attn_mask=mask)
             out[rows] = o[0].transpose(0, 1)
     return out
 

@@ -34,7 +34,7 @@ FAST = register_set(
         "expert_down": (experts.down_fast, "F.linear on the expert's rows"),
         "moe_combine": (experts.combine_fast, "einsum over k in storage dtype"),
         "attention": (attention.attention_fast_prompt,
-                      "scaled_dot_product_attention, causal mask (not cuDNN; on CUDA KV heads repeated)"),
+                      "scaled_dot_product_attention, causal mask, KV heads repeated (not cuDNN)"),
         "rmsnorm": (norm.rmsnorm_fast, "fp32 mean of squares, rsqrt"),
         "rope": (rope.rope_fast, "cos/sin evaluated per call"),
         "residual": (norm.residual_add, "a + b"),
