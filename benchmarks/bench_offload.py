@@ -5,7 +5,8 @@
     python benchmarks/bench_offload.py --preset tiny --device cpu --tokens 96 --deep-threshold 32   # CPU smoke
 
 With the experts in pinned host memory (offload.ExpertStore), it times the prefill of one prompt on the deep path
-(experts staged through the ring on a copy stream) and on the batched path (each expert fetched synchronously),
+(experts staged on a copy stream: whole layers through the layer ring for a set with a grouped expert kernel, one
+expert at a time through the expert ring otherwise) and on the batched path (each expert fetched synchronously),
 and prints, per kernel set: achieved seconds, the bound max(FLOPs / measured matmul peak, expert bytes moved /
 measured host-to-device bandwidth), achieved / bound, and deep speed-up over batched. Peak and bandwidth are
 measured in this same process. On CPU the ratios mean nothing (no copy engine, "host" = "device"); the CPU run only
@@ -108,6 +109,7 @@ def _row(kernels, path, step, r, flops, peak, bw, min_bytes) -> dict:
     bound_min = max(flops / peak, min_bytes / bw)
     return {"kernels": kernels, "path": path, "step": step, "seconds": r["seconds"],
             "bytes_moved": r["bytes_moved"], "ring_fetches": r["ring_fetches"], "sync_fetches": r["sync_fetches"],
+            "layer_fetches": r["layer_fetches"],
             "bound_s": bound, "ratio": r["seconds"] / bound, "bound_min_bytes_s": bound_min,
             "ratio_min_bytes": r["seconds"] / bound_min, "served": r["served"]}
 
@@ -144,8 +146,10 @@ def _header(a, device, P, peak, bw, flops, info) -> None:
           f"{a.step or 'whole prompt'}, deep step {a.deep_step or 'whole prompt'}")
     print(f"measured: matmul peak {peak / 1e12:.4g} TFLOP/s, host->device {bw / 1e9:.4g} GB/s; "
           f"prefill {flops / 1e12:.4g} TFLOP")
-    print(f"offload: {info['device_bytes_saved'] / 2**20:.1f} MiB of experts off the device; ring reserves "
-          f"{info['ring_bytes']} bytes ({info['ring_slots']} slots x {info['expert_bytes']}); "
+    why_no_layer = f"; {info['layer_ring_reason']}" if info["layer_ring_reason"] else ""
+    print(f"offload: {info['device_bytes_saved'] / 2**20:.1f} MiB of experts off the device; the rings reserve "
+          f"{info['ring_bytes']} bytes (expert ring {info['ring_slots']} slots x {info['expert_bytes']}, layer ring "
+          f"{info['layer_slots']} slots: {info['layer_ring_bytes']}{why_no_layer}); "
           f"deep_ready={info['deep_ready']} {info['fallback_reason'] or ''}")
 
 
@@ -154,7 +158,7 @@ def _print_row(ks: str, r: dict, P: int) -> None:
     print(f"{ks:9s} {label:12s} achieved {r['seconds']:.3f} s ({P / r['seconds']:.0f} tok/s), bound "
           f"{r['bound_s']:.3f} s (moved {r['bytes_moved'] / 2**20:.4g} MiB), ratio {r['ratio']:.2f}; "
           f"bound at min bytes {r['bound_min_bytes_s']:.3f} s, ratio {r['ratio_min_bytes']:.2f}; "
-          f"fetches ring {r['ring_fetches']} sync {r['sync_fetches']}")
+          f"fetches ring {r['ring_fetches']} layer {r['layer_fetches']} sync {r['sync_fetches']}")
 
 
 def main(argv=None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from exactness.kernels import get_set
 from exactness.model import ResidentExperts
 from exactness.exact import as_int, bytes_equal, differing_rows
 from exactness.offload import ExpertRing, ExpertStore, StagedWeights
@@ -227,6 +229,67 @@ def test_ring_hands_out_the_announced_expert(slots, speculate, calls):
     assert stats["ring_fetches"] == sum(len(c[1]) for c in calls if c[2])
 
 
+def _cpu_grouped(h, idx, w_gate, w_up, w_down):
+    """A grouped_experts option for the CPU: y [M, k, H] from the invariant set's expert kernels on each expert's
+    member rows (ascending rows, as the per-expert loop orders them), weights indexed from the stacked tensors."""
+    ks = get_set("invariant")
+    gate_up, down = ks.fn("expert_gate_up", "prompt"), ks.fn("expert_down", "prompt")
+    y = h.new_zeros(*idx.shape, h.shape[1])                                      # [M, k, H]
+    for e in torch.unique(idx).tolist():
+        rows, slots = (idx == e).nonzero(as_tuple=True)
+        y[rows, slots] = down(gate_up(h[rows], w_gate[e], w_up[e]), w_down[e])
+    return y
+
+
+GROUPED = replace(get_set("invariant"), name="invariant+cpu-grouped",
+                  options={**get_set("invariant").options, "grouped_experts": _cpu_grouped})
+
+
+@pytest.mark.parametrize("layer_slots", [1, 2])
+def test_layer_ring_stages_whole_layers_and_changes_no_byte(tiny_weights, prompt, layer_slots):
+    """With a set that computes a layer's experts in one call, the deep segments take every layer whole from the
+    layer ring (no per-expert ring fetch), the bytes equal the resident run's and the per-expert run's, and every
+    copy and byte moved is accounted for."""
+    ref = _run(tiny_weights, prompt.ids, "invariant", "deep")                    # resident, expert by expert
+    assert _differences(_run(tiny_weights, prompt.ids, GROUPED, "deep"), ref) == NONE   # resident, grouped
+    store = ExpertStore(tiny_weights, "offload", ring_slots=2, layer_slots=layer_slots)
+    assert _differences(_run(store.weights, prompt.ids, GROUPED, "deep", store), ref) == NONE
+    info, L = store.info(), tiny_weights.cfg.n_layers
+    s, ls = info["stats"], store.layer_stats
+    assert (s["layer_fetches"], s["ring_fetches"], s["unannounced_calls"]) == (2 * L, 0, 0), s  # 2 deep segments
+    assert s["sync_fetches"] > 0 and 0 < s["unique_experts"] <= L * tiny_weights.cfg.n_experts   # decode steps
+    assert ls["copies"] == ls["ring_fetches"] + ls["dropped_copies"] + len(store.layer_ring.slot_of)
+    layer_bytes = sum(t.nbytes for t in store.host[0])
+    assert s["bytes_moved"] == ls["copies"] * layer_bytes + (s["copies"] + s["sync_fetches"]) * store.expert_bytes
+    assert info["layer_ring_bytes"] == layer_slots * layer_bytes and info["ring_bytes"] > info["layer_ring_bytes"]
+
+
+def test_layer_ring_fault_is_caught(tiny_weights, prompt):
+    """Negative control: layer 0's staged w_gate one ULP up in every element (the host copy the layer ring reads)
+    changes the deep prefill's prompt logits, so the byte comparison above can fail."""
+    ref = _run(tiny_weights, prompt.ids, GROUPED, "deep")
+    store = ExpertStore(tiny_weights, "offload", layer_slots=2)
+    good = store.host[0]
+    bad = (torch.empty_like(good[0]).copy_(good[0]).view(torch.int16).add_(1).view(good[0].dtype), *good[1:])
+    store.layer_ring.source = lambda layer: bad if layer == 0 else store.host[layer]
+    assert _differences(_run(store.weights, prompt.ids, GROUPED, "deep", store), ref)["prompt_rows"] > 0
+
+
+def test_layer_ring_reservation_and_its_reasons(tiny_weights):
+    """No layer ring on the CPU by default; one where asked; none (with the reason, the expert ring kept) where
+    max_ring_bytes leaves room for the expert ring only; bad layer_slots are refused up front."""
+    assert ExpertStore(tiny_weights, "offload").layer_ring is None
+    store = ExpertStore(tiny_weights, "offload", ring_slots=2, layer_slots=2)
+    both = store.ring_bytes
+    tight = ExpertStore(tiny_weights, "offload", ring_slots=2, layer_slots=2, max_ring_bytes=both - 1)
+    assert tight.layer_ring is None and tight.deep_ready and "max_ring_bytes" in tight.layer_ring_reason
+    assert tight.info()["layer_slots"] == 0 and tight.ring_bytes == 2 * tight.expert_bytes
+    assert ExpertStore(tiny_weights, "resident", layer_slots=2).stacked(0, "deep", torch.zeros(1, 2)) is None
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match=f"layer_slots must be None or an int >= 0, got {bad}"):
+            ExpertStore(tiny_weights, "offload", layer_slots=bad)
+
+
 def test_bench_offload_script_runs_on_cpu(tmp_path):
     out = tmp_path / "bo.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_offload.py"), "--preset", "tiny",
@@ -244,14 +307,20 @@ def test_bench_offload_script_runs_on_cpu(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("ks", ["fast", "invariant"])
-@pytest.mark.parametrize("slots", [1, 4])
-def test_offload_changes_no_byte_on_cuda(tiny_weights, prompt, ks, slots):
-    """The CUDA ring (pinned host, copy stream, events) gives the resident engine's bytes on the deep path."""
+@pytest.mark.parametrize("slots, layer_slots", [(1, 0), (4, 0), (4, 1), (4, None)])
+def test_offload_changes_no_byte_on_cuda(tiny_weights, prompt, ks, slots, layer_slots):
+    """The CUDA rings (pinned host, copy stream, events) give the resident engine's bytes on the deep path: the
+    expert ring for the fast set and without a layer ring, the layer ring (1 slot, or the default 2) for the
+    invariant set's grouped expert kernel."""
     ref = _run(tiny_weights.to("cuda"), prompt.ids, ks, "deep")
-    store = ExpertStore(tiny_weights, "offload", ring_slots=slots, device="cuda")
+    store = ExpertStore(tiny_weights, "offload", ring_slots=slots, device="cuda", layer_slots=layer_slots)
     assert store.host[0][0].is_pinned() and store.ring.stream is not None
+    assert (store.layer_ring is not None) == (layer_slots != 0)
     assert _differences(_run(store.weights, prompt.ids, ks, "deep", store), ref) == NONE
-    assert store.stats["ring_fetches"] > 0 and store.stats["unannounced_calls"] == 0
+    s = store.info()["stats"]
+    by_layer = ks == "invariant" and layer_slots != 0
+    assert (s["layer_fetches"] > 0, s["ring_fetches"] > 0) == (by_layer, not by_layer), s
+    assert s["unannounced_calls"] == 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -8,13 +8,15 @@ measured first and the comparison must agree with the measurement.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from exactness.cache import KVCache
 from exactness.config import get_preset
 from exactness.exact import bytes_equal, kv_first_difference
-from exactness.kernels import get_set
+from exactness.kernels import KernelSet, get_set
 from exactness.paths import Schedule, decode_step, generate, prefill
 from exactness.prompts import build_prompt
 from exactness.weights import synthetic_weights
@@ -141,3 +143,37 @@ def test_planted_fault_split_prefill_differs_from_unsplit(weights, prompt_ids):
     (la, _, _, _), (lb, _, _, _) = split_vs_whole(weights, prompt_ids["code"], row0_rmsnorm_perturbed())
     assert not bytes_equal(la, lb)
     assert brute.first_row(la, lb) == SPLIT
+
+
+def recording(rows: dict, tiles_in_kernels: bool) -> KernelSet:
+    """The invariant set, with or without its ``tiles_in_kernels`` option, whose prompt dense and expert gate/up
+    kernels append each call's row count to ``rows[cls]``; not registered."""
+    ks = get_set("invariant")
+
+    def rec(cls, fn):
+        def f(x, *args, **kw):
+            rows.setdefault(cls, []).append(x.shape[0])
+            return fn(x, *args, **kw)
+        return f
+    prompt = {c: (replace(s, fn=rec(c, s.fn)) if c in ("dense", "expert_gate_up") else s) for c, s in ks.prompt.items()}
+    options = {k: v for k, v in ks.options.items() if k != "tiles_in_kernels" or tiles_in_kernels}
+    return replace(ks, name=f"invariant+rows-{tiles_in_kernels}", prompt=prompt, options=options)
+
+
+def test_deep_plan_hands_whole_calls_to_a_set_that_tiles_in_its_kernels(weights, prompt_ids):
+    """The deep plan calls the invariant set's dense and expert kernels once per call's rows (the set's option
+    ``tiles_in_kernels``), and the same set without that option once per 64-row (64-member) host tile; both give the
+    same generated tokens, prompt-logit bytes and KV-cache bytes, as the kernels' row bytes do not depend on M."""
+    ids = prompt_ids["code"]
+    P, runs, rows = ids.numel(), {}, {}
+    for whole in (True, False):
+        rows[whole] = {}
+        runs[whole] = generate(weights, ids, GEN, recording(rows[whole], whole), Schedule("deep", None, 32),
+                               keep_cache=True)
+        assert runs[whole].served["deep"]["rows"] == P, runs[whole].served
+    assert P > 64 and max(rows[True]["dense"]) == P and max(rows[False]["dense"]) == 64
+    assert max(rows[False]["expert_gate_up"]) <= 64 <= max(rows[True]["expert_gate_up"])
+    a, b = runs[True], runs[False]
+    assert torch.equal(a.gen_ids, b.gen_ids)
+    assert bytes_equal(a.prompt_logits, b.prompt_logits)
+    assert cache_bytes_equal(a.cache, b.cache, P + GEN - 1)

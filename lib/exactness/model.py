@@ -3,7 +3,10 @@
 A *plan* says how the rows of this call are computed: ``decode`` rows (one per stream and step) use the set's
 decode kernels; ``batched`` and ``deep`` prompt rows use its prompt kernels. The deep plan additionally runs the dense
 projections on fixed ``tile_rows``-row tiles and each expert over its member rows in ``expert_tile``-member tiles
-(the deep prefill); with an invariant kernel set none of this changes a byte.
+(the deep prefill), one kernel call per tile; with an invariant kernel set none of this changes a byte. A set whose
+options name ``tiles_in_kernels`` (its dense and expert kernels fix their row tiles themselves, so a row's bytes do
+not depend on how many rows a call holds: the contract checks this) gets each call's rows whole instead, unless
+kernel calls are being tapped: the tiles are then the kernels' own, and the host loop over them is saved.
 
 The routed experts' weights come from an *expert provider* (ExpertProvider): ResidentExperts by default, or
 offload.ExpertStore, which keeps them in host memory and stages them through device buffers.
@@ -74,6 +77,9 @@ class ExpertProvider(Protocol):
         """(w_gate [I, H], w_up [I, H], w_down [H, I]) of one expert on the compute device, storage dtype."""
         ...
 
+    # Optional: stacked(layer, plan, idx [M, k]) -> (w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]) | None,
+    # the whole layer for a set that computes all routed experts in one launch (None: fetch expert by expert).
+
 
 class ResidentExperts:
     """The default expert provider: experts read from resident layer weights (views of the stacked tensors, no
@@ -92,6 +98,12 @@ class ResidentExperts:
         """Views (w_gate [I, H], w_up [I, H], w_down [H, I]) of expert ``expert_id`` of ``layer``."""
         lw = self.layers[layer]
         return lw.w_gate[expert_id], lw.w_up[expert_id], lw.w_down[expert_id]
+
+    def stacked(self, layer: int, plan: str, idx: torch.Tensor) -> tuple | None:
+        """The layer's stacked experts (w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]) on any plan; None for
+        quantized weights (not plain tensors)."""
+        lw = self.layers[layer]
+        return (lw.w_gate, lw.w_up, lw.w_down) if torch.is_tensor(lw.w_gate) else None
 
 
 _TAPS: list = []  # active tap recorders; empty (the default) means kernels are called unwrapped, at no cost
@@ -150,7 +162,7 @@ class Ops:
         return self._tiled(f, self.plan.expert_tile, x, wg, wu, wd)
 
     def _tiled(self, fn, tile: int, x: torch.Tensor, *w) -> torch.Tensor:
-        if self.plan.kind != "deep" or x.shape[0] <= tile:
+        if self.plan.kind != "deep" or x.shape[0] <= tile or (self.k.options.get("tiles_in_kernels") and not _TAPS):
             return fn(x, *w)
         return torch.cat([fn(x[i:i + tile], *w) for i in range(0, x.shape[0], tile)], dim=0)
 
@@ -194,8 +206,9 @@ def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer
 
     The experts with members are announced to ``experts.prepare`` first (an offloaded provider stages them ahead of
     use), then each one's weights come from ``experts.fetch``, in ascending expert id. A set whose options name
-    ``grouped_experts`` (same bytes as its expert kernels) computes all resident experts at once instead, unless
-    kernel calls are being tapped.
+    ``grouped_experts`` (same bytes as its expert kernels) computes all experts at once instead, on the stacked
+    weights the provider's ``stacked`` hands over (resident, or an offloaded layer staged whole), unless kernel
+    calls are being tapped.
     """
     k = cfg.top_k
     h = ops.rmsnorm(x, lw.mlp_norm, cfg.rms_eps)                                     # [M, H]
@@ -203,8 +216,10 @@ def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer
     weights, idx, _ = ops.router(h, lw.router, k, cfg.norm_topk_prob, *groups)      # [M, k], [M, k]
     y = None
     grouped = ops.k.options.get("grouped_experts")     # the set's per-expert kernels' bytes, all experts at once
-    if grouped is not None and not _TAPS and type(experts) is ResidentExperts and torch.is_tensor(lw.w_gate):
-        y = grouped(h, idx, lw.w_gate, lw.w_up, lw.w_down)                           # [M, k, H] or None
+    stacked = getattr(experts, "stacked", None) if grouped is not None and not _TAPS else None
+    weights_all = stacked(layer, ops.plan.kind, idx) if stacked is not None else None  # [E, I, H] x2, [E, H, I]
+    if weights_all is not None:
+        y = grouped(h, idx, *weights_all)                                            # [M, k, H] or None
     if y is None:
         y = _experts_one_by_one(ops, cfg, h, idx, experts, layer)
     shared = None

@@ -15,6 +15,15 @@ An :class:`ExpertStore` is an expert provider (model.ExpertProvider) for ``model
                 the previous use of its slot. When the announced list runs out, the ring speculatively copies the
                 next experts in (layer, id) order (the next layer's first experts), so the copies also overlap
                 attention.
+              * layer: for the deep plan of a set that computes all of a layer's routed experts in one launch
+                (the kernel-set option ``grouped_experts``), ``store.stacked(layer, plan, idx)`` hands it the whole
+                layer (w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]) from a second ring of ``layer_slots``
+                layer-sized buffers (default 2 on CUDA, 0 elsewhere). Taking layer L issues the copy of layer
+                L + 1 (after the last layer: layer 0, for the next segment), which then overlaps layer L's experts
+                and layer L + 1's attention; each (layer, expert) crosses the bus once per deep segment. The
+                copy is issued before layer L + 1's router runs, so it moves every expert of the layer, not only
+                the routed ones (a deep segment of >= 512 rows routes to nearly all of them). A layer ring that
+                cannot be reserved is recorded in ``layer_ring_reason``; the expert ring then serves.
               * sync: batched/decode plans, calls that were not announced, and stores without a ring fetch the
                 expert synchronously into fresh device tensors (the batched pass "fetches each expert").
               On CPU the "device" and the "host" are the same memory: copies are plain synchronous ``copy_`` and
@@ -47,15 +56,16 @@ def _stats() -> dict:
 
 
 class ExpertRing:
-    """``slots`` device buffers, each holding one expert's (w_gate [I, H], w_up [I, H], w_down [H, I]).
+    """``slots`` device buffers, each holding one unit of expert weights: an expert's (w_gate [I, H], w_up [I, H],
+    w_down [H, I]), or a layer's stacked experts ([E, I, H], [E, I, H], [E, H, I]).
 
-    Keys are (layer, expert id). ``schedule(keys)`` announces the order in which ``take`` will ask for them;
+    Keys are (layer, expert id) or the layer (any hashable the ``source`` understands). ``schedule(keys)`` announces the order in which ``take`` will ask for them;
     copies are issued ahead into free slots (slots neither handed to compute nor holding an untaken copy).
 
     Args:
-        shapes: the three matrix shapes; dtype, device: of the buffers.
+        shapes: the three tensor shapes; dtype, device: of the buffers.
         slots: number of buffers (>= 1).
-        source: ``source(key) -> (w_gate, w_up, w_down)`` host tensors of an expert.
+        source: ``source(key) -> (w_gate, w_up, w_down)`` host tensors of the key's unit.
         successor: ``successor(key) -> key | None``, the guess copied speculatively once the announced keys are
             all issued (None: no speculation).
         stats: the store's counters, updated in place.
@@ -248,31 +258,41 @@ class ExpertStore:
         mode: ``"resident"`` or ``"offload"``.
         ring_slots: device buffers of the ring (offload mode), each one expert (3·I·H elements).
         device: compute device (default: the weights' device).
-        max_ring_bytes: refuse to reserve a ring larger than this many bytes (None: no limit).
-        speculate: copy the next (layer, id) experts ahead once the announced ones are issued.
+        max_ring_bytes: refuse to reserve rings larger than this many bytes together (None: no limit); the
+            expert ring is reserved first, the layer ring only where both fit.
+        speculate: copy the next (layer, id) experts (the layer ring: the next layer) ahead once the announced
+            ones are issued.
+        layer_slots: buffers of the layer ring (offload mode), each one layer's experts (3·E·I·H elements);
+            None: 2 on a CUDA device, 0 (no layer ring) elsewhere.
     Attributes:
         weights: the Weights to hand to ``model.forward`` / ``paths.generate`` with ``experts=store``.
         deep_ready: False when offloaded without a ring (the deep plan must fall back to the batched pass).
         fallback_reason: why there is no ring (None when there is one or in resident mode).
+        layer_ring_reason: why there is no layer ring although layer_slots asked for one (None otherwise).
         stats: counters (fetches by route, copies, speculative hits, bytes moved host->device).
         touched: the (layer, expert) keys asked for since the last reset_stats.
     Raises:
-        ValueError: unknown mode, ring_slots < 1, max_ring_bytes < 0.
+        ValueError: unknown mode, ring_slots < 1, max_ring_bytes < 0, layer_slots not None or an int >= 0.
     """
 
     def __init__(self, weights: Weights, mode: str = "resident", ring_slots: int = 4,
                  device: str | torch.device | None = None, max_ring_bytes: int | None = None,
-                 speculate: bool = True):
+                 speculate: bool = True, layer_slots: int | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown expert store mode {mode!r}; allowed: {', '.join(MODES)}")
         if not isinstance(ring_slots, int) or ring_slots < 1:
             raise ValueError(f"ring_slots must be an int >= 1, got {ring_slots!r}")
         if max_ring_bytes is not None and max_ring_bytes < 0:
             raise ValueError(f"max_ring_bytes must be >= 0 or None, got {max_ring_bytes!r}")
+        if layer_slots is not None and (not isinstance(layer_slots, int) or layer_slots < 0):
+            raise ValueError(f"layer_slots must be None or an int >= 0, got {layer_slots!r}")
         self.mode, self.ring_slots, self.cfg = mode, ring_slots, weights.cfg
         self.device = torch.device(device) if device is not None else weights.device
         self.stats, self.touched = _stats(), set()  # touched: (layer, expert) keys asked for
+        self.layer_stats = _stats()
         self.plan, self.ring, self.fallback_reason = None, None, None
+        self.layer_ring, self.layer_ring_reason = None, None
+        self.layer_slots = (2 if self.device.type == "cuda" else 0) if layer_slots is None else layer_slots
         lw0 = weights.layers[0]
         self.shapes = tuple(tuple(getattr(lw0, f).shape[1:]) for f in EXPERT_FIELDS)
         self.expert_bytes = sum(getattr(lw0, f)[0].nbytes for f in EXPERT_FIELDS)  # one expert's three matrices
@@ -285,6 +305,8 @@ class ExpertStore:
         self.weights = _strip_experts(weights, self.device)
         self.device_bytes_saved = sum(t.nbytes for layer in self.host for t in layer)
         self._reserve_ring(max_ring_bytes, speculate, lw0.w_gate.dtype)
+        if self.ring is not None and self.layer_slots:
+            self._reserve_layer_ring(max_ring_bytes, speculate, lw0.w_gate.dtype)
 
     def _reserve_ring(self, max_ring_bytes, speculate: bool, dtype) -> None:
         needed = self.ring_slots * self.expert_bytes
@@ -298,6 +320,22 @@ class ExpertStore:
         except torch.cuda.OutOfMemoryError as e:  # the same class as torch.OutOfMemoryError
             self.fallback_reason = f"device out of memory reserving the expert ring ({needed} bytes): {e}"
 
+    def _reserve_layer_ring(self, max_ring_bytes, speculate: bool, dtype) -> None:
+        layer_bytes = sum(t.nbytes for t in self.host[0])
+        needed = self.layer_slots * layer_bytes
+        if max_ring_bytes is not None and self.ring.nbytes + needed > max_ring_bytes:
+            self.layer_ring_reason = (f"the layer ring needs {needed} bytes ({self.layer_slots} slots x "
+                                      f"{layer_bytes}) beside the expert ring's {self.ring.nbytes} > "
+                                      f"max_ring_bytes={max_ring_bytes}")
+            return
+        shapes = tuple(tuple(t.shape) for t in self.host[0])
+        try:
+            self.layer_ring = ExpertRing(shapes, dtype, self.device, self.layer_slots, self.host.__getitem__,
+                                         (lambda L: (L + 1) % self.cfg.n_layers) if speculate else None,
+                                         self.layer_stats)
+        except torch.cuda.OutOfMemoryError as e:
+            self.layer_ring_reason = f"device out of memory reserving the layer ring ({needed} bytes): {e}"
+
     @property
     def deep_ready(self) -> bool:
         """True unless the experts are offloaded and the ring could not be reserved."""
@@ -305,8 +343,8 @@ class ExpertStore:
 
     @property
     def ring_bytes(self) -> int:
-        """Device bytes the ring reserves (0 without a ring)."""
-        return self.ring.nbytes if self.ring is not None else 0
+        """Device bytes the rings reserve, the expert ring and the layer ring together (0 without a ring)."""
+        return sum(r.nbytes for r in (self.ring, self.layer_ring) if r is not None)
 
     def _source(self, key) -> tuple:
         layer, e = key
@@ -348,6 +386,18 @@ class ExpertStore:
             self.stats["unannounced_calls"] += 1
         return self._fetch_sync(layer, e)
 
+    def stacked(self, layer: int, plan: str, idx: torch.Tensor) -> tuple | None:
+        """Every expert of ``layer`` stacked on the compute device (w_gate [E, I, H], w_up [E, I, H], w_down
+        [E, H, I], storage dtype) for a set that computes all routed experts in one launch, from the layer ring on
+        the deep plan (the compute stream waits for the copy); None elsewhere (resident mode, other plans, no layer
+        ring): the caller then announces and fetches expert by expert. ``idx`` [M, k] int64, the routed ids, is
+        recorded in ``touched`` (one device read)."""
+        if self.layer_ring is None or plan != "deep":
+            return None
+        self.touched.update((layer, int(e)) for e in torch.unique(idx).tolist())
+        self.layer_ring.schedule([layer])
+        return self.layer_ring.take(layer)
+
     def _fetch_sync(self, layer: int, e: int) -> tuple:
         src = self._source((layer, e))
         out = tuple(torch.empty(s.shape, dtype=s.dtype, device=self.device).copy_(s) for s in src)
@@ -358,14 +408,22 @@ class ExpertStore:
     def reset_stats(self) -> None:
         """Zero the counters and forget the experts touched (e.g. between timed runs)."""
         self.stats.update(_stats())
+        self.layer_stats.update(_stats())
         self.touched.clear()
 
     def info(self) -> dict:
-        """JSON-ready summary: mode, ring slots and bytes, device bytes saved, deep_ready, fallback_reason, one
-        expert's bytes, and the counters."""
+        """JSON-ready summary: mode, ring slots and bytes (both rings), the layer ring's slots and why it is
+        missing, device bytes saved, deep_ready, fallback_reason, one expert's bytes, and the counters
+        (``layer_fetches``, ``layer_copies``: the layer ring's; ``bytes_moved``: both rings' and the
+        synchronous fetches')."""
+        ls = self.layer_stats
         return {"mode": self.mode, "ring_slots": self.ring_slots if self.ring is not None else 0,
                 "ring_bytes": self.ring_bytes, "expert_bytes": self.expert_bytes,
+                "layer_slots": self.layer_slots if self.layer_ring is not None else 0,
+                "layer_ring_bytes": self.layer_ring.nbytes if self.layer_ring is not None else 0,
+                "layer_ring_reason": self.layer_ring_reason,
                 "device_bytes_saved": self.device_bytes_saved, "deep_ready": self.deep_ready,
                 "fallback_reason": self.fallback_reason,
-                "stats": {**self.stats, "unique_experts": len(self.touched)}}
+                "stats": {**self.stats, "unique_experts": len(self.touched), "layer_fetches": ls["ring_fetches"],
+                          "layer_copies": ls["copies"], "bytes_moved": self.stats["bytes_moved"] + ls["bytes_moved"]}}
 

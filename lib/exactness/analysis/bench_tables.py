@@ -135,10 +135,11 @@ def _mib(v) -> str:
 
 def memory_table(data: dict) -> pd.DataFrame:
     """Peak device memory per kernel set (max over its runs), the measured peak of a batched and a bench-path
-    prefill of the longest prompt and their difference, the ring's reserved bytes, weights on the device.
+    prefill of the longest prompt and their difference, the rings' reserved bytes (expert and layer ring), weights on
+    the device.
 
-    The ring is reserved when the store is built, so both measured peaks include it: the deep path's extra memory
-    over the batched path is the ring's bytes plus the measured difference."""
+    The rings are reserved when the store is built, so both measured peaks include them: the deep path's extra
+    memory over the batched path is the rings' bytes plus the measured difference."""
     cfg, off = data.get("config", {}), data.get("offload") or {}
     out = []
     for m in data.get("memory", []):
@@ -149,7 +150,7 @@ def memory_table(data: dict) -> pd.DataFrame:
                     "batched prefill peak MiB": _mib(m.get("batched_peak_bytes")),
                     f"{cfg.get('path', 'path')} prefill peak MiB": _mib(m.get("path_peak_bytes")),
                     "extra MiB (measured)": _mib(m.get("extra_bytes")),
-                    "ring reserved bytes": cfg.get("ring_bytes", 0),
+                    "rings reserved bytes": cfg.get("ring_bytes", 0),
                     "weights on device MiB": _mib(cfg.get("weights_device_bytes")),
                     "experts off device MiB": _mib(off.get("device_bytes_saved"))})
     return pd.DataFrame(out)
@@ -189,8 +190,8 @@ def config_line(data: dict) -> str:
     c = data["config"]
     off = data.get("offload")
     offload = "off" if not c["offload"] else (
-        f"on (ring {c['ring_bytes']} bytes" + ("" if off["deep_ready"] else f"; NO RING: {off['fallback_reason']}")
-        + ")")
+        f"on (rings {c['ring_bytes']} bytes" + ("" if off["deep_ready"] else f"; NO RING: {off['fallback_reason']}")
+        + (f"; no layer ring: {off['layer_ring_reason']}" if off.get("layer_ring_reason") else "") + ")")
     return (f"{c['preset']} on {c['device_name']} ({c['dtype']}; weights {c.get('weights', 'bf16')}, KV cache "
             f"{c.get('kv_dtype', 'bf16')}); prefill {c['path']}@{c['step']} (deep threshold "
             f"{c['deep_threshold']}); {c['gen_tokens']} new tokens, temperature 0, EOS ignored; {c['reps']} reps "
