@@ -404,7 +404,7 @@ def test_shared_mtp_draw_is_drawn_once_same_bytes_and_never_aliased(monkeypatch)
 
 
 def test_sections_computed_elsewhere_show_their_provenance():
-    """A section carrying a ``provenance`` record (measurements/h200/assemble.py) gets a row in receipt.md's
+    """A section carrying a ``provenance`` record (a section computed on another machine) gets a row in receipt.md's
     provenance table; a receipt without one has no such table."""
     base = {"schema": 1, "status": "ok", "profile": "gpu", "parameters": {}, "env": {}, "errors": [],
             "notebooks": []}
@@ -509,6 +509,13 @@ def test_html_drops_stderr_but_the_executed_notebook_keeps_it(tmp_path):
     assert "shown to the reviewer" in html and "hash matrix" not in html
     assert 'data-mime-type="application/vnd.jupyter.stderr"' not in html
     assert path.read_text() == before
+    assert "<style" in html and "/*" not in html and "://" not in html    # no CSS comment, no web address
+
+
+def test_css_comments_are_stripped_from_style_blocks_only():
+    page = "<style>a { color: red; } /* from https://x */\nb {}</style><p>/* text */</p><STYLE a=1>/*\n*/c{}</STYLE>"
+    want = "<style>a { color: red; } \nb {}</style><p>/* text */</p><STYLE a=1>c{}</STYLE>"
+    assert render.strip_css_comments(page) == want
 
 
 def test_header_states_the_git_state_and_never_null():

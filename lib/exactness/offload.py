@@ -59,8 +59,9 @@ class ExpertRing:
     """``slots`` device buffers, each holding one unit of expert weights: an expert's (w_gate [I, H], w_up [I, H],
     w_down [H, I]), or a layer's stacked experts ([E, I, H], [E, I, H], [E, H, I]).
 
-    Keys are (layer, expert id) or the layer (any hashable the ``source`` understands). ``schedule(keys)`` announces the order in which ``take`` will ask for them;
-    copies are issued ahead into free slots (slots neither handed to compute nor holding an untaken copy).
+    Keys are (layer, expert id) or the layer (any hashable the ``source`` understands). ``schedule(keys)``
+    announces the order in which ``take`` will ask for them; copies are issued ahead into free slots (slots neither
+    handed to compute nor holding an untaken copy).
 
     Args:
         shapes: the three tensor shapes; dtype, device: of the buffers.

@@ -3,7 +3,8 @@
     decode   the serial oracle: every prompt token one row at a time through the decode kernels, then the reply
     batched  prompt rows in chunks of the step size through the prompt kernels (step None = one chunk)
     deep     prompt segments of the step size; segments of >= deep_threshold rows run the deep plan (64-row dense
-             tiles, expert-parallel MoE in 64-member tiles), shorter ones the batched plan
+             tiles, expert-parallel MoE in 64-member tiles, or whole calls for a set whose kernels fix their own
+             tiles: model.Ops), shorter ones the batched plan
 
 A Schedule names the path with its step and deep threshold. Every run records how many segments and rows each plan
 actually served, so a deep run that never ran deep shows. Generation is greedy (the set's argmax kernel),

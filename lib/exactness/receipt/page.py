@@ -3,7 +3,8 @@
 The page keeps what a reviewer reads (markdown, tables, plots, stdout) and leaves out what the run printed for the
 person watching it: every ``stderr`` stream (progress bars, warnings) is dropped from the merged copy, so the
 executed .ipynb files keep them. Nothing loads from outside the page: MathJax, require.js and widget scripts are
-left out of the template, and images are inlined as data URIs.
+left out of the template, images are inlined as data URIs, and the embedded CSS keeps no comments (the theme's
+credit web addresses).
 """
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ p.receipt-note { font-size: 0.85em; color: #555; margin: 0.2em 0 0.9em 0; }
 {% endblock notebook_css %}
 """
 _EXTERNAL = re.compile(r"<script[^>]*\bsrc=[\"']?(?:https?:)?//|import\(\s*[\"'](?:https?:)?//", re.IGNORECASE)
+_STYLE = re.compile(r"(<style[^>]*>)(.*?)(</style>)", re.DOTALL | re.IGNORECASE)
+_CSS_COMMENT = re.compile(r"/\*.*?\*/", re.DOTALL)
+
+
+def strip_css_comments(html: str) -> str:
+    """``html`` with every comment removed from its ``<style>`` blocks: the theme CSS nbconvert embeds credits its
+    sources in comments that hold web addresses, and a receipt (pasted, committed) carries none."""
+    return _STYLE.sub(lambda m: m.group(1) + _CSS_COMMENT.sub("", m.group(2)) + m.group(3), html)
 
 
 def drop_stderr(nb):
@@ -82,4 +91,4 @@ def render_html(receipt: dict, notebook_files: list[Path]) -> str:
                                           resources={"metadata": {"name": title}})
     if _EXTERNAL.search(body):
         raise RuntimeError("receipt.html would load an external script; the template let one through")
-    return body
+    return strip_css_comments(body)
