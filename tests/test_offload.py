@@ -4,6 +4,7 @@ the right expert whatever the slot count and announcement pattern, the fallback 
 script runs on CPU."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -297,7 +298,6 @@ def test_bench_offload_script_runs_on_cpu(tmp_path):
                            "--reps", "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "deep speed-up over batched" in proc.stdout and "ratio" in proc.stdout
-    import json
     res = json.loads(out.read_text())
     deep = [r for r in res["rows"] if r["path"] == "deep"][0]
     assert deep["ring_fetches"] > 0 and deep["served"]["deep"]["rows"] == 48
@@ -341,3 +341,36 @@ def test_staged_weights_hand_out_the_weights_behind_a_decoy(device):
     assert all(bytes_equal(g, t) for g, t in zip(staged.fetch("sync"), w))
     with pytest.raises(ValueError, match="unknown route 'rings'; allowed: ring, sync"):
         staged.fetch("rings")
+
+
+def test_gpu_goals_table_from_saved_results(tmp_path):
+    """bench_gpu_goals.py --from-json prints every goal with its figure, met where the figure meets it and MISSED
+    where it does not (saved results made up for the test: one of each per goal kind)."""
+    runs = (("batched", None, 0.05), ("deep", None, 0.04), ("batched", 2048, 0.07), ("deep", 2048, 0.08))
+    e2e = [{"set": "invariant", "path": p, "step": s, "prefill_s": t} for p, s, t in runs]
+    kernels = {"ceilings": {"matmul_tflops": 750.0, "copy_gbs": 4000.0},
+               "decode_step": {"graphs": [{"set": "invariant", "graphs_ms": 0.8}, {"set": "fast", "graphs_ms": 2.0}]},
+               "e2e": {"rows": e2e, "ratios": [{"path": "batched", "step": None, "ratio": 0.2, "met": True}]},
+               "gemm": {"rows": [{"shape": "gate|up", "M": 64, "N": 768, "K": 2048, "ratio": 1.2, "goal": 1.25,
+                                  "met": True, "cublas_gpu_us": 5.0, "invariant_gpu_us": 6.0},
+                                 {"shape": "q", "M": 4096, "N": 4096, "K": 2048, "ratio": 1.3, "goal": 1.05,
+                                  "met": False, "cublas_gpu_us": 100.0, "invariant_gpu_us": 130.0}]}}
+    offload = {"flops": 15e12, "peak_flops": 750e12,
+               "rows": [{"kernels": "invariant", "path": "deep", "speedup_over_batched": 18.0, "ratio": 1.1}]}
+    (tmp_path / "k.json").write_text(json.dumps(kernels))
+    (tmp_path / "o.json").write_text(json.dumps(offload))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu_goals.py"), "--from-json",
+                           str(tmp_path / "k.json"), str(tmp_path / "o.json")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = {ln.split("|")[1].strip(): ln.split("|")[-2].strip() for ln in proc.stdout.splitlines()
+             if ln.startswith("| ") and "measure" not in ln}
+    assert lines["decode step at 4,096 context, CUDA graphs, invariant"] == "met"
+    assert lines["decode step at 4,096 context, CUDA graphs, fast"] == "MISSED"
+    assert lines["batched one-chunk prefill (invariant) / FLOP bound"] == "MISSED"      # 0.05 s / 0.02 s = 2.5
+    assert lines["deep vs batched, experts resident, invariant, step whole prompt"] == "met"
+    assert lines["deep vs batched, experts resident, invariant, step 2048"] == "MISSED"
+    assert lines["offloaded deep / offloaded batched@2048, invariant"] == "met"
+    assert lines["GEMM invariant / cuBLAS, GPU time, M = 64–512"] == "met"
+    assert lines["GEMM invariant / cuBLAS, GPU time, M = 4096–16384"] == "MISSED"
+    assert "gate/up" in proc.stdout and "gate|up" not in proc.stdout
