@@ -395,10 +395,10 @@ def test_offloaded_expert_weights_keep_the_contract(cls):
 
 
 def _ring_hands_out(monkeypatch, which: str):
-    """Plant a ring fault in offload.StagedWeights: ``decoy`` -- the weights' copy never lands, so the kernel
+    """Plant a ring fault in ring.StagedWeights: ``decoy`` -- the weights' copy never lands, so the kernel
     reads the decoy left in the slot; ``flip`` -- the staged copy has one element one ULP off."""
-    from exactness import offload
-    original = offload.StagedWeights.__init__
+    from exactness import ring
+    original = ring.StagedWeights.__init__
 
     def planted(self, tensors):
         original(self, tensors)
@@ -408,7 +408,7 @@ def _ring_hands_out(monkeypatch, which: str):
             bad = tuple(t.clone() for t in self.host)
             as_int(bad[0]).view(-1)[5] += 1
             self.ring.source = lambda key: self.decoy if key[1] == "decoy" else bad
-    monkeypatch.setattr(offload.StagedWeights, "__init__", planted)
+    monkeypatch.setattr(ring.StagedWeights, "__init__", planted)
 
 
 @pytest.mark.parametrize("which", ["decoy", "flip"])

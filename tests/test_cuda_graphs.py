@@ -174,7 +174,9 @@ def test_gpu_hash_matrix_rows_record_graphs_and_keep_their_values(gpu_weights, m
 
 
 class _Staged(ResidentExperts):
-    """An expert provider other than the resident weights (the same experts)."""
+    """An expert provider other than the resident weights (the same experts), fetched expert by expert."""
+
+    stacked = None   # no whole-layer route: moe_block announces and fetches each expert
 
 
 class _Recorder:

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from exactness.kernels import get_set
 from exactness.model import ResidentExperts
 from exactness.exact import as_int, bytes_equal, differing_rows
-from exactness.offload import ExpertRing, ExpertStore, StagedWeights
+from exactness.offload import ExpertStore
+from exactness.ring import ExpertRing, StagedWeights
 from exactness.paths import Schedule, generate
 from exactness.prompts import build_prompt
 
@@ -265,6 +266,22 @@ def test_layer_ring_stages_whole_layers_and_changes_no_byte(tiny_weights, prompt
     assert info["layer_ring_bytes"] == layer_slots * layer_bytes and info["ring_bytes"] > info["layer_ring_bytes"]
 
 
+def test_layer_ring_stages_nothing_for_a_grouped_kernel_that_declines(tiny_weights, prompt):
+    """A grouped kernel whose ``serves`` declines the layer's shapes is asked before anything is staged: no layer
+    copy, the expert ring serves the deep segments, and the bytes are the resident run's."""
+    def declining(h, idx, *w):
+        raise AssertionError("called although it declined")
+    declining.serves = lambda h, *w: False
+    ks = replace(GROUPED, name="invariant+declining", options={**GROUPED.options, "grouped_experts": declining})
+    ref = _run(tiny_weights, prompt.ids, "invariant", "deep")
+    store = ExpertStore(tiny_weights, "offload", ring_slots=2, layer_slots=2)
+    assert _differences(_run(store.weights, prompt.ids, ks, "deep", store), ref) == NONE
+    s = store.info()["stats"]
+    assert (s["layer_fetches"], s["layer_copies"]) == (0, 0) and s["ring_fetches"] > 0, s
+    with pytest.raises(IndexError, match="layer 2 outside layers 0..1"):
+        store.stacked(2, "deep", torch.zeros(1, 2, dtype=torch.int64))
+
+
 def test_layer_ring_fault_is_caught(tiny_weights, prompt):
     """Negative control: layer 0's staged w_gate one ULP up in every element (the host copy the layer ring reads)
     changes the deep prefill's prompt logits, so the byte comparison above can fail."""
@@ -342,35 +359,3 @@ def test_staged_weights_hand_out_the_weights_behind_a_decoy(device):
     with pytest.raises(ValueError, match="unknown route 'rings'; allowed: ring, sync"):
         staged.fetch("rings")
 
-
-def test_gpu_goals_table_from_saved_results(tmp_path):
-    """bench_gpu_goals.py --from-json prints every goal with its figure, met where the figure meets it and MISSED
-    where it does not (saved results made up for the test: one of each per goal kind)."""
-    runs = (("batched", None, 0.05), ("deep", None, 0.04), ("batched", 2048, 0.07), ("deep", 2048, 0.08))
-    e2e = [{"set": "invariant", "path": p, "step": s, "prefill_s": t} for p, s, t in runs]
-    kernels = {"ceilings": {"matmul_tflops": 750.0, "copy_gbs": 4000.0},
-               "decode_step": {"graphs": [{"set": "invariant", "graphs_ms": 0.8}, {"set": "fast", "graphs_ms": 2.0}]},
-               "e2e": {"rows": e2e, "ratios": [{"path": "batched", "step": None, "ratio": 0.2, "met": True}]},
-               "gemm": {"rows": [{"shape": "gate|up", "M": 64, "N": 768, "K": 2048, "ratio": 1.2, "goal": 1.25,
-                                  "met": True, "cublas_gpu_us": 5.0, "invariant_gpu_us": 6.0},
-                                 {"shape": "q", "M": 4096, "N": 4096, "K": 2048, "ratio": 1.3, "goal": 1.05,
-                                  "met": False, "cublas_gpu_us": 100.0, "invariant_gpu_us": 130.0}]}}
-    offload = {"flops": 15e12, "peak_flops": 750e12,
-               "rows": [{"kernels": "invariant", "path": "deep", "speedup_over_batched": 18.0, "ratio": 1.1}]}
-    (tmp_path / "k.json").write_text(json.dumps(kernels))
-    (tmp_path / "o.json").write_text(json.dumps(offload))
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu_goals.py"), "--from-json",
-                           str(tmp_path / "k.json"), str(tmp_path / "o.json")], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    lines = {ln.split("|")[1].strip(): ln.split("|")[-2].strip() for ln in proc.stdout.splitlines()
-             if ln.startswith("| ") and "measure" not in ln}
-    assert lines["decode step at 4,096 context, CUDA graphs, invariant"] == "met"
-    assert lines["decode step at 4,096 context, CUDA graphs, fast"] == "MISSED"
-    assert lines["batched one-chunk prefill (invariant) / FLOP bound"] == "MISSED"      # 0.05 s / 0.02 s = 2.5
-    assert lines["deep vs batched, experts resident, invariant, step whole prompt"] == "met"
-    assert lines["deep vs batched, experts resident, invariant, step 2048"] == "MISSED"
-    assert lines["offloaded deep / offloaded batched@2048, invariant"] == "met"
-    assert lines["GEMM invariant / cuBLAS, GPU time, M = 64–512"] == "met"
-    assert lines["GEMM invariant / cuBLAS, GPU time, M = 4096–16384"] == "MISSED"
-    assert "gate/up" in proc.stdout and "gate|up" not in proc.stdout

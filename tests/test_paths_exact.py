@@ -177,3 +177,20 @@ def test_deep_plan_hands_whole_calls_to_a_set_that_tiles_in_its_kernels(weights,
     assert torch.equal(a.gen_ids, b.gen_ids)
     assert bytes_equal(a.prompt_logits, b.prompt_logits)
     assert cache_bytes_equal(a.cache, b.cache, P + GEN - 1)
+
+
+def test_deep_plan_keeps_host_tiles_while_tapped(weights, prompt_ids):
+    """While kernel calls are tapped, the deep plan hands even a ``tiles_in_kernels`` set 64-row tiles (the taps
+    record the deep plan's calls as tiles); untapped, the same run makes whole calls."""
+    from exactness.model import tapping
+
+    class Count:
+        calls = 0
+
+        def record(self, **call):
+            Count.calls += 1
+    ids, tapped, untapped = prompt_ids["code"], {}, {}
+    with tapping(Count()):
+        generate(weights, ids, 1, recording(tapped, True), Schedule("deep", None, 32))
+    generate(weights, ids, 1, recording(untapped, True), Schedule("deep", None, 32))
+    assert Count.calls > 0 and max(tapped["dense"]) == 64 and max(untapped["dense"]) == ids.numel()

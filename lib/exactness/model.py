@@ -5,8 +5,9 @@ decode kernels; ``batched`` and ``deep`` prompt rows use its prompt kernels. The
 projections on fixed ``tile_rows``-row tiles and each expert over its member rows in ``expert_tile``-member tiles
 (the deep prefill), one kernel call per tile; with an invariant kernel set none of this changes a byte. A set whose
 options name ``tiles_in_kernels`` (its dense and expert kernels fix their row tiles themselves, so a row's bytes do
-not depend on how many rows a call holds: the contract checks this) gets each call's rows whole instead, unless
-kernel calls are being tapped: the tiles are then the kernels' own, and the host loop over them is saved.
+not depend on how many rows a call holds: the contract checks this) gets each call's rows whole instead: its
+kernels' own tiles replace the host loop. While kernel calls are tapped, every set gets the host tiles (the taps
+record the deep plan's calls as tiles).
 
 The routed experts' weights come from an *expert provider* (ExpertProvider): ResidentExperts by default, or
 offload.ExpertStore, which keeps them in host memory and stages them through device buffers.
@@ -77,8 +78,9 @@ class ExpertProvider(Protocol):
         """(w_gate [I, H], w_up [I, H], w_down [H, I]) of one expert on the compute device, storage dtype."""
         ...
 
-    # Optional: stacked(layer, plan, idx [M, k]) -> (w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]) | None,
-    # the whole layer for a set that computes all routed experts in one launch (None: fetch expert by expert).
+    # Optional: stacked(layer, plan, idx [M, k], accept) -> (w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]) |
+    # None, the whole layer for a set that computes all routed experts in one launch (None: fetch expert by expert);
+    # accept(w_gate, w_up, w_down) says whether that launch serves such weights, asked before anything is staged.
 
 
 class ResidentExperts:
@@ -99,9 +101,9 @@ class ResidentExperts:
         lw = self.layers[layer]
         return lw.w_gate[expert_id], lw.w_up[expert_id], lw.w_down[expert_id]
 
-    def stacked(self, layer: int, plan: str, idx: torch.Tensor) -> tuple | None:
+    def stacked(self, layer: int, plan: str, idx: torch.Tensor, accept=None) -> tuple | None:
         """The layer's stacked experts (w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]) on any plan; None for
-        quantized weights (not plain tensors)."""
+        quantized weights (not plain tensors). Nothing is staged, so ``accept`` is left to the caller's kernel."""
         lw = self.layers[layer]
         return (lw.w_gate, lw.w_up, lw.w_down) if torch.is_tensor(lw.w_gate) else None
 
@@ -115,7 +117,8 @@ def tapping(recorder):
 
     ``call`` holds: cls (kernel class), role, plan (decode/batched/deep), kernels (set name), layer (-1 = head),
     positions ([M] int64 of the forward's rows), args (the kernel's inputs as passed) and out (its output). The
-    recorder decides what to keep (analysis/fp64/section.py keeps sampled rows only). Restores the previous state on exit.
+    recorder decides what to keep (analysis/fp64/section.py keeps sampled rows only). Restores the previous state on
+    exit.
     """
     _TAPS.append(recorder)
     try:
@@ -217,7 +220,9 @@ def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer
     y = None
     grouped = ops.k.options.get("grouped_experts")     # the set's per-expert kernels' bytes, all experts at once
     stacked = getattr(experts, "stacked", None) if grouped is not None and not _TAPS else None
-    weights_all = stacked(layer, ops.plan.kind, idx) if stacked is not None else None  # [E, I, H] x2, [E, H, I]
+    serves = getattr(grouped, "serves", None)          # asked before a provider stages a layer for it
+    accept = None if serves is None else (lambda *ws: serves(h, *ws))
+    weights_all = stacked(layer, ops.plan.kind, idx, accept) if stacked is not None else None  # [E,I,H]x2, [E,H,I]
     if weights_all is not None:
         y = grouped(h, idx, *weights_all)                                            # [M, k, H] or None
     if y is None:

@@ -16,7 +16,8 @@ An :class:`ExpertStore` is an expert provider (model.ExpertProvider) for ``model
                 next experts in (layer, id) order (the next layer's first experts), so the copies also overlap
                 attention.
               * layer: for the deep plan of a set that computes all of a layer's routed experts in one launch
-                (the kernel-set option ``grouped_experts``), ``store.stacked(layer, plan, idx)`` hands it the whole
+                (the kernel-set option ``grouped_experts``, asked first whether it serves the layer's shapes),
+                ``store.stacked(layer, plan, idx, accept)`` hands it the whole
                 layer (w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]) from a second ring of ``layer_slots``
                 layer-sized buffers (default 2 on CUDA, 0 elsewhere). Taking layer L issues the copy of layer
                 L + 1 (after the last layer: layer 0, for the next segment), which then overlaps layer L's experts
@@ -38,196 +39,15 @@ with the batched pass and records ``served["fallback"]``.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import fields
 
 import torch
 
+from .ring import ExpertRing, _host_copy, _stats
 from .weights import LayerWeights, Weights
 
 MODES = ("resident", "offload")
 EXPERT_FIELDS = ("w_gate", "w_up", "w_down")
-
-
-def _stats() -> dict:
-    return {"prepare_calls": 0, "ring_fetches": 0, "sync_fetches": 0, "resident_fetches": 0, "copies": 0,
-            "speculative_copies": 0, "speculative_hits": 0, "dropped_copies": 0, "unannounced_calls": 0,
-            "bytes_moved": 0}
-
-
-class ExpertRing:
-    """``slots`` device buffers, each holding one unit of expert weights: an expert's (w_gate [I, H], w_up [I, H],
-    w_down [H, I]), or a layer's stacked experts ([E, I, H], [E, I, H], [E, H, I]).
-
-    Keys are (layer, expert id) or the layer (any hashable the ``source`` understands). ``schedule(keys)``
-    announces the order in which ``take`` will ask for them; copies are issued ahead into free slots (slots neither
-    handed to compute nor holding an untaken copy).
-
-    Args:
-        shapes: the three tensor shapes; dtype, device: of the buffers.
-        slots: number of buffers (>= 1).
-        source: ``source(key) -> (w_gate, w_up, w_down)`` host tensors of the key's unit.
-        successor: ``successor(key) -> key | None``, the guess copied speculatively once the announced keys are
-            all issued (None: no speculation).
-        stats: the store's counters, updated in place.
-    Raises:
-        torch.cuda.OutOfMemoryError: the buffers do not fit on the device.
-    """
-
-    def __init__(self, shapes, dtype, device: torch.device, slots: int, source, successor, stats: dict):
-        self.bufs = [tuple(torch.empty(s, dtype=dtype, device=device) for s in shapes) for _ in range(slots)]
-        self.device, self.source, self.successor, self.stats = device, source, successor, stats
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.ready = [None] * slots     # event: the slot's last copy is done (CUDA only)
-        self.free = [None] * slots      # event: compute is done with the slot's previous contents (CUDA only)
-        self.slot_of: dict = {}         # key -> slot of an issued copy not yet taken
-        self.speculative: set = set()   # keys in slot_of issued on a guess
-        self.queue: deque = deque()     # announced keys not yet taken, in order
-        self.held: int | None = None    # slot handed to compute by the last take
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes the buffers reserve."""
-        return sum(t.nbytes for buf in self.bufs for t in buf)
-
-    def release(self) -> None:
-        """Mark the slot last handed to compute reusable once the compute enqueued so far has run."""
-        if self.held is None:
-            return
-        if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            self.free[self.held] = ev
-        self.held = None
-
-    def schedule(self, keys: list) -> None:
-        """Announce ``keys`` (taken next, in this order); untaken copies of other keys are dropped."""
-        self.release()
-        wanted = set(keys)
-        for key in [k for k in self.slot_of if k not in wanted]:
-            del self.slot_of[key]
-            self.speculative.discard(key)
-            self.stats["dropped_copies"] += 1
-        self.queue = deque(keys)
-        self._top_up()
-
-    def clear(self) -> None:
-        """Forget the announced keys (a non-deep plan follows); issued copies stay for a later schedule."""
-        self.release()
-        self.queue.clear()
-
-    def take(self, key):
-        """The buffers of ``key`` if it is the next announced key (waiting on its copy), else None."""
-        if not self.queue or self.queue[0] != key:
-            return None
-        self.release()
-        if key not in self.slot_of:
-            self._top_up()
-        if key not in self.slot_of:  # every slot holds a copy wanted later: reuse the latest-wanted one's
-            victim = max(self.slot_of, key=lambda k: self.queue.index(k) if k in self.queue else len(self.queue))
-            self.speculative.discard(victim)
-            self.stats["dropped_copies"] += 1
-            self._issue(key, self.slot_of.pop(victim))
-        self.queue.popleft()
-        slot = self.slot_of.pop(key)
-        if key in self.speculative:
-            self.speculative.discard(key)
-            self.stats["speculative_hits"] += 1
-        self.held = slot
-        self._top_up()
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
-        self.stats["ring_fetches"] += 1
-        return self.bufs[slot]
-
-    def _free_slots(self) -> list[int]:
-        busy = set(self.slot_of.values()) | ({self.held} if self.held is not None else set())
-        return [s for s in range(len(self.bufs)) if s not in busy]
-
-    def _top_up(self) -> None:
-        free = self._free_slots()
-        for key in self.queue:
-            if not free:
-                return
-            if key not in self.slot_of:
-                self._issue(key, free.pop(0))
-        key = self.queue[-1] if self.queue and self.successor is not None else None
-        for _ in range(len(self.bufs)):  # at most one guess per slot, so the walk ends
-            if not free or key is None:
-                return
-            key = self.successor(key)
-            if key is not None and key not in self.slot_of:
-                self._issue(key, free.pop(0))
-                self.speculative.add(key)
-                self.stats["speculative_copies"] += 1
-
-    def _issue(self, key, slot: int) -> None:
-        src = self.source(key)
-        if self.cuda:
-            with torch.cuda.stream(self.stream):
-                if self.free[slot] is not None:
-                    self.stream.wait_event(self.free[slot])
-                for dst, s in zip(self.bufs[slot], src):
-                    dst.copy_(s, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
-                self.ready[slot] = ev
-        else:
-            for dst, s in zip(self.bufs[slot], src):
-                dst.copy_(s)
-        self.slot_of[key] = slot
-        self.stats["copies"] += 1
-        self.stats["bytes_moved"] += sum(t.nbytes for t in src)
-
-
-def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """``t`` in host memory, contiguous, pinned when ``pin`` (a CUDA device will read it asynchronously)."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-    out.copy_(t)
-    return out
-
-
-class StagedWeights:
-    """Fixed kernel weights kept in host memory (pinned on CUDA) and handed to each call by one of offload's two
-    routes; the kernel contract's offload check (analysis/contract_offload.py) feeds expert kernels through it.
-
-    ``fetch("ring")`` (the deep plan's route): a one-slot :class:`ExpertRing` on the copy stream stages a *decoy*
-    (the weights negated: every nonzero element differs in its sign bit) and then the weights into the same slot.
-    A kernel that ran before its copy landed, or a copy that overwrote the slot before the previous kernel had read
-    it, reads the decoy, and the contract sees different bytes. ``fetch("sync")`` (decode's and the batched pass's
-    route): copied into fresh device tensors, as ExpertStore._fetch_sync does.
-
-    Args:
-        tensors: the weights on the compute device (one dtype), e.g. (w_gate [I, H], w_up [I, H]).
-    Raises:
-        ValueError: an unknown route; torch.cuda.OutOfMemoryError: the slot does not fit.
-    """
-
-    ROUTES = ("ring", "sync")
-
-    def __init__(self, tensors: tuple):
-        self.device = tensors[0].device
-        pin = self.device.type == "cuda"
-        self.host = tuple(_host_copy(t, pin) for t in tensors)
-        self.decoy = tuple(_host_copy(-t, pin) for t in tensors)
-        self.stats = _stats()
-        self.ring = ExpertRing([t.shape for t in tensors], tensors[0].dtype, self.device, 1,
-                               lambda key: self.decoy if key[1] == "decoy" else self.host, None, self.stats)
-        self.calls = 0
-
-    def fetch(self, route: str) -> tuple:
-        """The weights on the device by ``route`` ("ring" or "sync"), one fresh copy per call."""
-        if route == "sync":
-            self.stats["sync_fetches"] += 1
-            return tuple(torch.empty(h.shape, dtype=h.dtype, device=self.device).copy_(h) for h in self.host)
-        if route != "ring":
-            raise ValueError(f"unknown route {route!r}; allowed: {', '.join(self.ROUTES)}")
-        self.calls += 1
-        decoy, real = (self.calls, "decoy"), (self.calls, "real")
-        self.ring.schedule([decoy, real])
-        self.ring.take(decoy)      # the slot holds the decoy; taking the weights next must copy over it
-        return self.ring.take(real)
 
 
 def _strip_experts(w: Weights, device: torch.device) -> Weights:
@@ -269,8 +89,10 @@ class ExpertStore:
         weights: the Weights to hand to ``model.forward`` / ``paths.generate`` with ``experts=store``.
         deep_ready: False when offloaded without a ring (the deep plan must fall back to the batched pass).
         fallback_reason: why there is no ring (None when there is one or in resident mode).
+        layer_ring: the layer ring (an ExpertRing keyed by layer), or None; layer_slots: its buffers asked for.
         layer_ring_reason: why there is no layer ring although layer_slots asked for one (None otherwise).
-        stats: counters (fetches by route, copies, speculative hits, bytes moved host->device).
+        stats: the expert ring's and the synchronous fetches' counters (fetches by route, copies, speculative hits,
+            bytes moved host->device); layer_stats: the layer ring's; ``info()`` reports both, bytes summed.
         touched: the (layer, expert) keys asked for since the last reset_stats.
     Raises:
         ValueError: unknown mode, ring_slots < 1, max_ring_bytes < 0, layer_slots not None or an int >= 0.
@@ -387,14 +209,22 @@ class ExpertStore:
             self.stats["unannounced_calls"] += 1
         return self._fetch_sync(layer, e)
 
-    def stacked(self, layer: int, plan: str, idx: torch.Tensor) -> tuple | None:
+    def stacked(self, layer: int, plan: str, idx: torch.Tensor, accept=None) -> tuple | None:
         """Every expert of ``layer`` stacked on the compute device (w_gate [E, I, H], w_up [E, I, H], w_down
         [E, H, I], storage dtype) for a set that computes all routed experts in one launch, from the layer ring on
         the deep plan (the compute stream waits for the copy); None elsewhere (resident mode, other plans, no layer
-        ring): the caller then announces and fetches expert by expert. ``idx`` [M, k] int64, the routed ids, is
-        recorded in ``touched`` (one device read)."""
-        if self.layer_ring is None or plan != "deep":
+        ring, or ``accept(w_gate, w_up, w_down)`` false for the host copies: that launch would not serve them), and
+        the caller then announces and fetches expert by expert. ``idx`` [M, k] int64, the routed ids, is recorded in
+        ``touched``.
+
+        Raises:
+            IndexError: layer outside 0..n_layers-1.
+        """
+        if not 0 <= layer < self.cfg.n_layers:
+            raise IndexError(f"layer {layer} outside layers 0..{self.cfg.n_layers - 1}")
+        if self.layer_ring is None or plan != "deep" or (accept is not None and not accept(*self.host[layer])):
             return None
+        # one device read per layer: a store is never captured in a CUDA graph, and the copies take far longer
         self.touched.update((layer, int(e)) for e in torch.unique(idx).tolist())
         self.layer_ring.schedule([layer])
         return self.layer_ring.take(layer)

@@ -114,12 +114,18 @@ def moe_experts(h: torch.Tensor, idx: torch.Tensor, w_gate: torch.Tensor, w_up: 
         h: [M, H]; idx: [M, k] int64; w_gate, w_up: [E, I, H]; w_down: [E, H, I] (stacked, contiguous).
     Every row equals gate_up then down of its expert computed alone (the same tile arithmetic and rounding).
     """
-    if not _gpu(h):
+    if not moe_experts_serve(h, w_gate, w_up, w_down):
         return None
-    tm = _tk("triton_moe")
-    if not tm.supported(h, w_gate, w_down):
-        return None
-    return tm.experts(h, idx, w_gate, w_up, w_down)
+    return _tk("triton_moe").experts(h, idx, w_gate, w_up, w_down)
+
+
+def moe_experts_serve(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether moe_experts computes rows h [M, H] with stacked weights of these shapes, dtype and layout (on any
+    device: an offload store asks with its host copies before staging them)."""
+    return _gpu(h) and _tk("triton_moe").supported(h, w_gate, w_down)
+
+
+moe_experts.serves = moe_experts_serve   # model.moe_block hands it to the expert provider as ``accept``
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:

@@ -46,8 +46,9 @@ FAST = register_set(
 )
 
 _INVARIANT = {
-    "dense": (dense.dense_invariant, "CPU: F.linear on 64-row tiles; CUDA: Triton GEMM, fixed tile and split-K per "
-              "(N, K) for every M, partials summed in split order; quantized weights: fp32 dequantized products, fixed pairwise sum per row (any device)"),
+    "dense": (dense.dense_invariant, "CPU: F.linear on 64-row tiles; CUDA: Triton GEMM, fixed tile and split-K "
+              "per (N, K) for every M, partials summed in split order; quantized weights: fp32 dequantized "
+              "products, fixed pairwise sum per row (any device)"),
     "router": (router.router_any, "64-row tiles (CUDA: fixed-tile GEMM); fp32 softmax; top-k, lower id wins ties "
                "(group-limited: CPU only)"),
     "expert_gate_up": (experts.gate_up_any, "64-row tiles for GEMMs and SiLU (CUDA: one fused fixed-tile GEMM)"),
@@ -66,7 +67,8 @@ _INVARIANT = {
 INVARIANT = register_set(
     "invariant", decode=dict(_INVARIANT), prompt=dict(_INVARIANT), claims_exact=True,
     description="batch-invariant: fixed tiles and reduction orders; prompt rows claim decode bytes",
-    # grouped_experts: model.moe_block runs all resident experts at once (CUDA), same bytes.
+    # grouped_experts: model.moe_block runs all of a layer's experts at once (CUDA; resident or staged whole by
+    # an offload store's layer ring), same bytes.
     # tiles_in_kernels: dense and expert kernels fix their own row tiles, so the deep plan hands them whole calls.
     options={"grouped_experts": cuda.moe_experts, "tiles_in_kernels": True},
 )

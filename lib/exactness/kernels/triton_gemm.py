@@ -104,7 +104,7 @@ _DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
 # ratio at M = 4096 and 16384. The dense projections' split_k makes a decode row (one 128-row tile per BLOCK_N
 # columns: 4 to 32 programs for 132 SMs) run split_k times as many programs; it is part of the shape's config, so
 # prompt rows use the same split (one program running the runs in turn). The ratios this table reaches, with the
-# command that measures them, are in measurements/h200/README.md.
+# command that measures them, are in measurements/h200/2026-12-01-e/README.md.
 SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
     ("linear", 4096, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, persistent=True, split_k=4),  # q
     ("linear", 512, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, split_k=8),                   # k, v

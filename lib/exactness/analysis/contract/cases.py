@@ -188,7 +188,7 @@ class Pool:
     rows: tuple
     fixed: tuple
     arrange: object
-    stage: object = None   # None, or stage(route) -> the fixed args fetched per call (offload.StagedWeights.fetch)
+    stage: object = None   # None, or stage(route) -> the fixed args fetched per call (ring.StagedWeights.fetch)
 
     def args(self, idx: torch.Tensor, route: str = "sync") -> tuple:
         """Kernel arguments for pool rows ``idx`` [n] int64 (on the pool's device), in that order. With ``stage``
@@ -358,14 +358,14 @@ OFFLOAD_CLASSES = ("expert_gate_up", "expert_down")   # the classes whose weight
 
 def offloaded(pool: Pool) -> Pool:
     """``pool`` with its fixed weights in host memory, fetched for each call as offload fetches experts: through
-    the ring (behind a decoy) for prompt calls, synchronously for decode references (offload.StagedWeights).
+    the ring (behind a decoy) for prompt calls, synchronously for decode references (ring.StagedWeights).
 
     Raises:
         ValueError: ``pool`` is not of an OFFLOAD_CLASSES class.
     """
     if pool.cls not in OFFLOAD_CLASSES:
         raise ValueError(f"offload moves the weights of {', '.join(OFFLOAD_CLASSES)} only, not {pool.cls!r}")
-    from ...offload import StagedWeights
+    from ...ring import StagedWeights
     return dataclasses.replace(pool, stage=StagedWeights(pool.fixed).fetch)
 
 
