@@ -2,14 +2,18 @@
 
 Run from the repository root on a CUDA machine (small preset, bf16, the ~16k-token code prompt):
 
-    PYTHONPATH=lib python3 benchmarks/bench_gpu_goals.py [--out DIR]
-    python3 benchmarks/bench_gpu_goals.py --from-json K.json O.json   # the table from saved results (any machine)
+    bash scripts/setup_python.sh python3 .whl .deps exactness      # mpmath (the pinned prompts) into .deps/
+    PYTHONPATH=lib:.deps python3 benchmarks/bench_gpu_goals.py [--out DIR]
+    python3 benchmarks/bench_gpu_goals.py --from-json DIR/goals.json   # the table again from a run's goals.json
+    python3 benchmarks/bench_gpu_goals.py --from-json K.json O.json    # or from bench_gpu_kernels.json (ceilings
+                                                                       # optional) and bench_offload's JSON
 
 It runs, in one process and one after the other, bench_gpu_kernels' ceilings, decode_step, gemm and e2e sections
 and bench_offload (experts in pinned host memory, batched@2048 vs deep on the whole prompt), then the GPU time by
 kernel of the invariant set's batched and deep prefills (torch.profiler), and prints the goals table. The GEMM rows
 at M = 64..512 add a roofline: max(FLOPs / measured matmul peak, bytes of x, w and y / measured device-memory
 bandwidth (bench_gpu_kernels.ceilings' copy rate)), against which cuBLAS and the invariant kernel are both timed.
+The receipt's own time (goal: one ``make receipts PROFILE=gpu`` within 10 minutes) is not measured here.
 """
 from __future__ import annotations
 
@@ -144,18 +148,30 @@ def _prefill_profiles(bg) -> dict:
 def main(argv=None) -> int:
     """Measure (or read with --from-json), print the goals table and the GEMM roofline; write goals.json to --out."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for goals.json and offload.json")
-    ap.add_argument("--from-json", nargs=2, metavar=("KERNELS", "OFFLOAD"),
-                    help="bench_gpu_kernels.json (with ceilings, decode_step, gemm, e2e) and offload.json")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""),
+                    help="folder for goals.json and offload.json (default: $OUT; none: not saved)")
+    ap.add_argument("--from-json", nargs="+", metavar="JSON",
+                    help="a run's goals.json, or bench_gpu_kernels.json (decode_step, gemm, e2e; ceilings "
+                         "optional) and bench_offload's JSON")
     a = ap.parse_args(argv)
     if a.from_json:
-        with open(a.from_json[0]) as f, open(a.from_json[1]) as g:
-            k, off, prof = json.load(f), json.load(g), None
+        if len(a.from_json) > 2:
+            ap.error(f"--from-json takes 1 or 2 files, got {len(a.from_json)}")
+        docs = []
+        for path in a.from_json:
+            with open(path) as f:
+                docs.append(json.load(f))
+        k, off = (docs[0]["kernels"], docs[0]["offload"]) if len(docs) == 1 else docs
+        prof = None
     else:
         if a.out:
             os.makedirs(a.out, exist_ok=True)
         k, off, prof = measure(a.out)
-    rows = goal_rows(k, off)
+    try:
+        rows = goal_rows(k, off)
+    except KeyError as e:
+        ap.error(f"the results lack {e}: the kernels JSON needs decode_step, gemm and e2e; the offload JSON is "
+                 "bench_offload.py --json's")
     print("## every GPU speed goal, this run")
     print(tabulate(rows, headers="keys", tablefmt="github"))
     roof = roofline_rows(k) if "ceilings" in k else []

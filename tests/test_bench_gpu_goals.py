@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_goals_table_from_saved_results(tmp_path):
     """bench_gpu_goals.py --from-json prints a goal row per measure, met where the figure meets its goal and MISSED
-    where it does not; saved results made up for the test put one figure of each goal kind on either side."""
+    where it does not; saved results made up for the test put one figure of each goal kind on either side. A run's
+    goals.json renders the same table; results that lack a section are refused with a one-line error."""
     runs = (("batched", None, 0.05), ("deep", None, 0.04), ("batched", 2048, 0.07), ("deep", 2048, 0.08))
     e2e = [{"set": "invariant", "path": p, "step": s, "prefill_s": t} for p, s, t in runs]
     kernels = {"ceilings": {"matmul_tflops": 750.0, "copy_gbs": 4000.0},
@@ -41,3 +42,13 @@ def test_gpu_goals_table_from_saved_results(tmp_path):
     assert lines["GEMM invariant / cuBLAS, GPU time, M = 64–512"] == "met"
     assert lines["GEMM invariant / cuBLAS, GPU time, M = 4096–16384"] == "MISSED"
     assert "gate/up" in proc.stdout and "gate|up" not in proc.stdout
+    (tmp_path / "goals.json").write_text(json.dumps({"kernels": kernels, "offload": offload}))
+    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu_goals.py"), "--from-json",
+                            str(tmp_path / "goals.json")], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout == proc.stdout, again.stderr
+    del kernels["decode_step"]
+    (tmp_path / "k.json").write_text(json.dumps(kernels))
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu_goals.py"), "--from-json",
+                          str(tmp_path / "k.json"), str(tmp_path / "o.json")], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "the results lack 'decode_step'" in bad.stderr
