@@ -186,7 +186,8 @@ def expert_store_md(data: dict) -> str:
 
 
 def config_line(data: dict) -> str:
-    """One line: preset, device, dtype, weights, KV cache, prefill path, gen tokens, reps, offload, prompt cache, not-run notes."""
+    """One line: preset, device, dtype, weights, KV cache, prefill path, gen tokens, reps, offload, prompt cache,
+    not-run notes."""
     c = data["config"]
     off = data.get("offload")
     offload = "off" if not c["offload"] else (
@@ -198,7 +199,8 @@ def config_line(data: dict) -> str:
             f"(cold = rep 0, warm = repeat), ITL over {c['itl_reps']} reps; MTP k={c['mtp_k']}; expert offload "
             f"{offload}; prompt cache {c['prompt_cache']}"
             + ("; plain replies' and concurrent streams' decode steps replayed from CUDA graphs (graphs.GraphDecoder; "
-               "each run's `decode_graphs` says whether they served and why not)" if c.get("decode_graphs") else ""))
+               "each run's `decode_graphs` says whether they served and why not; drafted runs decode eagerly: "
+               "no graph captures the MTP head or the verify forward)" if c.get("decode_graphs") else ""))
 
 
 def render_md(section: dict) -> str:
