@@ -12,6 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from exactness.receipt import runner as receipt
+from exactness.receipt import page as page_module
 from exactness.receipt import render
 from exactness.receipt.cli import main
 from exactness.receipt.runner import ReceiptError, add_section, parse_overrides, run_receipts
@@ -515,7 +516,7 @@ def test_html_drops_stderr_but_the_executed_notebook_keeps_it(tmp_path):
 def test_css_comments_are_stripped_from_style_blocks_only():
     page = "<style>a { color: red; } /* from https://x */\nb {}</style><p>/* text */</p><STYLE a=1>/*\n*/c{}</STYLE>"
     want = "<style>a { color: red; } \nb {}</style><p>/* text */</p><STYLE a=1>c{}</STYLE>"
-    assert render.strip_css_comments(page) == want
+    assert page_module.strip_css_comments(page) == want
 
 
 def test_header_states_the_git_state_and_never_null():

@@ -43,7 +43,7 @@ from dataclasses import fields
 
 import torch
 
-from .ring import ExpertRing, _host_copy, _stats
+from .ring import ExpertRing, host_copy, ring_counters
 from .weights import LayerWeights, Weights
 
 MODES = ("resident", "offload")
@@ -111,8 +111,8 @@ class ExpertStore:
             raise ValueError(f"layer_slots must be None or an int >= 0, got {layer_slots!r}")
         self.mode, self.ring_slots, self.cfg = mode, ring_slots, weights.cfg
         self.device = torch.device(device) if device is not None else weights.device
-        self.stats, self.touched = _stats(), set()  # touched: (layer, expert) keys asked for
-        self.layer_stats = _stats()
+        self.stats, self.touched = ring_counters(), set()  # touched: (layer, expert) keys asked for
+        self.layer_stats = ring_counters()
         self.plan, self.ring, self.fallback_reason = None, None, None
         self.layer_ring, self.layer_ring_reason = None, None
         self.layer_slots = (2 if self.device.type == "cuda" else 0) if layer_slots is None else layer_slots
@@ -124,7 +124,7 @@ class ExpertStore:
             self.device_bytes_saved = 0
             return
         pin = self.device.type == "cuda"
-        self.host = [tuple(_host_copy(getattr(lw, f), pin) for f in EXPERT_FIELDS) for lw in weights.layers]
+        self.host = [tuple(host_copy(getattr(lw, f), pin) for f in EXPERT_FIELDS) for lw in weights.layers]
         self.weights = _strip_experts(weights, self.device)
         self.device_bytes_saved = sum(t.nbytes for layer in self.host for t in layer)
         self._reserve_ring(max_ring_bytes, speculate, lw0.w_gate.dtype)
@@ -238,8 +238,8 @@ class ExpertStore:
 
     def reset_stats(self) -> None:
         """Zero the counters and forget the experts touched (e.g. between timed runs)."""
-        self.stats.update(_stats())
-        self.layer_stats.update(_stats())
+        self.stats.update(ring_counters())
+        self.layer_stats.update(ring_counters())
         self.touched.clear()
 
     def info(self) -> dict:

@@ -12,7 +12,8 @@ from collections import deque
 import torch
 
 
-def _stats() -> dict:
+def ring_counters() -> dict:
+    """Fresh zeroed counters of a ring and its store (fetches by route, copies, speculation, bytes moved)."""
     return {"prepare_calls": 0, "ring_fetches": 0, "sync_fetches": 0, "resident_fetches": 0, "copies": 0,
             "speculative_copies": 0, "speculative_hits": 0, "dropped_copies": 0, "unannounced_calls": 0,
             "bytes_moved": 0}
@@ -144,7 +145,7 @@ class ExpertRing:
         self.stats["bytes_moved"] += sum(t.nbytes for t in src)
 
 
-def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+def host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
     """``t`` in host memory, contiguous, pinned when ``pin`` (a CUDA device will read it asynchronously)."""
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
     out.copy_(t)
@@ -153,7 +154,8 @@ def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 class StagedWeights:
     """Fixed kernel weights kept in host memory (pinned on CUDA) and handed to each call by one of offload's two
-    routes; the kernel contract's offload check (analysis/contract_offload.py) feeds expert kernels through it.
+    routes; the kernel contract's offload check (analysis/contract/cases.py, ``contract_offload``) feeds expert
+    kernels through it.
 
     ``fetch("ring")`` (the deep plan's route): a one-slot :class:`ExpertRing` on the copy stream stages a *decoy*
     (the weights negated: every nonzero element differs in its sign bit) and then the weights into the same slot.
@@ -172,9 +174,9 @@ class StagedWeights:
     def __init__(self, tensors: tuple):
         self.device = tensors[0].device
         pin = self.device.type == "cuda"
-        self.host = tuple(_host_copy(t, pin) for t in tensors)
-        self.decoy = tuple(_host_copy(-t, pin) for t in tensors)
-        self.stats = _stats()
+        self.host = tuple(host_copy(t, pin) for t in tensors)
+        self.decoy = tuple(host_copy(-t, pin) for t in tensors)
+        self.stats = ring_counters()
         self.ring = ExpertRing([t.shape for t in tensors], tensors[0].dtype, self.device, 1,
                                lambda key: self.decoy if key[1] == "decoy" else self.host, None, self.stats)
         self.calls = 0

@@ -23,8 +23,8 @@ from .tiles import pad_rows
 KV_BLOCK = 256  # keys per online-softmax block, shared by the invariant prompt and decode kernels
 
 # The backends the fast set lets scaled_dot_product_attention choose from: all but cuDNN's, which builds an
-# execution plan for every new key length (on an H200 with torch 2.11 about 15 ms of host time per call, measured
-# with torch.profiler), and a decode loop or a chunked prefill meets a new key length at every call.
+# execution plan for every new key length (host time far above the attention's own), and a decode loop or a
+# chunked prefill meets a new key length at every call.
 FAST_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
@@ -54,8 +54,8 @@ def attention_fast_prompt(q, k_cache, v_cache, slots, positions):
 
     The KV heads are repeated to the query heads rather than passed with ``enable_gqa``: on CUDA, of the backends
     allowed, only the math one takes a mask together with ``enable_gqa``, and it materialises the fp32 scores
-    [Hq, m, T] (on an H200, a 16,022-row chunk of the small preset's heads peaked at 70.55 GiB; with repeated
-    heads the memory-efficient backend takes the mask, at 1.69 GiB). On the CPU both forms give the same bytes."""
+    [Hq, m, T] (quadratic in the chunk's rows); with repeated heads the memory-efficient backend takes the mask and
+    keeps no scores. On the CPU both forms give the same bytes."""
     out = torch.empty_like(q)
     g = q.shape[1] // k_cache.shape[2]                             # query heads per KV head
     with sdpa_kernel(list(FAST_SDPA_BACKENDS)):

@@ -249,7 +249,7 @@ def render_extra(name: str, extra: dict) -> str:
 
 # -------------------------------------------------------------------------------------------------------- html
 
-from .page import merge_notebooks, render_html, strip_css_comments  # noqa: E402,F401  (page.py: receipt.html)
+from .page import merge_notebooks, render_html  # noqa: E402,F401  (receipt.html is assembled in page.py)
 
 
 def fallback_text(receipt: dict, html: bool = False) -> str:
