@@ -3,7 +3,7 @@
 Run from the repository root on the GPU machine (needs torch and triton; the package need not be installed):
 
     PYTHONPATH=lib python3 benchmarks/bench_gpu_kernels.py [--sections ceilings,gemm,gate_up,attention,rows,
-        overhead,moe,profile,decode_step,e2e,compile,contract,oracle,tests] [--tune] [--out DIR]
+        overhead,moe,profile,decode_step,e2e,compile,contract,oracle,drafted,tests] [--tune] [--out DIR]
         [--e2e-weights synthetic|device]
 
 Every ratio is invariant time / fast time (lower is better) and is printed with its goal, met or missed:
@@ -619,6 +619,53 @@ def oracle(args) -> dict:
     return {"rows": out}
 
 
+def _timed(fn):
+    """(fn(), wall seconds) with the device synchronized on both sides."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    r = fn()
+    torch.cuda.synchronize()
+    return r, time.perf_counter() - t0
+
+
+def drafted(args) -> dict:
+    """Drafted decode (MTP head, k = 2) with its forwards after the prefill replayed from CUDA graphs and eagerly,
+    beside plain decode with graphs, each set, on a random ``--drafted-tokens`` prompt (batched prefill at 2048):
+    wall ms per generated token after the prefill (the run's time less a one-token run's, timed in the same loop);
+    the graph run's tokens and generated logits compared as bytes with the eager drafted run's, and the graphs'
+    replays and reasons (per shape) where a shape did not serve. Every run is made once untimed first (Triton
+    compiles, the MTP head's first graphs)."""
+    from exactness import mtp
+    from exactness.exact import bytes_equal
+    w, gen = _weights(args.e2e_weights), 64
+    head = mtp.resolve_mtp(w)                                               # built once, outside the timing
+    ids = torch.randint(0, 256, (args.drafted_tokens,), generator=torch.Generator().manual_seed(0))
+    sched, rows = paths.Schedule("batched", 2048), []
+    runs = {"prefill": lambda ks, n: paths.generate(w, ids, 1, ks, sched),
+            "drafted graphs": lambda ks, n: mtp.generate_drafted(w, ids, n, ks, sched, k=2, mtp=head, graphs=True),
+            "drafted eager": lambda ks, n: mtp.generate_drafted(w, ids, n, ks, sched, k=2, mtp=head),
+            "plain graphs": lambda ks, n: paths.generate(w, ids, n, ks, sched, graphs=True)}
+    for ks in ("invariant", "fast"):
+        for fn in runs.values():
+            fn(ks, 8)                                                       # untimed warm-up
+        res = {name: _timed(lambda: fn(ks, gen)) for name, fn in runs.items()}
+        pre, ref = res["prefill"][1], res["drafted eager"][0]
+        for name in ("drafted eager", "drafted graphs", "plain graphs"):
+            r, dt = res[name]
+            rec = r.graphs_record() or {}
+            rows.append({"set": ks, "run": name, "prompt": ids.numel(), "gen": gen,
+                         "ms_per_token": (dt - pre) / gen * 1e3,
+                         "acceptance": getattr(getattr(r, "stats", None), "acceptance_rate", None),
+                         "same_as_eager_drafted": (bytes_equal(r.gen_ids, ref.gen_ids)
+                                                   and bytes_equal(r.gen_logits, ref.gen_logits)),
+                         "replays": rec.get("replays"), "reason": rec.get("reason")})
+        e, g = ((res[n][1] - pre) for n in ("drafted eager", "drafted graphs"))
+        rows[-2]["speedup_vs_eager"] = e / g
+    _print_rows(f"drafted decode (MTP k=2), {ids.numel()}-token prompt, {gen} tokens: graphs vs eager, ms per "
+                "generated token after the prefill", rows)
+    return {"rows": rows}
+
+
 def tests(_args) -> dict:
     """tests/test_cuda_kernels.py's GPU tests in this process, so they run with the configs pinned by --tune."""
     import pytest
@@ -631,7 +678,7 @@ def tests(_args) -> dict:
 
 SECTIONS = {"ceilings": ceilings, "gemm": gemm, "gate_up": gate_up, "attention": attention, "rows": rows,
             "overhead": overhead, "moe": moe, "profile": profile, "decode_step": decode_step, "e2e": e2e,
-            "compile": compile_sm120, "contract": contract, "oracle": oracle, "tests": tests}
+            "compile": compile_sm120, "contract": contract, "oracle": oracle, "drafted": drafted, "tests": tests}
 
 
 def main(argv=None) -> int:
@@ -645,6 +692,7 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e-oracle", action="store_true", help="also prefill on the serial decode path (slow)")
     ap.add_argument("--contract-sweep", default="full", choices=("quick", "full"))
     ap.add_argument("--oracle-tokens", type=int, default=3000, help="prompt rows of the oracle section")
+    ap.add_argument("--drafted-tokens", type=int, default=4096, help="prompt rows of the drafted section")
     args = ap.parse_args(argv)
     names = [s for s in args.sections.split(",") if s]
     unknown = [s for s in names if s not in SECTIONS]

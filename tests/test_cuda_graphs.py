@@ -37,13 +37,19 @@ def same_decode_run(a, b) -> bool:
 
 def stale_positions(monkeypatch) -> None:
     """Negative control: replays read the previous position on the device; the host keeps the right one."""
-    load = graphs.GraphDecoder._load
+    load = graphs.GraphForward._load
 
-    def stale(self, tokens, positions, slots):
-        load(self, tokens, positions, slots)
+    def stale(self, tokens, positions, slots, hidden):
+        load(self, tokens, positions, slots, hidden)
         if self.pieces is not None:
             self.positions.sub_(1)
-    monkeypatch.setattr(graphs.GraphDecoder, "_load", stale)
+    monkeypatch.setattr(graphs.GraphForward, "_load", stale)
+
+
+def same_drafted(a, b) -> bool:
+    """Two drafted runs: tokens, generated logits, the main KV cache and the MTP head's KV cache equal as bytes."""
+    return same_run(a, b) and (a.mtp_cache is None) == (b.mtp_cache is None) and (
+        a.mtp_cache is None or kv_first_difference(a.mtp_cache, b.mtp_cache) is None)
 
 
 # ------------------------------------------------------------------------------------------------ CPU
@@ -67,6 +73,37 @@ def test_cpu_falls_back_with_reason(tiny_weights):
 def test_batch_must_be_positive(tiny_weights):
     with pytest.raises(ValueError, match="batch must be a positive int"):
         graphs.why_not(tiny_weights, "fast", 0)
+    with pytest.raises(ValueError, match="rows must be a positive int, got 0"):
+        graphs.why_not(tiny_weights, "fast", rows=0)
+
+
+def test_cpu_drafted_falls_back_with_reason(tiny_weights):
+    """A drafted run with graphs on CPU: every forward shape after the prefill records why no graph served, and
+    the run's bytes are the eager run's (the head's catch-up over the prompt stays eager: not a recorded shape)."""
+    from exactness.mtp import generate_drafted
+    ids, sched = torch.arange(5, 37) % 251, Schedule("batched", 16)
+    eager = generate_drafted(tiny_weights, ids, GEN, "invariant", sched, k=2, keep_cache=True)
+    run = generate_drafted(tiny_weights, ids, GEN, "invariant", sched, k=2, keep_cache=True, graphs=True)
+    assert eager.graphs == {} and eager.graphs_record() is None
+    assert "main 3 batched" in run.graphs and "head 1 decode" in run.graphs, run.graphs
+    assert all(k.split()[1] in "123" for k in run.graphs)                 # no shape above k + 1 rows
+    assert all(not g["served"] and "CUDA device" in g["reason"] for g in run.graphs.values())
+    rec = run.graphs_record()
+    assert rec["served"] is False and rec["replays"] == 0
+    assert rec["eager_steps"] == sum(g["eager_steps"] for g in run.graphs.values()) > 0
+    assert same_drafted(eager, run)
+
+
+def test_graph_forward_refuses_bad_input(tiny_weights):
+    from exactness.cache import KVCache
+    cache = KVCache(tiny_weights.cfg, 8, 1, tiny_weights.dtype, tiny_weights.device)
+    g = graphs.GraphForward(tiny_weights, cache, "invariant", rows=2)
+    with pytest.raises(ValueError, match=r"a forward of 2 rows needs tokens \[2\]"):
+        g.run(torch.tensor([1]), [0], [0])
+    with pytest.raises(ValueError, match="hidden rows"):
+        g.run(torch.tensor([1, 2]), [0, 1], [0, 0], hidden=torch.zeros(2, tiny_weights.cfg.hidden))
+    with pytest.raises(ValueError, match="outside the cache capacity 0..7"):
+        g.run(torch.tensor([1, 2]), [7, 8], [0, 0])
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -264,3 +301,36 @@ def test_gpu_concurrent_streams_on_graphs_equal_eager(gpu_weights, kernels, n, m
     assert info["replays"] == GEN - 2   # GEN - 1 forwards; the first captures
     stale_positions(monkeypatch)
     assert not same(eager, run(True))
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels,draft", [("invariant", "mtp"), ("invariant", "self"), ("fast", "mtp")])
+def test_gpu_drafted_on_graphs_bytes_equal_eager(gpu_weights, prompt, kernels, draft, monkeypatch):
+    """generate_drafted with graphs: tokens, generated logits, the main and the MTP head's KV caches equal the
+    eager drafted run's as bytes. The invariant set replays its verify (3 rows, batched plan) as one graph; the
+    fast set's verify runs eagerly and says why, while its one-row head and decode forwards replay. Control: a
+    stale device position at replay must change the run."""
+    from exactness.mtp import generate_drafted
+    sched, gen = Schedule("batched", 16), 12
+
+    def run(graph: bool):
+        return generate_drafted(gpu_weights, prompt, gen, kernels, sched, k=2, draft=draft, keep_cache=True,
+                                graphs=graph)
+    eager, graph = run(False), run(True)
+    info = graph.graphs
+    verify = info["main 3 batched"]
+    if kernels == "invariant":
+        assert all(g["reason"] is None for g in info.values()), info
+        assert verify["served"] and verify["pieces"] == 1 and verify["replays"] >= 1, info
+    else:
+        assert not verify["served"] and "rows of one stream" in verify["reason"], info
+        assert info["head 1 decode"]["served"] and info["head 1 decode"]["reason"] is None, info
+    one_row = "main 1 decode" if draft == "self" else "head 1 decode"
+    assert info[one_row]["replays"] >= 1, info
+    assert graph.graphs_record()["served"]
+    assert same_drafted(eager, graph)
+    stale_positions(monkeypatch)
+    bad = run(True)
+    assert bad.graphs_record()["served"]
+    assert not same_drafted(eager, bad)

@@ -330,6 +330,16 @@ def _interp_main() -> int:
     checks["split-K error < 1e-5"] = rel_err(par, xf.double() @ wf.double().T) < 1e-5
     checks["split-K control (one run) caught"] = row_mismatches(tg.linear(xf, wf, replace(c3, split_k=1)),
                                                                 [par]) > 0
+    c4 = replace(c3, split_k=4)                                                 # 6 chunks: runs of 2, one empty
+    par4 = tg.linear(xf, wf, c4)
+    for loop in ("fold", "flat"):
+        tg.SPLIT_TILES_BELOW = 0
+        try:
+            turns = [tg.linear(xf, wf, replace(c, split_loop=loop)) for c in (c3, c4)]
+        finally:
+            tg.SPLIT_TILES_BELOW = below
+        checks[f"split-K in turn, {loop} loop == parallel"] = row_mismatches(par, turns[:1]) == 0
+        checks[f"split-K with an empty run, {loop} loop == parallel"] = row_mismatches(par4, turns[1:]) == 0
     gu = tg.gate_up(x, w, w2)
     g, u = y.float(), tg.linear(x, w2).float()
     checks["gate_up rounding points"] = torch.equal(bits(gu), bits(((g / (1 + torch.exp(-g))).to(bf).float() * u

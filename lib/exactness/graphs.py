@@ -1,29 +1,33 @@
-"""CUDA-graph decode: one decode step captured once per batch size, replayed for every generated token.
+"""CUDA graphs: a fixed-shape forward (a decode step, a drafted verify, an MTP head's rows) captured once per
+shape and replayed for every later call of that shape.
 
 A decode step launches some seventy kernels whose host launch time exceeds their GPU time; a CUDA graph records
 them once and replays them with one call. The graph reads static device tensors (input tokens, positions and slots
-[B] int64, the KV cache's tensors), so each step copies its inputs into them and replays; the host keeps the cache's
-lengths. The kernels, their shapes and their order are those of the eager decode step (model.forward on the decode
-plan), so a replay writes the bytes the eager step writes, which tests/test_cuda_graphs.py checks as bytes.
+[N] int64, the MTP head's hidden rows [N, H], the KV cache's tensors), so each call copies its inputs into them and
+replays; the host keeps the cache's lengths. The kernels, their shapes and their order are those of the eager
+forward (model.forward, or mtp.MTPHead.forward, on the same plan), so a replay writes the bytes the eager forward
+writes, which tests/test_cuda_graphs.py checks as bytes. GraphDecoder serves the decode steps of B streams (one row
+each); a drafted run (mtp.generate_drafted) keeps one GraphForward per shape it meets: its verify of k+1 rows of one
+stream on the batched plan, its plain decode steps, and the head's one-row and catch-up forwards.
 
-Two parts of a step cannot be recorded as they are, and are handled so that the bytes stay the eager ones:
+Two parts of a forward cannot be recorded as they are, and are handled so that the bytes stay the eager ones:
 
     attention  a kernel whose launch shape depends on the position (the fast set's one SDPA call over keys 0..p)
                or that reads positions on the host (the torch kernel of an fp8 cache, the slot grouping of a
-               multi-slot cache) runs eagerly between graph pieces: the step is captured as pieces cut at each
+               multi-slot cache) runs eagerly between graph pieces: the forward is captured as pieces cut at each
                attention call, and the attention writes into a static buffer the next piece reads. Only the
-               invariant set's Triton kernel on a one-slot model-dtype cache reads the positions on the device with
-               a fixed launch, and is captured.
+               invariant set's Triton kernel (decode and prompt rows alike) on a one-slot model-dtype cache reads
+               the positions on the device with a fixed launch, and is captured.
     experts    a set without a grouped expert kernel (the fast set) runs one GEMM chain per routed expert, chosen
-               on the host. For one stream every routed expert has exactly one member row, so the graph gathers
-               the k experts' weights by the device-side ids and runs the same per-expert kernels on the same
-               [1, H] row (the same shapes, hence the same library calls): the eager bytes, at the cost of copying
-               k experts' weights per layer. With more streams an expert's member count varies, so such a set is
-               not captured.
+               on the host. For a one-row forward every routed expert has exactly one member row, so the graph
+               gathers the k experts' weights by the device-side ids and runs the same per-expert kernels on the
+               same [1, H] row (the same shapes, hence the same library calls): the eager bytes, at the cost of
+               copying k experts' weights per layer. With more rows (streams, or a verify's k+1 rows) an expert's
+               member count varies, so such a set is not captured.
 
 Where a graph cannot serve (no CUDA device, kernel taps active, an expert provider other than the resident
-weights, quantized or expert-id-aware experts, an exception during capture) GraphDecoder runs the eager step and
-records why (GraphDecoder.info).
+weights, quantized or expert-id-aware experts, an exception during capture) the forward runs eagerly and records
+why (GraphForward.info).
 """
 from __future__ import annotations
 
@@ -34,14 +38,14 @@ import torch
 
 from .cache import KVCache
 from .kernels import KernelSet, get_set
-from .model import _TAPS, DECODE, ExpertProvider, Ops, ResidentExperts, attention_block, forward, moe_block
+from .model import _TAPS, DECODE, ExpertProvider, ForwardOut, Ops, Plan, ResidentExperts, forward, run_rows
 from .weights import Weights
 
 
-def _device_indexed_attention() -> tuple:
-    """Attention kernels that read slots and positions on the device with a launch that does not depend on them
-    (for a one-slot cache in the model dtype): the invariant set's Triton kernel."""
-    return (get_set("invariant").fn("attention", "decode"),)
+def _device_indexed_attention(role: str = "decode") -> tuple:
+    """Attention kernels of ``role`` that read slots and positions on the device with a launch that does not depend
+    on them (for a one-slot cache in the model dtype): the invariant set's Triton kernel."""
+    return (get_set("invariant").fn("attention", role),)
 
 
 def _host_indexed_attention() -> tuple:
@@ -51,14 +55,17 @@ def _host_indexed_attention() -> tuple:
     return (attention.attention_fast_decode,)
 
 
-def why_not(w: Weights, kernels: KernelSet | str, batch: int = 1, experts: ExpertProvider | None = None) -> str | None:
-    """Why a decode step of ``batch`` streams cannot be captured (None: it can be tried).
+def why_not(w: Weights, kernels: KernelSet | str, batch: int = 1, experts: ExpertProvider | None = None, *,
+            rows: int = 1, layers: list | None = None) -> str | None:
+    """Why a forward of ``batch`` streams with ``rows`` rows each cannot be captured (None: it can be tried).
 
+    ``layers``: the layers the forward runs (default w.layers; the MTP head passes its own block's).
     Raises:
-        ValueError: batch is not a positive int.
+        ValueError: batch or rows is not a positive int.
     """
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive int (streams), got {batch!r}")
+    for name, n in (("batch", batch), ("rows", rows)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
     ks = get_set(kernels)
     if w.device.type != "cuda":
         return f"CUDA graphs need a CUDA device; the weights are on {w.device}"
@@ -66,13 +73,17 @@ def why_not(w: Weights, kernels: KernelSet | str, batch: int = 1, experts: Exper
         return "kernel taps are active: every kernel call is reported on the host"
     if experts is not None and type(experts) is not ResidentExperts:
         return f"experts come from {type(experts).__name__}, which stages them on the host per call"
-    if not all(torch.is_tensor(lw.w_gate) for lw in w.layers):
+    if not all(torch.is_tensor(lw.w_gate) for lw in (w.layers if layers is None else layers)):
         return "quantized expert weights: the experts run a per-expert loop chosen on the host"
     if ks.options.get("expert_id_aware"):
         return f"set {ks.name!r} picks expert kernels by expert id on the host"
     if ks.options.get("grouped_experts") is None and batch > 1:
         return (f"set {ks.name!r} runs one kernel chain per routed expert over its member rows; with {batch} "
                 "streams the member counts (GEMM shapes) depend on the routing")
+    if ks.options.get("grouped_experts") is None and rows > 1:
+        return (f"set {ks.name!r} runs one kernel chain per routed expert over its member rows; in a forward of "
+                f"{rows} rows of one stream (a drafted verify or MTP catch-up) the member counts (GEMM shapes) "
+                "depend on the routing")
     return None
 
 
@@ -133,54 +144,67 @@ class _Capture:
             self.graph = None
 
 
-class GraphDecoder:
-    """Decode steps of ``batch`` streams over one cache, replayed from a CUDA graph (module docstring).
+class GraphForward:
+    """Forwards of one fixed shape (``batch`` streams x ``rows`` rows on ``plan``) over one cache, replayed from a
+    CUDA graph (module docstring): a drafted run's verify (k+1 rows, batched plan), an MTP head's rows, or a
+    decode step (GraphDecoder).
 
-    The first step runs eagerly (it warms every kernel up) and then captures; later steps replay. Where a graph
-    cannot serve, every step runs model.forward on the decode plan, and ``reason`` says why.
+    The first call runs eagerly (it warms every kernel up) and then captures; later calls replay. Where a graph
+    cannot serve, every call runs the eager forward (model.forward, or the head's MTPHead.forward), and ``reason``
+    says why.
 
     Args:
-        w: weights; cache: the KV cache the steps write (its tensors are the graph's, so keep using this one);
-        kernels: the kernel set; batch: streams per step (B); experts: the expert provider (None: resident).
+        w: weights; cache: the KV cache the forwards write (its tensors are the graph's, so keep using this one;
+            the head's own cache when ``head`` is given); kernels: the kernel set; batch: streams (one slot each);
+        rows: rows per stream; plan: the forward's plan (model.DECODE, BATCHED; a deep plan on a few rows is the
+            batched one); experts: the main model's expert provider (None: resident);
+        head: an mtp.MTPHead whose block runs instead of the main model (its forwards take hidden rows [N, H]).
     Raises:
-        ValueError: batch is not a positive int.
+        ValueError: batch or rows is not a positive int.
     """
 
-    def __init__(self, w: Weights, cache: KVCache, kernels: KernelSet | str, *, batch: int = 1,
-                 experts: ExpertProvider | None = None):
-        self.w, self.cache, self.ks, self.batch, self.experts = w, cache, get_set(kernels), batch, experts
-        self.reason = why_not(w, self.ks, batch, experts)
+    def __init__(self, w: Weights, cache: KVCache, kernels: KernelSet | str, *, batch: int = 1, rows: int = 1,
+                 plan: Plan = DECODE, experts: ExpertProvider | None = None, head=None):
+        self.w, self.cache, self.ks, self.plan, self.experts, self.head = w, cache, get_set(kernels), plan, experts, head
+        self.reason = why_not(w, self.ks, batch, experts, rows=rows, layers=None if head is None else [head.m.layer])
+        self.n, self.batch = batch * rows, batch
         self.replays, self.eager_steps, self.pieces, self._out = 0, 0, None, None
         if self.reason is None:
-            dev, i64 = w.device, torch.int64
-            self.tokens, self.positions, self.slots = (torch.zeros(batch, dtype=i64, device=dev) for _ in range(3))
-            self.host_positions, self.host_slots = torch.zeros(batch, dtype=i64), torch.zeros(batch, dtype=i64)
+            dev, i64, n = w.device, torch.int64, self.n
+            self.tokens, self.positions, self.slots = (torch.zeros(n, dtype=i64, device=dev) for _ in range(3))
+            self.hidden = None if head is None else torch.zeros(n, w.cfg.hidden, dtype=w.dtype, device=dev)
+            self.host_positions, self.host_slots = torch.zeros(n, dtype=i64), torch.zeros(n, dtype=i64)
             opts = self.ks.options
             if opts.get("grouped_experts") is None:
                 opts = {**opts, "grouped_experts": _gathered_experts(self.ks)}
             self._set = dataclasses.replace(self.ks, options=opts)
-            attn = self.ks.fn("attention", "decode")
-            self._attn = attn
-            self._attn_in_graph = (attn in _device_indexed_attention() and not cache.format.quantized
+            self._attn = attn = self.ks.fn("attention", plan.role)
+            self._attn_in_graph = (attn in _device_indexed_attention(plan.role) and not cache.format.quantized
                                    and len(cache.lengths) == 1)
             self._attn_host = attn in _host_indexed_attention()
 
     def info(self) -> dict:
-        """{"served": any step replayed, "replays", "eager_steps", "pieces": graph pieces + eager attention calls
-        per step (0 before capture), "reason": why a graph did not serve (None when it did)}."""
+        """{"served": any call replayed, "replays", "eager_steps", "pieces": graph pieces + eager attention calls
+        per call (0 before capture), "reason": why a graph did not serve (None when it did)}."""
         return {"served": self.replays > 0, "replays": self.replays, "eager_steps": self.eager_steps,
                 "pieces": len(self.pieces or ()), "reason": self.reason}
 
-    def step(self, tokens: torch.Tensor, positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
-        """One decode step: tokens [B] int64 (device) at host ``positions`` of cache ``slots`` -> logits [B, V] fp32.
+    def run(self, tokens: torch.Tensor, positions: Sequence[int], slots: Sequence[int],
+            hidden: torch.Tensor | None = None) -> ForwardOut:
+        """One forward: tokens [N] int64 (device) at host ``positions`` of cache ``slots`` (N = batch x rows;
+        hidden [N, H]: the head's input rows) -> ForwardOut(logits [N, V] fp32, hidden [N, H]), the cache's lengths
+        advanced.
 
         Raises:
-            ValueError: wrong lengths, or a position outside 0..cache capacity - 1.
+            ValueError: wrong lengths, hidden given or missing, or a position outside 0..cache capacity - 1.
         """
         positions, slots = [int(p) for p in positions], [int(s) for s in slots]
-        if tokens.shape != (self.batch,) or len(positions) != self.batch or len(slots) != self.batch:
-            raise ValueError(f"a step of {self.batch} streams needs tokens [{self.batch}], {self.batch} positions "
-                             f"and slots; got {tuple(tokens.shape)}, {len(positions)}, {len(slots)}")
+        n = self.n
+        if tokens.shape != (n,) or len(positions) != n or len(slots) != n:
+            raise ValueError(f"a forward of {n} rows needs tokens [{n}], {n} positions and slots; got "
+                             f"{tuple(tokens.shape)}, {len(positions)}, {len(slots)}")
+        if (hidden is None) != (self.head is None):
+            raise ValueError("hidden rows [N, H] go with an MTP head's forward, and only with it")
         if min(positions) < 0 or max(positions) >= self.cache.capacity:
             raise ValueError(f"positions {min(positions)}..{max(positions)} outside the cache capacity "
                              f"0..{self.cache.capacity - 1}")
@@ -188,24 +212,35 @@ class GraphDecoder:
             self.reason = "kernel taps became active: every kernel call is reported on the host"
         if self.reason is not None:
             self.eager_steps += 1
-            dev = self.w.device
-            return forward(self.w, tokens, torch.tensor(positions, device=dev), self.cache, self.ks, DECODE,
-                           slots=torch.tensor(slots, device=dev), experts=self.experts).logits
-        self._load(tokens, positions, slots)
+            return self._eager(tokens, positions, slots, hidden)
+        self._load(tokens, positions, slots, hidden)
         if self.pieces is None:
             out = self._warm_and_capture()
             self.eager_steps += 1
         else:
             for p in self.pieces:
                 p.replay()
-            out = self._out.clone()
+            out = ForwardOut(self._out.logits.clone(), self._out.hidden.clone())
             self.replays += 1
         self.cache.advance(self.host_slots, self.host_positions)
         return out
 
-    def _load(self, tokens: torch.Tensor, positions: list[int], slots: list[int]) -> None:
+    def _eager(self, tokens, positions, slots, hidden) -> ForwardOut:
+        dev = self.w.device
+        pos, slot = torch.tensor(positions, device=dev), torch.tensor(slots, device=dev)
+        if self.head is None:
+            return forward(self.w, tokens, pos, self.cache, self.ks, self.plan, slots=slot, experts=self.experts)
+        ops = Ops(self.ks, self.plan)
+        ops.positions = pos
+        out = self.head.body(ops, tokens, pos, slot, hidden)
+        self.cache.advance(slot, pos)
+        return out
+
+    def _load(self, tokens: torch.Tensor, positions: list[int], slots: list[int], hidden) -> None:
         self.tokens.copy_(tokens)
-        if self.batch == 1:                          # fill_: the value travels as a launch argument, no copy
+        if hidden is not None:
+            self.hidden.copy_(hidden)
+        if self.n == 1:                              # fill_: the value travels as a launch argument, no copy
             self.positions.fill_(positions[0])
             if int(self.host_slots[0]) != slots[0] or self.pieces is None:
                 self.slots.fill_(slots[0])
@@ -215,22 +250,15 @@ class GraphDecoder:
         self.host_positions[:] = torch.tensor(positions)
         self.host_slots[:] = torch.tensor(slots)
 
-    def _forward(self, cap: _Capture | None) -> torch.Tensor:
-        """model.forward's decode step on the static inputs; attention cut out of the capture where it must run
-        eagerly. -> logits [B, V] fp32."""
-        w, cfg, cache = self.w, self.w.cfg, self.cache
-        ops = Ops(self._set, DECODE)
+    def _forward(self, cap: _Capture | None) -> ForwardOut:
+        """The forward on the static inputs; attention cut out of the capture where it must run eagerly."""
+        ops = Ops(self._set, self.plan)
         ops.positions = self.positions
         if not self._attn_in_graph:
             ops.attention = lambda q, k, v, s, p: self._attention(cap, q, k, v, s, p)
-        experts = ResidentExperts(w.layers)
-        x = w.embed[self.tokens]                                                     # [B, H]
-        for i, lw in enumerate(w.layers):
-            ops.layer = i
-            x = attention_block(ops, lw, cfg, x, self.positions, self.slots, cache, i)
-            x = moe_block(ops, lw, cfg, x, experts, i)
-        ops.layer = -1
-        return ops.lm_head(ops.rmsnorm(x, w.final_norm, cfg.rms_eps), w.lm_head)  # [B, V] fp32
+        if self.head is not None:
+            return self.head.body(ops, self.tokens, self.positions, self.slots, self.hidden)
+        return run_rows(self.w, ops, self.tokens, self.positions, self.slots, self.cache, ResidentExperts(self.w.layers))
 
     def _attention(self, cap, q, k_cache, v_cache, slots, positions):
         if self._attn_host:
@@ -239,9 +267,9 @@ class GraphDecoder:
             return self._attn(q, k_cache, v_cache, slots, positions)
         return cap.cut(self._attn, (q, k_cache, v_cache, slots, positions), q)
 
-    def _warm_and_capture(self) -> torch.Tensor:
-        """Run this step eagerly (every kernel warmed up, the library handles of the capture stream made), then
-        capture it on the same side stream. -> this step's logits [B, V] fp32."""
+    def _warm_and_capture(self) -> ForwardOut:
+        """Run this call eagerly (every kernel warmed up, the library handles of the capture stream made), then
+        capture it on the same side stream. -> this call's ForwardOut."""
         dev = self.w.device
         main, side = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
         side.wait_stream(main)
@@ -254,10 +282,33 @@ class GraphDecoder:
                 graph_out = self._forward(cap)
                 cap.end()
                 self.pieces, self._out = cap.pieces, graph_out
-            except Exception as e:  # whatever the kernels raise under capture: the eager steps serve instead
+            except Exception as e:  # whatever the kernels raise under capture: the eager calls serve instead
                 cap.abort()
                 self.reason = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 torch.cuda.synchronize(dev)
         main.wait_stream(side)
-        out.record_stream(main)
+        for t in out.logits, out.hidden:
+            t.record_stream(main)
         return out
+
+
+class GraphDecoder(GraphForward):
+    """Decode steps of ``batch`` streams over one cache (one row per stream, the decode plan), replayed from a
+    CUDA graph: GraphForward with ``step`` returning the logits.
+
+    Raises:
+        ValueError: batch is not a positive int.
+    """
+
+    def __init__(self, w: Weights, cache: KVCache, kernels: KernelSet | str, *, batch: int = 1,
+                 experts: ExpertProvider | None = None):
+        super().__init__(w, cache, kernels, batch=batch, experts=experts)
+
+    def step(self, tokens: torch.Tensor, positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+        """One decode step: tokens [B] int64 (device) at host ``positions`` of cache ``slots`` -> logits [B, V]
+        fp32.
+
+        Raises:
+            ValueError: wrong lengths, or a position outside 0..cache capacity - 1.
+        """
+        return self.run(tokens, positions, slots).logits

@@ -258,12 +258,21 @@ def forward(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cache: KV
     experts = ResidentExperts(w.layers) if experts is None else experts
     ops = Ops(get_set(kernels), plan)
     ops.positions = positions
+    out = run_rows(w, ops, tokens, positions, slots, cache, experts)
+    cache.advance(slots, positions)
+    return out
+
+
+def run_rows(w: Weights, ops: Ops, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             cache: KVCache, experts: ExpertProvider) -> ForwardOut:
+    """forward's rows through the model with ``ops`` (forward's arguments, already checked): no host read of its
+    own, and the cache's lengths left to the caller (graphs.GraphForward records the kernels it launches)."""
+    cfg = w.cfg
     x = w.embed[tokens]                                                              # [M, H]
     for i, lw in enumerate(w.layers):
         ops.layer = i
         x = attention_block(ops, lw, cfg, x, positions, slots, cache, i)
         x = moe_block(ops, lw, cfg, x, experts, i)
     ops.layer = -1
-    cache.advance(slots, positions)
     logits = ops.lm_head(ops.rmsnorm(x, w.final_norm, cfg.rms_eps), w.lm_head)      # [M, V] fp32
     return ForwardOut(logits, x)

@@ -15,6 +15,11 @@ the fast set they may differ, which is what the receipt exposes. Acceptance keep
 equals the model's own argmax rows, plus the model's next token; the main and MTP caches are rolled back
 (``KVCache.truncate``) past the accepted rows. When no draft is needed (the last token) the step is a plain decode.
 
+With ``graphs`` (CUDA) the forwards after the prefill replay from CUDA graphs, one per shape (graphs.GraphForward:
+the verify's k+1 rows, plain decode steps, the head's one-row and catch-up forwards; the eager forwards' bytes);
+where a shape cannot be captured (the fast set's verify: its per-expert GEMM shapes follow the routing) it runs
+eagerly and ``DraftedResult.graphs`` says why.
+
 Draft sources: ``"mtp"`` (the head above; synthetic weights have a low acceptance rate, reported as measured) and
 ``"self"`` (sanity mode: the drafts are the main model's own decode steps, so acceptance is 100% exactly when the
 verify rows reproduce the decode rows' argmax).
@@ -28,6 +33,7 @@ import torch
 
 from .cache import KVCache, KVFormat
 from .config import ModelConfig
+from .graphs import GraphForward
 from .kernels import KernelSet, get_set
 from .model import (BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, ResidentExperts, attention_block, forward,
                     moe_block)
@@ -159,16 +165,24 @@ class MTPHead:
                 plan=DECODE, slot: int = 0) -> ForwardOut:
         """Rows (t_{i+1} = tokens [M] int64, h_i = hidden [M, H], i = positions [M] int64) -> ForwardOut(logits
         [M, V] fp32 of the draft t_{i+2}, hidden [M, H] = the block's output before final_norm, for chaining)."""
-        cfg, m = self.cfg1, self.m
         ops = Ops(kernels, plan)
-        ops.positions, ops.layer = positions, self.w.cfg.n_layers  # taps see the MTP block as layer L
+        ops.positions = positions
         slots = torch.full_like(positions, slot)
+        out = self.body(ops, tokens, positions, slots, hidden)
+        self.cache.advance(slots, positions)
+        return out
+
+    def body(self, ops: Ops, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             hidden: torch.Tensor) -> ForwardOut:
+        """forward's rows with ``ops`` at cache ``slots`` [M] int64: no host read of its own, and the cache's
+        lengths left to the caller (graphs.GraphForward records the kernels it launches)."""
+        cfg, m = self.cfg1, self.m
+        ops.layer = self.w.cfg.n_layers                                                # taps see the block as layer L
         e = ops.rmsnorm(self.w.embed[tokens], m.emb_norm, cfg.rms_eps)                # [M, H]
         h = ops.rmsnorm(hidden, m.hidden_norm, cfg.rms_eps)                            # [M, H]
         x = ops.dense(torch.cat([e, h], dim=-1), m.proj)                               # [M, 2H] -> [M, H]
         x = attention_block(ops, m.layer, cfg, x, positions, slots, self.cache, 0)
         x = moe_block(ops, m.layer, cfg, x, self.experts, 0)
-        self.cache.advance(slots, positions)
         ops.layer = -1
         logits = ops.lm_head(ops.rmsnorm(x, m.final_norm, cfg.rms_eps), self.w.lm_head)  # [M, V] fp32
         return ForwardOut(logits, x)
@@ -198,6 +212,9 @@ class DraftedResult:
         prompt_ids [P] int64, gen_ids [N] int64, gen_logits [N, V] fp32 (the row each token was chosen from), cpu.
         stats: DraftStats; served: prefill plan -> {"segments", "rows"}; seconds: wall time of the run.
         cache, mtp_cache: the main and the MTP head's KV caches after the run (kept only when asked).
+        graphs: {} when CUDA graphs were not asked for; else per forward shape met after the prefill
+            ("main 3 batched": the verify of k = 2 drafts, "main 1 decode", "head 1 decode", "head 2 batched", ...)
+            graphs.GraphForward.info() (replays, eager calls, why a graph did not serve).
     """
 
     draft: str
@@ -214,15 +231,69 @@ class DraftedResult:
     seconds: float = 0.0
     cache: KVCache | None = None
     mtp_cache: KVCache | None = None
+    graphs: dict = field(default_factory=dict)
+
+    def graphs_record(self) -> dict | None:
+        """What a report keeps of ``graphs``: None when CUDA graphs were not asked for, else {"served": any shape
+        replayed, "replays" and "eager_steps" summed over the shapes, "reason": "<shape>: <why>" for each shape a
+        graph did not serve, joined with "; " (None when every shape's graph served)}."""
+        if not self.graphs:
+            return None
+        why = [f"{key}: {g['reason']}" for key, g in self.graphs.items() if g["reason"] is not None]
+        return {"served": any(g["served"] for g in self.graphs.values()),
+                "replays": sum(g["replays"] for g in self.graphs.values()),
+                "eager_steps": sum(g["eager_steps"] for g in self.graphs.values()),
+                "reason": "; ".join(why) or None}
+
+
+class _Forwards:
+    """A drafted run's forwards of one stream (slot 0): the main model's (verify, plain decode steps) and the MTP
+    head's, each replayed from a CUDA graph per (model, rows, plan) when ``graphs`` is asked for
+    (graphs.GraphForward: the eager forwards' bytes), else the eager forwards."""
+
+    def __init__(self, w: Weights, cache: KVCache, ks: KernelSet, experts: ExpertProvider | None,
+                 head: MTPHead | None, graphs: bool, max_rows: int):
+        self.w, self.cache, self.ks, self.experts, self.head = w, cache, ks, experts, head
+        self.graphs, self.max_rows = graphs, max_rows      # the head's catch-up over the prompt stays eager
+        self.captured: dict[str, GraphForward] = {}
+
+    def main(self, tokens: torch.Tensor, first: int, plan) -> ForwardOut:
+        """The main model over tokens [n] int64 at positions first..first+n-1."""
+        n = tokens.numel()
+        if not self.graphs or n > self.max_rows:
+            pos = torch.arange(first, first + n, device=self.w.device)
+            return forward(self.w, tokens, pos, self.cache, self.ks, plan, experts=self.experts)
+        g = self._graph(f"main {n} {plan.kind}", lambda: GraphForward(
+            self.w, self.cache, self.ks, rows=n, plan=plan, experts=self.experts))
+        return g.run(tokens, range(first, first + n), [0] * n)
+
+    def head_rows(self, tokens: torch.Tensor, hidden: torch.Tensor, first: int) -> ForwardOut:
+        """The MTP head over (tokens [n] int64, hidden [n, H]) at positions first..first+n-1 (decode plan for one
+        row, batched for more)."""
+        n = tokens.numel()
+        plan = DECODE if n == 1 else BATCHED
+        if not self.graphs or n > self.max_rows:
+            pos = torch.arange(first, first + n, device=self.w.device)
+            return self.head.forward(tokens, hidden, pos, self.ks, plan)
+        g = self._graph(f"head {n} {plan.kind}", lambda: GraphForward(
+            self.w, self.head.cache, self.ks, rows=n, plan=plan, head=self.head))
+        return g.run(tokens, range(first, first + n), [0] * n, hidden)
+
+    def _graph(self, key: str, make) -> GraphForward:
+        if key not in self.captured:
+            self.captured[key] = make()
+        return self.captured[key]
+
+    def info(self) -> dict:
+        """{} when graphs were not asked for; else {"<model> <rows> <plan>": GraphForward.info()} per shape met."""
+        return {k: g.info() for k, g in self.captured.items()} if self.graphs else {}
 
 
 class _Drafter:
     """Proposes drafts for one stream (slot 0) and keeps the MTP cache in step with the accepted tokens."""
 
-    def __init__(self, w: Weights, ks: KernelSet, draft: str, mtp: MTPWeights | None, *, capacity: int,
-                 step: int | None, experts: ExpertProvider | None, kv_dtype: str = "bf16"):
-        self.w, self.ks, self.draft, self.step, self.experts = w, ks, draft, step, experts
-        self.head = MTPHead(w, mtp, capacity, kv_dtype=kv_dtype) if draft == "mtp" else None
+    def __init__(self, fwd: _Forwards, draft: str, step: int | None):
+        self.fwd, self.ks, self.draft, self.step = fwd, fwd.ks, draft, step
         self.pend_h, self.pend_t, self.pend_pos = None, None, 0  # main hidden rows not yet run through the head
 
     def feed(self, hidden: torch.Tensor, next_tokens: torch.Tensor, first_pos: int) -> None:
@@ -236,8 +307,7 @@ class _Drafter:
     def _self(self, cache, last, L, kk):
         out, t = [], last
         for j in range(kk):
-            logits = forward(self.w, t, torch.tensor([L + j], device=self.w.device), cache, self.ks, DECODE,
-                             experts=self.experts).logits                              # [1, V]
+            logits = self.fwd.main(t, L + j, DECODE).logits                            # [1, V]
             t = self.ks.fn("argmax", "decode")(logits)
             out.append(t)
         cache.truncate(0, L)  # the verify forward rewrites positions L..L+kk
@@ -247,29 +317,25 @@ class _Drafter:
         n, seg = self.pend_t.numel(), self.step or self.pend_t.numel()
         for a in range(0, n, seg):  # catch up: the head over the main model's accepted rows, in prefill segments
             rows = slice(a, min(n, a + seg))
-            pos = torch.arange(self.pend_pos + a, self.pend_pos + rows.stop, device=self.w.device)
-            o = self.head.forward(self.pend_t[rows], self.pend_h[rows], pos, self.ks,
-                                  DECODE if pos.numel() == 1 else BATCHED)
+            o = self.fwd.head_rows(self.pend_t[rows], self.pend_h[rows], self.pend_pos + a)
         d = [self.ks.fn("argmax", "decode")(o.logits[-1:])]
         h = o.hidden[-1:]
         for j in range(1, kk):  # chain: the head's own row and the previous draft at the next position
-            o = self.head.forward(d[-1], h, torch.tensor([L + j - 1], device=self.w.device), self.ks, DECODE)
+            o = self.fwd.head_rows(d[-1], h, L + j - 1)
             d.append(self.ks.fn("argmax", "decode")(o.logits))
             h = o.hidden
-        self.head.cache.truncate(0, L)  # chained rows (positions >= L) used the head's own hidden: speculative
+        self.fwd.head.cache.truncate(0, L)  # chained rows (positions >= L) used the head's own hidden: speculative
         return torch.cat(d)
 
 
-def _verify(w, cache, ks, last, drafts, L, experts):
+def _verify(fwd: _Forwards, last, drafts, L):
     """One forward of [last, d1..dk] at L..L+k (prompt kernels); returns (accepted a, new ids [a+1], logits rows
     [a+1, V], hidden rows [a+1, H])."""
-    rows = torch.cat([last, drafts])                                                   # [k+1]
-    pos = torch.arange(L, L + rows.numel(), device=w.device)
-    out = forward(w, rows, pos, cache, ks, BATCHED, experts=experts)
-    g = ks.fn("argmax", "prompt")(out.logits)                                          # [k+1]
+    out = fwd.main(torch.cat([last, drafts]), L, BATCHED)                             # k+1 rows
+    g = fwd.ks.fn("argmax", "prompt")(out.logits)                                      # [k+1]
     agree = (g[:-1] == drafts).int()
     a = int(agree.cumprod(0).sum())
-    cache.truncate(0, L + a + 1)
+    fwd.cache.truncate(0, L + a + 1)
     return a, g[:a + 1], out.logits[:a + 1], out.hidden[:a + 1]
 
 
@@ -277,15 +343,12 @@ def _verify(w, cache, ks, last, drafts, L, experts):
 class _Drafting:
     """One drafted decode in progress (slot 0): what each _round reads, and the tokens it appends to."""
 
-    w: Weights
-    cache: KVCache                  # the main model's
-    ks: KernelSet
+    fwd: _Forwards                  # the main model's and the head's forwards (cache, kernel set, graphs)
     drafter: _Drafter
     k: int                          # drafts per round
     n_prompt: int                   # P
     gen_tokens: int                 # tokens asked for
     stats: DraftStats
-    experts: ExpertProvider | None
     gen: list = field(default_factory=list)   # generated ids, [1] int64 each
     glog: list = field(default_factory=list)  # the logits row each was chosen from, [1, V] fp32 each
 
@@ -293,7 +356,8 @@ class _Drafting:
 def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",
                      schedule: Schedule = Schedule("batched"), *, k: int = 2, draft: str = "mtp",
                      mtp: MTPWeights | None = None, keep_cache: bool = False,
-                     experts: ExpertProvider | None = None, kv_dtype: str | KVFormat = "bf16") -> DraftedResult:
+                     experts: ExpertProvider | None = None, kv_dtype: str | KVFormat = "bf16",
+                     graphs: bool = False) -> DraftedResult:
     """Prefill ``prompt_ids`` [P] int64 as ``schedule`` says (as paths.generate does) and generate ``gen_tokens``
     greedy tokens with k drafts per verify forward (module docstring).
 
@@ -302,6 +366,8 @@ def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kern
             (sanity mode: drafts from the main model's own decode steps).
         kv_dtype: what the main cache stores (cache.KV_DTYPES name or a KVFormat); the head's cache stores the
             same kind (MTPHead).
+        graphs: replay the forwards after the prefill (verify, plain decode steps, the head's rows up to k+1 per
+            call) from CUDA graphs (graphs.GraphForward: the same bytes); ``DraftedResult.graphs`` says what served.
     Returns:
         DraftedResult; tokens equal paths.generate's exactly when the verify rows reproduce the decode rows.
     Raises:
@@ -319,9 +385,10 @@ def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kern
     res = DraftedResult(draft, k, ks.name, schedule.path, schedule.step, mw.source if mw else None,
                         prompt_ids.cpu(), torch.zeros(0, dtype=torch.int64), torch.zeros(0, w.cfg.vocab_size))
     pre = prefill(w, cache, ids, ks, schedule, served=res.served, experts=experts)
-    drafter = _Drafter(w, ks, draft, mw, capacity=cache.capacity, step=schedule.step, experts=experts,
-                       kv_dtype=cache.kv_dtype)
-    state = _Drafting(w, cache, ks, drafter, k, P, gen_tokens, res.stats, experts)
+    head = MTPHead(w, mw, cache.capacity, kv_dtype=cache.kv_dtype) if mw is not None else None
+    fwd = _Forwards(w, cache, ks, experts, head, graphs, max_rows=k + 1)
+    drafter = _Drafter(fwd, draft, schedule.step)
+    state = _Drafting(fwd, drafter, k, P, gen_tokens, res.stats)
     if gen_tokens:
         state.gen.append(ks.fn("argmax", schedule.role)(pre.logits[-1:]))
         state.glog.append(pre.logits[-1:])
@@ -331,26 +398,26 @@ def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kern
     res.gen_ids = torch.cat(state.gen).cpu() if state.gen else res.gen_ids
     res.gen_logits = torch.cat(state.glog).cpu() if state.glog else res.gen_logits
     res.seconds = time.perf_counter() - t0
+    res.graphs = fwd.info()
     if keep_cache:
-        res.cache, res.mtp_cache = cache, (drafter.head.cache if drafter.head else None)
+        res.cache, res.mtp_cache = cache, (head.cache if head else None)
     return res
 
 
 def _round(state: _Drafting) -> None:
     """One draft-and-verify round (or a plain decode step when one token is left); appends to state.gen / glog."""
-    w, cache, ks, gen, stats = state.w, state.cache, state.ks, state.gen, state.stats
+    fwd, gen, stats = state.fwd, state.gen, state.stats
     L = state.n_prompt + len(gen) - 1              # position of the newest token, not yet fed
     kk = min(state.k, state.gen_tokens - len(gen) - 1)  # never draft past the requested length
     last = gen[-1]
     if kk == 0:
-        pos = torch.tensor([L], device=w.device)
-        logits = forward(w, last, pos, cache, ks, DECODE, experts=state.experts).logits  # [1, V] fp32
-        gen.append(ks.fn("argmax", "decode")(logits))
+        logits = fwd.main(last, L, DECODE).logits                                      # [1, V] fp32
+        gen.append(fwd.ks.fn("argmax", "decode")(logits))
         state.glog.append(logits)
         stats.plain_steps += 1
         return
-    drafts = state.drafter.propose(cache, last, L, kk)
-    a, new, logits, hidden = _verify(w, cache, ks, last, drafts, L, state.experts)
+    drafts = state.drafter.propose(fwd.cache, last, L, kk)
+    a, new, logits, hidden = _verify(fwd, last, drafts, L)
     stats.proposed, stats.accepted, stats.rounds = stats.proposed + kk, stats.accepted + a, stats.rounds + 1
     gen.extend(new.split(1))
     state.glog.extend(logits.split(1))

@@ -16,8 +16,9 @@ Runs, per kernel set (greedy, temperature 0, end-of-sequence ignored; prefill on
     memory      peak device memory per run (torch.cuda.max_memory_allocated; None on CPU), and on CUDA the peak of
                 a batched and a ``bench_path`` prefill of the longest prompt; the ring's reserved bytes (offload)
 
-With ``bench_graphs`` (CUDA) the plain replies' and the streams' decode steps replay from CUDA graphs (the eager
-steps' bytes; each record's ``decode_graphs`` says whether a graph served and why not); drafted runs decode eagerly.
+With ``bench_graphs`` (CUDA) every forward after the prefill replays from CUDA graphs: the plain replies' and the
+streams' decode steps, and the drafted runs' verify, decode and MTP head forwards (the eager forwards' bytes; each
+record's ``decode_graphs`` says whether a graph served and, per shape, why not).
 
 Metrics: TTFT = seconds from the request to the first generated token; prefill tok/s = prompt tokens /
 TTFT; decode tok/s = (generated - 1) / (time of last token - time of first token); mean ITL = that span /

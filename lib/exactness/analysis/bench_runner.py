@@ -119,7 +119,7 @@ class Runner:
         self.w, self.experts, self.device = w, experts, w.device
         self.schedule = Schedule(p.bench_path, p.bench_step, p.deep_threshold)
         self.mtp, self.kv_dtype = None, p.kv_dtype   # what every request's KV cache stores
-        self.graphs = p.bench_graphs and w.device.type == "cuda"   # plain replies' and streams' decode steps
+        self.graphs = p.bench_graphs and w.device.type == "cuda"   # every forward after the prefill
 
     def plain(self, ids: torch.Tensor, ks: str, gen: int, path: str | None = None) -> dict:
         """One paths.generate request (``path`` overrides the bench path, e.g. for the memory comparison)."""
@@ -154,9 +154,9 @@ class Runner:
             stack.enter_context(after_calls(mtp, "_round", round_done, self.device))
             t0 = time.perf_counter()
             r = mtp.generate_drafted(self.w, ids, gen, ks, self.schedule, k=MTP_K, draft="mtp", mtp=self.mtp,
-                                     experts=self.experts, kv_dtype=self.kv_dtype)
+                                     experts=self.experts, kv_dtype=self.kv_dtype, graphs=self.graphs)
         times = [t - t0 for t in stamps[:gen]]
-        rec = _record("drafted", ids, r.gen_ids, r.served, times[0], times, mem["peak_bytes"])
+        rec = _record("drafted", ids, r.gen_ids, r.served, times[0], times, mem["peak_bytes"], r.graphs_record())
         rec["acceptance"] = r.stats.acceptance_rate
         return self._note(rec)
 

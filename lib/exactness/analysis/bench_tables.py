@@ -198,9 +198,10 @@ def config_line(data: dict) -> str:
             f"{c['deep_threshold']}); {c['gen_tokens']} new tokens, temperature 0, EOS ignored; {c['reps']} reps "
             f"(cold = rep 0, warm = repeat), ITL over {c['itl_reps']} reps; MTP k={c['mtp_k']}; expert offload "
             f"{offload}; prompt cache {c['prompt_cache']}"
-            + ("; plain replies' and concurrent streams' decode steps replayed from CUDA graphs (graphs.GraphDecoder; "
-               "each run's `decode_graphs` says whether they served and why not; drafted runs decode eagerly: "
-               "no graph captures the MTP head or the verify forward)" if c.get("decode_graphs") else ""))
+            + ("; the forwards after the prefill (plain replies' and concurrent streams' decode steps, drafted runs' "
+               "verify, decode and MTP head forwards) replayed from CUDA graphs (graphs.GraphForward, one per shape; "
+               "each run's `decode_graphs` says whether they served and, per shape, why not)"
+               if c.get("decode_graphs") else ""))
 
 
 def render_md(section: dict) -> str:

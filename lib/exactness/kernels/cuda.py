@@ -203,7 +203,7 @@ def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[
                    stride_cm=i32)
         const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, GATE_UP=kind == "gate_up",
                      TMA=tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False,
-                     SPLIT=c.split_k)
+                     SPLIT=c.split_k, SPLIT_LOOP=tg.SPLIT_LOOPS.index(c.split_loop))
         fn = tg._gemm_kernel
         if c.persistent:
             fn, const = tg._gemm_persistent_kernel, const | dict(NUM_SMS=132, WS=c.warp_specialize)

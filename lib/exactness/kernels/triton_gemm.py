@@ -33,6 +33,9 @@ from .triton_tiles import _gemm_kernel, _gemm_persistent_kernel, _gemm_split_ker
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+SPLIT_LOOPS = ("runs", "fold", "flat")   # GemmConfig.split_loop; the index is the kernels' SPLIT_LOOP
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """One fixed tile configuration (chosen per weight shape and architecture, never per M).
@@ -48,6 +51,10 @@ class GemmConfig:
             and the partials are added in run order in fp32 (no atomics), whether the runs go to parallel programs
             (small M: more programs than tiles) or one program does them in turn (large M: no partial buffer).
             Part of the shape's fixed config, so decode and prompt rows share it.
+        split_loop: how one program does its runs in turn (the same operations in the same order, so the same
+            bytes): ``"runs"`` one K loop per run; ``"fold"`` one K loop over every chunk, the running partial
+            added to the total at each run's last chunk (one software pipeline across the runs); ``"flat"`` the run
+            loop and its K loops flattened into one by Triton (``tl.range(flatten=True)``).
     """
 
     block_m: int = 128
@@ -60,16 +67,20 @@ class GemmConfig:
     tma: bool = True
     warp_specialize: bool = False
     split_k: int = 1
+    split_loop: str = "runs"
 
     def __post_init__(self) -> None:
         if not isinstance(self.split_k, int) or self.split_k < 1:
             raise ValueError(f"split_k must be an int >= 1, got {self.split_k!r}")
+        if self.split_loop not in SPLIT_LOOPS:
+            raise ValueError(f"split_loop must be one of {', '.join(SPLIT_LOOPS)}; got {self.split_loop!r}")
 
     def label(self) -> str:
         """Short id such as ``128x128x64 s4 w8 P tma``."""
         flags = ("P" if self.persistent else "NP") + (" tma" if self.tma else " ptr")
         flags += " ws" if self.warp_specialize else ""
-        flags += f" k/{self.split_k}" if self.split_k > 1 else ""
+        flags += f" k/{self.split_k}" + (f" {self.split_loop}" if self.split_loop != "runs" else "") \
+            if self.split_k > 1 else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps} {flags}"
 
     def smem_bytes(self, elem: int, gate_up: bool = False) -> int:
@@ -103,12 +114,14 @@ _DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
 # Chosen on an H200 by benchmarks/bench_gpu_kernels.py --tune: per shape, the candidate with the best GEMM/cuBLAS
 # ratio at M = 4096 and 16384. The dense projections' split_k makes a decode row (one 128-row tile per BLOCK_N
 # columns: 4 to 32 programs for 132 SMs) run split_k times as many programs; it is part of the shape's config, so
-# prompt rows use the same split (one program running the runs in turn). The ratios this table reaches, with the
-# command that measures them, are in measurements/h200/2026-12-01-e/README.md.
+# prompt rows use the same split (one program running the runs in turn: q, k/v and o fold them into one K loop,
+# which kept the software pipeline across the runs where separate loops restarted it; persistent programs lost
+# with the fold). The ratios this table reaches, with the command that measures them, are in
+# measurements/h200/2026-12-02/README.md.
 SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
-    ("linear", 4096, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, persistent=True, split_k=4),  # q
-    ("linear", 512, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, split_k=8),                   # k, v
-    ("linear", 2048, 4096, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, persistent=True, split_k=8),  # o
+    ("linear", 4096, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 5, 8, split_k=4, split_loop="fold"),  # q
+    ("linear", 512, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, split_k=8, split_loop="fold"),   # k, v
+    ("linear", 2048, 4096, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, split_k=8, split_loop="fold"),  # o
     ("linear", 768, 2048, "16bit", "sm90"): GemmConfig(128, 256, 64, 3, 8, persistent=True),    # gate|up alone
     ("linear", 2048, 768, "16bit", "sm90"): GemmConfig(128, 256, 64, 3, 8, persistent=True),    # down
     ("linear", 128, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, split_k=8),                   # router
@@ -214,8 +227,8 @@ def _make_plan(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config:
         bs = list(ws)
     consts = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, GATE_UP=kind == "gate_up",
                   TMA=use_tma, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EMULATE=INTERPRET,
-                  SPLIT=cfg.split_k)
-    split_consts = {k: v for k, v in consts.items() if k != "GATE_UP"}
+                  SPLIT=cfg.split_k, SPLIT_LOOP=SPLIT_LOOPS.index(cfg.split_loop))
+    split_consts = {k: v for k, v in consts.items() if k not in ("GATE_UP", "SPLIT_LOOP")}
     sms = (_num_sms(x.device) if x.device.type == "cuda" else 4) if cfg.persistent else 0
     kernel = _gemm_persistent_kernel if cfg.persistent else _gemm_kernel
     if cfg.persistent:

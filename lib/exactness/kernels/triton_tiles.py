@@ -63,22 +63,61 @@ def _split_bounds(K, s, BK: tl.constexpr, SPLIT: tl.constexpr):
 @triton.jit
 def _tile_product(a_src, b_src, b2_src, off_m, off_n, M, N, K, stride_am, stride_bn,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
-                  TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr = 1):
+                  TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr = 1,
+                  SPLIT_LOOP: tl.constexpr = 0):
     """fp32 [BM, BN] accumulator(s) of one output tile. SPLIT = 1: all K chunks in ascending order. SPLIT > 1: each
     split's partial from zero (_k_range), added in split order to a zero total, the arithmetic of
-    _gemm_split_kernel + _split_reduce_kernel (which run the splits in parallel) in one program."""
+    _gemm_split_kernel + _split_reduce_kernel (which run the splits in parallel) in one program. SPLIT_LOOP says
+    how the program walks the splits (GemmConfig.split_loop; the same operations in the same order either way):
+    0 one K loop per split, in turn; 1 one K loop over every chunk, folding the running partial into the total at
+    each split's last chunk; 2 the split loop and its K loops flattened into one by Triton."""
     if SPLIT == 1:
         acc, acc2 = _k_range(a_src, b_src, b2_src, off_m, off_n, 0, tl.cdiv(K, BK), M, N, K, stride_am, stride_bn,
                              BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
+    elif SPLIT_LOOP == 1:
+        acc, acc2 = _folded_splits(a_src, b_src, b2_src, off_m, off_n, M, N, K, stride_am, stride_bn,
+                                   BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE, SPLIT)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        for s in range(0, SPLIT):
+        for s in tl.range(0, SPLIT, flatten=SPLIT_LOOP == 2):
             lo, hi = _split_bounds(K, s, BK, SPLIT)
             p, p2 = _k_range(a_src, b_src, b2_src, off_m, off_n, lo, hi, M, N, K, stride_am, stride_bn,
                              BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
             acc = acc + p
             acc2 = acc2 + p2
+    return acc, acc2
+
+
+@triton.jit
+def _folded_splits(a_src, b_src, b2_src, off_m, off_n, M, N, K, stride_am, stride_bn,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
+                   TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr):
+    """_tile_product's split arithmetic in one K loop: the running partial p (from zero, chunks in ascending order,
+    as _k_range) is added to the total at the last chunk of its split and restarts from zero. Splits that hold no
+    chunk (when SPLIT runs of tl.cdiv(nk, SPLIT) chunks overshoot nk) each add a zero partial: one + 0.0 does what
+    they do (it turns a -0.0 total into +0.0; adding +0.0 again changes nothing)."""
+    nk = tl.cdiv(K, BK)
+    per = tl.cdiv(nk, SPLIT)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+    p = tl.zeros((BM, BN), dtype=tl.float32)
+    p2 = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(0, nk):
+        a = _load_tile(a_src, off_m, ki * BK, M, K, stride_am, BM, BK, TMA)          # [BM, BK]
+        b = _load_tile(b_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)          # [BN, BK]
+        p = tl.dot(dot_operand(a, EMULATE), dot_operand(b, EMULATE).T, p, input_precision=PRECISION)
+        if GATE_UP:
+            b2 = _load_tile(b2_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)
+            p2 = tl.dot(dot_operand(a, EMULATE), dot_operand(b2, EMULATE).T, p2, input_precision=PRECISION)
+        if ((ki + 1) % per == 0) | (ki + 1 == nk):
+            acc = acc + p
+            acc2 = acc2 + p2
+            p = tl.zeros((BM, BN), dtype=tl.float32)
+            p2 = tl.zeros((BM, BN), dtype=tl.float32)
+    if tl.cdiv(nk, per) < SPLIT:
+        acc = acc + 0.0
+        acc2 = acc2 + 0.0
     return acc, acc2
 
 
@@ -103,11 +142,11 @@ def _store_tile(c_ptr, acc, acc2, off_m, off_n, M, N, stride_cm, BM: tl.constexp
 def _gemm_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                  GATE_UP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-                 SPLIT: tl.constexpr):
+                 SPLIT: tl.constexpr, SPLIT_LOOP: tl.constexpr):
     """One program per output tile."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     acc, acc2 = _tile_product(a_src, b_src, b2_src, pid_m * BM, pid_n * BN, M, N, K, stride_am, stride_bn,
-                              BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE, SPLIT)
+                              BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE, SPLIT, SPLIT_LOOP)
     _store_tile(c_ptr, acc, acc2, pid_m * BM, pid_n * BN, M, N, stride_cm, BM, BN, GATE_UP, EMULATE)
 
 
@@ -115,14 +154,15 @@ def _gemm_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, stride_bn, str
 def _gemm_persistent_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                             GATE_UP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-                            SPLIT: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr):
+                            SPLIT: tl.constexpr, SPLIT_LOOP: tl.constexpr, NUM_SMS: tl.constexpr,
+                            WS: tl.constexpr):
     """One program per SM, walking tiles start, start + NUM_SMS, ...; each tile computed as in _gemm_kernel."""
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True, warp_specialize=WS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         acc, acc2 = _tile_product(a_src, b_src, b2_src, pid_m * BM, pid_n * BN, M, N, K, stride_am, stride_bn,
-                                  BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE, SPLIT)
+                                  BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE, SPLIT, SPLIT_LOOP)
         _store_tile(c_ptr, acc, acc2, pid_m * BM, pid_n * BN, M, N, stride_cm, BM, BN, GATE_UP, EMULATE)
 
 
