@@ -274,8 +274,12 @@ def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmC
     return out
 
 
-SPLIT_TILES_BELOW = 132   # output tiles under which a split-K config runs its splits in parallel (H200: 132 SMs)
-SPLIT_MAX_ROWS = 256      # ...and rows up to which it does: beyond, the fp32 partials cost more than idle SMs
+# Where a split-K config runs its splits in parallel programs rather than in turn (the same bytes either way): below
+# this many output tiles the in-turn programs leave most of the 132 SMs idle, above it the parallel runs' fp32
+# partials and their reduce cost more (the crossover of every split shape of the small preset on the H200 lies
+# between 32 and 48 tiles: measurements/h200/2026-12-02/README.md) ...
+SPLIT_TILES_BELOW = 40
+SPLIT_MAX_ROWS = 512      # ... for calls of up to this many rows (the range measured)
 _REDUCE = dict(BM=32, BN=128)
 
 
