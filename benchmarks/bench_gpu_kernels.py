@@ -634,7 +634,7 @@ def drafted(args) -> dict:
     wall ms per generated token after the prefill (the run's time less a one-token run's, timed in the same loop);
     the graph run's tokens and generated logits compared as bytes with the eager drafted run's, and the graphs'
     replays and reasons (per shape) where a shape did not serve. Every run is made once untimed first (Triton
-    compiles, the MTP head's first graphs)."""
+    compiles); each drafted run captures its own graphs, inside its timing."""
     from exactness import mtp
     from exactness.exact import bytes_equal
     w, gen = _weights(args.e2e_weights), 64

@@ -16,7 +16,7 @@ import torch
 
 from exactness import graphs
 from exactness.exact import bytes_equal, first_differing_row, kv_first_difference, ulp_distance
-from exactness.model import ResidentExperts, tapping
+from exactness.model import BATCHED, DECODE, ResidentExperts, tapping
 from exactness.paths import Schedule, generate
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -86,12 +86,32 @@ def test_cpu_drafted_falls_back_with_reason(tiny_weights):
     run = generate_drafted(tiny_weights, ids, GEN, "invariant", sched, k=2, keep_cache=True, graphs=True)
     assert eager.graphs == {} and eager.graphs_record() is None
     assert "main 3 batched" in run.graphs and "head 1 decode" in run.graphs, run.graphs
-    assert all(k.split()[1] in "123" for k in run.graphs)                 # no shape above k + 1 rows
-    assert all(not g["served"] and "CUDA device" in g["reason"] for g in run.graphs.values())
+    assert all(1 <= int(k.split()[1]) <= 3 for k in run.graphs)          # no shape above k + 1 rows
+    assert all(not g["served"] and ("CUDA device" in g["reason"] or g["reason"] == graphs.ONCE)
+               for g in run.graphs.values()), run.graphs
+    assert "CUDA device" in run.graphs["main 3 batched"]["reason"]      # met every round: a graph was tried
     rec = run.graphs_record()
     assert rec["served"] is False and rec["replays"] == 0
     assert rec["eager_steps"] == sum(g["eager_steps"] for g in run.graphs.values()) > 0
     assert same_drafted(eager, run)
+
+
+def test_stream_forwards_capture_from_the_second_call(tiny_weights):
+    """StreamForwards makes a shape's GraphForward on its second call (a shape met once runs eagerly and is
+    reported as such); forwards above max_rows are never recorded."""
+    from exactness.cache import KVCache
+    w = tiny_weights
+    cache = KVCache(w.cfg, 16, 1, w.dtype, w.device)
+    fwd = graphs.StreamForwards(w, cache, "invariant", None, None, True, max_rows=3)
+    fwd.main(torch.tensor([1, 2, 3, 4]), 0, BATCHED)                      # 4 rows > max_rows: eager, unrecorded
+    fwd.main(torch.tensor([5]), 4, DECODE)
+    assert fwd.info() == {"main 1 decode": {"served": False, "replays": 0, "eager_steps": 1, "pieces": 0,
+                                            "reason": graphs.ONCE}}
+    fwd.main(torch.tensor([6]), 5, DECODE)
+    info = fwd.info()["main 1 decode"]
+    assert set(fwd.captured) == {"main 1 decode"} and info["eager_steps"] == 2 and "CUDA device" in info["reason"]
+    assert cache.lengths[0] == 6
+    assert graphs.StreamForwards(w, cache, "invariant", None, None, False, max_rows=3).info() == {}
 
 
 def test_graph_forward_refuses_bad_input(tiny_weights):
@@ -104,6 +124,12 @@ def test_graph_forward_refuses_bad_input(tiny_weights):
         g.run(torch.tensor([1, 2]), [0, 1], [0, 0], hidden=torch.zeros(2, tiny_weights.cfg.hidden))
     with pytest.raises(ValueError, match="outside the cache capacity 0..7"):
         g.run(torch.tensor([1, 2]), [7, 8], [0, 0])
+    from exactness.mtp import MTPHead, resolve_mtp
+    head = MTPHead(tiny_weights, resolve_mtp(tiny_weights), 8)
+    with pytest.raises(ValueError, match="the head's own cache"):
+        graphs.GraphForward(tiny_weights, cache, "invariant", rows=2, head=head)
+    with pytest.raises(ValueError, match="batch=2"):
+        graphs.GraphForward(tiny_weights, head.cache, "invariant", batch=2, head=head)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -309,8 +335,9 @@ def test_gpu_concurrent_streams_on_graphs_equal_eager(gpu_weights, kernels, n, m
 def test_gpu_drafted_on_graphs_bytes_equal_eager(gpu_weights, prompt, kernels, draft, monkeypatch):
     """generate_drafted with graphs: tokens, generated logits, the main and the MTP head's KV caches equal the
     eager drafted run's as bytes. The invariant set replays its verify (3 rows, batched plan) as one graph; the
-    fast set's verify runs eagerly and says why, while its one-row head and decode forwards replay. Control: a
-    stale device position at replay must change the run."""
+    fast set's verify runs eagerly and says why, while its one-row head and decode forwards replay. Controls, each
+    of which must change the run: a stale device position at every replay; for the invariant set, at the verify's
+    replays only; with the MTP head, the head's hidden input rows zeroed at its replays."""
     from exactness.mtp import generate_drafted
     sched, gen = Schedule("batched", 16), 12
 
@@ -321,7 +348,7 @@ def test_gpu_drafted_on_graphs_bytes_equal_eager(gpu_weights, prompt, kernels, d
     info = graph.graphs
     verify = info["main 3 batched"]
     if kernels == "invariant":
-        assert all(g["reason"] is None for g in info.values()), info
+        assert all(g["reason"] in (None, graphs.ONCE) for g in info.values()), info
         assert verify["served"] and verify["pieces"] == 1 and verify["replays"] >= 1, info
     else:
         assert not verify["served"] and "rows of one stream" in verify["reason"], info
@@ -330,7 +357,20 @@ def test_gpu_drafted_on_graphs_bytes_equal_eager(gpu_weights, prompt, kernels, d
     assert info[one_row]["replays"] >= 1, info
     assert graph.graphs_record()["served"]
     assert same_drafted(eager, graph)
-    stale_positions(monkeypatch)
-    bad = run(True)
-    assert bad.graphs_record()["served"]
-    assert not same_drafted(eager, bad)
+    load = graphs.GraphForward._load
+
+    def planted(fault):
+        def faulty(self, tokens, positions, slots, hidden):
+            load(self, tokens, positions, slots, hidden)
+            if self.pieces is not None:
+                fault(self)
+        monkeypatch.setattr(graphs.GraphForward, "_load", faulty)
+        bad = run(True)
+        monkeypatch.setattr(graphs.GraphForward, "_load", load)
+        assert bad.graphs_record()["served"]
+        return bad
+    assert not same_drafted(eager, planted(lambda g: g.positions.sub_(1)))
+    if kernels == "invariant":              # the verify graph alone: its rows' KV written one position early
+        assert not same_drafted(eager, planted(lambda g: g.positions.sub_(1) if g.head is None and g.n > 1 else 0))
+    if draft == "mtp":                      # the head's graphs alone: drafts from zero hidden rows
+        assert not same_drafted(eager, planted(lambda g: g.hidden.zero_() if g.head is not None else 0))

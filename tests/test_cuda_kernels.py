@@ -332,14 +332,19 @@ def _interp_main() -> int:
                                                                 [par]) > 0
     c4 = replace(c3, split_k=4)                                                 # 6 chunks: runs of 2, one empty
     par4 = tg.linear(xf, wf, c4)
+    x7, w7 = torch.randn(37, 112), torch.randn(40, 112) / 7                    # 7 chunks at split 3: 3, 3, 1
+    par7 = tg.linear(x7, w7, c3)
     for loop in ("fold", "flat"):
         tg.SPLIT_TILES_BELOW = 0
         try:
-            turns = [tg.linear(xf, wf, replace(c, split_loop=loop)) for c in (c3, c4)]
+            turns = [tg.linear(a, b, replace(c, split_loop=loop)) for a, b, c in ((xf, wf, c3), (xf, wf, c4),
+                                                                                 (x7, w7, c3))]
         finally:
             tg.SPLIT_TILES_BELOW = below
         checks[f"split-K in turn, {loop} loop == parallel"] = row_mismatches(par, turns[:1]) == 0
-        checks[f"split-K with an empty run, {loop} loop == parallel"] = row_mismatches(par4, turns[1:]) == 0
+        checks[f"split-K with an empty run, {loop} loop == parallel"] = row_mismatches(par4, turns[1:2]) == 0
+        checks[f"split-K with a short last run, {loop} loop == parallel"] = row_mismatches(par7, turns[2:]) == 0
+    checks["K = 0: zeros"] = torch.equal(tg.linear(xf[:, :0], wf[:, :0], c3), torch.zeros(37, 40))
     gu = tg.gate_up(x, w, w2)
     g, u = y.float(), tg.linear(x, w2).float()
     checks["gate_up rounding points"] = torch.equal(bits(gu), bits(((g / (1 + torch.exp(-g))).to(bf).float() * u

@@ -7,8 +7,9 @@ them once and replays them with one call. The graph reads static device tensors 
 replays; the host keeps the cache's lengths. The kernels, their shapes and their order are those of the eager
 forward (model.forward, or mtp.MTPHead.forward, on the same plan), so a replay writes the bytes the eager forward
 writes, which tests/test_cuda_graphs.py checks as bytes. GraphDecoder serves the decode steps of B streams (one row
-each); a drafted run (mtp.generate_drafted) keeps one GraphForward per shape it meets: its verify of k+1 rows of one
-stream on the batched plan, its plain decode steps, and the head's one-row and catch-up forwards.
+each); a drafted run (mtp.generate_drafted) keeps one GraphForward per shape it meets more than once
+(StreamForwards): its verify of k+1 rows of one stream on the batched plan, its plain decode steps, and the head's
+one-row and catch-up forwards.
 
 Two parts of a forward cannot be recorded as they are, and are handled so that the bytes stay the eager ones:
 
@@ -32,14 +33,18 @@ why (GraphForward.info).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from .cache import KVCache
 from .kernels import KernelSet, get_set
-from .model import _TAPS, DECODE, ExpertProvider, ForwardOut, Ops, Plan, ResidentExperts, forward, run_rows
+from .model import (_TAPS, BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, Plan, ResidentExperts, forward,
+                    run_rows)
 from .weights import Weights
+
+if TYPE_CHECKING:
+    from .mtp import MTPHead
 
 
 def _device_indexed_attention(role: str = "decode") -> tuple:
@@ -88,7 +93,7 @@ def why_not(w: Weights, kernels: KernelSet | str, batch: int = 1, experts: Exper
 
 
 def _gathered_experts(ks: KernelSet):
-    """A grouped_experts option for a one-stream step of a set without one: y [1, k, H] from the set's decode
+    """A grouped_experts option for a one-row forward of a set without one: y [1, k, H] from the set's decode
     expert kernels on the row h [1, H], with each expert's weights gathered by the device-side ids idx [1, k]."""
     gate_up, down = ks.fn("expert_gate_up", "decode"), ks.fn("expert_down", "decode")
 
@@ -158,13 +163,17 @@ class GraphForward:
             the head's own cache when ``head`` is given); kernels: the kernel set; batch: streams (one slot each);
         rows: rows per stream; plan: the forward's plan (model.DECODE, BATCHED; a deep plan on a few rows is the
             batched one); experts: the main model's expert provider (None: resident);
-        head: an mtp.MTPHead whose block runs instead of the main model (its forwards take hidden rows [N, H]).
+        head: an mtp.MTPHead whose block runs instead of the main model (one stream; its forwards take hidden rows
+            [N, H]; ``cache`` must be the head's own).
     Raises:
-        ValueError: batch or rows is not a positive int.
+        ValueError: batch or rows is not a positive int; a head with more than one stream or another cache.
     """
 
     def __init__(self, w: Weights, cache: KVCache, kernels: KernelSet | str, *, batch: int = 1, rows: int = 1,
-                 plan: Plan = DECODE, experts: ExpertProvider | None = None, head=None):
+                 plan: Plan = DECODE, experts: ExpertProvider | None = None, head: MTPHead | None = None):
+        if head is not None and (cache is not head.cache or batch != 1):
+            raise ValueError("an MTP head's forwards run one stream over the head's own cache (head.cache); got "
+                             f"batch={batch!r} and {'its' if cache is head.cache else 'another'} cache")
         self.w, self.cache, self.ks, self.plan, self.experts, self.head = w, cache, get_set(kernels), plan, experts, head
         self.reason = why_not(w, self.ks, batch, experts, rows=rows, layers=None if head is None else [head.m.layer])
         self.n, self.batch = batch * rows, batch
@@ -226,15 +235,11 @@ class GraphForward:
         return out
 
     def _eager(self, tokens, positions, slots, hidden) -> ForwardOut:
-        dev = self.w.device
-        pos, slot = torch.tensor(positions, device=dev), torch.tensor(slots, device=dev)
-        if self.head is None:
-            return forward(self.w, tokens, pos, self.cache, self.ks, self.plan, slots=slot, experts=self.experts)
-        ops = Ops(self.ks, self.plan)
-        ops.positions = pos
-        out = self.head.body(ops, tokens, pos, slot, hidden)
-        self.cache.advance(slot, pos)
-        return out
+        pos = torch.tensor(positions, device=self.w.device)
+        if self.head is not None:
+            return self.head.forward(tokens, hidden, pos, self.ks, self.plan, slot=slots[0])
+        return forward(self.w, tokens, pos, self.cache, self.ks, self.plan, slots=torch.tensor(slots, device=pos.device),
+                       experts=self.experts)
 
     def _load(self, tokens: torch.Tensor, positions: list[int], slots: list[int], hidden) -> None:
         self.tokens.copy_(tokens)
@@ -312,3 +317,75 @@ class GraphDecoder(GraphForward):
             ValueError: wrong lengths, or a position outside 0..cache capacity - 1.
         """
         return self.run(tokens, positions, slots).logits
+
+
+ONCE = "met once: not captured"   # StreamForwards.info()'s reason for a shape that ran one eager forward
+
+
+class StreamForwards:
+    """The forwards of one stream (slot 0) of a run that meets a few row counts again and again (a drafted run's
+    verify of k+1 rows, its plain decode steps, its MTP head's rows), each shape (model, rows, plan) replayed from
+    its own GraphForward from its second call on when ``graphs`` is asked for: a shape met once runs one eager
+    forward and captures nothing. Forwards of more than ``max_rows`` rows, and every forward without ``graphs``,
+    run eagerly (model.forward, MTPHead.forward).
+
+    Args:
+        w, cache, kernels, experts: the main model's weights, KV cache, kernel set and expert provider;
+        head: an mtp.MTPHead (its own cache) or None; graphs: capture; max_rows: the most rows a captured shape has.
+    """
+
+    def __init__(self, w: Weights, cache: KVCache, kernels: KernelSet | str, experts: ExpertProvider | None,
+                 head: MTPHead | None, graphs: bool, max_rows: int):
+        self.w, self.cache, self.ks, self.experts, self.head = w, cache, get_set(kernels), experts, head
+        self.graphs, self.max_rows = graphs, max_rows
+        self.captured: dict[str, GraphForward] = {}
+        self.once: dict[str, int] = {}          # shapes met once so far: their eager forward
+
+    def main(self, tokens: torch.Tensor, first: int, plan: Plan) -> ForwardOut:
+        """The main model over tokens [n] int64 (device) at positions first..first+n-1 -> ForwardOut(logits [n, V]
+        fp32, hidden [n, H])."""
+        n = tokens.numel()
+        g = self._graph(f"main {n} {plan.kind}", n, lambda: GraphForward(
+            self.w, self.cache, self.ks, rows=n, plan=plan, experts=self.experts))
+        if g is not None:
+            return g.run(tokens, range(first, first + n), [0] * n)
+        pos = torch.arange(first, first + n, device=self.w.device)
+        return forward(self.w, tokens, pos, self.cache, self.ks, plan, experts=self.experts)
+
+    def head_rows(self, tokens: torch.Tensor, hidden: torch.Tensor, first: int) -> ForwardOut:
+        """The MTP head over (tokens [n] int64, hidden [n, H]) at positions first..first+n-1 (decode plan for one
+        row, batched for more) -> ForwardOut(logits [n, V] fp32 of the drafts, hidden [n, H] for chaining)."""
+        n = tokens.numel()
+        plan = DECODE if n == 1 else BATCHED
+        g = self._graph(f"head {n} {plan.kind}", n, lambda: GraphForward(
+            self.w, self.head.cache, self.ks, rows=n, plan=plan, head=self.head))
+        if g is not None:
+            return g.run(tokens, range(first, first + n), [0] * n, hidden)
+        pos = torch.arange(first, first + n, device=self.w.device)
+        return self.head.forward(tokens, hidden, pos, self.ks, plan)
+
+    def _graph(self, key: str, n: int, make) -> GraphForward | None:
+        """The shape's GraphForward, made on its second call; None: run this call eagerly."""
+        if not self.graphs or n > self.max_rows:
+            return None
+        if key not in self.captured and key not in self.once:
+            self.once[key] = 1
+            return None
+        if key not in self.captured:
+            del self.once[key]
+            self.captured[key] = make()
+        return self.captured[key]
+
+    def info(self) -> dict:
+        """{} when graphs were not asked for; else {"<model> <rows> <plan>": GraphForward.info()} per shape met,
+        its ``eager_steps`` counting the shape's first (eager) call too; a shape met once: no replay, one eager
+        step, reason ONCE."""
+        if not self.graphs:
+            return {}
+        info = {}
+        for k, g in self.captured.items():
+            d = g.info()
+            info[k] = {**d, "eager_steps": d["eager_steps"] + 1}
+        for k in self.once:
+            info[k] = {"served": False, "replays": 0, "eager_steps": 1, "pieces": 0, "reason": ONCE}
+        return info

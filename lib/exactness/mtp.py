@@ -15,10 +15,10 @@ the fast set they may differ, which is what the receipt exposes. Acceptance keep
 equals the model's own argmax rows, plus the model's next token; the main and MTP caches are rolled back
 (``KVCache.truncate``) past the accepted rows. When no draft is needed (the last token) the step is a plain decode.
 
-With ``graphs`` (CUDA) the forwards after the prefill replay from CUDA graphs, one per shape (graphs.GraphForward:
-the verify's k+1 rows, plain decode steps, the head's one-row and catch-up forwards; the eager forwards' bytes);
-where a shape cannot be captured (the fast set's verify: its per-expert GEMM shapes follow the routing) it runs
-eagerly and ``DraftedResult.graphs`` says why.
+With ``graphs`` (CUDA) the forwards after the prefill of up to k+1 rows replay from CUDA graphs, one per shape met
+more than once (graphs.StreamForwards: the verify's k+1 rows, plain decode steps, the head's one-row and catch-up
+forwards; the eager forwards' bytes); where a shape cannot be captured (the fast set's verify: its per-expert GEMM
+shapes follow the routing; offloaded experts) it runs eagerly and ``DraftedResult.graphs`` says why.
 
 Draft sources: ``"mtp"`` (the head above; synthetic weights have a low acceptance rate, reported as measured) and
 ``"self"`` (sanity mode: the drafts are the main model's own decode steps, so acceptance is 100% exactly when the
@@ -33,10 +33,9 @@ import torch
 
 from .cache import KVCache, KVFormat
 from .config import ModelConfig
-from .graphs import GraphForward
+from .graphs import StreamForwards
 from .kernels import KernelSet, get_set
-from .model import (BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, ResidentExperts, attention_block, forward,
-                    moe_block)
+from .model import BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, ResidentExperts, attention_block, moe_block
 from .paths import PATHS, Schedule, check_run_args, prefill
 from .weights import LayerWeights, Weights, _linear, _norm, moved, shared_draw
 
@@ -212,9 +211,9 @@ class DraftedResult:
         prompt_ids [P] int64, gen_ids [N] int64, gen_logits [N, V] fp32 (the row each token was chosen from), cpu.
         stats: DraftStats; served: prefill plan -> {"segments", "rows"}; seconds: wall time of the run.
         cache, mtp_cache: the main and the MTP head's KV caches after the run (kept only when asked).
-        graphs: {} when CUDA graphs were not asked for; else per forward shape met after the prefill
-            ("main 3 batched": the verify of k = 2 drafts, "main 1 decode", "head 1 decode", "head 2 batched", ...)
-            graphs.GraphForward.info() (replays, eager calls, why a graph did not serve).
+        graphs: {} when CUDA graphs were not asked for; else graphs.StreamForwards.info(): per forward shape of up
+            to k+1 rows met after the prefill ("main 3 batched": the verify of k = 2 drafts, "main 1 decode", "head 1
+            decode", "head 2 batched", ...) its replays, eager calls and why a graph did not serve.
     """
 
     draft: str
@@ -246,53 +245,10 @@ class DraftedResult:
                 "reason": "; ".join(why) or None}
 
 
-class _Forwards:
-    """A drafted run's forwards of one stream (slot 0): the main model's (verify, plain decode steps) and the MTP
-    head's, each replayed from a CUDA graph per (model, rows, plan) when ``graphs`` is asked for
-    (graphs.GraphForward: the eager forwards' bytes), else the eager forwards."""
-
-    def __init__(self, w: Weights, cache: KVCache, ks: KernelSet, experts: ExpertProvider | None,
-                 head: MTPHead | None, graphs: bool, max_rows: int):
-        self.w, self.cache, self.ks, self.experts, self.head = w, cache, ks, experts, head
-        self.graphs, self.max_rows = graphs, max_rows      # the head's catch-up over the prompt stays eager
-        self.captured: dict[str, GraphForward] = {}
-
-    def main(self, tokens: torch.Tensor, first: int, plan) -> ForwardOut:
-        """The main model over tokens [n] int64 at positions first..first+n-1."""
-        n = tokens.numel()
-        if not self.graphs or n > self.max_rows:
-            pos = torch.arange(first, first + n, device=self.w.device)
-            return forward(self.w, tokens, pos, self.cache, self.ks, plan, experts=self.experts)
-        g = self._graph(f"main {n} {plan.kind}", lambda: GraphForward(
-            self.w, self.cache, self.ks, rows=n, plan=plan, experts=self.experts))
-        return g.run(tokens, range(first, first + n), [0] * n)
-
-    def head_rows(self, tokens: torch.Tensor, hidden: torch.Tensor, first: int) -> ForwardOut:
-        """The MTP head over (tokens [n] int64, hidden [n, H]) at positions first..first+n-1 (decode plan for one
-        row, batched for more)."""
-        n = tokens.numel()
-        plan = DECODE if n == 1 else BATCHED
-        if not self.graphs or n > self.max_rows:
-            pos = torch.arange(first, first + n, device=self.w.device)
-            return self.head.forward(tokens, hidden, pos, self.ks, plan)
-        g = self._graph(f"head {n} {plan.kind}", lambda: GraphForward(
-            self.w, self.head.cache, self.ks, rows=n, plan=plan, head=self.head))
-        return g.run(tokens, range(first, first + n), [0] * n, hidden)
-
-    def _graph(self, key: str, make) -> GraphForward:
-        if key not in self.captured:
-            self.captured[key] = make()
-        return self.captured[key]
-
-    def info(self) -> dict:
-        """{} when graphs were not asked for; else {"<model> <rows> <plan>": GraphForward.info()} per shape met."""
-        return {k: g.info() for k, g in self.captured.items()} if self.graphs else {}
-
-
 class _Drafter:
     """Proposes drafts for one stream (slot 0) and keeps the MTP cache in step with the accepted tokens."""
 
-    def __init__(self, fwd: _Forwards, draft: str, step: int | None):
+    def __init__(self, fwd: StreamForwards, draft: str, step: int | None):
         self.fwd, self.ks, self.draft, self.step = fwd, fwd.ks, draft, step
         self.pend_h, self.pend_t, self.pend_pos = None, None, 0  # main hidden rows not yet run through the head
 
@@ -328,7 +284,7 @@ class _Drafter:
         return torch.cat(d)
 
 
-def _verify(fwd: _Forwards, last, drafts, L):
+def _verify(fwd: StreamForwards, last, drafts, L):
     """One forward of [last, d1..dk] at L..L+k (prompt kernels); returns (accepted a, new ids [a+1], logits rows
     [a+1, V], hidden rows [a+1, H])."""
     out = fwd.main(torch.cat([last, drafts]), L, BATCHED)                             # k+1 rows
@@ -343,7 +299,7 @@ def _verify(fwd: _Forwards, last, drafts, L):
 class _Drafting:
     """One drafted decode in progress (slot 0): what each _round reads, and the tokens it appends to."""
 
-    fwd: _Forwards                  # the main model's and the head's forwards (cache, kernel set, graphs)
+    fwd: StreamForwards             # the main model's and the head's forwards (cache, kernel set, graphs)
     drafter: _Drafter
     k: int                          # drafts per round
     n_prompt: int                   # P
@@ -367,7 +323,8 @@ def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kern
         kv_dtype: what the main cache stores (cache.KV_DTYPES name or a KVFormat); the head's cache stores the
             same kind (MTPHead).
         graphs: replay the forwards after the prefill (verify, plain decode steps, the head's rows up to k+1 per
-            call) from CUDA graphs (graphs.GraphForward: the same bytes); ``DraftedResult.graphs`` says what served.
+            call) from CUDA graphs (graphs.StreamForwards: the same bytes); ``DraftedResult.graphs`` says what
+            served.
     Returns:
         DraftedResult; tokens equal paths.generate's exactly when the verify rows reproduce the decode rows.
     Raises:
@@ -386,7 +343,7 @@ def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kern
                         prompt_ids.cpu(), torch.zeros(0, dtype=torch.int64), torch.zeros(0, w.cfg.vocab_size))
     pre = prefill(w, cache, ids, ks, schedule, served=res.served, experts=experts)
     head = MTPHead(w, mw, cache.capacity, kv_dtype=cache.kv_dtype) if mw is not None else None
-    fwd = _Forwards(w, cache, ks, experts, head, graphs, max_rows=k + 1)
+    fwd = StreamForwards(w, cache, ks, experts, head, graphs, max_rows=k + 1)
     drafter = _Drafter(fwd, draft, schedule.step)
     state = _Drafting(fwd, drafter, k, P, gen_tokens, res.stats)
     if gen_tokens:

@@ -112,14 +112,15 @@ class Runner:
     """Timed greedy requests on one model (weights, optional expert store) with the bench's prefill path.
 
     Each method returns a record (``_record``): kind, prompt_tokens, hash, path_served, prefilled_rows,
-    cache_state, peak_mem_bytes, the timing_metrics fields and ``_gen_ids`` (dropped before the JSON).
+    cache_state, peak_mem_bytes, decode_graphs (None without graphs, else whether they served, replays, eager
+    steps and why not), the timing_metrics fields and ``_gen_ids`` (dropped before the JSON).
     """
 
     def __init__(self, w, experts, p: BenchParams):
         self.w, self.experts, self.device = w, experts, w.device
         self.schedule = Schedule(p.bench_path, p.bench_step, p.deep_threshold)
         self.mtp, self.kv_dtype = None, p.kv_dtype   # what every request's KV cache stores
-        self.graphs = p.bench_graphs and w.device.type == "cuda"   # every forward after the prefill
+        self.graphs = p.bench_graphs and w.device.type == "cuda"   # replay what can be captured after prefill
 
     def plain(self, ids: torch.Tensor, ks: str, gen: int, path: str | None = None) -> dict:
         """One paths.generate request (``path`` overrides the bench path, e.g. for the memory comparison)."""

@@ -79,8 +79,8 @@ class GemmConfig:
         """Short id such as ``128x128x64 s4 w8 P tma``."""
         flags = ("P" if self.persistent else "NP") + (" tma" if self.tma else " ptr")
         flags += " ws" if self.warp_specialize else ""
-        flags += f" k/{self.split_k}" + (f" {self.split_loop}" if self.split_loop != "runs" else "") \
-            if self.split_k > 1 else ""
+        if self.split_k > 1:
+            flags += f" k/{self.split_k}" + (f" {self.split_loop}" if self.split_loop != "runs" else "")
         return f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps} {flags}"
 
     def smem_bytes(self, elem: int, gate_up: bool = False) -> int:
@@ -111,13 +111,13 @@ _DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
     ("linear", "fp32", "interp"): GemmConfig(32, 32, 16, 1, 4),
     ("gate_up", "fp32", "interp"): GemmConfig(32, 32, 16, 1, 4),
 }
-# Chosen on an H200 by benchmarks/bench_gpu_kernels.py --tune: per shape, the candidate with the best GEMM/cuBLAS
-# ratio at M = 4096 and 16384. The dense projections' split_k makes a decode row (one 128-row tile per BLOCK_N
-# columns: 4 to 32 programs for 132 SMs) run split_k times as many programs; it is part of the shape's config, so
-# prompt rows use the same split (one program running the runs in turn: q, k/v and o fold them into one K loop,
-# which kept the software pipeline across the runs where separate loops restarted it; persistent programs lost
-# with the fold). The ratios this table reaches, with the command that measures them, are in
-# measurements/h200/2026-12-02/README.md.
+# Chosen on an H200: the tiles by benchmarks/bench_gpu_kernels.py --tune (per shape, the candidate with the best
+# GEMM/cuBLAS ratio at M = 4096 and 16384; its candidates have no split), the dense projections' split_k and
+# split_loop by the split-loop scripts under measurements/h200/2026-12-02/scripts. The split makes a decode row (one
+# 128-row tile per BLOCK_N columns, a few programs for 132 SMs) run split_k times as many programs; it is part of
+# the shape's config, so prompt rows use the same split (one program per tile running the runs in turn: q, k/v and
+# o fold them into one K loop, one software pipeline across the runs). The ratios this table reaches, with the
+# commands that measure them, are in measurements/h200/2026-12-02/README.md.
 SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
     ("linear", 4096, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 5, 8, split_k=4, split_loop="fold"),  # q
     ("linear", 512, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, split_k=8, split_loop="fold"),   # k, v
@@ -258,6 +258,8 @@ def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmC
     out = torch.empty(M, p.N, dtype=x.dtype, device=x.device)                       # [M, N] storage dtype
     if M == 0 or p.N == 0:
         return out
+    if p.K == 0:                                    # an empty sum: no kernel needed (nor defined for split runs)
+        return out.zero_()
     if p.use_tma:
         if x.data_ptr() % 16:
             x = x.clone()
@@ -275,9 +277,9 @@ def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmC
 
 
 # Where a split-K config runs its splits in parallel programs rather than in turn (the same bytes either way): below
-# this many output tiles the in-turn programs leave most of the 132 SMs idle, above it the parallel runs' fp32
-# partials and their reduce cost more (the crossover of every split shape of the small preset on the H200 lies
-# between 32 and 48 tiles: measurements/h200/2026-12-02/README.md) ...
+# this many output tiles the in-turn programs leave most SMs idle, above it the parallel runs' fp32 partials and
+# their reduce cost more (the crossover measured for every split shape of the small preset on the H200:
+# measurements/h200/2026-12-02/README.md) ...
 SPLIT_TILES_BELOW = 40
 SPLIT_MAX_ROWS = 512      # ... for calls of up to this many rows (the range measured)
 _REDUCE = dict(BM=32, BN=128)

@@ -35,6 +35,20 @@ def _load_tile(src, off_r, off_k, n_rows, K, stride_r, BR: tl.constexpr, BK: tl.
 
 
 @triton.jit
+def _chunk_dot(a_src, b_src, b2_src, off_m, off_n, ki, acc, acc2, M, N, K, stride_am, stride_bn,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
+               TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """K chunk ki (BK columns) accumulated into the fp32 [BM, BN] accumulator(s) acc (and acc2 for gate_up)."""
+    a = _load_tile(a_src, off_m, ki * BK, M, K, stride_am, BM, BK, TMA)              # [BM, BK]
+    b = _load_tile(b_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)              # [BN, BK]
+    acc = tl.dot(dot_operand(a, EMULATE), dot_operand(b, EMULATE).T, acc, input_precision=PRECISION)
+    if GATE_UP:
+        b2 = _load_tile(b2_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)
+        acc2 = tl.dot(dot_operand(a, EMULATE), dot_operand(b2, EMULATE).T, acc2, input_precision=PRECISION)
+    return acc, acc2
+
+
+@triton.jit
 def _k_range(a_src, b_src, b2_src, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_bn,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
              TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
@@ -42,12 +56,8 @@ def _k_range(a_src, b_src, b2_src, off_m, off_n, k_lo, k_hi, M, N, K, stride_am,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc2 = tl.zeros((BM, BN), dtype=tl.float32)
     for ki in range(k_lo, k_hi):
-        a = _load_tile(a_src, off_m, ki * BK, M, K, stride_am, BM, BK, TMA)          # [BM, BK]
-        b = _load_tile(b_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)          # [BN, BK]
-        acc = tl.dot(dot_operand(a, EMULATE), dot_operand(b, EMULATE).T, acc, input_precision=PRECISION)
-        if GATE_UP:
-            b2 = _load_tile(b2_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)
-            acc2 = tl.dot(dot_operand(a, EMULATE), dot_operand(b2, EMULATE).T, acc2, input_precision=PRECISION)
+        acc, acc2 = _chunk_dot(a_src, b_src, b2_src, off_m, off_n, ki, acc, acc2, M, N, K, stride_am, stride_bn,
+                               BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
     return acc, acc2
 
 
@@ -94,9 +104,10 @@ def _folded_splits(a_src, b_src, b2_src, off_m, off_n, M, N, K, stride_am, strid
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
                    TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr):
     """_tile_product's split arithmetic in one K loop: the running partial p (from zero, chunks in ascending order,
-    as _k_range) is added to the total at the last chunk of its split and restarts from zero. Splits that hold no
-    chunk (when SPLIT runs of tl.cdiv(nk, SPLIT) chunks overshoot nk) each add a zero partial: one + 0.0 does what
-    they do (it turns a -0.0 total into +0.0; adding +0.0 again changes nothing)."""
+    as _k_range) is added to the total at the last chunk of its split (every per-th chunk, and the last one) and
+    restarts from zero. Splits that hold no chunk (when SPLIT runs of tl.cdiv(nk, SPLIT) chunks overshoot nk) add
+    their +0.0 partials in _split_reduce_kernel; one + 0.0 here mirrors them (no byte can change: the total starts
+    at +0.0 and a sum is -0.0 only when both addends are). K >= 1 (the wrapper answers K = 0 without a kernel)."""
     nk = tl.cdiv(K, BK)
     per = tl.cdiv(nk, SPLIT)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -104,12 +115,8 @@ def _folded_splits(a_src, b_src, b2_src, off_m, off_n, M, N, K, stride_am, strid
     p = tl.zeros((BM, BN), dtype=tl.float32)
     p2 = tl.zeros((BM, BN), dtype=tl.float32)
     for ki in range(0, nk):
-        a = _load_tile(a_src, off_m, ki * BK, M, K, stride_am, BM, BK, TMA)          # [BM, BK]
-        b = _load_tile(b_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)          # [BN, BK]
-        p = tl.dot(dot_operand(a, EMULATE), dot_operand(b, EMULATE).T, p, input_precision=PRECISION)
-        if GATE_UP:
-            b2 = _load_tile(b2_src, off_n, ki * BK, N, K, stride_bn, BN, BK, TMA)
-            p2 = tl.dot(dot_operand(a, EMULATE), dot_operand(b2, EMULATE).T, p2, input_precision=PRECISION)
+        p, p2 = _chunk_dot(a_src, b_src, b2_src, off_m, off_n, ki, p, p2, M, N, K, stride_am, stride_bn,
+                           BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE)
         if ((ki + 1) % per == 0) | (ki + 1 == nk):
             acc = acc + p
             acc2 = acc2 + p2
