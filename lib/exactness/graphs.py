@@ -1,7 +1,7 @@
 """CUDA graphs: a fixed-shape forward (a decode step, a drafted verify, an MTP head's rows) captured once per
 shape and replayed for every later call of that shape.
 
-A decode step launches some seventy kernels whose host launch time exceeds their GPU time; a CUDA graph records
+A decode step launches many small kernels whose host launch time exceeds their GPU time; a CUDA graph records
 them once and replays them with one call. The graph reads static device tensors (input tokens, positions and slots
 [N] int64, the MTP head's hidden rows [N, H], the KV cache's tensors), so each call copies its inputs into them and
 replays; the host keeps the cache's lengths. The kernels, their shapes and their order are those of the eager

@@ -112,8 +112,9 @@ _DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
     ("gate_up", "fp32", "interp"): GemmConfig(32, 32, 16, 1, 4),
 }
 # Chosen on an H200: the tiles by benchmarks/bench_gpu_kernels.py --tune (per shape, the candidate with the best
-# GEMM/cuBLAS ratio at M = 4096 and 16384; its candidates have no split), the dense projections' split_k and
-# split_loop by the split-loop scripts under measurements/h200/2026-12-02/scripts. The split makes a decode row (one
+# GEMM/cuBLAS ratio at M = 4096 and 16384; its candidates have no split), split_k per shape by the decode-step
+# measurements of measurements/h200/2026-12-01-b, and q, k/v and o's split_loop, program layout and q's stages by
+# the split-loop scripts of measurements/h200/2026-12-02. The split makes a decode row (one
 # 128-row tile per BLOCK_N columns, a few programs for 132 SMs) run split_k times as many programs; it is part of
 # the shape's config, so prompt rows use the same split (one program per tile running the runs in turn: q, k/v and
 # o fold them into one K loop, one software pipeline across the runs). The ratios this table reaches, with the
