@@ -82,13 +82,10 @@ def why_not(w: Weights, kernels: KernelSet | str, batch: int = 1, experts: Exper
         return "quantized expert weights: the experts run a per-expert loop chosen on the host"
     if ks.options.get("expert_id_aware"):
         return f"set {ks.name!r} picks expert kernels by expert id on the host"
-    if ks.options.get("grouped_experts") is None and batch > 1:
-        return (f"set {ks.name!r} runs one kernel chain per routed expert over its member rows; with {batch} "
-                "streams the member counts (GEMM shapes) depend on the routing")
-    if ks.options.get("grouped_experts") is None and rows > 1:
-        return (f"set {ks.name!r} runs one kernel chain per routed expert over its member rows; in a forward of "
-                f"{rows} rows of one stream (a drafted verify or MTP catch-up) the member counts (GEMM shapes) "
-                "depend on the routing")
+    if ks.options.get("grouped_experts") is None and batch * rows > 1:
+        many = f"{batch} streams" if batch > 1 else f"{rows} rows of one stream (a drafted verify or MTP catch-up)"
+        return (f"set {ks.name!r} runs one kernel chain per routed expert over its member rows; with {many} the "
+                "member counts (GEMM shapes) depend on the routing")
     return None
 
 
@@ -174,7 +171,8 @@ class GraphForward:
         if head is not None and (cache is not head.cache or batch != 1):
             raise ValueError("an MTP head's forwards run one stream over the head's own cache (head.cache); got "
                              f"batch={batch!r} and {'its' if cache is head.cache else 'another'} cache")
-        self.w, self.cache, self.ks, self.plan, self.experts, self.head = w, cache, get_set(kernels), plan, experts, head
+        self.w, self.cache, self.ks, self.plan = w, cache, get_set(kernels), plan
+        self.experts, self.head = experts, head
         self.reason = why_not(w, self.ks, batch, experts, rows=rows, layers=None if head is None else [head.m.layer])
         self.n, self.batch = batch * rows, batch
         self.replays, self.eager_steps, self.pieces, self._out = 0, 0, None, None
@@ -238,8 +236,8 @@ class GraphForward:
         pos = torch.tensor(positions, device=self.w.device)
         if self.head is not None:
             return self.head.forward(tokens, hidden, pos, self.ks, self.plan, slot=slots[0])
-        return forward(self.w, tokens, pos, self.cache, self.ks, self.plan, slots=torch.tensor(slots, device=pos.device),
-                       experts=self.experts)
+        slot = torch.tensor(slots, device=pos.device)
+        return forward(self.w, tokens, pos, self.cache, self.ks, self.plan, slots=slot, experts=self.experts)
 
     def _load(self, tokens: torch.Tensor, positions: list[int], slots: list[int], hidden) -> None:
         self.tokens.copy_(tokens)
@@ -263,7 +261,8 @@ class GraphForward:
             ops.attention = lambda q, k, v, s, p: self._attention(cap, q, k, v, s, p)
         if self.head is not None:
             return self.head.body(ops, self.tokens, self.positions, self.slots, self.hidden)
-        return run_rows(self.w, ops, self.tokens, self.positions, self.slots, self.cache, ResidentExperts(self.w.layers))
+        experts = ResidentExperts(self.w.layers)
+        return run_rows(self.w, ops, self.tokens, self.positions, self.slots, self.cache, experts)
 
     def _attention(self, cap, q, k_cache, v_cache, slots, positions):
         if self._attn_host:
@@ -339,7 +338,7 @@ class StreamForwards:
         self.w, self.cache, self.ks, self.experts, self.head = w, cache, get_set(kernels), experts, head
         self.graphs, self.max_rows = graphs, max_rows
         self.captured: dict[str, GraphForward] = {}
-        self.once: dict[str, int] = {}          # shapes met once so far: their eager forward
+        self.once: set[str] = set()             # shapes met once so far: their eager forward
 
     def main(self, tokens: torch.Tensor, first: int, plan: Plan) -> ForwardOut:
         """The main model over tokens [n] int64 (device) at positions first..first+n-1 -> ForwardOut(logits [n, V]
@@ -369,10 +368,10 @@ class StreamForwards:
         if not self.graphs or n > self.max_rows:
             return None
         if key not in self.captured and key not in self.once:
-            self.once[key] = 1
+            self.once.add(key)
             return None
         if key not in self.captured:
-            del self.once[key]
+            self.once.discard(key)
             self.captured[key] = make()
         return self.captured[key]
 
