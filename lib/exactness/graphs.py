@@ -323,9 +323,10 @@ ONCE = "met once: not captured"   # StreamForwards.info()'s reason for a shape t
 
 class StreamForwards:
     """The forwards of one stream (slot 0) of a run that meets a few row counts again and again (a drafted run's
-    verify of k+1 rows, its plain decode steps, its MTP head's rows), each shape (model, rows, plan) replayed from
-    its own GraphForward from its second call on when ``graphs`` is asked for: a shape met once runs one eager
-    forward and captures nothing. Forwards of more than ``max_rows`` rows, and every forward without ``graphs``,
+    verify of k+1 rows, its plain decode steps, its MTP head's rows), each shape (model, rows, plan) with its own
+    GraphForward when ``graphs`` is asked for: captured at the shape's second call (which runs eagerly, as a
+    GraphForward's first call does), replayed from its third; a shape met once runs one eager forward and captures
+    nothing. Forwards of more than ``max_rows`` rows, and every forward without ``graphs``,
     run eagerly (model.forward, MTPHead.forward).
 
     Args:

@@ -200,7 +200,7 @@ def config_line(data: dict) -> str:
             f"{offload}; prompt cache {c['prompt_cache']}"
             + ("; the forwards after the prefill (plain replies' and concurrent streams' decode steps, drafted runs' "
                "verify, decode and MTP head forwards) replayed from CUDA graphs where their shape can be captured "
-               "(graphs.GraphForward, one per shape; a drafted run's from a shape's second call; each run's "
+               "(graphs.GraphForward, one per shape; a drafted run's captured at a shape's second call; each run's "
                "`decode_graphs` says whether they served and, per shape, why not)" if c.get("decode_graphs") else ""))
 
 
