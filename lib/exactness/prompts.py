@@ -114,3 +114,15 @@ def build_prompt(name: str, max_tokens: int | None = None, allow_unpinned: bool 
     if max_tokens is not None:
         ids = ids[:max_tokens]
     return Prompt(name, text, ids, hashlib.sha256(text).hexdigest(), spec.sha256, full_sha == spec.sha256)
+
+
+def plain_chat_text(messages) -> str:
+    """The plain chat template, for engines whose model has no template of its own: each message as
+    ``<role>: <content>`` on its own line, then ``assistant:`` (the reply follows it).
+
+    Args:
+        messages: (role, content) pairs, or {"role", "content"} dicts, or an engines.base.Chat.
+    """
+    pairs = getattr(messages, "messages", messages)
+    pairs = [(m["role"], m["content"]) if isinstance(m, dict) else tuple(m) for m in pairs]
+    return "".join(f"{role}: {content}\n" for role, content in pairs) + "assistant:"

@@ -27,6 +27,8 @@ CAPABILITIES = (
     "prompt_cache",    # Engine.resumed: a prompt resumed from a cached prefix
     "concurrent",      # Engine.concurrent: several requests at once
     "token_ids",       # prompts are taken as token ids (else as text, decoded from the ids by the engine's tokenizer)
+    "chat",            # Engine.generate takes a Chat prompt as messages (a server's /v1/chat/completions, its template)
+    "chat_template",   # Engine.encode_chat turns a Chat into token ids with the model's own chat template
 )
 
 
@@ -37,6 +39,29 @@ class NotAvailable(RuntimeError):
 class EngineError(RuntimeError):
     """An engine that failed to answer (refused connection, timeout, a server that died, a malformed reply); the
     message names the engine, the configuration and what went wrong."""
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A chat prompt: ``messages`` is a tuple of (role, content) string pairs, in order.
+
+    An engine with the ``chat`` capability takes it as is (``generate(Chat(...), ...)``: the server applies its own
+    template); one with ``chat_template`` turns it into ids with ``encode_chat``; any other engine is given the ids of
+    ``prompts.plain_chat_text(chat)`` (the plain template, named in the receipt row).
+    """
+
+    messages: tuple
+
+    def __post_init__(self):
+        ok = isinstance(self.messages, tuple) and self.messages and all(
+            isinstance(m, tuple) and len(m) == 2 and all(isinstance(x, str) for x in m) for m in self.messages)
+        if not ok:
+            raise ValueError(f"a chat prompt is a non-empty tuple of (role, content) string pairs, got "
+                             f"{self.messages!r}")
+
+    def as_json(self) -> list[dict]:
+        """[{"role": ..., "content": ...}, ...] as the OpenAI chat API takes them."""
+        return [{"role": r, "content": c} for r, c in self.messages]
 
 
 @dataclass(frozen=True)
