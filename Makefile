@@ -2,6 +2,7 @@
 #
 #   make receipts [PROFILE=standard|ci|full|gpu] [OUT=dir] [SECTIONS=hashes,streams] [PARAMS="gen_tokens=8 steps=[64,100]"]
 #                 [ENGINE="reference transformers:/path/to/model llamacpp:/path/model.gguf openai:URL"] [DUMPS=dir]
+#                 [PROMPTS="my.jsonl [other.txt short]"]   (prompt files and built-in names: these prompts instead)
 #   make diff BASE=receipt-folder PR=receipt-folder [OUT=dir]   (what moved, as markdown; exit 1 when it did)
 #   make test | make lab [LAB_ARGS="--port=8890"] | make clean
 #
@@ -24,7 +25,8 @@ STAMP         := $(VENV)/.setup-stamp
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?=
 KERNEL_NAME   := exactness
-LLAMA_WHEELS  ?=
+# llama-cpp-python's prebuilt wheel: ../shared/wheels where that folder sits beside the checkout
+LLAMA_WHEELS  ?= $(wildcard $(abspath ../shared/wheels))
 WHEELS        ?=
 DEPS          := .deps
 PROFILE       ?= standard
@@ -33,6 +35,7 @@ OUT           ?=
 PARAMS        ?=
 ENGINE        ?=
 DUMPS         ?=
+PROMPTS       ?=
 LAB_ARGS      ?=
 # One CPU thread by default: the tiny preset's kernels are too small to gain from threads, and a second OpenMP
 # thread spin-waits badly on a busy 2-core machine. Receipts record the thread count (env.numerics.cpu_threads).
@@ -42,6 +45,10 @@ export OMP_NUM_THREADS ?= 1
 
 ifeq ($(PY),$(VENV)/bin/python)
 setup: $(STAMP)
+	@# llama.cpp (optional; its tests skip without it), also into a venv made before the wheels folder was there
+	@if [ -n "$(LLAMA_WHEELS)" ] && ! $(PY) -c "import llama_cpp" 2>/dev/null \
+	    && ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
+	    $(PY) -m pip install --find-links $(LLAMA_WHEELS) "llama-cpp-python[server]==0.3.36"; fi
 else
 export PYTHONPATH   := $(abspath lib):$(abspath $(DEPS))$(if $(PYTHONPATH),:$(PYTHONPATH))
 export JUPYTER_PATH := $(abspath $(DEPS))/share/jupyter$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
@@ -54,15 +61,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e '.[dev]'
 	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL_NAME) --display-name "Python (exactness)"
-	@# llama.cpp (optional; its tests skip without it): from a folder of prebuilt wheels when LLAMA_WHEELS names one,
-	@# since building it from source takes 15-40 minutes; elsewhere `pip install llama-cpp-python`.
-	@if [ -n "$(LLAMA_WHEELS)" ] && ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
-	    $(PY) -m pip install --find-links $(LLAMA_WHEELS) "llama-cpp-python[server]==0.3.36"; \
-	else echo "llama-cpp-python not installed (its tests skip); for the llamacpp engine: pip install llama-cpp-python"; fi
+	@# llama.cpp (optional; its tests skip without it): from a folder of prebuilt wheels (LLAMA_WHEELS, by default
+	@# ../shared/wheels), since building it from source takes 15-40 minutes; elsewhere `pip install llama-cpp-python`.
+	@if [ -z "$(LLAMA_WHEELS)" ]; then echo "llama-cpp-python not installed (its tests skip); for the llamacpp" \
+	    "engine: pip install 'llama-cpp-python[server]' into .venv"; fi
 	touch $(STAMP)
 
+comma := ,
+empty :=
+space := $(empty) $(empty)
+# PROMPTS as the prompts parameter: files made absolute (the notebooks run in notebooks/), each quoted for YAML.
+PROMPT_LIST = $(subst $(space),$(comma),$(foreach f,$(PROMPTS),"$(if $(filter short code docs,$(f)),$(f),$(abspath $(f)))"))
+
 receipts: setup
-	$(PY) -m exactness receipts --profile $(PROFILE) $(if $(OUT),--out $(OUT)) $(if $(SECTIONS),--sections $(SECTIONS)) $(foreach p,$(PARAMS),--param '$(p)') $(if $(ENGINE),--engine $(foreach e,$(ENGINE),'$(e)')) $(if $(DUMPS),--dumps '$(DUMPS)')
+	$(PY) -m exactness receipts --profile $(PROFILE) $(if $(OUT),--out $(OUT)) $(if $(SECTIONS),--sections $(SECTIONS)) $(foreach p,$(PARAMS),--param '$(p)') $(if $(ENGINE),--engine $(foreach e,$(ENGINE),'$(e)')) $(if $(DUMPS),--dumps '$(DUMPS)') $(if $(PROMPTS),--param 'prompts=[$(PROMPT_LIST)]')
 
 diff: setup
 	$(if $(and $(BASE),$(PR)),,$(error make diff needs BASE=<receipt folder or receipt.json> and PR=<the same>))

@@ -2,6 +2,10 @@
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the Makefile: tiny kernels, no OpenMP spin-waits (before torch)
+# Variables the suite reads as a user's settings: a test must not depend on the caller's (tests that need one set it
+# with monkeypatch); removed for this process and every process it starts.
+for _name in ("OUT", "EXACTNESS_GIT_SHA", "EXACTNESS_GIT_DIRTY"):
+    os.environ.pop(_name, None)
 
 from exactness.receipt.env import match_onednn_isa  # noqa: E402  (imports no torch)
 

@@ -219,12 +219,14 @@ def test_hf_dump_contract_agrees_with_brute_force_and_locates_a_planted_fault(tm
     model_dir = save_tiny_qwen3_moe(tmp_path / "model")
     assert _script().main([str(model_dir), str(tmp_path / "hf"), "--tokens", "24"]) == 0
     obj = dump_contract(tmp_path / "hf", progress=False)
-    assert {s["class"] for s in obj["sites"]} == {"dense", "attention", "rmsnorm", "router", "moe_combine", "lm_head"}
+    assert {s["class"] for s in obj["sites"]} == {"dense", "attention", "rmsnorm", "router", "moe_combine", "lm_head",
+                                                  "rope", "residual"}
     brute = _brute_site_counts(tmp_path / "hf")
     assert {(s["class"], s["site"]): s["mismatches"] for s in obj["sites"]} == brute   # CPU-dependent counts, agreed
     assert obj["totals"]["mismatches"] == sum(brute.values())
     fp = dump_fp64(tmp_path / "hf", progress=False)    # the fused experts call has no per-expert inputs: skipped
-    assert {r["class"] for r in fp["rows"]} == {"dense", "router", "attention", "rmsnorm", "lm_head"}
+    assert {r["class"] for r in fp["rows"]} == {"dense", "router", "attention", "rmsnorm", "lm_head", "rope",
+                                                "residual"}
     assert [s["class"] for s in fp["skipped"]] == ["moe_combine"] and "Not evaluated" in render_fp64_md(fp)
     # negative control: layer 0's input RMSNorm changed on prompt row 5 (calls of more than one row)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()

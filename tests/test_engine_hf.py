@@ -4,6 +4,7 @@ bad options get. Differences between configurations depend on the CPU's kernels:
 (run with -s), never asserted."""
 import copy
 import hashlib
+import inspect
 
 import pytest
 import torch
@@ -71,13 +72,15 @@ def direct(model, ids, chunk, gen_tokens):
     mask (the model derives positions from the cache), then greedy decode. -> (gen [G], prompt rows [P, V] fp32,
     gen rows [G, V] fp32, kv as the adapter lays it out)."""
     cache, x = DynamicCache(config=model.config), torch.tensor([ids])
+    # the cache keyword this transformers takes (``cache`` in newer releases, ``past_key_values`` before)
+    kw = {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
     with torch.inference_mode():
-        plog = torch.cat([model(input_ids=x[:, a:a + chunk], cache=cache, use_cache=True).logits[0].float()
+        plog = torch.cat([model(input_ids=x[:, a:a + chunk], use_cache=True, **kw).logits[0].float()
                           for a in range(0, len(ids), chunk)])
         gen, glog, last = [], [], plog[-1]
         for i in range(gen_tokens):
             if i:
-                last = model(input_ids=torch.tensor([[gen[-1]]]), cache=cache, use_cache=True).logits[0, -1].float()
+                last = model(input_ids=torch.tensor([[gen[-1]]]), use_cache=True, **kw).logits[0, -1].float()
             gen.append(int(last.argmax()))
             glog.append(last)
     kv = [l.keys[0].transpose(0, 1) for l in cache.layers] + [l.values[0].transpose(0, 1) for l in cache.layers]

@@ -53,6 +53,7 @@ def test_tokens_equal_in_process_generate(engine, tiny_weights, prompt):
         g = engine.generate(prompt, GEN, config)
         assert token_hash(g.gen_ids) == token_hash(ref) and bytes_equal(g.gen_ids, ref), config
         assert g.info["gen_ids_are"] == "token ids" and g.info["finish_reason"] == "length"
+        assert g.greedy is True and g.info["greedy_check"] == {"positions": GEN}
         assert len(g.token_times) == GEN and g.ttft_s > 0 and g.decode_s >= 0
         assert g.token_times == sorted(g.token_times)
         plan = "decode" if sched.path == "decode" else "batched"
@@ -71,6 +72,34 @@ def test_text_prompts_through_detokenize(engine, tiny_weights, prompt):
     ref = generate(tiny_weights, torch.tensor(prompt), 8, "invariant", Schedule("decode")).gen_ids
     g = eng.generate(prompt, 8, "server")
     assert bytes_equal(g.gen_ids, ref) and g.top_logprobs is None and g.info["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_prompt_logprobs_over_http_match_in_process_prompt_rows(engine, tiny_weights, prompt):
+    """exactness serve answers vLLM's prompt_logprobs: each row is log_softmax of the in-process prompt logit row
+    (fp32) before that token; decode and batched-16 (invariant kernels) give byte-equal rows, compared as the
+    engines section compares them; one planted ulp in one row is named with that row."""
+    from exactness.analysis.engines import compare
+    prompt = prompt[:33]   # a prompt not run before on this engine: its first run per configuration asks
+    gens = {c: engine.generate(prompt, 4, c) for c in SCHEDULES}
+    assert engine.generate(prompt, 4, "decode").prompt_logprobs is None   # asked once per configuration and prompt
+    assert "prompt_logprobs" in engine.capabilities
+    g = gens["batched-16"]
+    assert g.info["prompt_logprobs_via"] == "vllm" and g.prompt_logprobs.dtype == torch.float64
+    assert g.prompt_logprobs.shape == (len(prompt) - 1, 1 + 5) == g.prompt_logprob_ids.shape
+    run = generate(tiny_weights, torch.tensor(prompt), 1, "invariant", Schedule("batched", 16))
+    ref = torch.log_softmax(run.prompt_logits.float(), dim=-1)[:-1]                    # [P-1, V]
+    assert torch.equal(g.prompt_logprob_ids[:, 0], torch.tensor(prompt[1:]))
+    want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].double()
+    assert torch.equal(g.prompt_logprobs[:, 0], want)                                  # the fp32 value, exactly
+    assert torch.equal(g.prompt_logprobs[:, 1:], torch.topk(ref, 5).values.double())
+    row = compare(g, gens["decode"])
+    assert row["prompt_logprobs_equal"] is True and row["prompt_logprob_rows_differing"] == 0, row["verdict"]
+    bad = gens["decode"]
+    bad.prompt_logprobs = bad.prompt_logprobs.clone()
+    bad.prompt_logprobs[7, 0] = torch.nextafter(bad.prompt_logprobs[7, 0], torch.tensor(0.0, dtype=torch.float64))
+    row = compare(g, bad)
+    assert row["prompt_logprobs_equal"] is False and row["first_differing_prompt_logprob_row"] == 7
+    assert row["prompt_logprob_rows_differing"] == 1 and "prompt logprobs" in row["verdict"]
 
 
 def test_streamed_equals_non_streamed(engine, prompt):
@@ -159,6 +188,8 @@ def fakes():
     ("malformed", "malformed chunk \\(not JSON\\)"),
     ("status500", "HTTP 500 .*planted failure"),
     ("noend", "ended before data: \\[DONE\\]"),
+    ("interrupted", "ended after 1 of 4 tokens with finish_reason None .*--interrupt_requests False"),
+    ("abort", "finish_reason 'abort'"),
 ])
 def test_failures_raise_engine_error(fakes, kind, words):
     eng = OpenAIEngine.from_spec(f"{fakes.url}/{kind}/v1", {"timeout_s": 0.5, "top_logprobs": 0})
@@ -172,18 +203,16 @@ def test_text_only_server_compares_text_bytes(fakes):
     g = eng.generate([1, 2, 3], 4, "server")
     assert bytes_equal(g.gen_ids, torch.tensor(list("héllo".encode()), dtype=torch.int64))
     assert "no token ids" in g.info["gen_ids_are"] and g.info["text_hash"] == token_hash(g.gen_ids)
+    assert g.info["lost"] == ["2 content chunks received for max_tokens 4 (no usage)"] and g.greedy is None
 
 
 def test_server_dying_mid_stream(tmp_path):
+    """The launched server's probe (one token) sees it die mid-stream: from_spec raises and stops it."""
     script = tmp_path / "dying.py"
     script.write_text(DYING_SERVER)
-    eng = OpenAIEngine.from_spec("", {"configurations": [{"name": "dying", "launch": f"{sys.executable} {script} "
-                                                          "{port}"}], "timeout_s": 10, "top_logprobs": 0})
-    try:
-        with pytest.raises(EngineError, match="configuration 'dying' at http://127.0.0.1:.*(mid-stream|ended before)"):
-            eng.generate([1, 2, 3], 4, "dying")
-    finally:
-        eng.close()
+    with pytest.raises(EngineError, match="configuration 'dying' at http://127.0.0.1:.*(mid-stream|ended before)"):
+        OpenAIEngine.from_spec("", {"configurations": [{"name": "dying", "launch": f"{sys.executable} {script} "
+                                                        "{port}"}], "timeout_s": 10, "top_logprobs": 0})
 
 
 def test_launch_failure_reports_output():

@@ -1,8 +1,11 @@
 """``exactness serve`` over real HTTP (uvicorn in a thread, httpx): served tokens equal paths.generate's, streamed
-equal non-streamed, logprobs equal log_softmax of the in-process logit rows, EOS handling, refusals."""
+equal non-streamed, logprobs and prompt logprobs (echo, vLLM's prompt_logprobs) equal log_softmax of the in-process
+logit rows, chat (plain and tokenizer templates, chat logprobs), neutral knobs taken, EOS handling, refusals.
+Batching under load: test_serve_batching.py."""
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -10,9 +13,11 @@ import httpx
 import pytest
 import torch
 
+from exactness.cache import KVCache
 from exactness.exact import bytes_equal, first_differing_row, token_hash
 from exactness.kernels import get_set
-from exactness.paths import Schedule, decode_step, generate
+from exactness.paths import Schedule, decode_step, generate, prefill
+from exactness.prompts import plain_chat_text
 from exactness.engines.serve import Served, build_parser, create_app
 from exactness.tokenizer import ByteTokenizer
 from http_servers import ThreadServer
@@ -24,7 +29,7 @@ LP_BOUND = 1e-5   # |served logprob - log_softmax of the in-process row|: both f
 
 @pytest.fixture(scope="module")
 def server(tiny_weights):
-    m = Served("tiny", tiny_weights, ByteTokenizer(), get_set("invariant"), SCHED)
+    m = Served("tiny", tiny_weights, ByteTokenizer(), get_set("invariant"), SCHED, max_model_len=4096)
     with ThreadServer(create_app(m)) as s:
         yield s
 
@@ -117,6 +122,69 @@ def test_logprobs_match_in_process_rows(server, tiny_weights, prompt):
     assert abs(lp["token_logprobs"][3] + 1e-3 - float(ref[3, run.gen_ids[3]])) > LP_BOUND
 
 
+NEUTRAL = {"temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0, "typical_p": 1, "tfs_z": 1, "repetition_penalty": 1,
+           "repeat_penalty": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0, "mirostat": 0, "mirostat_mode": 0,
+           "seed": 1234, "n": 1}
+
+
+def test_neutral_knobs_are_accepted_and_greedy(server, tiny_weights, prompt):
+    ref = generate(tiny_weights, prompt, 6, "invariant", SCHED).gen_ids
+    for extra in (NEUTRAL, {**NEUTRAL, "top_k": 0, "seed": 7}):
+        r = post(server, {"prompt": prompt.tolist(), "max_tokens": 6, "ignore_eos": True, **extra})
+        assert r.status_code == 200, r.text
+        assert bytes_equal(torch.tensor(r.json()["choices"][0]["token_ids"]), ref)
+
+
+def _rows_ref(w, ids, sched):
+    """In process: log_softmax of paths.prefill's fp32 prompt rows [P, V] -> (logprob of token i from row i-1
+    [P-1], the rows [P-1, V])."""
+    cache = KVCache(w.cfg, int(ids.numel()), 1, w.dtype, w.device)
+    lp = torch.log_softmax(prefill(w, cache, ids, get_set("invariant"), sched).logits, dim=-1)[:-1]
+    return lp[torch.arange(ids.numel() - 1), ids[1:]], lp
+
+
+@pytest.mark.parametrize("sched", [SCHED, Schedule("decode")])
+def test_prompt_logprobs_equal_the_served_prefill_rows(tiny_weights, prompt, sched):
+    """Both wire formats (legacy echo + logprobs; vLLM's prompt_logprobs, streamed and not) carry log_softmax of
+    the prefill's fp32 prompt rows, byte for byte; a value one ulp off is caught."""
+    prompt = prompt[:24]
+    N, P = 3, int(prompt.numel())
+    want, lp = _rows_ref(tiny_weights, prompt, sched)
+    gen = generate(tiny_weights, prompt, 4, "invariant", sched).gen_ids
+    with ThreadServer(create_app(Served("tiny", tiny_weights, ByteTokenizer(), get_set("invariant"), sched))) as s:
+        echo = post(s, {"prompt": prompt.tolist(), "max_tokens": 4, "ignore_eos": True, "echo": True,
+                        "logprobs": N, "return_tokens_as_token_ids": True}).json()["choices"][0]
+        only = post(s, {"prompt": prompt.tolist(), "max_tokens": 0, "echo": True, "logprobs": N}).json()
+        body = {"prompt": prompt.tolist(), "max_tokens": 4, "ignore_eos": True, "prompt_logprobs": N}
+        vl = post(s, body).json()["choices"][0]
+        _, chunks = streamed(s, body)
+    e = echo["logprobs"]
+    assert e["tokens"] == [f"token_id:{i}" for i in prompt.tolist() + gen.tolist()]
+    assert e["token_logprobs"][0] is None and e["top_logprobs"][0] is None
+    assert echo["text"].startswith(ByteTokenizer().decode(prompt.tolist())) and echo["token_ids"] == gen.tolist()
+    got = torch.tensor(e["token_logprobs"][1:P], dtype=torch.float32)
+    assert bytes_equal(got, want)
+    assert all(sorted(t.values(), reverse=True) == torch.topk(lp[k], N).values.tolist()
+               for k, t in enumerate(e["top_logprobs"][1:P]))
+    o = only["choices"][0]
+    assert o["token_ids"] == [] and o["text"] == ByteTokenizer().decode(prompt.tolist())
+    assert o["logprobs"]["token_logprobs"][1:] == e["token_logprobs"][1:P] and only["usage"]["completion_tokens"] == 0
+    first = next(c["choices"][0] for c in chunks if c["choices"])
+    for pl in (vl["prompt_logprobs"], first["prompt_logprobs"]):
+        assert len(pl) == P and pl[0] is None
+        mine = [d[str(t)] for d, t in zip(pl[1:], prompt[1:].tolist())]
+        assert bytes_equal(torch.tensor([x["logprob"] for x in mine], dtype=torch.float32), want)
+        assert [x["rank"] for x in mine] == ((lp > want[:, None]).sum(1) + 1).tolist()
+        for d, row in zip(pl[1:], lp):
+            best = sorted((x["rank"], x["logprob"]) for x in d.values() if x["rank"] <= N)
+            assert [v for _, v in best][:N] == torch.topk(row, N).values.tolist()
+    assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:] if c["choices"])
+    # negative control: one value one ulp off
+    bad = got.clone()
+    bad[7] = torch.nextafter(bad[7], torch.tensor(0.0))
+    assert not bytes_equal(bad, want)
+
+
 def test_eos_stops_unless_ignored(server, tiny_weights, prompt):
     ref = generate(tiny_weights, prompt, GEN, "invariant", SCHED).gen_ids
     eos = int(ref[4])          # a model whose EOS is the 5th generated token (EOS does not enter the forward)
@@ -130,7 +198,7 @@ def test_eos_stops_unless_ignored(server, tiny_weights, prompt):
     assert full["finish_reason"] == "length" and full["token_ids"] == ref.tolist()
 
 
-def test_concurrent_requests_are_served_one_at_a_time_and_equal(server, tiny_weights, prompt):
+def test_concurrent_requests_equal_alone(server, tiny_weights, prompt):
     prompts = [prompt[:20], prompt[:33]]
     refs = [generate(tiny_weights, p, 8, "invariant", SCHED).gen_ids for p in prompts]
     with ThreadPoolExecutor(2) as pool:
@@ -140,13 +208,59 @@ def test_concurrent_requests_are_served_one_at_a_time_and_equal(server, tiny_wei
         assert bytes_equal(torch.tensor(got, dtype=torch.int64), ref)
 
 
-def test_chat_and_models(server, tiny_weights):
+def test_chat_plain_template_logprobs_and_models(server, tiny_weights):
+    """Chat renders the byte tokenizer's messages with the plain template (named in the reply); tokens and
+    logprobs equal the in-process run of that text, streamed and not; bytes are each token's own byte."""
     models = httpx.get(server.url + "/v1/models").json()
-    assert [d["id"] for d in models["data"]] == ["tiny"]
-    r = post(server, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True},
-             "/v1/chat/completions").json()
-    ref = generate(tiny_weights, ByteTokenizer().encode("hi"), 4, "invariant", SCHED).gen_ids
-    assert r["object"] == "chat.completion" and r["choices"][0]["token_ids"] == ref.tolist()
+    assert [(d["id"], d["max_batch"]) for d in models["data"]] == [("tiny", 8)]
+    msgs = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hi"}]
+    ids = ByteTokenizer().encode(plain_chat_text(msgs))
+    run = generate(tiny_weights, ids, 6, "invariant", SCHED)
+    ref = torch.log_softmax(run.gen_logits, dim=-1)                               # [G, V] fp32
+    body = {"messages": msgs, "max_tokens": 6, "ignore_eos": True, "logprobs": True, "top_logprobs": 3}
+    r = post(server, body, "/v1/chat/completions").json()
+    ch = r["choices"][0]
+    assert r["object"] == "chat.completion" and r["exactness_template"] == "plain"
+    assert ch["token_ids"] == run.gen_ids.tolist() and r["usage"]["prompt_tokens"] == ids.numel()
+    content = ch["logprobs"]["content"]
+    got = torch.tensor([e["logprob"] for e in content], dtype=torch.float32)
+    assert bytes_equal(got, ref[torch.arange(6), run.gen_ids])                   # the fp32 values, exactly
+    assert all(e["bytes"] == ([t] if t < 256 else []) and len(e["top_logprobs"]) == 3
+               for e, t in zip(content, ch["token_ids"]))
+    assert [e["logprob"] for e in content[0]["top_logprobs"]] == torch.topk(ref[0], 3).values.tolist()
+    chunks = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    assert [t for d in deltas for t in d["token_ids"]] == ch["token_ids"]
+    assert [e for d in deltas for e in d["logprobs"]["content"]] == content
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    # negative control: a token whose logprob is off by one ulp is caught
+    assert not bytes_equal(got, torch.nextafter(got, torch.full_like(got, 1.0)))
+
+
+def test_chat_renders_the_tokenizer_template(tiny_weights, tmp_path):
+    """A tokenizer with a chat template (a word-level one made here, saved and loaded as a checkpoint's) renders the
+    messages; the reply names the template and its tokens equal the in-process run of the rendered ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from exactness.tokenizer import HFTokenizer
+    words = ["<unk>", "<s>", "</s>", "hi", "there", "user", "assistant", ":", "|"]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    hf.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} | {% endfor %}"
+                        "{% if add_generation_prompt %}assistant :{% endif %}")
+    hf.save_pretrained(tmp_path)
+    tok = HFTokenizer(str(tmp_path))
+    ids = tok.encode("user : hi there | assistant :")
+    assert ids.tolist() == [5, 7, 3, 4, 8, 6, 7]
+    ref = generate(tiny_weights, ids, 4, "invariant", SCHED).gen_ids
+    with ThreadServer(create_app(Served("tiny", tiny_weights, tok, get_set("invariant"), SCHED))) as s:
+        r = post(s, {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4, "ignore_eos": True},
+                 "/v1/chat/completions").json()
+    assert r["exactness_template"] == "chat_template" and r["usage"]["prompt_tokens"] == 7
+    assert r["choices"][0]["token_ids"] == ref.tolist()
 
 
 @pytest.mark.parametrize("body, status, words", [
@@ -159,6 +273,20 @@ def test_chat_and_models(server, tiny_weights):
     ({"logprobs": -1}, 400, ["logprobs", "-1"]),
     ({"model": "other"}, 404, ["'other'", "'tiny'"]),
     ({"stop": ["\n"]}, 400, ["stop"]),
+    ({"top_k": 40}, 400, ["top_k", "40", "-1 or 0"]),
+    ({"repeat_penalty": 1.1}, 400, ["repeat_penalty", "1.1", "must be 1"]),
+    ({"repetition_penalty": 1.05}, 400, ["repetition_penalty", "1.05"]),
+    ({"presence_penalty": 0.5}, 400, ["presence_penalty", "0.5", "must be 0"]),
+    ({"frequency_penalty": -1}, 400, ["frequency_penalty", "-1"]),
+    ({"min_p": 0.05}, 400, ["min_p", "0.05"]),
+    ({"typical_p": 0.9}, 400, ["typical_p", "0.9"]),
+    ({"tfs_z": 0.5}, 400, ["tfs_z", "0.5"]),
+    ({"mirostat_mode": 2}, 400, ["mirostat_mode", "2"]),
+    ({"top_p": 0.9}, 400, ["top_p", "0.9"]),
+    ({"seed": "7"}, 400, ["seed", "'7'"]),
+    ({"echo": True, "stream": True}, 400, ["echo", "stream"]),
+    ({"prompt_logprobs": -2}, 400, ["prompt_logprobs", "-2"]),
+    ({"max_tokens": 5000}, 400, ["max_tokens", "5000", "[0, 4094]"]),
 ])
 def test_refusals_name_the_value(server, body, status, words):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": [256, 1], "max_tokens": 2, **body}, timeout=30)
@@ -168,18 +296,21 @@ def test_refusals_name_the_value(server, body, status, words):
 
 def test_parser_options():
     a = build_parser().parse_args(["--preset", "tiny", "--kernels", "invariant", "--path", "deep", "--step", "16",
-                                   "--deep-threshold", "8", "--port", "9"])
+                                   "--deep-threshold", "8", "--port", "9", "--max-batch", "4",
+                                   "--max-model-len", "512"])
     assert (a.path, a.step, a.deep_threshold, a.port, a.host) == ("deep", 16, 8, 9, "127.0.0.1")
+    assert (a.max_batch, a.max_model_len) == (4, 512)
+    assert build_parser().parse_args([]).max_batch == 8 and "continuous batching" in build_parser().format_help()
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--path", "nope"])
 
 
 def test_client_gone_mid_stream_stops_the_run(server, tiny_weights, prompt, monkeypatch):
-    """A stream of 4000 tokens dropped after 2 chunks stops at the next token: the short request queued behind it on
-    the one worker is answered after far fewer than the 4000 decode steps the whole run would take."""
-    import exactness.engines.serve as serve
+    """A stream of 4000 tokens dropped after 2 chunks leaves the batch at the next step: once the scheduler is idle
+    (a short request answered meanwhile), far fewer than the 4000 decode steps of the whole run were taken."""
+    import exactness.engines.serve_batch as serve_batch
     steps = []
-    monkeypatch.setattr(serve, "decode_step", lambda *a, **k: steps.append(1) or decode_step(*a, **k))
+    monkeypatch.setattr(serve_batch, "decode_step", lambda *a, **k: steps.append(1) or decode_step(*a, **k))
     long = {"prompt": prompt.tolist(), "max_tokens": 4000, "ignore_eos": True, "stream": True, "temperature": 0}
     got = []
     with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=60) as r:
@@ -190,5 +321,10 @@ def test_client_gone_mid_stream_stops_the_run(server, tiny_weights, prompt, monk
     ref = generate(tiny_weights, prompt, 4, "invariant", SCHED).gen_ids
     r = post(server, {"prompt": prompt.tolist(), "max_tokens": 4, "ignore_eos": True}).json()
     assert r["choices"][0]["token_ids"] == ref.tolist()
-    print(f"decode steps run for a 4000-token stream dropped after 2 chunks (+3 of the next request): {len(steps)}")
+    deadline = time.monotonic() + 60   # a run that was not stopped would still be active here, or past 4000 steps
+    while (st := httpx.get(server.url + "/exactness/stats").json())["active"] or st["waiting"]:
+        assert time.monotonic() < deadline and len(steps) < 1000, f"the dropped stream kept running: {st}"
+        time.sleep(0.01)
+    print(f"decode steps run for a 4000-token stream dropped after 2 chunks (+ those of the next request): "
+          f"{len(steps)}")
     assert len(steps) < 1000

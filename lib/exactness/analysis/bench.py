@@ -40,7 +40,7 @@ from ..kernels import get_set
 from ..offload import ExpertStore
 from ..receipt.params import BenchParams
 from ..progress import bar as progress_bar
-from ..prompts import build_prompt
+from ..prompts import build_prompt, build_prompts, prompt_record
 from ..receipt.sections import join_provenance
 from .bench_tables import (INTRO, config_line, expert_store_md, render_md, table,  # noqa: F401  (its views)
                            tables)
@@ -237,7 +237,7 @@ def run_section(params: BenchParams | dict) -> dict:
         get_set(ks)
     w, store, tok = _load(p)
     p.check_lengths(w.cfg.max_positions)
-    prompts = [build_prompt(n, p.prompt_max_tokens, p.allow_unpinned, tok) for n in p.prompts]
+    prompts = build_prompts(p.prompts, p.prompt_max_tokens, p.allow_unpinned, tok, w.cfg.vocab_size)
     sources = [build_prompt(n, None, p.allow_unpinned, tok).ids for n in ("code", "docs")]
     not_run = {k: r for k, r in (("drafted", _available("mtp")), ("streams", _available("batch"))) if r}
     runner = Runner(w, store, p)
@@ -248,7 +248,7 @@ def run_section(params: BenchParams | dict) -> dict:
         for ks in p.kernel_sets:
             _bench_set(runner, prompts, sources, ks, p, not_run, data, bar)
     data.update(config=_config(p, w, store), not_run=not_run, offload=store.info() if store else None)
-    return {"section": "bench", "data": _strip(data)}
+    return {"section": "bench", "prompts": [prompt_record(pr) for pr in prompts], "data": _strip(data)}
 
 
 MERGE_SAME = ("preset", "device", "dtype", "weights", "kv_dtype", "path", "step", "deep_threshold", "gen_tokens", "reps", "itl_reps",

@@ -2,11 +2,13 @@
 engine, transformers, OpenAI-compatible servers, llama.cpp), and a cross-engine view when several run.
 
 For each engine and prompt, every configuration runs greedily and is compared with the engine's oracle
-configuration: generated tokens (always), and where the engine exposes them, the bytes of every prompt logit row,
-of every generated logit row and of the KV cache. A run equals its oracle only when every compared part is equal;
-its verdict names what differed and what the engine did not expose (never counted as equal). The stream equalities
-(drafted == plain, resumed == fresh, concurrent == alone) are judged the same way, or recorded as "not available
-from this engine" with the engine's reason. Markdown: analysis/engines_md.py.
+configuration: generated tokens (always), and where the engine exposes them, the bytes of every prompt logit row
+(or a server's prompt logprob row), of every generated logit row and of the KV cache. A run equals its oracle only
+when every compared part is equal; its verdict names what differed and what the engine did not expose (never
+counted as equal). A run or oracle found not greedy (a chosen token below its row's top-1) is "not greedy: ...",
+never compared; tokens that are a server's lossy text are "equal as text, lossy: ...", counted apart. The stream
+equalities (drafted == plain, resumed == fresh, concurrent == alone) are judged the same way, or recorded as "not
+available from this engine" with the engine's reason. Markdown: analysis/engines_md.py.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ..engines.base import Engine, EngineError, Generation, NotAvailable
 from ..exact import bytes_equal, differing_rows, first_differing_row, token_hash
 from ..receipt.params import EnginesParams
 from ..progress import bar as progress_bar
+from .repeat import many_prompts, prompt_counts, run_repeat
 from .engines_md import (INTRO, bench_block, cross_table, engines_table, hash_table, render_md,  # noqa: F401
                          streams_block, verdict_md)
 
@@ -49,34 +52,82 @@ def _kv_equal(a: list | None, b: list | None) -> tuple[bool | None, int | None]:
     return first is None, first
 
 
-def verdict(tokens: bool, parts: dict[str, bool | None]) -> str:
-    """One line: "equal" when tokens and every exposed part are equal ("equal (tokens only: X not exposed)" when
-    some were not exposed), else "differs: <what differed>"."""
+def verdict(tokens: bool, parts: dict[str, bool | None], not_greedy: str | None = None,
+            lossy: list | None = None) -> str:
+    """One line: "not greedy: <where>" when the run or its reference was not greedy (never compared as greedy);
+    "equal" when tokens and every exposed part are equal ("equal (X not exposed)" when some were not exposed),
+    "equal as text, lossy: <what was lost>" when the tokens are texts a server may have lost bytes of; else
+    "differs: <what differed>"."""
+    if not_greedy:
+        return f"not greedy: {not_greedy}"
     failed = (["tokens"] if not tokens else []) + [k for k, v in parts.items() if v is False]
     missing = [k for k, v in parts.items() if v is None]
     if failed:
-        return "differs: " + ", ".join(failed)
+        return "differs: " + ", ".join(failed) + (f" (lossy text: {'; '.join(lossy)})" if lossy else "")
+    if lossy:
+        return "equal as text, lossy: " + "; ".join(lossy)
     return "equal" + (f" ({', '.join(missing)} not exposed)" if missing else "")
 
 
+def _not_greedy(run: Generation, ref: Generation) -> str | None:
+    """Where the run or its reference is known not greedy (Generation.greedy False), in words, else None."""
+    for who, g in (("this run", run), (f"its reference {ref.config}", ref)):
+        if g.greedy is False:
+            c = g.info.get("greedy_check") or {}
+            return (f"{who} chose a token below the top-1 at position {c.get('position')} (logprob "
+                    f"{c.get('chosen_logprob')} < {c.get('top1_logprob')})")
+    return None
+
+
+def _prompt_logprobs_equal(run: Generation, ref: Generation) -> tuple[bool | None, int | None, int]:
+    """_rows_equal of the prompt logprobs [R, 1+N] and their ids together (a row differs where either does)."""
+    eq, first, count = _rows_equal(run.prompt_logprobs, ref.prompt_logprobs)
+    a, b = run.prompt_logprob_ids, ref.prompt_logprob_ids
+    if eq is None or run.prompt_logprobs.shape != ref.prompt_logprobs.shape or a is None or b is None \
+            or a.shape != b.shape:
+        return eq, first, count
+    d = differing_rows(run.prompt_logprobs, ref.prompt_logprobs) | differing_rows(run.prompt_logprob_ids,
+                                                                                  ref.prompt_logprob_ids)
+    return not bool(d.any()), (int(d.nonzero()[0]) if d.any() else None), int(d.sum())
+
+
 def compare(run: Generation, ref: Generation) -> dict:
-    """Row fields comparing a run with its reference: tokens, prompt-logit rows, generated-logit rows, KV bytes."""
+    """Row fields comparing a run with its reference: tokens, prompt-logit rows, prompt logprobs (servers),
+    generated-logit rows, KV bytes; a run or reference not greedy, or tokens that are lossy text, is never
+    counted as equal (equals_oracle None where the tokens agree)."""
     div = first_differing_row(run.gen_ids, ref.gen_ids)
     p_eq, p_first, p_count = _rows_equal(run.prompt_logits, ref.prompt_logits)
+    lp_eq, lp_first, lp_count = _prompt_logprobs_equal(run, ref)
     g_eq, g_first, _ = _rows_equal(run.gen_logits, ref.gen_logits)
     kv_eq, kv_first = _kv_equal(run.kv, ref.kv)
     margin = None
     if div is not None and ref.gen_logits is not None and div < ref.gen_logits.shape[0]:
         top = torch.topk(ref.gen_logits[div].float(), 2).values
         margin = float(top[0] - top[1])
-    return {"equals_oracle": div is None, "first_divergence": div, "oracle_margin": margin,
+    ng = _not_greedy(run, ref)
+    ref_lost = [] if ref is run else [f"reference {ref.config}: {x}" for x in ref.info.get("lost") or []]
+    lossy = (run.info.get("lost") or []) + ref_lost or None
+    parts = {"prompt logits": p_eq, "generated logits": g_eq, "KV": kv_eq}
+    if run.prompt_logprobs is not None or ref.prompt_logprobs is not None:
+        parts = {"prompt logits": p_eq, "prompt logprobs": lp_eq, "generated logits": g_eq, "KV": kv_eq}
+    return {"equals_oracle": False if div is not None else (None if ng or lossy else True),
+            "first_divergence": div, "oracle_margin": margin,
             "prompt_logits_equal": p_eq, "prompt_rows_differing": p_count, "first_differing_prompt_row": p_first,
+            "prompt_logprobs_equal": lp_eq, "prompt_logprob_rows_differing": lp_count,
+            "first_differing_prompt_logprob_row": lp_first,
             "gen_logits_equal": g_eq, "first_differing_gen_row": g_first, "kv_equal": kv_eq, "kv_first_tensor": kv_first,
-            "verdict": verdict(div is None, {"prompt logits": p_eq, "generated logits": g_eq, "KV": kv_eq})}
+            "greedy": run.greedy, "lossy": lossy, "verdict": verdict(div is None, parts, ng, lossy)}
+
+
+def _prompt_tokens(ids, run: Generation) -> int | None:
+    """Tokens of the prompt: its ids, or for a chat prompt sent as messages what the server counted (else None)."""
+    if isinstance(ids, (list, tuple, torch.Tensor)):
+        return len(ids)
+    return ((run.info or {}).get("usage") or {}).get("prompt_tokens")
 
 
 def _row(engine: Engine, prompt: str, ids: list[int], run: Generation, seconds: float) -> dict:
-    return {"engine": engine.kind, "prompt": prompt, "prompt_tokens": len(ids), "config": run.config,
+    return {"engine": engine.kind, "prompt": prompt, "prompt_tokens": _prompt_tokens(ids, run), "config": run.config,
             "oracle": engine.oracle, "gen_tokens": int(run.gen_ids.numel()), "hash": token_hash(run.gen_ids),
             "ttft_s": round(run.ttft_s, 4), "decode_s": round(run.decode_s, 4), "seconds": round(seconds, 3)}
 
@@ -139,15 +190,45 @@ def cross_engine(rows: list[dict]) -> list[dict]:
     return out
 
 
-def build_prompts(engine: Engine, names: list[str], max_tokens: int | None, allow_unpinned: bool) -> dict:
-    """{name: token ids} of the named prompts (prompts.py, pins checked) in the engine's tokenizer, cut to the first
-    ``max_tokens`` ids (None: whole)."""
-    from ..prompts import build_prompt
+def build_prompts(engine: Engine, entries: list[str], max_tokens: int | None, allow_unpinned: bool,
+                  records: list | None = None) -> dict:
+    """{name: prompt} of a ``prompts`` list (built-in names, pins checked, and prompt files: prompt_files.py) for
+    ``engine``, each cut to its first ``max_tokens`` ids (None: whole): text through ``engine.encode``, ids as they
+    are, a chat prompt as an engines.base.Chat where the engine has the ``chat`` capability (uncut; the server
+    applies its template), through ``engine.encode_chat`` with ``chat_template``, else the ids of
+    prompts.plain_chat_text. ``records``, when given, receives each prompt's name, kind, sha256, tokens (None for a
+    Chat sent as messages), file and template (``server``, ``model`` or ``plain``)."""
+    from ..engines.base import Chat
+    from ..prompt_files import resolve
+    from ..prompts import build_prompt, plain_chat_text
+
     out = {}
-    for name in names:
-        ids = engine.encode(build_prompt(name, None, allow_unpinned).text.decode("utf-8"))
-        out[name] = ids[:max_tokens] if max_tokens else ids
+    for s in resolve(entries):
+        template = None
+        if s.kind == "builtin":
+            pr = build_prompt(s.name, None, allow_unpinned)
+            ids, sha = engine.encode(pr.text.decode("utf-8")), pr.sha256
+        elif s.kind == "chat":
+            chat = Chat(s.messages)
+            template = ("server" if "chat" in engine.capabilities
+                        else "model" if "chat_template" in engine.capabilities else "plain")
+            ids = (chat if template == "server" else engine.encode_chat(chat) if template == "model"
+                   else engine.encode(plain_chat_text(chat)))
+        else:
+            ids = list(s.ids) if s.kind == "ids" else engine.encode(s.text)
+        ids = ids[:max_tokens] if max_tokens and not isinstance(ids, Chat) else ids
+        out[s.name] = ids
+        if records is not None:
+            records.append({"name": s.name, "kind": s.kind, "sha256": sha if s.kind == "builtin" else s.sha256,
+                            "tokens": None if isinstance(ids, Chat) else len(ids), "file": s.file,
+                            "template": template})
     return out
+
+
+def id_prompts(prompts: dict) -> dict:
+    """The prompts given as token ids (a chat prompt sent as messages has none to cut, resume or batch: the stream
+    equalities and the bench leave it out)."""
+    return {name: ids for name, ids in prompts.items() if isinstance(ids, list)}
 
 
 def run_section(params: EnginesParams | dict) -> dict:
@@ -157,12 +238,20 @@ def run_section(params: EnginesParams | dict) -> dict:
     prompt_max_tokens / engine_max_tokens (prompt cut, tokens), gen_tokens, steps (each adapter's chunk or batch
     sizes), device, dtype, kernel_sets (the reference engine runs once per set), engine_streams (run the stream
     equalities), engine_bench (the bench tables of every configuration, analysis/engines_bench.py),
-    engine_cold_lengths (the bench's cold-prefill prompt lengths, tokens), allow_unpinned.
+    engine_cold_lengths (the bench's cold-prefill prompt lengths, tokens), allow_unpinned; the repeat test
+    (analysis/repeat.py): engine_repeat (N requests of one prompt, 0 = off), engine_repeat_concurrency (requests in
+    flight per level), engine_repeat_prompt (default the first), engine_repeat_tokens, engine_repeat_configs
+    (default: every server configuration, an in-process engine's streams configuration), engine_repeat_only (skip
+    the hash matrix and stream equalities).
     Returns:
-        {"section": "engines", "engines": [identity...], "rows": [...], "streams": {label: {...}},
-        "bench": {label: {...}} (with engine_bench), "cross": [...],
-        "not_available": {"contract": ..., "fp64": ...}, "errors": [...]}; an engine that fails is recorded in
-        ``errors`` (engine, what failed) and the others still run.
+        {"section": "engines", "engines": [identity...], "prompts": {label: [build_prompts' records]},
+        "rows": [...] (with prompt_kind, prompt_sha256, template), "streams": {label: {...}},
+        "bench": {label: {...}} (with engine_bench), "repeat": {label: repeat.repeat_engine's} (with
+        engine_repeat), "prompt_counts": [...] (repeat.prompt_counts, over MANY_PROMPTS prompts), "cross": [...],
+        "not_available": {"contract": ..., "fp64": ...}, "errors": [...], "failures": [...]}; an engine that fails
+        (EngineError: it did not start, a server's error or dropped stream) is recorded in ``errors`` (engine, what
+        failed) and the others still run; ``failures`` ({ename, evalue}: each error, or that no run was compared
+        with an oracle) make the receipt failed (receipt/runner.py).
     Raises:
         ParamError / ValueError: bad parameters or engine specs, before any engine runs.
     """
@@ -178,26 +267,53 @@ def run_section(params: EnginesParams | dict) -> dict:
             for ks in (p.kernel_sets if ours else [None]):   # our engine: one engine per kernel set
                 _run_engine(spec, {**common, "kernels": ks}, p, section, bar)
     section["cross"] = cross_engine(section["rows"]) if len(section["engines"]) > 1 else []
+    if many_prompts(section["rows"]):
+        section["prompt_counts"] = prompt_counts(section["rows"])
+    section["failures"] = _failures(section)
     return section
 
 
+def _failures(section: dict) -> list[dict]:
+    """What makes the receipt of this section failed ({ename, evalue}, receipt/runner.py): each engine error, or
+    that nothing was compared (no run against an oracle or another engine, no stream equality, no repeat)."""
+    out = [{"ename": "EngineError", "evalue": f"engine {e['engine']}: {e['error']}"} for e in section["errors"]]
+    compared = (sum(r["config"] != r["oracle"] for r in section["rows"]) + len(section["cross"])
+                + sum(len(v) for st in section["streams"].values() for v in st.values() if isinstance(v, list))
+                + sum(max(lv["completions"] - 1, 0) for r in (section.get("repeat") or {}).values()
+                      for levels in r["configs"].values() for lv in levels))
+    if not compared and not out:
+        out.append({"ename": "NothingCompared", "evalue": "engines: no run was compared (each engine ran its oracle "
+                    "configuration only, no stream equality or repeat test ran); add configurations or a second "
+                    "engine"})
+    return out
+
+
 def _run_engine(spec: str, common: dict, p: EnginesParams, section: dict, bar) -> None:
-    engine = open_engine(spec, **{k: v for k, v in common.items() if v is not None})
     label = f"{spec}:{common['kernels']}" if common.get("kernels") else spec
-    try:
+    engine = None
+    try:   # an engine that fails to start (a launched server that never answers) is an error of that engine
+        engine = open_engine(spec, **{k: v for k, v in common.items() if v is not None})
         section["engines"].append({"spec": label, "oracle": engine.oracle, **engine.identity()})
-        prompts = build_prompts(engine, p.prompts, p.max_tokens, p.allow_unpinned)
-        section["rows"] += [{**r, "engine": label} for r in hash_rows(engine, prompts, p.gen_tokens, bar)]
-        if p.engine_streams:
-            config = next(c.name for c in engine.configurations() if c.name != engine.oracle)
-            section["streams"][label] = stream_rows(engine, prompts, p.gen_tokens, config)
+        records = section.setdefault("prompts", {}).setdefault(label, [])
+        prompts = build_prompts(engine, p.prompts, p.max_tokens, p.allow_unpinned, records)
+        meta = {r["name"]: {"prompt_kind": r["kind"], "prompt_sha256": r["sha256"], "template": r["template"]}
+                for r in records}
+        matrix = not p.engine_repeat_only   # the repeat test alone skips the hash matrix and stream equalities
+        section["rows"] += [{**r, "engine": label, **meta[r["prompt"]]}
+                            for r in (hash_rows(engine, prompts, p.gen_tokens, bar) if matrix else [])]
+        if p.engine_streams and matrix:
+            config = next((c.name for c in engine.configurations() if c.name != engine.oracle), engine.oracle)
+            section["streams"][label] = stream_rows(engine, id_prompts(prompts), p.gen_tokens, config)
         if p.engine_bench:
             from .engines_bench import bench_engine
             full = build_prompts(engine, p.prompts, None, p.allow_unpinned)   # cold prompts are cut from these
-            source = [i for ids in full.values() for i in ids]
-            section.setdefault("bench", {})[label] = bench_engine(engine, prompts, p.gen_tokens,
+            source = [i for ids in id_prompts(full).values() for i in ids]
+            section.setdefault("bench", {})[label] = bench_engine(engine, id_prompts(prompts), p.gen_tokens,
                                                                  list(p.engine_cold_lengths), source)
+        if p.engine_repeat:
+            run_repeat(engine, label, prompts, p, section)
     except EngineError as e:
         section["errors"].append({"engine": label, "error": str(e)})
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()

@@ -1,8 +1,11 @@
 """The ``engines`` section as GitHub markdown: the engines and their configurations, each engine's hash matrix
-against its oracle, the stream equalities, the cross-engine view and what the engines could not give."""
+against its oracle (with many prompts, counts per configuration: repeat_md.py), the repeat test, the stream
+equalities, the cross-engine view and what the engines could not give."""
 from __future__ import annotations
 
 from ..receipt.render import table
+from ..receipt.tables import md_escape
+from .repeat_md import counts_block, repeat_block
 
 INTRO = ("Each engine runs every prompt greedily under each of its configurations; each run is compared with the "
          "engine's oracle configuration: the generated tokens always, and the bytes of every prompt logit row, every "
@@ -40,18 +43,26 @@ def engines_table(section: dict) -> str:
 
 
 def _rows_text(r: dict) -> str:
+    if r.get("prompt_logits_equal") is None and r.get("prompt_logprobs_equal") is not None:
+        return f"{r.get('prompt_logprob_rows_differing')} (prompt logprobs)"   # a server's prompt rows
     if r.get("prompt_logits_equal") is None:
         return "not exposed"
     return f"{r.get('prompt_rows_differing')}/{r.get('prompt_tokens')}"
+
+
+def _first_row(r: dict):
+    if r.get("prompt_logits_equal") is None:
+        return r.get("first_differing_prompt_logprob_row")
+    return r.get("first_differing_prompt_row")
 
 
 def hash_table(rows: list[dict]) -> str:
     body = [[r["engine"], r["prompt"], r["prompt_tokens"], r["config"] + (" (oracle)" if r["config"] == r["oracle"]
                                                                          else ""),
              r["hash"], r.get("first_divergence"), r.get("oracle_margin"), _rows_text(r),
-             r.get("first_differing_prompt_row"), r.get("verdict")] for r in rows]
+             _first_row(r), r.get("verdict")] for r in rows]
     return table(body, ["engine", "prompt", "tokens", "configuration", "token hash", "first divergent token",
-                        "oracle top-1 margin there", "prompt logit rows differing", "first differing row",
+                        "oracle top-1 margin there", "prompt rows differing", "first differing row",
                         "verdict"], dash="none (or not applicable)")
 
 
@@ -60,7 +71,7 @@ def streams_block(streams: dict) -> str:
     for spec, data in streams.items():
         rows = [[r["check"], r["prompt"], r["config"], r.get("first_divergence"), r.get("verdict")]
                 for check in ("drafted", "resumed", "concurrent") for r in data.get(check) or []]
-        out += [f"### Stream equalities: {spec}", "",
+        out += [f"### Stream equalities: {md_escape(spec)}", "",
                 "drafted == plain, resumed == fresh (prefix: half the prompt), concurrent == alone; each against "
                 "the same configuration run alone.", ""]
         if rows:
@@ -69,6 +80,14 @@ def streams_block(streams: dict) -> str:
         out += [f"- **{k}**: {v}" for k, v in (data.get("not_available") or {}).items()]
         out.append("")
     return "\n".join(out)
+
+
+def prompts_table(section: dict) -> str:
+    """Each engine's prompts: name, kind, SHA-256 of the prompt as given (first 12 hex), tokens sent, template."""
+    rows = [[label, r["name"], r["kind"], (r.get("sha256") or "")[:12] or None, r.get("tokens"), r.get("template")]
+            for label, recs in (section.get("prompts") or {}).items() for r in recs]
+    return table(rows, ["engine", "prompt", "kind", "SHA-256 (first 12 hex)", "tokens", "chat template"],
+                 dash="not applicable (tokens: messages sent, the server counts them)")
 
 
 def cross_table(cross: list[dict]) -> str:
@@ -84,10 +103,10 @@ def bench_block(bench: dict) -> str:
         runs = [[r["config"], r["prompt"], r["prompt_tokens"], r["run"], r["ttft_s"], r["prefill_tps"],
                  r["decode_tps"], r["itl_mean_ms"], r["itl_p50_ms"], r["itl_p95_ms"], r.get("cached_tokens")]
                 for r in b.get("runs") or []]
-        out += [f"### Bench: {label}", "", table(runs, ["configuration", "prompt", "prompt tokens", "run", "TTFT (s)",
-                                                       "prefill tok/s", "decode tok/s", "ITL mean (ms)",
-                                                       "ITL p50 (ms)", "ITL p95 (ms)", "cached prompt tokens"],
-                                                dash="not reported"), ""]
+        head = f"### Bench: {md_escape(label)}"
+        out += [head, "", table(runs, ["configuration", "prompt", "prompt tokens", "run", "TTFT (s)", "prefill tok/s",
+                                       "decode tok/s", "ITL mean (ms)", "ITL p50 (ms)", "ITL p95 (ms)",
+                                       "cached prompt tokens"], dash="not reported"), ""]
         streams = [[c, r["streams"], r["wall_s"], r["aggregate_tps"], r["equal_to_alone"]]
                    for c, rows in (b.get("streams") or {}).items() if isinstance(rows, list) for r in rows]
         reasons = [f"- **{c}** streams: {rows}" for c, rows in (b.get("streams") or {}).items() if isinstance(rows, str)]
@@ -108,17 +127,27 @@ def verdict_md(section: dict) -> str:
     lines = []
     for e in section.get("engines") or []:
         rows = [r for r in section.get("rows") or [] if r["engine"] == e.get("spec") and r["config"] != r["oracle"]]
-        eq = sum(1 for r in rows if str(r.get("verdict", "")).startswith("equal"))
+        v = [str(r.get("verdict", "")) for r in rows]
+        eq = sum(1 for x in v if x == "equal" or x.startswith("equal ("))   # exact equalities only
+        lossy, notg = sum(x.startswith("equal as text") for x in v), sum(x.startswith("not greedy") for x in v)
         tok = sum(1 for r in rows if r.get("equals_oracle"))
-        lines.append(f"- **{e.get('spec')}**: {eq}/{len(rows)} runs equal their oracle ({e.get('oracle', 'oracle')}); "
-                     f"{tok}/{len(rows)} with the oracle's tokens.")
+        apart = "".join(f"; {n}/{len(rows)} {what}" for n, what in ((lossy, "equal as text only (lossy)"),
+                                                                     (notg, "not greedy (not compared)")) if n)
+        lines.append(f"- **{md_escape(str(e.get('spec')))}**: {eq}/{len(rows)} runs equal their oracle ({e.get('oracle', 'oracle')}); "
+                     f"{tok}/{len(rows)} with the oracle's tokens{apart}.")
     return "\n".join(lines)
 
 
 def render_md(section: dict) -> str:
     """receipt.md's block of an ``engines`` section object."""
+    matrix = (counts_block(section) if section.get("prompt_counts") else hash_table(section["rows"])
+              if section.get("rows") or not section.get("repeat") else "_Not run (engine_repeat_only)._")
     parts = ["## Engines under test", "", INTRO, "", verdict_md(section), "", engines_table(section), "",
-             "### Hash matrix against each engine's oracle", "", hash_table(section.get("rows") or [])]
+             "### Hash matrix against each engine's oracle", "", matrix]
+    if section.get("prompts"):
+        parts += ["", "### Prompts", "", prompts_table(section)]
+    if section.get("repeat"):
+        parts += ["", repeat_block(section["repeat"])]
     if section.get("streams"):
         parts += ["", streams_block(section["streams"])]
     if section.get("cross"):

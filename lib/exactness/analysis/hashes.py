@@ -27,7 +27,7 @@ from ..config import get_preset
 from ..kernels import get_set
 from ..receipt.params import HashesParams, check_offload_paths, offload_modes  # noqa: F401  (offload_modes: its API)
 from ..paths import PATHS, RunResult, Schedule, generate
-from ..prompts import build_prompt
+from ..prompts import build_prompt, build_prompts, prompt_record
 from ..weights import quantize_weights, synthetic_weights, weights_format
 from .hashes_md import render_md  # noqa: F401  (the section's markdown)
 from .hashes_report import (INTRO, control_groups, control_table, curve_groups, hash_matrix,  # noqa: F401
@@ -312,7 +312,7 @@ def run_section(params: HashesParams | dict) -> dict:
     off_paths = list(PATHS) if p.hash_offload_paths is None else check_offload_paths(p.hash_offload_paths)
     max_tokens = p.max_tokens
     w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint, p.weights)
-    prompts = [build_prompt(n, max_tokens, p.allow_unpinned, tok) for n in p.prompts]
+    prompts = build_prompts(p.prompts, max_tokens, p.allow_unpinned, tok, w.cfg.vocab_size)
     for pr in prompts:
         if pr.n_tokens + p.gen_tokens > w.cfg.max_positions:
             raise ValueError(f"prompt {pr.name!r} has {pr.n_tokens} tokens; with {p.gen_tokens} generated it "
@@ -346,4 +346,5 @@ def run_section(params: HashesParams | dict) -> dict:
                "offload": r["offload"],
                "bin_width": max(1, -(-r["prompt_tokens"] // DIFF_BINS)), "max_abs_diff": r.pop("_curve")}
               for r in rows]
-    return {"section": "hashes", "rows": rows, "curves": [c for c in curves if c["max_abs_diff"] is not None]}
+    return {"section": "hashes", "prompts": [prompt_record(pr) for pr in prompts], "rows": rows,
+            "curves": [c for c in curves if c["max_abs_diff"] is not None]}

@@ -5,6 +5,7 @@ the rerun control and what each path actually served.
 from __future__ import annotations
 
 from ..receipt.render import render_extra, table
+from ..receipt.tables import Code, md_escape
 from .hashes_report import INTRO, control_table, differs_in, first_difference, graphs_summary, verdict_md
 
 DIFF_MARK = "✗"
@@ -61,7 +62,7 @@ def _hash_matrix(rows: list[dict]) -> str:
         key = (r.get("prompt"), r.get("kernels"))
         sha = (r.get("prompt_sha256") or "")[:12] + (" ⚠ unpinned" if r.get("prompt_pin_ok") is False else "")
         g = grid.setdefault(key, {"tokens": r.get("prompt_tokens"), "sha": sha})
-        g[_col(r)] = f"`{r.get('hash')}`" + (f" {DIFF_MARK}" if _differs(r, oracle) else "")
+        g[_col(r)] = Code(r.get("hash"), f" {DIFF_MARK}" if _differs(r, oracle) else "")
     body = [[p, g["tokens"], g["sha"] or None, k, *[g.get(c, "") for c in cols]] for (p, k), g in grid.items()]
     return table(body, ["prompt", "tokens", "prompt sha256", "kernels", *cols])
 
@@ -98,7 +99,7 @@ def render_hashes(rows: list[dict]) -> str:
     reruns = [r for r in rows if "rerun_equal" in r]
     if reruns:
         parts += ["", "Rerun control (each set's first batched run repeated identically; tokens and every prompt-logit "
-                  "byte compared): " + "; ".join(f"{r.get('prompt')} {r.get('kernels')} "
+                  "byte compared): " + "; ".join(f"{md_escape(str(r.get('prompt')))} {r.get('kernels')} "
                                                   f"{'identical' if r['rerun_equal'] else 'NOT identical'}"
                                                   for r in reruns)
                   + ". A set whose reruns differ is not run-to-run deterministic: its other differences (offload "
@@ -125,7 +126,7 @@ def _graphs_line(rows: list[dict]) -> str:
 
 def _deep_unserved(rows: list[dict]) -> str:
     """A warning line naming the deep runs whose deep plan served no row (every segment under the threshold), or ""."""
-    idle = [f"{r.get('prompt')} {r.get('kernels')} {_col(r)}" for r in rows
+    idle = [f"{md_escape(str(r.get('prompt')))} {r.get('kernels')} {_col(r)}" for r in rows
             if r.get("path") == "deep" and isinstance(r.get("served"), dict)
             and not (r["served"].get("deep") or {}).get("rows")]
     if not idle:

@@ -42,7 +42,7 @@ from ..mtp import generate_drafted, resolve_mtp
 from ..paths import Schedule, generate
 from ..progress import bar as progress_bar
 from ..prompt_cache import PromptCache, generate_cached
-from ..prompts import build_prompt
+from ..prompts import build_prompts, prompt_record
 from ..weights import sharing_synthetic_weights
 from .hashes import load_model
 from .streams_report import (INTRO, concurrent_table, drafted_table, packed_table,  # noqa: F401  (its views)
@@ -388,7 +388,7 @@ def run_section(params: StreamsParams | dict) -> dict:
     for ks in p.kernel_sets:
         get_set(ks)
     w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint, p.weights)
-    prompts = [build_prompt(n, p.prompt_max_tokens, p.allow_unpinned, tok) for n in p.prompts]
+    prompts = build_prompts(p.prompts, p.prompt_max_tokens, p.allow_unpinned, tok, w.cfg.vocab_size)
     data = {"drafted": [], "resumed": [], "concurrent": [], "packed": []}
     with progress_bar(len(p.kernel_sets) * (len(prompts) + 1), "streams", "cfg") as bar, \
             sharing_synthetic_weights():   # the MTP head's synthetic weights: drawn once for every drafted run
@@ -405,7 +405,7 @@ def run_section(params: StreamsParams | dict) -> dict:
             data["packed"] += packed_rows(w, prompts, ks, p)
             bar.update(1)
     data["settings"] = _settings(w, p)
-    return {"section": "streams", "data": data}
+    return {"section": "streams", "prompts": [prompt_record(pr) for pr in prompts], "data": data}
 
 
 def _settings(w, p) -> dict:

@@ -7,7 +7,8 @@
     contract.py  dump_contract(folder) -> dict; render.py: render_md
     fp64.py      dump_fp64(folder) -> dict: FP64 reference error per class; render_fp64_md
     ours.py      dumps of this suite's engine (model.tapping)
-    hf_hooks.py  dumps of a transformers Qwen3-MoE (forward hooks)
+    hf_hooks.py  dumps of a transformers Qwen3-MoE (forward hooks, RoPE wrapper, residual-add dispatch mode)
+    llamacpp.py  dumps of llama.cpp (ggml's eval callback); ggml.py reads its graph nodes
 """
 from .contract import dump_contract  # noqa: F401
 from .fp64 import dump_fp64, render_fp64_md  # noqa: F401

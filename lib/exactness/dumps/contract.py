@@ -100,9 +100,15 @@ class _Tally:
     """Counts per class, per site, per kernel pair and per call size, and the first mismatches."""
 
     def __init__(self):
-        self.cls = {c: {"class": c, "prompt_rows": 0, "decode_rows": 0, "paired": 0, "mismatches": 0,
-                        "origin_mismatches": 0, "unpaired_prompt": 0, "unpaired_decode": 0, "sizes": {},
-                        "kernel_pairs": [], "first_mismatch": None} for c in KERNEL_CLASSES}
+        self.cls = {}
+        for c in KERNEL_CLASSES:
+            self.add_class(c)
+
+    def add_class(self, c: str) -> None:
+        """A class's counters (this suite's classes first, then an engine's own classes as they appear)."""
+        self.cls.setdefault(c, {"class": c, "prompt_rows": 0, "decode_rows": 0, "paired": 0, "mismatches": 0,
+                                "origin_mismatches": 0, "unpaired_prompt": 0, "unpaired_decode": 0, "sizes": {},
+                                "kernel_pairs": [], "first_mismatch": None})
         self.sites: dict = {}
         self.first = {"first_mismatch": None, "first_origin": None}
 
@@ -110,7 +116,8 @@ class _Tally:
         """The counters one pair of rows of p and d adds to: class, site, kernel pair; the size bucket is a list."""
         st = self.cls[p.cls]
         site = self.sites.setdefault((p.cls, p.site), {"class": p.cls, "site": p.site, "paired": 0, "mismatches": 0,
-                                                       "origin_mismatches": 0, "positions": []})
+                                                       "origin_mismatches": 0, "positions": [],
+                                                       "origin_positions": []})
         key = (p.kernel, p.replaces, d.kernel)
         pair = next((q for q in st["kernel_pairs"] if (q["prompt"], q["replaces"], q["decode"]) == key), None)
         if pair is None:
@@ -134,6 +141,8 @@ class _Tally:
         counters[0]["origin_mismatches"] += bool(same_in)
         counters[1]["origin_mismatches"] += bool(same_in)
         counters[1]["positions"].append(pos)
+        if same_in:
+            counters[1]["origin_positions"].append(pos)
         st, f = counters[0], self.first
         if st["first_mismatch"] is None or f["first_mismatch"] is None or (same_in and f["first_origin"] is None):
             loc = locate()
@@ -175,8 +184,9 @@ def dump_contract(folder, progress: bool = True) -> dict:
         unpaired rows, sizes: call rows M -> [paired, mismatching], kernel_pairs: {prompt, replaces, decode,
         claim_names_decode (the prompt kernel's ``replaces`` is the decode kernel it was paired with), paired,
         mismatches}, first_mismatch, status), "sites": per (class, site) paired / mismatching / origin rows and
-        the mismatching positions, "first_mismatch" (earliest in prompt call order), "first_origin" (earliest with
-        byte-equal inputs), "totals"}. A first-mismatch record names class, site, kernels, call_rows (M), row, seq,
+        the mismatching positions (``positions``; ``origin_positions``: those with byte-equal inputs),
+        "first_mismatch" (earliest in prompt call order), "first_origin" (earliest with byte-equal inputs),
+        "totals"}. A first-mismatch record names class, site, kernels, call_rows (M), row, seq,
         pos, token, output, element (flat index in the row), ulp (exact.ulp_distance; None for integer or fp8
         outputs), the prompt and decode values, and whether the inputs were equal.
     Raises:
@@ -185,6 +195,7 @@ def dump_contract(folder, progress: bool = True) -> dict:
     ds = read_dump(folder)
     ld, index, used, tally = _Loader(ds), _decode_index(ds), set(), _Tally()
     for c in ds.calls:
+        tally.add_class(c.cls)
         tally.cls[c.cls][f"{c.role}_rows"] += len(c.rows)
     prompt = [c for c in ds.calls if c.role == "prompt"]
     bar = progress_bar(len(prompt), "dump contract", "call") if progress else None
@@ -203,6 +214,7 @@ def dump_contract(folder, progress: bool = True) -> dict:
     sites = list(tally.sites.values())
     for s in sites:
         s["positions"] = ranges(s["positions"])
+        s["origin_positions"] = ranges(s["origin_positions"])
     totals = {k: sum(st[k] for st in classes) for k in ("paired", "mismatches", "origin_mismatches",
                                                          "unpaired_prompt", "unpaired_decode")}
     return {"section": "dump_contract", "folder": ds.folder, "engine": ds.engine, "version": ds.manifest["version"],

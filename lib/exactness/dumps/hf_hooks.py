@@ -14,7 +14,13 @@ Hooked modules, their engine class names and our classes (``CLASS_MAP``; sites n
     mlp.experts (Qwen3MoeExperts)    fused_experts -> moe_combine   one fused call: routed experts' SwiGLU and
                                                                     the weighted sum; inputs x, idx, g
     lm_head                          lm_head       -> lm_head
-RoPE and the residual adds are functions and tensor ops inside the modules: not hooked, reported not dumped.
+    apply_rotary_pos_emb             rope          -> rope          sites ``L0.rope_q``, ``L0.rope_k``: the model
+                                                                    module's function, wrapped there while attached;
+                                                                    inputs x, cos, sin, positions
+    the decoder layer's two adds     residual      -> residual      sites ``L0.residual_attn``, ``L0.residual_moe``:
+                                                                    a TorchDispatchMode (``residual_mode``) records
+                                                                    each aten.add of two [B, S, H] tensors inside a
+                                                                    decoder layer; inputs a (the residual), b
 
 Rows: a module's input [B, S, ...] (or [B*S, ...]) is read as B*S rows in row-major order; the driver announces
 each forward's rows (sequence, position, token) with :meth:`HFDumper.forward_rows`. :func:`dump_hf_model` runs
@@ -24,15 +30,18 @@ fault) is dumped as the module's output.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .writer import DumpWriter, Fixed
 
 ENGINE = "transformers"
 CLASS_MAP = {"linear": "dense", "attention": "attention", "rms_norm": "rmsnorm", "topk_router": "router",
-             "fused_experts": "moe_combine", "lm_head": "lm_head"}
+             "fused_experts": "moe_combine", "lm_head": "lm_head", "rope": "rope", "residual": "residual"}
+RESIDUAL_SITES = ("residual_attn", "residual_moe")
 
 
 def hooked_modules(model) -> list[tuple[str, str, str, object]]:
@@ -72,10 +81,23 @@ class HFDumper:
         self.dw, self.store_weights = writer, weights
         self.keep = None if positions is None else {int(p) for p in positions}
         self.role, self.rows, self.B = None, [], 0
-        self.handles, self._attn = [], None
+        self.handles, self._attn, self._rope = [], None, None
+        self.layer, self.adds, self.hidden = None, 0, model.config.hidden_size
         for ecls, site, name, mod in hooked_modules(model):
             self.handles.append(mod.register_forward_hook(self._hook(ecls, site, name)))
+        for i, layer in enumerate(model.model.layers):
+            self.handles.append(layer.register_forward_pre_hook(lambda *_, i=i: self._enter_layer(i)))
+            self.handles.append(layer.register_forward_hook(lambda *_: self._enter_layer(None)))
         self._wrap_attention(model)
+        self._wrap_rope(model)
+
+    def _enter_layer(self, i) -> None:
+        self.layer, self.adds = i, 0
+
+    def residual_mode(self) -> TorchDispatchMode:
+        """A dispatch mode recording the residual adds; enter it around the forwards (a mode entered before it,
+        outside, sees the adds first: a planted fault there is dumped as the add's output)."""
+        return _ResidualAdds(self)
 
     def forward_rows(self, role: str, rows: list[tuple[int, int, int]], batch: int = 1) -> None:
         """Announce the next forward: its role and its B*S rows as (sequence, position, token), row-major."""
@@ -93,6 +115,30 @@ class HFDumper:
             else:
                 table[impl] = before
             self._attn = None
+        if self._rope is not None:
+            mod, orig = self._rope
+            mod.apply_rotary_pos_emb = orig
+            self._rope = None
+
+    def _wrap_rope(self, model) -> None:
+        """Wrap the model module's ``apply_rotary_pos_emb`` (called by name from its attention) while attached."""
+        mod = sys.modules[type(model).__module__]
+        orig = getattr(mod, "apply_rotary_pos_emb", None)
+        if orig is None:
+            return
+        rp = getattr(model.config, "rope_parameters", None) or {}
+        theta = float(rp.get("rope_theta", getattr(model.config, "rope_theta", 0.0)) or 0.0)
+        kernel = f"{ENGINE}.{getattr(orig, '__name__', 'apply_rotary_pos_emb')}"
+
+        def rope(q, k, cos, sin, *args, **kw):
+            qe, ke = orig(q, k, cos, sin, *args, **kw)   # q, k [B, h, S, D]; cos, sin [B, S, D]
+            pos = torch.tensor([r[1] for r in self.rows], dtype=torch.int64)
+            for n, x, y in (("q", q, qe), ("k", k, ke)):
+                self._add("rope", f"L{self.layer}.rope_{n}", None, None, {"x": x.transpose(1, 2), "cos": cos,
+                          "sin": sin, "positions": pos}, {"y": y.transpose(1, 2)}, {"theta": theta}, kernel)
+            return qe, ke
+        mod.apply_rotary_pos_emb = rope
+        self._rope = (mod, orig)
 
     def _wrap_attention(self, model) -> None:
         """Override the model's attention implementation in its module's ALL_ATTENTION_FUNCTIONS (a local entry of
@@ -162,6 +208,25 @@ class HFDumper:
         return hook
 
 
+class _ResidualAdds(TorchDispatchMode):
+    """Records aten.add.Tensor of two [B, S, H] tensors inside a decoder layer (its residual adds) to a dumper."""
+
+    def __init__(self, dumper: HFDumper):
+        super().__init__()
+        self.d = dumper
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        d = self.d
+        if func is torch.ops.aten.add.Tensor and d.layer is not None and not kwargs and len(args) == 2 and \
+                all(isinstance(a, torch.Tensor) and a.dim() == 3 and a.shape[-1] == d.hidden for a in args):
+            k, d.adds = d.adds, d.adds + 1
+            site = f"L{d.layer}." + (RESIDUAL_SITES[k] if k < len(RESIDUAL_SITES) else f"residual{k}")
+            d._add("residual", site, None, None, {"a": args[0], "b": args[1]}, {"y": out}, None,
+                   f"{ENGINE}.aten.add")
+        return out
+
+
 def dump_hf_model(folder, model, prompt_ids: torch.Tensor, weights: bool = True, positions=None,
                   build: str | None = None) -> str:
     """Dump a transformers Qwen3-MoE on one prompt: one forward over all P tokens (prompt role), then the tokens one
@@ -184,14 +249,16 @@ def dump_hf_model(folder, model, prompt_ids: torch.Tensor, weights: bool = True,
     with DumpWriter(folder, ENGINE, build, class_map=CLASS_MAP, meta=meta) as dw:
         d = HFDumper(dw, model, weights, positions)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), d.residual_mode():
                 d.forward_rows("prompt", [(0, p, int(t)) for p, t in enumerate(ids)])
                 model(input_ids=ids[None].to(dev), use_cache=False)
                 cache = DynamicCache(config=model.config)
+                # the cache keyword this transformers takes (``cache`` in newer releases, ``past_key_values`` before)
+                kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
                 for p, t in enumerate(ids.tolist()):
                     d.forward_rows("decode", [(0, p, t)])
                     model(input_ids=ids[None, p:p + 1].to(dev), position_ids=torch.tensor([[p]], device=dev),
-                          cache=cache, use_cache=True)
+                          use_cache=True, **{kw: cache})
         finally:
             d.remove()
     return str(folder)

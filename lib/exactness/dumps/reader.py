@@ -100,9 +100,9 @@ class DumpSet:
 
     def _check_class_map(self) -> None:
         _need(isinstance(self.class_map, dict), f"class_map must be an object, got {self.class_map!r}")
-        for k, v in self.class_map.items():
-            _need(v in KERNEL_CLASSES, f"class_map maps {k!r} to unknown class {v!r}; known: "
-                                       f"{', '.join(KERNEL_CLASSES)}")
+        for k, v in self.class_map.items():   # null: an engine class of its own, kept under its name
+            _need(v is None or v in KERNEL_CLASSES, f"class_map maps {k!r} to unknown class {v!r}; known: "
+                                                    f"{', '.join(KERNEL_CLASSES)}, or null")
 
     def _call(self, i: int, c: dict) -> Call:
         """The checked Call of record ``c`` (fields first, then its tensors against the files' headers)."""
@@ -125,9 +125,10 @@ class DumpSet:
         _need(isinstance(c, dict), f"call {i}: the record is not an object")
         _need(c.get("id", i) == i, f"call {i}: id {c.get('id')!r} is not its index {i} in calls")
         ecls = c.get("class")
-        cls = self.class_map.get(ecls, ecls)
-        _need(cls in KERNEL_CLASSES, f"call {i}: unknown class {ecls!r}; known: {', '.join(KERNEL_CLASSES)}, "
-                                     f"or a key of class_map ({', '.join(self.class_map) or 'empty'})")
+        cls = self.class_map.get(ecls) or ecls   # a class_map value null keeps the engine's class name
+        _need(cls in KERNEL_CLASSES or (isinstance(ecls, str) and ecls in self.class_map),
+              f"call {i}: unknown class {ecls!r}; known: {', '.join(KERNEL_CLASSES)}, "
+              f"or a key of class_map ({', '.join(self.class_map) or 'empty'})")
         _need(c.get("role") in ROLES, f"call {i}: role {c.get('role')!r}; allowed: {', '.join(ROLES)}")
         _need(isinstance(c.get("kernel"), str) and c["kernel"], f"call {i}: kernel name missing")
         _need(c["role"] == "decode" or isinstance(c.get("replaces"), str),

@@ -78,7 +78,7 @@ def render_md(obj: dict) -> str:
     if bad:
         out += ["Sites with differing rows:", "",
                 _md([[s["class"], _v(s["site"]), f"{s['mismatches']}/{s['paired']}", s["origin_mismatches"],
-                      s["positions"]] for s in bad], ["class", "site", "differ / paired", "equal inputs",
-                                                      "positions"]), ""]
+                      s["positions"], s.get("origin_positions") or DASH] for s in bad],
+                    ["class", "site", "differ / paired", "equal inputs", "positions", "positions, equal inputs"]), ""]
     out.append(f"_{DASH} : not applicable (no site, no float ULP order, or no such call size)._")
     return "\n".join(out)

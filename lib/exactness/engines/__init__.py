@@ -9,7 +9,8 @@ An engine is named by a spec string: ``KIND:TARGET`` or the path of a YAML engin
     my-engine.yaml                     {kind: ..., target: ..., configurations: [...], oracle: ..., ...}
 
 A YAML engine file holds the kind, its target and the adapter's options (each adapter documents its own: e.g. the
-configurations to run, launch commands of servers, the oracle's name).
+configurations to run, launch commands of servers, the oracle's name). ``parse_spec`` checks a spec's form and
+``probe`` what it names (a model file's header, a server's answer), both before anything runs.
 """
 from __future__ import annotations
 
@@ -81,6 +82,24 @@ def check_target(kind: str, target: str, options: dict, spec: str) -> None:
     elif kind == "openai" and not options.get("configurations") and not target.startswith(("http://", "https://")):
         raise ValueError(f"engine {spec!r}: {target or '(no URL)'} is not a base URL; allowed: "
                          "openai:http://host:port/v1, or a YAML engine file with configurations")
+
+
+def probe(spec: str, timeout_s: float | None = None) -> None:
+    """Check, before anything runs, that what ``spec`` names can be opened and answers (engines/probes.py): a GGUF
+    file's header and tensor index, a model folder's config.json and weight headers, each given server's
+    /v1/models and one greedy streamed token (``timeout_s`` per request, default probes.PROBE_TIMEOUT_S).
+
+    Raises:
+        ValueError: one line, ``engine 'SPEC': what failed`` (a bad spec as parse_spec).
+    """
+    from .probes import PROBE_TIMEOUT_S, probe_target
+
+    kind, target, options = parse_spec(spec)
+    try:
+        probe_target(kind, target, options, timeout_s or PROBE_TIMEOUT_S)
+    except (ValueError, EngineError, OSError) as e:
+        why = " ".join(str(e).split())   # one line: servers' messages and launch logs carry newlines
+        raise ValueError(f"engine {spec!r}: {why[:400] + ' ...' if len(why) > 400 else why}") from None
 
 
 def open_engine(spec: str, **common) -> Engine:

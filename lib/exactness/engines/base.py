@@ -29,6 +29,7 @@ CAPABILITIES = (
     "token_ids",       # prompts are taken as token ids (else as text, decoded from the ids by the engine's tokenizer)
     "chat",            # Engine.generate takes a Chat prompt as messages (a server's /v1/chat/completions, its template)
     "chat_template",   # Engine.encode_chat turns a Chat into token ids with the model's own chat template
+    "prompt_logprobs", # Generation.prompt_logprobs: the prompt tokens' logprobs (a server's echo / prompt_logprobs)
 )
 
 
@@ -97,6 +98,12 @@ class Generation:
         ttft_s: seconds from the request to the first generated token; decode_s: seconds of the other G-1.
         token_times: seconds from the request to each generated token (len G), or None.
         info: anything else the engine reports about the run (served plans, acceptance), JSON-ready.
+        greedy: whether every generated token was checked to be the top-1 of its row: True, False (the first
+            offending position in ``info["greedy_check"]``), or None where not checked (an engine that picks by
+            argmax itself, or a server that sent no logprobs).
+        prompt_logprobs: [R, 1+N] float64, per prompt token after the first: its logprob, then the top-N logprobs
+            (-inf padding), as a server returned them; None where not exposed.
+        prompt_logprob_ids: [R, 1+N] int64, the matching token ids (-1 where the server named a token by text only).
     """
 
     config: str
@@ -109,6 +116,9 @@ class Generation:
     decode_s: float = 0.0
     token_times: list[float] | None = None
     info: dict = field(default_factory=dict)
+    greedy: bool | None = None
+    prompt_logprobs: torch.Tensor | None = None
+    prompt_logprob_ids: torch.Tensor | None = None
 
 
 @runtime_checkable

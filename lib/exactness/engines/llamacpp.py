@@ -11,7 +11,9 @@ Options (a YAML engine file's keys; the profile's common fields are accepted and
     oracle: the oracle's name (default: the smallest n_ubatch); n_ctx: context length in tokens (default 4096:
     also the size of the logits buffer, n_ctx x vocabulary fp32 per configuration); n_threads (default 1);
     seed (default 0);
-    kv_type: the KV cache's storage type, ``f16`` (llama.cpp's default), ``bf16`` or ``f32``.
+    kv_type: the KV cache's storage type, ``f16`` (llama.cpp's default), ``bf16`` or ``f32``;
+    dumps: a folder: the first prompt each configuration generates is also dumped op by op to ``<dumps>/<config>``
+    (dumps/llamacpp.py: that configuration's micro-batches against the prompt token by token).
 
 What comes back: prompt and generated logits (llama.cpp's fp32 output rows), the KV cache as serialised by
 ``llama_state_seq_get_data`` (parsed into per-layer K and V tensors of the cache's storage type; None with the
@@ -36,7 +38,7 @@ INSTALL = "pip install llama-cpp-python"
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml_type ids
 COMMON_KEYS = {"profile", "preset", "device", "dtype", "prompts", "prompt_max_tokens", "steps", "gen_tokens",
                "deep_threshold", "kernel_sets"}
-OWN_KEYS = {"ubatch", "configurations", "oracle", "n_ctx", "n_threads", "seed", "kv_type"}
+OWN_KEYS = {"ubatch", "configurations", "oracle", "n_ctx", "n_threads", "seed", "kv_type", "dumps"}
 _NAME = re.compile(r"n_ubatch-([1-9][0-9]*)")
 
 
@@ -72,6 +74,8 @@ def _check_options(options: dict) -> None:
     extra = sorted(set(options) - OWN_KEYS - COMMON_KEYS)
     if extra:
         raise ValueError(f"llamacpp engine options {extra} are not known; allowed: {', '.join(sorted(OWN_KEYS))}")
+    if options.get("dumps") is not None and not isinstance(options["dumps"], str):
+        raise ValueError(f"llamacpp option dumps={options['dumps']!r} is not allowed; allowed: a folder path")
     for key in ("n_ctx", "n_threads"):
         v = options.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -181,12 +185,13 @@ class LlamaCppEngine:
     capabilities = frozenset({"prompt_logits", "gen_logits", "kv_bytes", "drafted", "prompt_cache", "token_ids"})
 
     def __init__(self, gguf_path: str | Path, ubatch: list[int], oracle: str | None = None, n_ctx: int = 4096,
-                 n_threads: int = 1, seed: int = 0, kv_type: str = "f16"):
+                 n_threads: int = 1, seed: int = 0, kv_type: str = "f16", dumps: str | None = None):
         self.lc = _llama_cpp()
         self.path = Path(gguf_path)
         if not self.path.is_file():
             raise ValueError(f"llamacpp target {str(gguf_path)!r} is not a GGUF file")
         self.n_ctx, self.n_threads, self.seed, self.kv_type = n_ctx, n_threads, seed, kv_type
+        self.dumps, self.dumped = dumps, {}
         self._configs = [Configuration(f"n_ubatch-{u}", {"n_ubatch": u, "n_batch": max(u, n_ctx),
                                                          "n_ctx": n_ctx, "n_threads": n_threads,
                                                          "kv_type": kv_type}) for u in ubatch]
@@ -205,7 +210,8 @@ class LlamaCppEngine:
         if not target:
             raise ValueError("the llamacpp engine needs a GGUF file: llamacpp:/path/model.gguf")
         _check_options(options)
-        kw = {k: options[k] for k in ("n_ctx", "n_threads", "seed", "kv_type", "oracle") if options.get(k) is not None}
+        kw = {k: options[k] for k in ("n_ctx", "n_threads", "seed", "kv_type", "oracle", "dumps")
+              if options.get(k) is not None}
         return cls(target, _ubatches(options), **kw)
 
     # --- instances -------------------------------------------------------------------------------------------
@@ -297,7 +303,21 @@ class LlamaCppEngine:
         self._eval(llm, ids, config)
         plog = torch.from_numpy(llm.scores[:len(ids)].copy())
         gen, glog, times = self._decode(llm, plog[-1].numpy(), gen_tokens, config, t0)
-        return self._generation(config, llm, plog, gen, glog, times, {})
+        info = {"dumps": self.dump(ids, config, Path(self.dumps) / config)} if self.dumps and \
+            config not in self.dumped else {}
+        return self._generation(config, llm, plog, gen, glog, times, info)
+
+    def dump(self, prompt_ids: list[int], config: str, folder, **select) -> str:
+        """Dump llama.cpp op by op on ``prompt_ids``: ``config``'s micro-batches (prompt role) against the prompt
+        token by token (decode role), with this engine's settings; ``select``: dump_llamacpp's layers, positions,
+        weights, gen_tokens. Returns the folder. Raises ValueError (bad selection), FileExistsError (folder not
+        empty)."""
+        from ..dumps.llamacpp import dump_llamacpp
+        check_config(self, config)
+        s = next(c.settings for c in self._configs if c.name == config)
+        self.dumped[config] = dump_llamacpp(folder, self.path, prompt_ids, s["n_ubatch"], n_ctx=self.n_ctx,
+                                            n_threads=self.n_threads, kv_type=self.kv_type, **select)
+        return self.dumped[config]
 
     def resumed(self, prefix_ids: list[int], prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
         """The prefix evaluated, llama.cpp's state saved (``Llama.save_state``: llama_state_get_data), the context

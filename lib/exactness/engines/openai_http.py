@@ -1,13 +1,14 @@
 """HTTP plumbing of the ``openai`` engine (engines/openai.py): servers the suite launches (started on a free port,
-waited for, stopped by their own PID) and the reading of one streamed ``/v1/completions`` reply (SSE chunks until
-``data: [DONE]``), each failure raised as EngineError naming the configuration, the URL and what happened."""
+waited for, stopped by their own PID) and GET /v1/models; each failure raised as EngineError naming the
+configuration, the URL and what happened. A launch command's ``{port}`` is the free port, ``{python}`` the suite's
+own Python (sys.executable), so ``{python} -m exactness serve ...`` runs in the suite's environment under make."""
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from .base import EngineError
+from .openai_reply import one_line
 
 
 @dataclass
@@ -30,6 +32,10 @@ class Endpoint:
     model: str = ""
     fingerprint: str | None = None
     settings: dict = field(default_factory=dict)
+    api: str = "completions"           # completions | chat | auto (resolved at the first request)
+    sampling: dict = field(default_factory=dict)
+    plp: str = "off"                   # prompt logprobs: auto | vllm | echo | off (auto resolved at first use)
+    plp_why: str | None = None         # why auto resolved to off
 
     def where(self) -> str:
         return f"openai engine, configuration {self.name!r} at {self.base_url or '(not started)'}"
@@ -49,6 +55,40 @@ def _log_tail(ep: Endpoint, n: int = 1500) -> str:
         return fh.read()[-n:]
 
 
+def launch_line(command: str, port: int) -> str:
+    """``command`` with ``{port}`` and ``{python}`` (the suite's own Python, shell-quoted) filled in.
+
+    Raises:
+        KeyError, IndexError, ValueError: other braces in the command.
+    """
+    return command.format(port=port, python=shlex.quote(sys.executable))
+
+
+def models(ep: Endpoint, timeout_s: float) -> list[str]:
+    """The ids GET ``ep.base_url``/models lists.
+
+    Raises:
+        EngineError: refused, an HTTP error status, a body that is not JSON or lists no model (one line each).
+    """
+    url = ep.base_url + "/models"
+    try:
+        resp = httpx.get(url, timeout=timeout_s)
+    except httpx.ConnectError as e:
+        raise EngineError(f"{ep.where()}: GET {url}: connection refused or no server ({e})") from None
+    except httpx.HTTPError as e:
+        raise EngineError(f"{ep.where()}: GET {url}: {type(e).__name__}: {one_line(e)}") from None
+    if resp.status_code >= 400:
+        raise EngineError(f"{ep.where()}: GET {url}: HTTP {resp.status_code}: {one_line(resp.text)}")
+    try:
+        ids = [m["id"] for m in resp.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise EngineError(f"{ep.where()}: GET {url} did not answer a model list (JSON with data[].id): "
+                          f"{one_line(resp.text, 200)!r}") from None
+    if not ids or not all(isinstance(i, str) for i in ids):
+        raise EngineError(f"{ep.where()}: GET {url} lists no model: {one_line(resp.text, 200)!r}")
+    return ids
+
+
 def launch(ep: Endpoint, timeout_s: float) -> None:
     """Start ``ep.launch`` on a free port and wait until its /v1/models answers 200.
 
@@ -60,7 +100,7 @@ def launch(ep: Endpoint, timeout_s: float) -> None:
     ep.base_url = f"http://127.0.0.1:{port}/v1"
     ep.log = tempfile.NamedTemporaryFile("w+", prefix=f"openai-{ep.name}-", suffix=".log", delete=False)
     try:
-        ep.proc = subprocess.Popen(shlex.split(ep.launch.format(port=port)), stdout=ep.log,
+        ep.proc = subprocess.Popen(shlex.split(launch_line(ep.launch, port)), stdout=ep.log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     except (OSError, ValueError, KeyError, IndexError) as e:
         raise EngineError(f"{ep.where()}: cannot start {ep.launch!r}: {e}") from None
@@ -93,116 +133,3 @@ def stop(ep: Endpoint) -> None:
         ep.log.close()
         os.unlink(ep.log.name)
         ep.log = None
-
-
-# ------------------------------------------------------------------------------------------------------ streaming
-
-@dataclass
-class Reply:
-    """What one streamed completion returned: ids (None where the server sent none), text, top-N per token (None
-    where not asked or not mapped to ids), seconds from the request to each token, the last usage, the finish
-    reason, the system fingerprint, the prefill plans served (``exactness serve`` only), notes for the receipt."""
-
-    ids: list | None = None
-    text: str = ""
-    top: list | None = None
-    times: list = field(default_factory=list)
-    usage: dict | None = None
-    finish: str | None = None
-    fingerprint: str | None = None
-    served: dict | None = None
-    notes: list = field(default_factory=list)
-
-
-def _top_ids(entry) -> list | None:
-    """One ``{"token_id:<id>": logprob}`` dict -> [(id, logprob)] best first; None where a key is a plain string."""
-    if not isinstance(entry, dict):
-        return None
-    out = []
-    for k, v in entry.items():
-        if not (isinstance(k, str) and k.startswith("token_id:") and k[9:].lstrip("-").isdigit()):
-            return None
-        out.append((int(k[9:]), float(v)))
-    return sorted(out, key=lambda p: -p[1])
-
-
-def _add_choice(r: Reply, choice: dict, t: float, where: str) -> None:
-    """Fold one streamed choice into ``r``: its ids (or text only), its logprobs, one time stamp per token."""
-    text, ids = choice.get("text"), choice.get("token_ids")
-    if text is None:
-        text = (choice.get("delta") or {}).get("content") or ""
-    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
-        raise EngineError(f"{where}: malformed chunk: token_ids {ids!r} is not a list of ints")
-    if (ids is None) != (r.ids is None) and r.times:
-        raise EngineError(f"{where}: malformed stream: some chunks carry token_ids and some do not")
-    r.text += text
-    if ids is not None:
-        r.ids = (r.ids or []) + ids
-    lp = choice.get("logprobs")
-    if r.top is not None and isinstance(lp, dict):
-        tops = [_top_ids(e) for e in lp.get("top_logprobs") or []]
-        if any(x is None for x in tops):
-            r.top = None
-            r.notes.append("top logprobs are keyed by token strings (no token_id:<id>): not mapped to ids")
-        else:
-            r.top += tops
-    n = len(ids) if ids is not None else (1 if text else 0)
-    r.times += [t] * n
-    r.finish = choice.get("finish_reason") or r.finish
-
-
-def _chunks(resp: httpx.Response, where: str):
-    """The JSON chunks of an SSE reply until ``data: [DONE]``.
-
-    Raises:
-        EngineError: a chunk that is not JSON or has no choices list, an error event, a stream that ends before
-            [DONE].
-    """
-    for line in resp.iter_lines():
-        if not line.startswith("data:"):
-            continue   # blank separators, comments, event names
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            raise EngineError(f"{where}: malformed chunk (not JSON): {data[:200]!r}") from None
-        if isinstance(chunk, dict) and "error" in chunk:
-            raise EngineError(f"{where}: the server reported an error mid-stream: {chunk['error']}")
-        if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
-            raise EngineError(f"{where}: malformed chunk (no choices list): {data[:200]!r}")
-        yield chunk
-    raise EngineError(f"{where}: the stream ended before data: [DONE] (the server closed it early)")
-
-
-def stream_completion(url: str, body: dict, timeout_s: float, where: str, want_top: bool) -> Reply:
-    """POST ``body`` (stream: true) to ``url`` and read the reply, stamping each chunk's tokens.
-
-    Raises:
-        EngineError: refused connection, timeout, an HTTP error status (with the server's message), a server that
-            closed the connection mid-stream, a malformed chunk; each names ``where`` and what happened.
-    """
-    r = Reply(top=[] if want_top else None)
-    t0 = time.perf_counter()
-    try:
-        with httpx.Client(timeout=httpx.Timeout(timeout_s)) as client, \
-                client.stream("POST", url, json=body) as resp:
-            if resp.status_code >= 400:
-                resp.read()
-                raise EngineError(f"{where}: HTTP {resp.status_code} from {url}: {resp.text[:500]}")
-            for chunk in _chunks(resp, where):
-                t = time.perf_counter() - t0
-                r.fingerprint = chunk.get("system_fingerprint") or r.fingerprint
-                r.usage = chunk.get("usage") or r.usage
-                r.served = chunk.get("exactness_served") or r.served   # only ``exactness serve`` sends it
-                for choice in chunk["choices"]:
-                    _add_choice(r, choice, t, where)
-    except httpx.ConnectError as e:
-        raise EngineError(f"{where}: cannot connect to {url} (connection refused or no server): {e}") from None
-    except httpx.TimeoutException as e:
-        raise EngineError(f"{where}: no answer from {url} within {timeout_s} s ({type(e).__name__})") from None
-    except (httpx.RemoteProtocolError, httpx.ReadError) as e:
-        raise EngineError(f"{where}: the server at {url} closed the connection mid-stream after "
-                          f"{len(r.times)} tokens: {e}") from None
-    return r

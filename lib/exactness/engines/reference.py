@@ -8,10 +8,10 @@ and concurrent streams in one batch.
 from __future__ import annotations
 
 import time
-from importlib.metadata import version
 
 import torch
 
+from .. import __version__
 from ..cache import KVFormat
 from ..exact import token_hash  # noqa: F401  (re-exported for adapters' tests)
 from ..kernels import get_set
@@ -44,7 +44,7 @@ class ReferenceEngine:
 
     kind = "reference"
     oracle = "decode"
-    capabilities = frozenset(CAPABILITIES)
+    capabilities = frozenset(CAPABILITIES) - {"chat", "chat_template"}   # chat prompts: the plain template
 
     def __init__(self, w, tokenizer=None, kernels: str = "invariant", steps=(), deep_threshold: int = 512,
                  draft_k: int = 2, model: dict | None = None, kv_dtype: str = "bf16"):
@@ -74,7 +74,7 @@ class ReferenceEngine:
     def identity(self) -> dict:
         """Kind, package version, model (preset or checkpoint), device, dtype, weights setting, KV-cache dtype,
         kernel set, configurations."""
-        return {"kind": self.kind, "version": version("exactness"), "model": self.model, "device": str(self.w.device),
+        return {"kind": self.kind, "version": __version__, "model": self.model, "device": str(self.w.device),
                 "dtype": str(self.w.dtype).replace("torch.", ""), "weights": weights_format(self.w),
                 "kv_dtype": self.kv_dtype, "kernels": self.ks.name,
                 "configurations": {c.name: c.settings for c in self.configurations()}}
@@ -120,13 +120,14 @@ class ReferenceEngine:
                            {"resumed_from": run.resumed_from})
 
     def concurrent(self, prompts: list[list[int]], gen_tokens: int, config: str) -> list[Generation]:
-        """All prompts decoded in one batch (batch.run_streams, all joining at step 0)."""
+        """All prompts decoded in one batch (batch.run_streams, all joining at step 0, one cache slot each);
+        ``info["batch_rows"]`` is the largest decode batch (rows) run."""
         from ..batch import run_streams
         check_config(self, config)
         res = run_streams(self.w, [torch.tensor(p) for p in prompts], gen_tokens, self.ks, self.schedules[config],
-                          kv_dtype=self.kv_dtype)
-        return [_generation(config, s.gen_ids, s.prompt_logits, s.gen_logits, None, 0.0, 0.0, {})
-                for s in res.streams]
+                          offset=0, max_batch=max(1, len(prompts)), kv_dtype=self.kv_dtype)
+        return [_generation(config, s.gen_ids, s.prompt_logits, s.gen_logits, None, 0.0, 0.0,
+                            {"batch_rows": res.max_batch_rows}) for s in res.streams]
 
     def close(self) -> None:
         self.w = None

@@ -1,53 +1,52 @@
-"""``python -m exactness serve``: our reference engine behind an OpenAI-compatible HTTP API (FastAPI + uvicorn).
+"""``python -m exactness serve``: our reference engine behind an OpenAI-compatible HTTP API (FastAPI + uvicorn),
+with continuous batching.
 
-    GET  /v1/models             the served model (its name, max_model_len)
-    POST /v1/completions        prompt as token ids or a string; greedy only; stream or not; logprobs=N
-    POST /v1/chat/completions   minimal: the messages' contents joined by newlines, run as one completion
+    GET  /v1/models             the served model (its name, max_model_len, max_batch)
+    POST /v1/completions        prompt as token ids or a string; greedy only; stream or not; logprobs=N; echo;
+                                prompt_logprobs=N
+    POST /v1/chat/completions   messages rendered with the tokenizer's chat template (else the plain template);
+                                logprobs + top_logprobs in the OpenAI chat format; prompt_logprobs=N
     POST /tokenize, /detokenize text <-> ids with the served tokenizer (the request shapes vLLM uses)
+    GET  /exactness/stats       the scheduler's counters (max_batch, largest decode batch run, forwards, queue)
 
-Every run is the in-process one: prefill by ``paths.prefill`` on the configured Schedule, then
-``paths.decode_step`` per token, the kernel set's argmax choosing each token, into a KV cache sized as
-``paths.generate`` sizes it, so a served run's tokens equal
-``paths.generate(w, ids, max_tokens, kernels, Schedule(path, step, deep_threshold))``'s while end-of-sequence is
-ignored (``ignore_eos: true``; otherwise the reply stops after the EOS token, finish_reason ``stop``).
+Requests are batched continuously (serve_batch): one scheduler thread owns one KV cache of ``--max-batch`` slots
+of ``--max-model-len`` positions; a new request's prefill (``paths.prefill`` on the configured Schedule, into a free
+slot) runs between decode steps, and every decode step runs all active requests as ONE ``paths.decode_step``;
+requests beyond the free slots wait in arrival order. With the invariant kernel set a served run's tokens and
+logprobs equal ``paths.generate(w, ids, max_tokens, kernels, Schedule(path, step, deep_threshold))``'s under any
+load (while end-of-sequence is ignored: ``ignore_eos: true``; otherwise the reply stops after the EOS token,
+finish_reason ``stop``); with the fast set a request's bytes may depend on the requests batched with it.
 
-Greedy only: ``temperature`` absent or 0 (any other value is refused with 400 naming it); ``n`` 1; no ``stop``
-strings; no ``echo``. Each choice carries the generated ids in ``token_ids`` (every streamed chunk carries its own
-token's id), as vLLM and SGLang do with ``return_token_ids``. With ``return_tokens_as_token_ids: true`` the
-logprobs' token strings are ``token_id:<id>`` (vLLM's convention), so top-N entries map to exact ids; otherwise they
-are the decoded texts (which may collide, e.g. every lone byte of a multi-byte character decodes to U+FFFD).
-Log-probabilities are ``log_softmax`` of the fp32 logit row the token was chosen from. The last reply of a run
-(the non-streamed reply, or the streamed chunk with ``usage``) carries ``exactness_served``: plan -> segments and rows
-the prefill actually ran (so a deep configuration that never ran deep shows).
-
-Requests are served one at a time: one worker thread runs every generation, in arrival order; a concurrent request
-waits for the one before it (no batching). A streaming client that disconnects stops its run at the next token.
+Greedy only; the accepted knobs, the logprob formats (``token_ids`` in each choice, ``token_id:<id>`` names with
+``return_tokens_as_token_ids: true``, legacy echo, vLLM's prompt_logprobs, chat logprobs) are in serve_api.
+Log-probabilities are ``log_softmax`` of the fp32 logit row the token was chosen from (prompt tokens: the prompt row
+before each). The last reply of a run (the non-streamed reply, or the streamed chunk with ``usage``) carries
+``exactness_served``: plan -> segments and rows the prefill actually ran (so a deep configuration that never ran
+deep shows). A streaming client that disconnects leaves the batch at the next step, freeing its slot.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-import threading
-import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..cache import KV_DTYPES, KVCache, KVFormat
+from ..cache import KV_DTYPES, KVFormat
 from ..config import BYTE_VOCAB
 from ..kernels import KernelSet, get_set
 from ..kernels.quant import WEIGHT_FORMATS
-from ..paths import PATHS, Schedule, _served, check_run_args, decode_step, prefill
+from ..paths import PATHS, Schedule
 from ..tokenizer import ByteTokenizer
 from ..weights import Weights, weights_format
+from .serve_api import RequestError, choice, data, parse_job, prompt_ids, reply, text, usage
+from .serve_batch import END, Job, PromptRows, Scheduler
 
-_END = object()
+MAX_BATCH = 8             # default decode slots
+MAX_MODEL_LEN = 32768     # default positions per slot, at most the model's max_positions
 
 
 @dataclass
@@ -59,7 +58,11 @@ class Served:
         w: the weights; tokenizer: encodes string prompts (None: only token-id prompts are taken).
         kernels: the kernel set; schedule: prefill path, step and deep threshold.
         kv_dtype: what the KV cache stores (cache.KV_DTYPES).
-        worker: the single thread every generation runs on (requests served one at a time).
+        max_batch: KV-cache slots (requests decoded in one forward); max_model_len: positions per slot (prompt +
+            generated tokens; None: the model's max_positions, at most MAX_MODEL_LEN).
+        scheduler: the batching thread and its cache (serve_batch.Scheduler), made here.
+    Raises:
+        ValueError: max_batch < 1, max_model_len outside 1..max_positions.
     """
 
     name: str
@@ -68,250 +71,84 @@ class Served:
     kernels: KernelSet
     schedule: Schedule
     kv_dtype: str = "bf16"
-    worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="serve"))
+    max_batch: int = MAX_BATCH
+    max_model_len: int | None = None
+    scheduler: Scheduler = field(init=False, repr=False)
+
+    def __post_init__(self):
+        top = self.w.cfg.max_positions
+        self.max_model_len = min(top, MAX_MODEL_LEN) if self.max_model_len is None else self.max_model_len
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1 (decode slots), got {self.max_batch!r}")
+        if not 1 <= self.max_model_len <= top:
+            raise ValueError(f"max_model_len must be in 1..{top} (the model's max_positions), got "
+                             f"{self.max_model_len!r}")
+        self.scheduler = Scheduler(self.w, self.kernels, self.schedule, self.kv_dtype, self.max_batch,
+                                   self.max_model_len)
 
     @property
     def fingerprint(self) -> str:
-        """``system_fingerprint`` of every reply: kernel set, path, step, deep threshold, dtype, device, then the
-        weights setting and KV-cache dtype."""
+        """``system_fingerprint`` of every reply: kernel set, path, step, deep threshold, dtype, device, max batch,
+        then the weights setting and KV-cache dtype."""
         s = self.schedule
         return (f"exactness:{self.kernels.name}:{s.path}:{s.step or 'all'}:{s.deep_threshold}:"
-                f"{str(self.w.dtype).removeprefix('torch.')}:{self.w.device}:{weights_format(self.w)}:"
-                f"{self.kv_dtype}")
+                f"{str(self.w.dtype).removeprefix('torch.')}:{self.w.device}:max_batch={self.max_batch}:"
+                f"{weights_format(self.w)}:{self.kv_dtype}")
 
 
-class RequestError(ValueError):
-    """A request refused with an HTTP status (400 bad value, 404 unknown model); the message names the value."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-@dataclass
-class Job:
-    """One parsed completion request: ids [P] int64, max_tokens, top-N logprobs (0: none), stop at EOS or not;
-    ``served`` is filled by the run."""
-
-    ids: torch.Tensor
-    max_tokens: int
-    logprobs: int
-    ignore_eos: bool
-    stream: bool
-    id_strings: bool
-    chat: bool = False
-    served: dict = field(default_factory=_served)   # plan -> {"segments", "rows"} the prefill ran
-
-
-@dataclass
-class Step:
-    """One generated token: its id, (token_logprob, [(id, logprob)] top-N best first) or None, finish reason."""
-
-    token: int
-    logprobs: tuple | None
-    finish: str | None
-
-
-# ---------------------------------------------------------------------------------------------------- generation
-
-def _top(row: torch.Tensor, n: int, token: int) -> tuple | None:
-    """row [1, V] fp32 -> (logprob of ``token``, top-n (id, logprob) pairs best first), or None for n = 0."""
-    if not n:
-        return None
-    lp = torch.log_softmax(row.float(), dim=-1)[0]
-    vals, idx = torch.topk(lp, n)
-    return float(lp[token]), [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.tolist())]
-
-
-def run_steps(m: Served, job: Job, cancelled: threading.Event):
-    """Yield one Step per generated token, exactly as paths.generate computes them (see the module docstring).
-
-    Raises:
-        ValueError: lengths past the model (paths.check_run_args).
-    """
-    w, ks, sched = m.w, m.kernels, m.schedule
-    P = int(job.ids.numel())
-    check_run_args(w, P, job.max_tokens)
-    cache = KVCache(w.cfg, P + max(job.max_tokens, 1), 1, w.dtype, w.device, m.kv_dtype)
-    last = prefill(w, cache, job.ids, ks, sched, served=job.served).logits[-1:]
-    slots = torch.zeros(1, dtype=torch.int64, device=w.device)
-    tok = None
-    for i in range(job.max_tokens):
-        if i:
-            last = decode_step(w, cache, tok, torch.tensor([P + i - 1], device=w.device), slots, ks)
-        tok = ks.fn("argmax", sched.role if i == 0 else "decode")(last)
-        t = int(tok.reshape(-1)[0])
-        eos = not job.ignore_eos and t == w.cfg.eos_id
-        finish = "stop" if eos else ("length" if i == job.max_tokens - 1 else None)
-        yield Step(t, _top(last, job.logprobs, t), finish)
-        if eos or cancelled.is_set():
-            return
-
-
-async def steps_async(m: Served, job: Job):
-    """The Steps of ``job`` as an async iterator, computed on the served worker thread; closing it early (a client
-    gone) stops the run at the next token. An exception of the run is raised here."""
+async def run_async(m: Served, job: Job):
+    """The items of ``job`` (PromptRows when asked, then Steps) as an async iterator, computed by the scheduler;
+    closing it early (a client gone) makes the request leave the batch at the next step. An exception of the run
+    is raised here."""
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
-    cancelled = threading.Event()
+    held = []
 
-    def work():
+    def emit(item):
         try:
-            for s in run_steps(m, job, cancelled):
-                loop.call_soon_threadsafe(q.put_nowait, s)
-            loop.call_soon_threadsafe(q.put_nowait, _END)
-        except Exception as e:  # noqa: BLE001 -- handed to the request's coroutine
-            loop.call_soon_threadsafe(q.put_nowait, e)
-
-    loop.run_in_executor(m.worker, work)
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:   # the event loop is gone: nobody reads this request any more
+            for r in held:
+                r.cancel()
+    held.append(m.scheduler.submit(job, emit))
     try:
-        while (item := await q.get()) is not _END:
+        while (item := await q.get()) is not END:
             if isinstance(item, Exception):
                 raise item
             yield item
     finally:
-        cancelled.set()
-
-
-# ------------------------------------------------------------------------------------------------------ requests
-
-def _int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
-    v = body.get(key, default)
-    v = default if v is None else v
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise RequestError(f"{key} must be an int in [{lo}, {hi}], got {v!r}", key)
-    return v
-
-
-def _greedy(body: dict) -> None:
-    """Refuse anything but greedy sampling, naming the value."""
-    t = body.get("temperature")
-    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t != 0):
-        raise RequestError(f"temperature must be 0 (this server decodes greedily only), got {t!r}", "temperature")
-    if body.get("n", 1) not in (1, None):
-        raise RequestError(f"n must be 1 (one greedy choice), got {body['n']!r}", "n")
-    if body.get("top_p", 1) not in (1, None):
-        raise RequestError(f"top_p must be 1 (greedy decoding), got {body['top_p']!r}", "top_p")
-    if body.get("stop"):
-        raise RequestError(f"stop sequences are not supported, got {body['stop']!r}", "stop")
-    if body.get("echo"):
-        raise RequestError("echo is not supported", "echo")
-
-
-def prompt_ids(m: Served, prompt) -> torch.Tensor:
-    """A prompt (token ids, or a string for the tokenizer) -> ids [P] int64.
-
-    Raises:
-        RequestError: an empty prompt, ids outside the vocabulary, a string with no tokenizer, a batch of prompts.
-    """
-    V = m.w.cfg.vocab_size
-    if isinstance(prompt, str):
-        if m.tokenizer is None:
-            raise RequestError("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-        ids = m.tokenizer.encode(prompt).to(torch.int64)
-    elif isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        bad = [i for i in prompt if not 0 <= i < V]
-        if bad:
-            raise RequestError(f"token ids must be in [0, {V}), got {bad[:5]}", "prompt")
-        ids = torch.tensor(prompt, dtype=torch.int64)
-    else:
-        raise RequestError("prompt must be one string or one list of token ids (one prompt per request), got "
-                           f"{type(prompt).__name__}", "prompt")
-    if ids.numel() == 0:
-        raise RequestError("the prompt is empty; at least one token is needed", "prompt")
-    return ids
-
-
-def parse_job(m: Served, body, chat: bool = False) -> Job:
-    """A completions (or chat) request body -> Job.
-
-    Raises:
-        RequestError: a body that is not an object, another model's name (404), a non-greedy setting, a bad prompt,
-            max_tokens / logprobs out of range, lengths past the model's max_positions.
-    """
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
-    if body.get("model") not in (None, m.name):
-        raise RequestError(f"model {body['model']!r} is not served here; served: {m.name!r}", "model", 404)
-    _greedy(body)
-    if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not all(isinstance(x, dict) and isinstance(x.get("content"), str)
-                                                 for x in msgs):
-            raise RequestError("messages must be a list of {role, content: string}", "messages")
-        if body.get("logprobs"):
-            raise RequestError("logprobs are served on /v1/completions only", "logprobs")
-        ids = prompt_ids(m, "\n".join(x["content"] for x in msgs))
-    else:
-        ids = prompt_ids(m, body.get("prompt"))
-    room = m.w.cfg.max_positions - ids.numel()
-    job = Job(ids=ids, max_tokens=_int(body, "max_tokens", 16, 0, max(room, 0)),
-              logprobs=0 if chat else _int(body, "logprobs", 0, 0, m.w.cfg.vocab_size),
-              ignore_eos=bool(body.get("ignore_eos", False)), stream=bool(body.get("stream", False)),
-              id_strings=bool(body.get("return_tokens_as_token_ids", False)), chat=chat)
-    return job
-
-
-def _text(m: Served, ids: list[int]) -> str:
-    return m.tokenizer.decode(ids) if m.tokenizer is not None else ""
-
-
-def _logprobs(m: Served, job: Job, steps: list[Step], offset: int) -> dict | None:
-    """The completions ``logprobs`` object of ``steps`` (tokens, token_logprobs, top_logprobs, text_offset)."""
-    if not job.logprobs:
-        return None
-    name = (lambda i: f"token_id:{i}") if job.id_strings else (lambda i: _text(m, [i]))
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for s in steps:
-        out["tokens"].append(name(s.token))
-        out["token_logprobs"].append(s.logprobs[0])
-        out["top_logprobs"].append({name(i): lp for i, lp in s.logprobs[1]})
-        out["text_offset"].append(offset)
-        offset += len(_text(m, [s.token]))
-    return out
-
-
-def _choice(m: Served, job: Job, steps: list[Step], finish: str | None, offset: int = 0, delta: bool = False):
-    ids = [s.token for s in steps]
-    text = _text(m, ids)
-    if job.chat:
-        key = "delta" if delta else "message"
-        return {"index": 0, key: {"role": "assistant", "content": text}, "token_ids": ids, "finish_reason": finish}
-    return {"index": 0, "text": text, "token_ids": ids, "logprobs": _logprobs(m, job, steps, offset),
-            "finish_reason": finish}
-
-
-def _reply(m: Served, job: Job, rid: str, choice: dict, chunk: bool, usage: dict | None = None) -> dict:
-    kind = "chat.completion" if job.chat else "text_completion"
-    out = {"id": rid, "object": kind + (".chunk" if chunk and job.chat else ""), "created": int(time.time()),
-           "model": m.name, "system_fingerprint": m.fingerprint, "choices": [choice] if choice else []}
-    if usage is not None:   # the last reply of a run: its token counts and the prefill plans that served it
-        out["usage"] = usage
-        out["exactness_served"] = job.served
-    return out
-
-
-def _usage(job: Job, n: int) -> dict:
-    P = int(job.ids.numel())
-    return {"prompt_tokens": P, "completion_tokens": n, "total_tokens": P + n}
-
-
-def _data(obj: dict) -> str:
-    return "data: " + json.dumps(obj) + "\n\n"
+        held[0].cancel()
 
 
 async def _sse(m: Served, job: Job, rid: str):
-    """Server-sent events: one ``data: {chunk}`` per token, then ``data: [DONE]``; a run that fails after the
-    first byte sends ``data: {"error": ...}`` instead of [DONE]."""
-    n, offset = 0, 0
+    """Server-sent events: one ``data: {chunk}`` per token (the first also carrying prompt_logprobs when asked;
+    with max_tokens 0 one chunk carries them alone), a usage chunk, then ``data: [DONE]``; a run that fails after
+    the first byte sends ``data: {"error": ...}`` instead of [DONE]."""
+    n, offset, rows = 0, 0, None
     try:
-        async for s in steps_async(m, job):
-            yield _data(_reply(m, job, rid, _choice(m, job, [s], s.finish, offset, True), True))
-            n, offset = n + 1, offset + len(_text(m, [s.token]))
-        yield _data(_reply(m, job, rid, {}, True, _usage(job, n)))
+        async for s in run_async(m, job):
+            if isinstance(s, PromptRows):
+                rows = s
+                continue
+            yield data(reply(m, job, rid, choice(m, job, [s], s.finish, rows, offset, True), True))
+            n, offset, rows = n + 1, offset + len(text(m, [s.token])), None
+        if rows is not None:
+            yield data(reply(m, job, rid, choice(m, job, [], "length", rows, 0, True), True))
+        yield data(reply(m, job, rid, None, True, usage(job, n)))
         yield "data: [DONE]\n\n"
     except Exception as e:  # noqa: BLE001 -- the status line is already sent; the client reads the error event
-        yield _data({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+        yield data({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+
+
+async def _complete(m: Served, job: Job, rid: str) -> dict:
+    rows, steps = None, []
+    async for s in run_async(m, job):
+        if isinstance(s, PromptRows):
+            rows = s
+        else:
+            steps.append(s)
+    finish = steps[-1].finish if steps else "length"
+    return reply(m, job, rid, choice(m, job, steps, finish, rows), False, usage(job, len(steps)))
 
 
 # ----------------------------------------------------------------------------------------------------------- app
@@ -336,16 +173,20 @@ def create_app(m: Served):
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "exactness",
-                                            "max_model_len": m.w.cfg.max_positions}]}
+                                            "max_model_len": m.max_model_len, "max_batch": m.max_batch}]}
+
+    @app.get("/exactness/stats")
+    async def stats():
+        s = m.scheduler
+        return {"max_batch": m.max_batch, "max_rows": s.max_rows, "decode_forwards": s.decode_forwards,
+                "active": len(s.active), "waiting": len(s.waiting)}
 
     async def complete(request: Request, chat: bool):
         job = parse_job(m, await _body(request), chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if job.stream:
             return StreamingResponse(_sse(m, job, rid), media_type="text/event-stream")
-        steps = [s async for s in steps_async(m, job)]
-        finish = steps[-1].finish if steps else "length"
-        return _reply(m, job, rid, _choice(m, job, steps, finish), False, _usage(job, len(steps)))
+        return await _complete(m, job, rid)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -359,13 +200,13 @@ def create_app(m: Served):
     async def tokenize(request: Request):
         body = await _body(request)
         ids = prompt_ids(m, body.get("prompt") if isinstance(body, dict) else None)
-        return {"tokens": ids.tolist(), "count": int(ids.numel()), "max_model_len": m.w.cfg.max_positions}
+        return {"tokens": ids.tolist(), "count": int(ids.numel()), "max_model_len": m.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await _body(request)
         ids = prompt_ids(m, body.get("tokens") if isinstance(body, dict) else None)
-        return {"prompt": _text(m, ids.tolist())}
+        return {"prompt": text(m, ids.tolist())}
 
     return app
 
@@ -373,12 +214,15 @@ def create_app(m: Served):
 # ---------------------------------------------------------------------------------------------------------- main
 
 def load_served(preset: str, checkpoint: str, kernels: str, schedule: Schedule, device: str, dtype: str,
-                name: str = "", weights: str = "bf16", kv_dtype: str = "bf16") -> Served:
+                name: str = "", weights: str = "bf16", kv_dtype: str = "bf16", max_batch: int = MAX_BATCH,
+                max_model_len: int | None = None) -> Served:
     """Load the model (``analysis.hashes.load_model``: a preset's synthetic weights or a checkpoint folder, the
-    projections quantized as ``weights`` says); every request's KV cache stores ``kv_dtype``.
+    projections quantized as ``weights`` says); the KV cache stores ``kv_dtype`` and has ``max_batch`` slots of
+    ``max_model_len`` positions (Served).
 
     Raises:
-        ValueError: unknown preset, kernel set, device, dtype, weights setting or kv_dtype;
+        ValueError: unknown preset, kernel set, device, dtype, weights setting or kv_dtype; a bad max_batch or
+            max_model_len;
             checkpoint.CheckpointError: an unusable folder.
     """
     from ..analysis.hashes import load_model
@@ -388,13 +232,16 @@ def load_served(preset: str, checkpoint: str, kernels: str, schedule: Schedule, 
     w, tok = load_model(preset, device, dtype, checkpoint, weights)
     if tok is None and w.cfg.vocab_size == BYTE_VOCAB:
         tok = ByteTokenizer()
-    return Served(name=name or w.cfg.name, w=w, tokenizer=tok, kernels=ks, schedule=schedule, kv_dtype=kv_dtype)
+    return Served(name=name or w.cfg.name, w=w, tokenizer=tok, kernels=ks, schedule=schedule, kv_dtype=kv_dtype,
+                  max_batch=max_batch, max_model_len=max_model_len)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Options of ``python -m exactness serve``."""
     p = argparse.ArgumentParser(prog="python -m exactness serve", description="Serve the reference engine "
-                                "behind an OpenAI-compatible API (greedy only, one request at a time).")
+                                "behind an OpenAI-compatible API (greedy only, continuous batching: every decode "
+                                "step runs the active requests as one forward; a new request's prefill joins between "
+                                "steps).")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="tiny", help="synthetic preset (config.PRESETS; default %(default)s)")
     src.add_argument("--checkpoint", default="", help="local Hugging Face Qwen3-MoE folder (instead of a preset)")
@@ -408,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="projection weights: as stored or quantized (default %(default)s)")
     p.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES, help="what the KV cache stores (default "
                    "%(default)s)")
+    p.add_argument("--max-batch", type=int, default=MAX_BATCH, help="KV-cache slots: most requests decoded in "
+                   "one forward; more wait in arrival order; 1 serves one at a time (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None, help="positions per slot, prompt + generated "
+                   f"tokens (default: the model's max_positions, at most {MAX_MODEL_LEN})")
     p.add_argument("--served-model-name", default="", help="model name to serve (default: preset / folder name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
@@ -422,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sched = Schedule(args.path, args.step, args.deep_threshold)
         m = load_served(args.preset, args.checkpoint, args.kernels, sched, args.device, args.dtype,
-                        args.served_model_name, args.weights, args.kv_dtype)
+                        args.served_model_name, args.weights, args.kv_dtype, args.max_batch, args.max_model_len)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,9 @@
     diff BASE PR [--out DIR]                                    what moved between two receipts (markdown; exit 1)
     serve [--preset tiny] [--kernels K] [--path P] [--step N]   the reference engine behind an OpenAI API (serve.py)
 
-Exit codes: 0 ok; 1 a receipt was written but is marked failed; 2 bad input (nothing written).
+Exit codes: 0 ok; 1 a receipt (or a section's JSON) was written but is marked failed (a notebook failed, an engine
+failed mid-run, nothing was compared); 2 bad input, an engine's model file or server refused by its probe (nothing
+written).
 Every subcommand is one entry of ``SUBCOMMANDS``; each section of ``sections.SECTIONS`` adds its own
 (:func:`analysis_command`).
 """
@@ -105,7 +107,8 @@ def _profiles(args: argparse.Namespace) -> int:
 def analysis_command(section: Section) -> Subcommand:
     """The subcommand of one section: ``--profile P [--out file.json] [--param k=v ...]`` calls the section's
     ``run_section(params)`` with its typed parameters (the profile's updated by the overrides), and writes the
-    returned dict as JSON (to stdout without ``--out``; the file is replaced atomically).
+    returned dict as JSON (to stdout without ``--out``; the file is replaced atomically); exit 1 when the section
+    lists ``failures`` (e.g. an engine that failed), each named on stderr.
 
     Override names must be profile fields or the section's own parameters; otherwise exit 2 naming the allowed ones.
     """
@@ -122,10 +125,21 @@ def analysis_command(section: Section) -> Subcommand:
             _write_json(getattr(importlib.import_module(module), fn)(args.dumps), args.out)
             return 0
         params = section_parameters(args.profile, args.param, section.params, [section.name])
-        _write_json(section.load().run_section(section.params_class.from_dict(params)), args.out)
-        return 0
+        obj = section.load().run_section(section.params_class.from_dict(params))
+        _write_json(obj, args.out)
+        return _failed(obj, section.name)
 
     return Subcommand(section.help, add, run)
+
+
+def _failed(obj: dict, name: str) -> int:
+    """1 when the section judged its own run failed (runner.section_failures, one stderr line each), else 0."""
+    from .runner import section_failures
+
+    fails = section_failures({name: obj})
+    for f in fails:
+        print(f"[{name}] failed: {' '.join(str(f['evalue']).split())[:300]}", file=sys.stderr)
+    return 1 if fails else 0
 
 
 def section_parameters(profile: str, overrides: list[str], extra_params, sections: list[str] = ()) -> dict:
@@ -136,9 +150,10 @@ def section_parameters(profile: str, overrides: list[str], extra_params, section
         ReceiptError: an override name that is neither a profile field nor in ``extra_params`` (lists the allowed
             ones), a value of another type than the profile's (receipt.check_override_types), or a value a
             section's typed parameters refuse (receipt.check_section_values).
-        ValueError: unknown profile; preflight.PreflightError: a checkpoint or length the run cannot use.
+        ValueError: unknown profile; preflight.PreflightError: a checkpoint or length the run cannot use, an
+            engine whose model file or server fails its probe (preflight.probe_engines).
     """
-    from .preflight import check_run
+    from .preflight import check_run, probe_engines
     from .runner import (ReceiptError, check_common_values, check_override_types, check_section_values,
                           parse_overrides)
 
@@ -152,6 +167,7 @@ def section_parameters(profile: str, overrides: list[str], extra_params, section
     check_common_values({**params, **parsed})
     check_section_values({**params, **parsed}, list(sections))
     check_run({**params, **parsed}, list(sections))
+    probe_engines({**params, **parsed}, list(sections))
     return {**params, **parsed}
 
 
@@ -189,6 +205,8 @@ def _sections(args: argparse.Namespace) -> int:
                 section = SECTIONS[name].load().run_section(SECTIONS[name].params_class.from_dict(params))
                 section["provenance"] = _provenance(env, name, args, time.perf_counter() - t0)
                 _write_json(section, str(out / f"{name}.json"))
+                if _failed(section, name):
+                    failed.append(name)
             except Exception:  # noqa: BLE001 -- record it, go on with the next section
                 (out / f"{name}.error.txt").write_text(traceback.format_exc(), encoding="utf-8")
                 failed.append(name)

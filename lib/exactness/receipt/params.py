@@ -46,7 +46,8 @@ def _offload_weights(name: str, offload: bool, weights: str) -> None:
 def check_common(values: dict) -> None:
     """Check the common fields present in ``values``: a known preset (unless a checkpoint is given), dtype, prompt
     and kernel set; a device cpu / cuda / cuda:N; steps a non-empty list of positive ints; gen_tokens and
-    deep_threshold positive ints; prompt_max_tokens null or a positive int; weights one of
+    deep_threshold positive ints; prompt_max_tokens null or a positive int; prompts built-in names and prompt files
+    (_check_prompts; relative file paths are made absolute in ``values``); weights one of
     kernels.quant.WEIGHT_FORMATS and kv_dtype one of cache.KV_DTYPES. Absent names are not checked (a caller may
     hold only some of them).
 
@@ -67,10 +68,8 @@ def check_common(values: dict) -> None:
         bad("dtype", "bfloat16, float32")
     if values.get("device") is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(values["device"])):
         bad("device", "cpu, cuda, cuda:N")
-    if values.get("prompts") is not None and (not isinstance(values["prompts"], (list, tuple))
-                                              or not values["prompts"] or any(v not in PROMPTS
-                                                                              for v in values["prompts"])):
-        bad("prompts", f"a non-empty list drawn from {', '.join(PROMPTS)}")
+    if values.get("prompts") is not None:
+        _check_prompts(values, PROMPTS, bad)
     _check_kernel_sets(values, KERNEL_SETS, bad)
     if values.get("steps") is not None and (not isinstance(values["steps"], (list, tuple)) or not values["steps"]
                                             or not all(_positive_int(v) for v in values["steps"])):
@@ -84,6 +83,23 @@ def check_common(values: dict) -> None:
         bad("weights", ", ".join(WEIGHT_FORMATS))
     if values.get("kv_dtype") is not None and values["kv_dtype"] not in KV_DTYPES:
         bad("kv_dtype", ", ".join(KV_DTYPES))
+
+
+def _check_prompts(values: dict, known, bad) -> None:
+    """prompts: a non-empty list of built-in names and .txt/.jsonl prompt files, every file readable and well formed
+    and every name unique (prompt_files.resolve). File paths are made absolute in ``values`` (notebooks run in
+    their own folder)."""
+    from ..prompt_files import PromptFileError, absolute_entries, resolve
+
+    entries = values["prompts"]
+    if not isinstance(entries, (list, tuple)) or not entries or not all(isinstance(v, str) for v in entries):
+        bad("prompts", f"a non-empty list of built-in prompts ({', '.join(known)}) and .txt/.jsonl prompt files")
+    try:
+        resolve(entries)
+    except PromptFileError as e:
+        raise ParamError(f"parameter prompts: {e}") from None
+    if any(e != a for e, a in zip(entries, absolute_entries(entries))):
+        values["prompts"] = absolute_entries(entries)
 
 
 def _check_kernel_sets(values: dict, known, bad) -> None:
@@ -436,6 +452,12 @@ class EnginesParams(Common):
     engine_streams: bool = True
     engine_bench: bool = False
     engine_cold_lengths: list[int] = field(default_factory=lambda: [256, 1024])
+    engine_repeat: int = 0
+    engine_repeat_concurrency: list[int] = field(default_factory=lambda: [1, 8])
+    engine_repeat_prompt: str | None = None
+    engine_repeat_tokens: int = 32
+    engine_repeat_configs: list[str] = field(default_factory=list)
+    engine_repeat_only: bool = False
     allow_unpinned: bool = False
 
     def __post_init__(self) -> None:
@@ -460,6 +482,30 @@ class EnginesParams(Common):
             raise ParamError(f"engine_cold_lengths must be a list of ints (tokens), got {self.engine_cold_lengths!r}")
         for n in self.engine_cold_lengths:
             _at_least("every engine_cold_lengths entry", n, 2)
+        self._check_repeat()
+
+    def _check_repeat(self) -> None:
+        """The repeat test's parameters (analysis/repeat.py): N >= 0, levels and tokens positive, a prompt of the
+        run, configuration names as strings, only local servers loaded."""
+        from ..prompts import PROMPTS
+        _at_least("engine_repeat", self.engine_repeat, 0)
+        _at_least("engine_repeat_tokens", self.engine_repeat_tokens)
+        _bool("engine_repeat_only", self.engine_repeat_only)
+        levels, configs = self.engine_repeat_concurrency, self.engine_repeat_configs
+        if not isinstance(levels, (list, tuple)) or not levels or not all(_positive_int(c) for c in levels):
+            raise ParamError(f"engine_repeat_concurrency must be a non-empty list of ints >= 1 (requests in flight), "
+                             f"got {levels!r}")
+        if not isinstance(configs, (list, tuple)) or not all(isinstance(c, str) and c for c in configs):
+            raise ParamError(f"engine_repeat_configs must be a list of configuration names, got {configs!r}")
+        name, names = self.engine_repeat_prompt, list(self.prompts or [])
+        if name is not None and (not isinstance(name, str) or (all(n in PROMPTS for n in names)
+                                                             and name not in names)):
+            raise ParamError(f"engine_repeat_prompt {name!r} is not a prompt of this run; allowed: "
+                             f"{', '.join(map(str, names))} (default: the first)")
+        if self.engine_repeat_only and not self.engine_repeat:
+            raise ParamError("engine_repeat_only=true needs engine_repeat >= 1 (the number of requests); got 0")
+        if self.engine_repeat:
+            _local_servers(list(self.engine))
 
     @property
     def max_tokens(self) -> int | None:
@@ -468,6 +514,30 @@ class EnginesParams(Common):
 
 
 
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")   # the only hosts the repeat test sends load to
+
+
+def check_local(url: str, where: str) -> None:
+    """Raise ParamError unless ``url``'s host is this machine (LOCAL_HOSTS); ``where`` names the engine."""
+    from urllib.parse import urlsplit
+    host = urlsplit(url).hostname or ""
+    if host not in LOCAL_HOSTS:
+        raise ParamError(f"engine_repeat: {where} is at {url!r}: the repeat test sends load only to servers on "
+                         f"this machine (hosts {', '.join(LOCAL_HOSTS)}), not to {host or 'no host'!r}")
+
+
+def _local_servers(specs: list[str]) -> None:
+    """check_local on every openai spec's target or configured base_url (launched servers are local)."""
+    from ..engines import parse_spec
+    for spec in specs:
+        kind, target, options = parse_spec(spec)
+        confs = options.get("configurations")
+        if kind == "openai":
+            for url in ([c["base_url"] for c in confs if isinstance(c, dict) and c.get("base_url")] if confs
+                        else [target]):
+                check_local(url, f"engine {spec!r}")
 
 
 def known_names() -> set[str]:

@@ -1,9 +1,10 @@
 """Checks that a run can run, made before anything runs: the checkpoint folder (it exists and its config.json
 parses), that every section of the run takes the checkpoint it is given, and that prompt + generated tokens and the
-bench's cold-prefill lengths fit the model's ``max_positions``.
+bench's cold-prefill lengths fit the model's ``max_positions``; and that the engines under test can be opened.
 
-The receipt runner (``receipt.plan_parameters``) and the per-section command line (``__main__.section_parameters``)
-call :func:`check_run`; each check raises :class:`PreflightError` with one line naming the value and the limit.
+The receipt runner (``receipt.plan_parameters``) and the per-section command line (``cli.section_parameters``)
+call :func:`check_run`, and :func:`probe_engines` where engines will run (each engine's model file header or
+server answer); each check raises :class:`PreflightError` with one line naming the value and the limit.
 """
 from __future__ import annotations
 
@@ -55,21 +56,29 @@ def check_checkpoint_sections(params: dict, sections: list[str]) -> None:
 
 def check_lengths(params: dict, cfg: ModelConfig, tokenizer, model: str, sections: list[str]) -> None:
     """Refuse prompt + generated tokens past ``cfg.max_positions`` for the sections that generate (hashes,
-    streams, bench; prompts cut to ``hash_max_tokens`` / ``prompt_max_tokens`` as those sections cut them), and
-    bench cold-prefill lengths + its generated tokens past it.
+    streams, bench; prompts cut to ``hash_max_tokens`` / ``prompt_max_tokens`` as those sections cut them; prompt
+    files included), an ids prompt holding an id outside ``cfg.vocab_size``, and bench cold-prefill lengths + its
+    generated tokens past it.
 
     Raises:
         PreflightError: naming the prompt or length, the token counts, the limit and what would fit.
     """
-    from ..prompts import build_prompt
+    from ..prompt_files import PromptFileError, check_vocab, resolve
+    from ..prompts import build_source
 
     limit = cfg.max_positions
+    sources = resolve(params["prompts"]) if params.get("prompts") else []   # well formed: checked with the others
+    try:   # the engines section checks each engine's own vocabulary when it opens
+        if set(sections) & {"hashes", "streams", "bench", "fp64"}:
+            check_vocab(sources, cfg.vocab_size, model)
+    except PromptFileError as e:
+        raise PreflightError(str(e)) from None
     gens = {"hashes": params.get("gen_tokens"), "streams": params.get("gen_tokens"),
             "bench": params.get("bench_gen_tokens") or params.get("gen_tokens")}
     for section in (s for s in sections if gens.get(s) is not None):
         gen = gens[section]
         cut = (params.get("hash_max_tokens") if section == "hashes" else None) or params.get("prompt_max_tokens")
-        sizes = {name: build_prompt(name, cut, True, tokenizer).n_tokens for name in params.get("prompts") or []}
+        sizes = {s.name: build_source(s, cut, True, tokenizer).n_tokens for s in sources}
         for name, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:1]:   # the longest prompt binds
             if n + gen > limit:
                 raise PreflightError(
@@ -82,6 +91,26 @@ def check_lengths(params: dict, cfg: ModelConfig, tokenizer, model: str, section
         try:
             BenchParams.from_dict(params).check_lengths(limit, model)
         except ParamError as e:
+            raise PreflightError(str(e)) from None
+
+
+def probe_engines(params: dict, sections: list[str]) -> None:
+    """For a run of the engines section: every engine spec of ``params["engine"]`` probed (engines.probe: a GGUF
+    header, a model folder's config and weight headers, each given server's /v1/models and one greedy token).
+    Not part of :func:`check_run`: a receipt rendered from precomputed sections runs no engine.
+
+    Raises:
+        PreflightError: ``engine 'SPEC': what failed``, one line.
+    """
+    if "engines" not in sections:
+        return
+    from ..engines import probe
+
+    specs = params.get("engine") or []
+    for spec in specs.split() if isinstance(specs, str) else specs if isinstance(specs, list) else []:
+        try:
+            probe(spec)
+        except ValueError as e:
             raise PreflightError(str(e)) from None
 
 

@@ -72,6 +72,8 @@ SWEEP = (63, 64, 65, 127, 128, 129)
 # contract and FP64 at bf16 weights and the preset's routing, and runs the features in the hash matrix only).
 FEATURES = (("contract_weights", ("bf16", "int4_g128", "nvfp4")), ("contract_router_groups", (4, 1)),
             ("fp64_weights", ("bf16", "int4_g128", "nvfp4")))
+# The engines section's repeat test on the CPU profiles: one prompt 24 times, alone and 8 in flight, 16 tokens each.
+REPEAT_SMALL = (("engine_repeat", 24), ("engine_repeat_concurrency", (1, 8)), ("engine_repeat_tokens", 16))
 
 PROFILES: dict[str, Profile] = {
     "ci": Profile(name="ci", preset="tiny", device="cpu", dtype="bfloat16", prompts=("short", "code", "docs"),
@@ -80,7 +82,7 @@ PROFILES: dict[str, Profile] = {
                   extra=(("contract_sweep", "quick"), ("fp64_rows", 16), ("stream_counts", (1, 2, 4)),
                          ("bench_step", 128), ("bench_reps", 2), ("bench_itl_reps", 2),
                          ("bench_cold_lengths", (128, 256)), ("hash_sweep_steps", SWEEP),
-                         ("hash_fp32_control", True), ("hash_features", True))),
+                         ("hash_fp32_control", True), ("hash_features", True)) + REPEAT_SMALL),
     "standard": Profile(name="standard", preset="tiny", device="cpu", dtype="bfloat16",
                         prompts=("short", "code", "docs"), prompt_max_tokens=1024, steps=(256, 200), gen_tokens=64,
                         deep_threshold=128, kernel_sets=("fast", "invariant"),
@@ -88,7 +90,7 @@ PROFILES: dict[str, Profile] = {
                                ("stream_counts", (1, 2, 4)), ("stream_prompt_tokens", 256), ("bench_step", 256),
                                ("bench_reps", 2), ("bench_itl_reps", 2), ("bench_cold_lengths", (512, 2048)),
                                ("hash_sweep_steps", SWEEP), ("hash_fp32_control", True),
-                               ("hash_features", True)) + FEATURES),
+                               ("hash_features", True)) + FEATURES + REPEAT_SMALL),
     "full": Profile(name="full", preset="tiny", device="cpu", dtype="bfloat16", prompts=("short", "code", "docs"),
                     prompt_max_tokens=None, steps=(1024, 1000), gen_tokens=192, deep_threshold=512,
                     kernel_sets=("fast", "invariant"),
@@ -110,7 +112,9 @@ PROFILES: dict[str, Profile] = {
                           ("stream_prompt_tokens", 256), ("bench_step", 2048), ("bench_gen_tokens", 192),
                           ("bench_itl_reps", 2),
                           ("hash_offload", (False, True)), ("hash_offload_paths", ("batched", "deep")),
-                          ("bench_cold_lengths", (2048, 8192, 30000)))),
+                          ("bench_cold_lengths", (2048, 8192, 30000)),
+                          ("engine_repeat", 1000), ("engine_repeat_concurrency", (1, 8, 64)),
+                          ("engine_repeat_tokens", 64))),
 }
 
 DEFAULT_PROFILE = "standard"

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from tabulate import tabulate
 
 from .sections import SECTIONS
-from .tables import DASH, MAX_ROWS, cell_text, parameter_text
+from .tables import DASH, MAX_ROWS, Code, cell_text, md_escape, parameter_text
 
 MD_LIMIT = 65_536  # GitHub's cap on a comment
 
@@ -26,8 +26,9 @@ MD_LIMIT = 65_536  # GitHub's cap on a comment
 
 def cell(v) -> str:
     """One table cell as text (tables.cell_text: a dash for missing values, words for booleans, integers as
-    integers), pipes escaped and newlines flattened so the GitHub table stays intact, at most 160 characters."""
-    s = cell_text(v).replace("\r", "").replace("\n", " ").replace("|", "\\|")
+    integers), escaped (tables.md_escape: no tag, link or code span from the user's text, pipes and newlines kept
+    from breaking the GitHub table; a tables.Code value as inline code), at most 160 characters."""
+    s = v.markdown() if isinstance(v, Code) else md_escape(cell_text(v))
     return s if len(s) <= 160 else s[:157] + "..."
 
 
@@ -102,11 +103,15 @@ def _provenance_rows(receipt: dict) -> list[list]:
 
 
 def render_errors(errors: list[dict]) -> str:
-    """The errors block: a table of (notebook, cell, error, message) and each traceback's tail."""
+    """The errors block: a table of (notebook, cell, error, message), each section failure's whole message (an
+    engine that failed: the engine, its configuration and what happened) and each traceback's tail."""
     if not errors:
         return ""
     rows = [[e.get("notebook"), e.get("cell"), e.get("ename"), e.get("evalue")] for e in errors]
     out = ["## Errors", "", table(rows, ["notebook", "cell", "error", "message"])]
+    whole = [f"- **{md_escape(str(e['section']))}**: {md_escape(str(e.get('evalue')))}" for e in errors
+             if e.get("section")]
+    out += ["", "Failures the sections found in their runs:", "", *whole] if whole else []
     for e in errors:
         if e.get("traceback"):
             tail = "\n".join(e["traceback"][-15:]).replace("```", "'''")

@@ -4,10 +4,13 @@ a run's parameters and their checks: overrides.py).
 A run executes each notebook of a profile with papermill into a hidden temporary folder beside the final one,
 collects the section JSON each notebook wrote (through the lib) to its ``out_json`` parameter, assembles
 ``receipt.json``, renders ``receipt.md`` and ``receipt.html`` (see :mod:`exactness.receipt.render`), and renames the
-temporary folder into place. A notebook that fails still yields a receipt, marked ``"status": "failed"``.
+temporary folder into place. A notebook that fails still yields a receipt, marked ``"status": "failed"``; so does a
+section that judged its own run failed (its ``failures``: an engine error, a dropped stream, nothing compared), each
+named in one console line. Engines that will run are probed before any folder is made (preflight.probe_engines).
 
 Section JSON contract (what a notebook writes to ``out_json``): an object with ``"section": <name>``, stored in
-receipt.json exactly as computed under ``receipt["sections"][<name>]``.
+receipt.json exactly as computed under ``receipt["sections"][<name>]``; an optional ``"failures"`` list of
+``{"ename", "evalue"}`` marks the receipt failed (:func:`section_failures`).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from pathlib import Path
 from .env import REPO_ROOT, environment, git_state  # noqa: F401  (re-exported: receipt.environment, ...)
 from .overrides import (OUT_JSON, RUNNER_SET, check_common_values, check_override_types,  # noqa: F401
                         check_section_values, declared_parameters, parse_overrides, plan_parameters)
+from .preflight import probe_engines
 from .profiles import get_profile
 from .runfolder import ReceiptError, remove_stale_temporaries, run_folder, sigterm_as_interrupt
 from .sections import SECTIONS, section_of
@@ -225,18 +229,22 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
         sections: run only these sections (names in ``sections.SECTIONS``, run in its order); default all.
 
     Returns:
-        :class:`ReceiptRun`; ``status`` is ``"failed"`` when any notebook, section or rendering failed (the folder
-        is still written and renamed into place, marked failed).
+        :class:`ReceiptRun`; ``status`` is ``"failed"`` when any notebook, section or rendering failed, or a
+        section judged its run failed (:func:`section_failures`: an engine error, nothing compared); the folder
+        is still written and renamed into place, marked failed.
 
     Raises:
-        ValueError: unknown profile. ReceiptError: bad parameter, existing folder, missing notebook or kernel.
-        Both are raised before anything is written.
+        ValueError: unknown profile; preflight.PreflightError (a ValueError): an engine whose model file or server
+        fails its probe. ReceiptError: bad parameter, existing folder, missing notebook or kernel. All are raised
+        before anything is written.
     """
     prof = get_profile(profile)
     if not isinstance(overrides, dict):
         overrides = parse_overrides(overrides)
     nb_dir = Path(notebooks_dir or DEFAULT_NOTEBOOKS_DIR).absolute()
     names = list(notebooks or _notebooks(prof.name, run_kinds(overrides), sections))
+    if precomputed is None:   # first, before the notebooks are read: a dead server is named within seconds
+        probe_engines({**prof.parameters(), **overrides}, [section_of(nb) for nb in names])
     per_nb = plan_parameters(prof.parameters(), overrides, declared_parameters(nb_dir, names))
     _check_kernel(kernel_name)
     env = environment()
@@ -259,7 +267,7 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     for e in receipt["errors"]:   # the reason, not only the FAILED file's name
-        print(f"[receipt] error in {e.get('notebook')}: {e.get('ename')}: {e.get('evalue')}", file=sys.stderr)
+        print(_console_line(e), file=sys.stderr)
     print(f"[receipt] {receipt['status']}: {final}", file=sys.stderr, flush=True)
     return ReceiptRun(folder=final, status=receipt["status"], receipt=receipt)
 
@@ -338,6 +346,26 @@ def _execute_all(tmp: Path, nb_dir: Path, per_nb: dict[str, dict], kernel_name: 
     return [done[nb] for nb, _, _ in jobs]
 
 
+def section_failures(sections: dict) -> list[dict]:
+    """An ``errors`` item ({notebook, section, ename, evalue}) for each entry of a section's ``failures`` (what the
+    section itself judged a failed run: an engine that failed, nothing compared), so the receipt is marked failed."""
+    out = []
+    for name, obj in sections.items():
+        fails = obj.get("failures") if isinstance(obj, dict) else None
+        for f in (x for x in (fails if isinstance(fails, list) else []) if isinstance(x, dict)):
+            out.append({"notebook": SECTIONS[name].notebook if name in SECTIONS else None, "section": name,
+                        "ename": f.get("ename"), "evalue": f.get("evalue")})
+    return out
+
+
+def _console_line(e: dict) -> str:
+    """One console line for a receipt error: the section's failure as it is, or the notebook's error."""
+    if e.get("section"):
+        why = " ".join(str(e.get("evalue")).split())
+        return f"[receipt] failed: {why[:300] + ' ...' if len(why) > 300 else why}"
+    return f"[receipt] error in {e.get('notebook')}: {e.get('ename')}: {e.get('evalue')}"
+
+
 def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: dict[str, dict],
             kernel_name: str) -> dict:
     """Execute the notebooks into ``tmp``, assemble the receipt and write its files; returns the receipt."""
@@ -349,6 +377,7 @@ def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: d
     entries = _execute_all(tmp, nb_dir, per_nb, kernel_name, prof.side_by_side)
     errors = [e.pop("error") for e in entries if "error" in e]
     sections = _collect(tmp, entries, errors)
+    errors += section_failures(sections)
     receipt = {"schema": SCHEMA, "status": "failed" if errors else "ok", "profile": prof.name, "runs_on": sorted(ran),
                "parameters": params, "env": env, "sections": sections, "errors": errors, "notebooks": entries,
                "side_by_side": prof.side_by_side}

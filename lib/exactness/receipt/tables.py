@@ -16,6 +16,7 @@ import html as _html
 import json
 import math
 import numbers
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -78,9 +79,35 @@ def cell_text(v, fmt: str | Callable | None = None, words: tuple[str, str] = ("y
     return str(v)
 
 
+_ENTITY = re.compile(r"&(?=#\d+;|#[xX][0-9a-fA-F]+;|[A-Za-z][A-Za-z0-9]*;)")
+
+
+def md_escape(text: str) -> str:
+    """``text`` (the user's: a prompt name or text, a file path) shown as text in markdown, in a table cell or a
+    line, in receipt.md and in receipt.html (nbconvert renders markdown outputs): newlines flattened; backslashes,
+    backticks, pipes and the ``](`` of a link backslash-escaped; ``<``, ``>`` and an entity-like ``&`` as HTML
+    entities, so that no tag, link or code span is made from it and a table keeps its columns."""
+    s = text.replace("\r\n", " ").replace("\r", " ").replace("\n", " ").replace("\\", "\\\\")
+    s = s.replace("`", "\\`").replace("|", "\\|").replace("](", "\\](")
+    return _ENTITY.sub("&amp;", s).replace("<", "&lt;").replace(">", "&gt;")
+
+
+class Code:
+    """A cell the suite shows as inline code in markdown (e.g. a token hash), ``after`` following it as text."""
+
+    def __init__(self, text: str, after: str = ""):
+        self.text, self.after = str(text), after
+
+    def __str__(self) -> str:
+        return self.text + self.after
+
+    def markdown(self) -> str:
+        return f"`{self.text}`" + md_escape(self.after)
+
+
 def _md_cell(text: str) -> str:
-    """``text`` safe inside a GitHub table cell: pipes escaped, newlines flattened, at most CELL_LIMIT characters."""
-    s = text.replace("\r", "").replace("\n", " ").replace("|", "\\|")
+    """``text`` safe inside a GitHub table cell (md_escape), at most CELL_LIMIT characters."""
+    s = md_escape(text)
     return s if len(s) <= CELL_LIMIT else s[:CELL_LIMIT - 3] + "..."
 
 
@@ -204,6 +231,6 @@ def parameter_text(key: str, value) -> str:
 def parameters_line(params: dict, precomputed: str = "") -> str:
     """Markdown: one wrapped line of ``name = value`` for a notebook's parameters, and where the section came
     from (computed here, or the precomputed file)."""
-    items = "; ".join(f"`{k}` = {parameter_text(k, v)}" for k, v in params.items())
+    items = "; ".join(f"`{k}` = {md_escape(parameter_text(k, v))}" for k, v in params.items())
     source = f"rendered from `{precomputed}` (computed elsewhere)" if precomputed else "computed here"
     return f"**Parameters:** {items}. **Section:** {source}."

@@ -8,7 +8,7 @@ the reduction length K with the gamma_K line (log-log), and max error per layer.
 """
 from __future__ import annotations
 
-from ...receipt.tables import Table
+from ...receipt.tables import Table, md_escape
 
 GEMM_CLASSES = ("dense", "router", "expert_down", "lm_head")
 VERDICT_WORD = {"exact": "exact", "within bound": "within", "outside bound": "OUTSIDE", "uncertified": "UNCERTIFIED"}
@@ -132,7 +132,7 @@ def verdict_md(rows: list[dict]) -> str:
 
 def meta_md(meta: dict) -> str:
     """One line: which prompt the activations were captured from, how many positions and outputs were sampled."""
-    return (f"Captured from prompt `{meta.get('prompt')}`, {meta.get('tokens')} tokens, prefill step "
+    return (f"Captured from prompt {md_escape(str(meta.get('prompt')))}, {meta.get('tokens')} tokens, prefill step "
             f"{meta.get('step')}: {meta.get('positions')} sampled positions per class; {meta.get('cert_per_row')} "
             f"outputs per row certified against exact arithmetic (failing above {_g(meta.get('cert_max_ulps'))} FP64 "
             f"ulps of the normaliser).")

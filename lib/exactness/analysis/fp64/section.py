@@ -46,7 +46,7 @@ from ...model import tapping
 from ...receipt.params import Fp64Params
 from ...paths import PATHS, Schedule, generate
 from ...progress import bar as progress_bar
-from ...prompts import build_prompt
+from ...prompts import build_prompts, prompt_record
 from ...weights import synthetic_weights
 from . import synth
 from .cert import certify
@@ -180,8 +180,12 @@ def capture_plan(p: Fp64Params, extra_positions=()) -> dict:
     """
     extra_positions = [*extra_positions, *p.fp64_extra_positions]
     step = next((s for s in p.steps if s >= p.deep_threshold), None)
-    name = p.fp64_prompt or max(p.prompts, key=lambda n: build_prompt(n, p.prompt_max_tokens).n_tokens)
-    prompt = build_prompt(name, p.prompt_max_tokens)
+    prompts = {pr.name: pr for pr in build_prompts(p.prompts, p.prompt_max_tokens,
+                                                     vocab=get_preset(p.preset).vocab_size)}
+    if p.fp64_prompt is not None and p.fp64_prompt not in prompts:
+        raise ValueError(f"fp64_prompt {p.fp64_prompt!r} is not one of the run's prompts: {', '.join(prompts)}")
+    name = p.fp64_prompt or max(prompts, key=lambda n: prompts[n].n_tokens)
+    prompt = prompts[name]
     want = p.fp64_tokens or (max(step or 0, p.deep_threshold) + 16)
     P = min(prompt.n_tokens, int(want))
     R = min(int(p.fp64_rows), P)
@@ -191,8 +195,8 @@ def capture_plan(p: Fp64Params, extra_positions=()) -> dict:
                          f"{name!r} has {P} tokens)")
     extra = sorted(set(extra_positions))
     positions = sorted({round(i * (P - 1) / max(R - 1, 1)) for i in range(R)} | set(extra))
-    return {"prompt": name, "ids": prompt.ids[:P], "tokens": P, "step": step, "positions": positions,
-            "extra": extra}
+    return {"prompt": name, "record": prompt_record(prompt), "ids": prompt.ids[:P], "tokens": P, "step": step,
+            "positions": positions, "extra": extra}
 
 
 def capture(w, plan: dict, kernel_sets, deep_threshold: int) -> tuple[TapRecorder, dict]:
@@ -348,7 +352,7 @@ def run_section(params: Fp64Params | dict, extra_positions=()) -> dict:
             secs["captured_refs"] += t2 - t1
             secs["synthetic"] += time.perf_counter() - t2
             secs["runs"].update({(k if fmt == "bf16" else f"{k}/{fmt}"): v for k, v in runs.items()})
-    out["meta"] = {"prompt": plan["prompt"], "tokens": plan["tokens"], "step": plan["step"],
+    out["meta"] = {"prompt": plan["prompt"], "prompt_record": plan["record"], "tokens": plan["tokens"], "step": plan["step"],
                    "positions": len(plan["positions"]), "position_list": list(plan["positions"]),
                    "extra_positions": plan["extra"], "cert_per_row": int(p.fp64_cert),
                    "cert_max_ulps": CERT_MAX_ULPS, "hist_edges": list(HIST_EDGES), "weights": formats,
