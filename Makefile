@@ -4,7 +4,12 @@
 #                 [ENGINE="reference transformers:/path/to/model llamacpp:/path/model.gguf openai:URL"] [DUMPS=dir]
 #                 [PROMPTS="my.jsonl [other.txt short]"]   (prompt files and built-in names: these prompts instead)
 #   make diff BASE=receipt-folder PR=receipt-folder [OUT=dir]   (what moved, as markdown; exit 1 when it did)
-#   make test | make lab [LAB_ARGS="--port=8890"] | make clean
+#   make comment BASE=receipt-folder PR=receipt-folder [OUT=file]   (the PR comment: PR's summary and what moved,
+#                 under GitHub's 65,536-character limit; to stdout without OUT)
+#   make test        the full suite (what CI runs)
+#   make test-quick  the tests not marked slow (pytest -m "not slow": within 2 minutes on 2 cores), for editing: the
+#                    modules of tests/conftest.py's QUICK_MODULES less their tests marked @pytest.mark.slow
+#   make lab [LAB_ARGS="--port=8890"] | make clean
 #
 # torch is pinned (TORCH_VERSION). Where pip finds a local CPU wheel of that version (find-links), the pin resolves
 # to it; where only PyPI is seen, PyPI's Linux torch is a multi-GB CUDA build, so ask for the build you want:
@@ -41,7 +46,7 @@ LAB_ARGS      ?=
 # thread spin-waits badly on a busy 2-core machine. Receipts record the thread count (env.numerics.cpu_threads).
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup receipts diff test lab clean
+.PHONY: setup receipts diff comment test test-quick lab clean
 
 ifeq ($(PY),$(VENV)/bin/python)
 setup: $(STAMP)
@@ -80,8 +85,15 @@ diff: setup
 	$(if $(and $(BASE),$(PR)),,$(error make diff needs BASE=<receipt folder or receipt.json> and PR=<the same>))
 	$(PY) -m exactness diff '$(BASE)' '$(PR)' $(if $(OUT),--out '$(OUT)')
 
+comment: setup
+	$(if $(and $(BASE),$(PR)),,$(error make comment needs BASE=<receipt folder or receipt.json> and PR=<the same>))
+	$(PY) -m exactness comment '$(BASE)' '$(PR)' $(if $(OUT),--out '$(OUT)')
+
 test: setup
 	$(PY) -m pytest -q
+
+test-quick: setup
+	$(PY) -m pytest -q -m "not slow"
 
 # JupyterLab on notebooks/, URL with its token printed here, no browser; --allow-root only as root (scripts/lab.sh).
 lab: setup

@@ -19,6 +19,34 @@ from exactness.prompts import build_prompt  # noqa: E402
 from exactness.weights import synthetic_weights  # noqa: E402
 
 
+# The quick tier (make test-quick: pytest -m "not slow") runs these modules, each test of which takes at most a few
+# seconds on 2 cores, less the tests they mark @pytest.mark.slow; every test of any other module (notebooks through
+# papermill, whole receipts, servers, other engines' models, contract and FP64 sweeps, fault matrices) is marked slow.
+QUICK_MODULES = frozenset({
+    "test_checkpoint", "test_comment_fits", "test_cuda_graphs", "test_cuda_kernels", "test_diff", "test_exact",
+    "test_kernel_class", "test_mtp", "test_offload", "test_prompt_cache", "test_quant_weights", "test_registry",
+    "test_report_plots", "test_routing", "test_side_by_side", "test_ulp",
+})
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: more than a few seconds on 2 cores; left out by make test-quick")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.stem not in QUICK_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under -m "not slow" the other modules are not even imported (their imports take a while)."""
+    if config.getoption("markexpr") == "not slow" and collection_path.name.startswith("test_") \
+            and collection_path.suffix == ".py" and collection_path.stem not in QUICK_MODULES:
+        return True
+    return None
+
+
 @pytest.fixture(scope="session")
 def tiny_weights():
     """tiny preset, bf16, CPU."""

@@ -4,10 +4,10 @@ from dataclasses import replace
 from exactness.kernels import KernelSet, get_set
 
 
-def row0_perturbed(cls: str, change, roles=("decode", "prompt")) -> KernelSet:
-    """The invariant set with kernel class ``cls`` changed by ``change(out)`` on row 0 of every call of more than
-    one row (a batch-composition-dependent kernel); not registered."""
-    ks = get_set("invariant")
+def row0_perturbed(cls: str, change, roles=("decode", "prompt"), base: str = "invariant") -> KernelSet:
+    """The ``base`` set with kernel class ``cls`` changed by ``change(out)`` on row 0 of every call of more than
+    one row (a batch-composition-dependent kernel) in ``roles``; not registered."""
+    ks = get_set(base)
 
     def wrap(fn):
         def f(x, *args):
@@ -19,7 +19,7 @@ def row0_perturbed(cls: str, change, roles=("decode", "prompt")) -> KernelSet:
         return f
     tab = {r: {c: (replace(s, fn=wrap(s.fn)) if c == cls and r in roles else s) for c, s in getattr(ks, r).items()}
            for r in ("decode", "prompt")}
-    return KernelSet(f"invariant+row0-{cls}", tab["decode"], tab["prompt"], False, "test-only perturbation")
+    return KernelSet(f"{base}+row0-{cls}", tab["decode"], tab["prompt"], False, "test-only perturbation")
 
 
 def row0_rmsnorm_perturbed() -> KernelSet:

@@ -7,6 +7,7 @@ fault and the public plan predict, and against ``brute_first``, an independent r
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -391,7 +392,24 @@ def test_offloaded_expert_weights_keep_the_contract(cls):
     synchronously, for the invariant set; the ring really served every prompt call."""
     p, d = get_set("invariant").pairs()[KERNEL_CLASSES.index(cls)]
     res = C.check_pair(p, d, "cpu", "bfloat16", "quick", offload=True)
-    assert res.weights == "offloaded" and res.mismatches == 0 and res.cases == 63_760, res
+    assert res.weights == "offloaded" and res.mismatches == 0, res
+    assert_every_row_compared(res, cc.plan(cls, "quick"))
+    short = copy.deepcopy(res)                  # control: one row of the last bucket left uncompared
+    short.buckets[list(short.buckets)[-1]][0] -= 1
+    short.cases -= 1
+    with pytest.raises(AssertionError):
+        assert_every_row_compared(short, cc.plan(cls, "quick"))
+
+
+def assert_every_row_compared(res, plan) -> None:
+    """Every row of every planned case was compared once per (call site, input source), in every call-size bucket
+    the plan reaches: the property a case count stands for, whatever the sweep holds."""
+    per_case = len(res.sites.split(",")) * len(res.inputs.split(","))
+    want: dict[str, int] = {}
+    for c in plan:
+        want[cc.bucket(c.M)] = want.get(cc.bucket(c.M), 0) + c.M * per_case
+    assert {b: n for b, (n, _) in res.buckets.items()} == want and res.cases == sum(want.values()) > 0, res
+    assert sum(n for n, _ in res.by_site.values()) == res.cases and res.m_ranges == cc.ranges(c.M for c in plan)
 
 
 def _ring_hands_out(monkeypatch, which: str):

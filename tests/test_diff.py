@@ -13,7 +13,7 @@ from exactness.receipt import diff
 from exactness.receipt.diff_md import render
 from exactness.kernels import KERNEL_SETS
 
-REAL = Path(__file__).resolve().parents[1] / "measurements" / "h200" / "receipt" / "receipt.json"
+REAL = Path(__file__).resolve().parents[1] / "receipts" / "gpu" / "receipt.json"
 SECTIONS = ("hashes", "contract", "fp64", "streams", "bench")
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import random
 import re
-from dataclasses import replace
 
 import matplotlib
 import pytest
@@ -19,26 +18,16 @@ from exactness.analysis.repeat import MANY_PROMPTS, many_prompts, prompt_counts 
 from exactness.analysis.repeat_md import bins, counts_block, histogram_text, plot_divergence  # noqa: E402
 from exactness.config import get_preset  # noqa: E402
 from exactness.engines.reference import ReferenceEngine  # noqa: E402
-from exactness.kernels import KernelSet, get_set  # noqa: E402
+from exactness.kernels import KernelSet  # noqa: E402
 from exactness.weights import synthetic_weights  # noqa: E402
+from faults import row0_perturbed  # noqa: E402
 
 N_PROMPTS, GEN = 120, 4
 
 
 def _faulty_fast() -> KernelSet:
     """The fast set (quick on the CPU) with RMSNorm scaled by 1.125 on row 0 of every multi-row prompt call."""
-    ks = get_set("fast")
-
-    def wrap(fn):
-        def f(x, *args):
-            out = fn(x, *args)
-            if x.shape[0] > 1:
-                out = out.clone()
-                out[0] = out[0] * 1.125
-            return out
-        return f
-    prompt = {c: (replace(s, fn=wrap(s.fn)) if c == "rmsnorm" else s) for c, s in ks.prompt.items()}
-    return KernelSet("fast+row0-rmsnorm", dict(ks.decode), prompt, False, "test-only perturbation")
+    return row0_perturbed("rmsnorm", lambda t: t * 1.125, roles=("prompt",), base="fast")
 
 
 @pytest.fixture(scope="module")

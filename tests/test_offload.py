@@ -308,6 +308,7 @@ def test_layer_ring_reservation_and_its_reasons(tiny_weights):
             ExpertStore(tiny_weights, "offload", layer_slots=bad)
 
 
+@pytest.mark.slow
 def test_bench_offload_script_runs_on_cpu(tmp_path):
     out = tmp_path / "bo.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_offload.py"), "--preset", "tiny",

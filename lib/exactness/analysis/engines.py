@@ -21,6 +21,7 @@ from ..engines.base import Engine, EngineError, Generation, NotAvailable
 from ..exact import bytes_equal, differing_rows, first_differing_row, token_hash
 from ..receipt.params import EnginesParams
 from ..progress import bar as progress_bar
+from .engines_dumps import run_engine_dumps
 from .repeat import many_prompts, prompt_counts, run_repeat
 from .engines_md import (INTRO, bench_block, cross_table, engines_table, hash_table, render_md,  # noqa: F401
                          streams_block, verdict_md)
@@ -242,12 +243,13 @@ def run_section(params: EnginesParams | dict) -> dict:
     (analysis/repeat.py): engine_repeat (N requests of one prompt, 0 = off), engine_repeat_concurrency (requests in
     flight per level), engine_repeat_prompt (default the first), engine_repeat_tokens, engine_repeat_configs
     (default: every server configuration, an in-process engine's streams configuration), engine_repeat_only (skip
-    the hash matrix and stream equalities).
+    the hash matrix and stream equalities); engine_dumps (off, on-differ, always or a folder: engines_dumps.py).
     Returns:
         {"section": "engines", "engines": [identity...], "prompts": {label: [build_prompts' records]},
         "rows": [...] (with prompt_kind, prompt_sha256, template), "streams": {label: {...}},
         "bench": {label: {...}} (with engine_bench), "repeat": {label: repeat.repeat_engine's} (with
-        engine_repeat), "prompt_counts": [...] (repeat.prompt_counts, over MANY_PROMPTS prompts), "cross": [...],
+        engine_repeat), "engine_dumps": {label: engines_dumps.engine_dumps'} (with engine_dumps), "prompt_counts":
+        [...] (repeat.prompt_counts, over MANY_PROMPTS prompts), "cross": [...],
         "not_available": {"contract": ..., "fp64": ...}, "errors": [...], "failures": [...]}; an engine that fails
         (EngineError: it did not start, a server's error or dropped stream) is recorded in ``errors`` (engine, what
         failed) and the others still run; ``failures`` ({ename, evalue}: each error, or that no run was compared
@@ -301,6 +303,7 @@ def _run_engine(spec: str, common: dict, p: EnginesParams, section: dict, bar) -
         matrix = not p.engine_repeat_only   # the repeat test alone skips the hash matrix and stream equalities
         section["rows"] += [{**r, "engine": label, **meta[r["prompt"]]}
                             for r in (hash_rows(engine, prompts, p.gen_tokens, bar) if matrix else [])]
+        run_engine_dumps(engine, label, prompts, p, section)   # the first op that broke, per differing configuration
         if p.engine_streams and matrix:
             config = next((c.name for c in engine.configurations() if c.name != engine.oracle), engine.oracle)
             section["streams"][label] = stream_rows(engine, id_prompts(prompts), p.gen_tokens, config)

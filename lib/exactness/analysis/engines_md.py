@@ -150,6 +150,9 @@ def render_md(section: dict) -> str:
         parts += ["", repeat_block(section["repeat"])]
     if section.get("streams"):
         parts += ["", streams_block(section["streams"])]
+    if section.get("engine_dumps"):
+        from .engines_dumps import render_md as dumps_md
+        parts += ["", dumps_md(section["engine_dumps"])]
     if section.get("cross"):
         parts += ["", "### Across engines", "", "Every engine's runs against the first engine's oracle tokens.", "",
                   cross_table(section["cross"])]

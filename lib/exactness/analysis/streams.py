@@ -29,6 +29,7 @@ markdown: analysis/streams_report.py (re-exported here).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -36,7 +37,7 @@ import torch
 from ..batch import BATCH_LIMIT, run_packed, run_streams
 from ..exact import bytes_equal, first_differing_row, kv_first_difference, token_hash
 from ..model import tapping
-from ..kernels import get_set
+from ..kernels import get_set, set_names
 from ..receipt.params import StreamsParams
 from ..mtp import generate_drafted, resolve_mtp
 from ..paths import Schedule, generate
@@ -384,9 +385,8 @@ def run_section(params: StreamsParams | dict) -> dict:
     Raises:
         ValueError: see section_params; unknown kernel set, preset, dtype or device.
     """
-    p = section_params(params)
-    for ks in p.kernel_sets:
-        get_set(ks)
+    p = section_params(params)   # rows name each set by its own name (a module:ATTR reference resolved)
+    p = dataclasses.replace(p, kernel_sets=set_names(p.kernel_sets))
     w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint, p.weights)
     prompts = build_prompts(p.prompts, p.prompt_max_tokens, p.allow_unpinned, tok, w.cfg.vocab_size)
     data = {"drafted": [], "resumed": [], "concurrent": [], "packed": []}

@@ -302,6 +302,25 @@ class TransformersEngine:
             return gen
         return self._guard(config, run)
 
+    def dump_unavailable(self, config: str) -> str | None:
+        """Why ``config`` cannot be dumped op by op (None: ``one-forward`` can)."""
+        if config == "one-forward":
+            return None
+        if config == ORACLE:
+            return "the oracle's loop (token by token through a DynamicCache) is the decode role of every set"
+        return "only one-forward is dumped (dumps/hf_hooks.py: one forward over the prompt against token by token)"
+
+    def dump(self, prompt_ids: list[int], config: str, folder, **select) -> str:
+        """Dump the ``one-forward`` configuration op by op on ``prompt_ids`` (prompt role) against the prompt token
+        by token (decode role): dumps/hf_hooks.dump_hf_model, weights not stored; ``select``: its ``positions``.
+        Returns the folder. Raises ValueError (another configuration, a model without the Qwen3-MoE layout),
+        FileExistsError (folder not empty)."""
+        from ..dumps.hf_hooks import dump_hf_model
+        why = self.dump_unavailable(config)
+        if why:
+            raise ValueError(f"transformers dumps of {config!r}: {why}")
+        return dump_hf_model(folder, self.model, torch.tensor(prompt_ids, dtype=torch.int64), weights=False, **select)
+
     def close(self) -> None:
         """Drop the models (and the CUDA allocator's cached blocks where on a GPU)."""
         on_cuda = self.model is not None and self.model.device.type == "cuda"

@@ -4,6 +4,7 @@ configuration, the URL and what happened. A launch command's ``{port}`` is the f
 own Python (sys.executable), so ``{python} -m exactness serve ...`` runs in the suite's environment under make."""
 from __future__ import annotations
 
+import atexit
 import os
 import shlex
 import socket
@@ -104,6 +105,9 @@ def launch(ep: Endpoint, timeout_s: float) -> None:
                                    stderr=subprocess.STDOUT, start_new_session=True)
     except (OSError, ValueError, KeyError, IndexError) as e:
         raise EngineError(f"{ep.where()}: cannot start {ep.launch!r}: {e}") from None
+    # its own session survives our process: stopped at exit too, should close() never run (a notebook kernel shut
+    # down mid-cell, a signal turned into an exception outside the engine's try)
+    atexit.register(stop, ep)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if ep.proc.poll() is not None:
@@ -131,5 +135,6 @@ def stop(ep: Endpoint) -> None:
             ep.proc.wait(10)
     if ep.log is not None:
         ep.log.close()
-        os.unlink(ep.log.name)
+        if os.path.exists(ep.log.name):
+            os.unlink(ep.log.name)
         ep.log = None

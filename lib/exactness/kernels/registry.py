@@ -9,7 +9,8 @@ claims to produce that kernel's bytes for every row, whatever the chunk or segme
 record), the kernels in the sets, and its call site in model.py.
 
 A *kernel set* maps every class to one decode and one prompt kernel. Sets are registered by name and passed to the
-paths as an argument; adding a set is one ``register_set`` call.
+paths as an argument; adding a set is one ``register_set`` call. A set defined outside the package is named by
+reference, ``package.module:ATTR`` (imported.py: labelled with its name, validated, its provenance recorded).
 """
 from __future__ import annotations
 

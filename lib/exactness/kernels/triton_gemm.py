@@ -112,13 +112,13 @@ _DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
     ("gate_up", "fp32", "interp"): GemmConfig(32, 32, 16, 1, 4),
 }
 # Chosen on an H200: the tiles by benchmarks/bench_gpu_kernels.py --tune (per shape, the candidate with the best
-# GEMM/cuBLAS ratio at M = 4096 and 16384; its candidates have no split), split_k per shape by the decode-step
-# measurements of measurements/h200/2026-12-01-b, and q, k/v and o's split_loop, program layout and q's stages by
-# the split-loop scripts of measurements/h200/2026-12-02. The split makes a decode row (one
+# GEMM/cuBLAS ratio at M = 4096 and 16384; its candidates have no split), split_k per shape by the decode-step time
+# (bench_gpu_kernels.py --sections decode_step), and q, k/v and o's split_loop, program layout and q's stages by
+# GPU time / cuBLAS at M = 1 to 16384 (benchmarks/bench_split_k.py --part configs). The split makes a decode row (one
 # 128-row tile per BLOCK_N columns, a few programs for 132 SMs) run split_k times as many programs; it is part of
 # the shape's config, so prompt rows use the same split (one program per tile running the runs in turn: q, k/v and
 # o fold them into one K loop, one software pipeline across the runs). The ratios this table reaches, with the
-# commands that measure them, are in measurements/h200/2026-12-02/README.md.
+# commands that measure them, are in docs/figures.md.
 SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
     ("linear", 4096, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 5, 8, split_k=4, split_loop="fold"),  # q
     ("linear", 512, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, split_k=8, split_loop="fold"),   # k, v
@@ -279,8 +279,8 @@ def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmC
 
 # Where a split-K config runs its splits in parallel programs rather than in turn (the same bytes either way): below
 # this many output tiles the in-turn programs leave most SMs idle, above it the parallel runs' fp32 partials and
-# their reduce cost more (the crossover measured for every split shape of the small preset on the H200:
-# measurements/h200/2026-12-02/README.md) ...
+# their reduce cost more (the crossover measured for every split shape of the small preset on the H200 by
+# benchmarks/bench_split_k.py --part rows) ...
 SPLIT_TILES_BELOW = 40
 SPLIT_MAX_ROWS = 512      # ... for calls of up to this many rows (the range measured)
 _REDUCE = dict(BM=32, BN=128)

@@ -6,6 +6,7 @@
     env                                                         print the environment record as JSON
     profiles                                                    list the run profiles
     diff BASE PR [--out DIR]                                    what moved between two receipts (markdown; exit 1)
+    comment BASE PR [--out FILE]                                the PR comment: PR's summary + what moved (fits)
     serve [--preset tiny] [--kernels K] [--path P] [--step N]   the reference engine behind an OpenAI API (serve.py)
 
 Exit codes: 0 ok; 1 a receipt (or a section's JSON) was written but is marked failed (a notebook failed, an engine
@@ -268,6 +269,12 @@ def _diff_module():
     return diff
 
 
+def _comment_module():
+    from . import comment  # comment.py: the pull-request comment (BASE PR [--out FILE])
+
+    return comment
+
+
 def _tiny_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="new folder for the model (transformers save_pretrained layout)")
     p.add_argument("--seed", type=int, default=0, help="weights seed (default %(default)s)")
@@ -298,6 +305,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                         _merge_args, _merge),
     "diff": Subcommand("compare two receipts: what moved, as markdown for a pull-request comment (exit 1: moved)",
                        lambda p: _diff_module().add_arguments(p), lambda args: _diff_module().run(args)),
+    "comment": Subcommand("the pull-request comment: PR's summary and what moved against BASE, under GitHub's "
+                          "comment limit", lambda p: _comment_module().add_arguments(p),
+                          lambda args: _comment_module().run(args)),
     "serve": Subcommand("serve our engine behind an OpenAI-compatible API (options: python -m exactness serve -h)",
                         lambda p: p.add_argument("options", nargs=argparse.REMAINDER), lambda a: 2),
     "tiny-model": Subcommand("write a tiny random Qwen3-MoE model folder (and --gguf FILE) to try the engines on",
@@ -328,9 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:   # the server has its own parser (serve.build_parser)
         from ..engines.serve import main as serve_main
         return serve_main(argv[1:])
+    from .runfolder import sigterm_as_interrupt
+
     args = build_parser().parse_args(argv)
-    try:
-        return args._handler(args)
+    try:   # SIGTERM as Ctrl-C: engines' finally blocks stop the servers they launched
+        with sigterm_as_interrupt():
+            return args._handler(args)
     except (ReceiptError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -80,6 +80,17 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def kernel_set_records(refs) -> list[dict] | None:
+    """Each kernel set's provenance (kernels.provenance: its name, description, claims_exact and, for a
+    ``module:ATTR`` set, the module's file, SHA-256 and package version), or None when ``refs`` is empty.
+
+    Raises:
+        ValueError: a set that does not resolve (the parameter check refused it before).
+    """
+    from ..kernels import provenance
+    return [provenance(r) for r in refs] if refs else None
+
+
 def environment() -> dict:
     """Record of where a receipt was made.
 

@@ -136,4 +136,26 @@ def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) 
     check_common_values(merged)
     check_section_values(merged, [section_of(nb) for nb in declared if section_of(nb) in SECTIONS])
     check_run(merged, [section_of(nb) for nb in declared])
-    return {nb: {k: v for k, v in merged.items() if k in names} for nb, names in declared.items()}
+    return {nb: {**_section_values(nb, merged, names), **{k: v for k, v in merged.items() if k in names}}
+            for nb, names in declared.items()}
+
+
+def _section_values(nb: str, merged: dict, names: set[str]) -> dict:
+    """The section's own values (its params class's defaults and derived values, as the command line computes them)
+    of the names the notebook declares and ``merged`` lacks, so a notebook's parameters cell never decides a value:
+    the same profile runs the same work from the notebook and from ``python -m exactness <section>``."""
+    import json
+
+    if section_of(nb) not in SECTIONS:
+        return {}
+    cls = SECTIONS[section_of(nb)].params_class
+    typed = cls.from_dict({k: v for k, v in merged.items() if k in cls.names()})
+    out = {}
+    for k in sorted((names & cls.names()) - set(merged) - RUNNER_SET):
+        v = getattr(typed, k)
+        v = list(v) if isinstance(v, tuple) else v
+        try:
+            out[k] = json.loads(json.dumps(v))   # only literals travel as papermill parameters
+        except (TypeError, ValueError):
+            continue
+    return out

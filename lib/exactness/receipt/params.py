@@ -104,21 +104,27 @@ def _check_prompts(values: dict, known, bad) -> None:
 
 def _check_kernel_sets(values: dict, known, bad) -> None:
     """kernel_sets: a non-empty list of registered set names or ``package.module:ATTR`` references that resolve
-    (kernels.get_set imports them: a KernelSet or a function returning one)."""
+    (kernels.import_set imports and validates them: a KernelSet or a function returning one), each set once."""
     sets = values.get("kernel_sets")
     if sets is None:
         return
     allowed = (f"a non-empty list drawn from {', '.join(known)}, or package.module:ATTR references to a KernelSet "
                "or a function returning one")
-    if (not isinstance(sets, (list, tuple)) or not sets or not all(isinstance(v, str) for v in sets)
-            or any(v not in known and ":" not in v for v in sets)):
+    if not isinstance(sets, (list, tuple)) or not sets or not all(isinstance(v, str) for v in sets):
         bad("kernel_sets", allowed)
-    from ..kernels import get_set
-    for v in (v for v in sets if v not in known):
+    from ..kernels import import_set, set_names
+    device = "cpu" if values.get("device") == "cpu" else None   # validated where the run computes (None: CUDA if any)
+    for v in (v for v in sets if ":" in v):
         try:
-            get_set(v)
+            import_set(v, device)
         except ValueError as e:
             raise ParamError(f"parameter kernel_sets: {v!r} is not allowed: {e}") from None
+    if any(v not in known and ":" not in v for v in sets):
+        bad("kernel_sets", allowed)
+    try:
+        set_names(sets)
+    except ValueError as e:
+        raise ParamError(f"parameter kernel_sets: {e}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -458,6 +464,7 @@ class EnginesParams(Common):
     engine_repeat_tokens: int = 32
     engine_repeat_configs: list[str] = field(default_factory=list)
     engine_repeat_only: bool = False
+    engine_dumps: str = "off"
     allow_unpinned: bool = False
 
     def __post_init__(self) -> None:
@@ -478,6 +485,11 @@ class EnginesParams(Common):
             _at_least("engine_max_tokens", self.engine_max_tokens)
         _bool("engine_streams", self.engine_streams)
         _bool("engine_bench", self.engine_bench)
+        try:   # off | on-differ | always | a folder (analysis/engines_dumps.py)
+            from ..analysis.engines_dumps import check_mode
+            check_mode(self.engine_dumps)
+        except ValueError as e:
+            raise ParamError(str(e)) from None
         if not isinstance(self.engine_cold_lengths, (list, tuple)):
             raise ParamError(f"engine_cold_lengths must be a list of ints (tokens), got {self.engine_cold_lengths!r}")
         for n in self.engine_cold_lengths:

@@ -5,7 +5,9 @@ Markdown: a header (status, summary, environment, errors, parameters), then one 
 ``receipt["sections"]``: a section of ``sections.SECTIONS`` is rendered by its analysis module's
 ``render_md(section)``, any other by ``RENDERERS[name](section) -> str`` when registered, else by
 :func:`render_generic`. Each section block
-opens with what was compared and what its verdict means.
+opens with what was compared and what its verdict means. receipt.md stays under GitHub's comment limit
+(``MD_LIMIT``) whatever the run: the header is kept and a section block over its share of the room is cut with a
+note pointing to receipt.html and receipt.json (fit.py).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from collections.abc import Callable, Iterable
 
 from tabulate import tabulate
 
+from .fit import fit_blocks, join
 from .sections import SECTIONS
 from .tables import DASH, MAX_ROWS, Code, cell_text, md_escape, parameter_text
 
@@ -81,6 +84,19 @@ def git_text(git: dict) -> str:
     return f"{sha} ({state}{source})"
 
 
+def kernel_set_text(rec: dict) -> str:
+    """One kernel set's provenance (kernels.provenance) as one line: claim, description and, for a set imported
+    by reference, its module file, SHA-256, package version and its own kernels (callables no built-in set has)."""
+    claim = "claims prompt == decode bytes" if rec.get("claims_exact") else "kept for comparison (claims no bytes)"
+    out = md_escape(f"{claim}; {rec.get('description') or 'no description'}")
+    if rec.get("file") or rec.get("sha256"):
+        pkg = f", package {rec['package']} {rec.get('package_version')}" if rec.get("package") else ""
+        own = ", ".join(rec.get("kernels_own") or []) or "none (every kernel is a built-in one)"
+        out += md_escape(f"; from {rec.get('reference')}: {rec.get('file')}, SHA-256 {rec.get('sha256')}{pkg}; "
+                         f"its own kernels: {own}")
+    return out
+
+
 def _env_rows(receipt: dict) -> list[list]:
     env = receipt.get("env") or {}
     num = env.get("numerics") or {}
@@ -131,6 +147,10 @@ def render_header(receipt: dict) -> str:
     if summary:
         parts += [summary, ""]
     parts += ["## Environment", "", table(_env_rows(receipt), ["field", "value"])]
+    records = (receipt.get("env") or {}).get("kernel_set_records") or []
+    if records:   # a list, not a table: a module's path and SHA-256 do not fit a table cell
+        parts += ["", "## Kernel sets", "", *[f"- **{md_escape(str(r.get('name')))}**: {kernel_set_text(r)}"
+                                             for r in records]]
     prov = _provenance_rows(receipt)
     if prov:
         parts += ["", "## Where each section was computed", "",
@@ -162,21 +182,23 @@ def _count(rows, pred) -> str:
 
 
 def render_summary(receipt: dict) -> str:
-    """One verdict line per kernel set: runs equal to the serial-decode oracle (tokens; prompt-logit and KV bytes),
-    contract pairs without a byte mismatch (expert pairs with offloaded weights included), FP64 rows outside their
-    bound, stream equalities. Empty without data."""
+    """One verdict line per kernel set (by its own name in every section): runs equal to the serial-decode oracle
+    (tokens; prompt-logit and KV bytes), contract pairs without a byte mismatch (expert pairs with offloaded weights
+    included), FP64 rows outside their bound, stream equalities (drafted, resumed, concurrent and packed == alone).
+    Empty without data."""
     objs = dict(sections(receipt))
     rows = lambda name, key="rows": [r for r in objs.get(name, {}).get(key) or [] if isinstance(r, dict)]  # noqa
     hashes = [r for r in rows("hashes") if r.get("path") != "decode"]
     contract = rows("contract") + rows("contract", "offload_rows")
     fp64 = rows("fp64")
     streams = objs.get("streams", {}).get("data") or {}
-    sets = list(dict.fromkeys([r.get("kernels") for r in hashes] + [r.get("set") for r in contract]))
+    st_all = [r for part in ("drafted", "resumed", "concurrent", "packed") for r in streams.get(part) or []
+              if isinstance(r, dict)]
+    sets = list(dict.fromkeys([r.get("kernels") for r in hashes] + [r.get("set") for r in contract + fp64 + st_all]))
     rows = []
     for ks in (s for s in sets if s):
         h = [r for r in hashes if r.get("kernels") == ks]
-        st = [r for part in ("drafted", "resumed", "concurrent") for r in streams.get(part) or []
-              if isinstance(r, dict) and r.get("set") == ks]
+        st = [r for r in st_all if r.get("set") == ks]
         rows.append([ks, _count(h, lambda r: r.get("equals_oracle")),
                      _count(h, lambda r: r.get("prompt_logits_equal") and r.get("kv_equal")),
                      _count((r for r in contract if r.get("set") == ks), lambda r: r.get("mismatches") == 0),
@@ -229,17 +251,27 @@ def sections(receipt: dict) -> list[tuple[str, dict]]:
     return [(k, v) for k, v in objs.items() if isinstance(v, dict)]
 
 
-def render_markdown(receipt: dict) -> str:
-    """``receipt.md``: header plus one block per section, under ``MD_LIMIT`` characters."""
-    parts = [render_header(receipt)]
-    for name, obj in sections(receipt):
-        if name in SECTIONS:
-            parts.append(SECTIONS[name].load().render_md(obj))
-        elif name in RENDERERS:
-            parts.append(RENDERERS[name](obj))
-        else:
-            parts.append(render_generic({k: v for k, v in obj.items() if k != "section"}, title=name))
-    return truncate("\n\n".join(p for p in parts if p) + "\n")
+def section_md(name: str, obj: dict) -> str:
+    """One section object's receipt.md block: its analysis module's render_md, a RENDERERS entry, or generic."""
+    if name in SECTIONS:
+        return SECTIONS[name].load().render_md(obj)
+    if name in RENDERERS:
+        return RENDERERS[name](obj)
+    return render_generic({k: v for k, v in obj.items() if k != "section"}, title=name)
+
+
+def render_markdown(receipt: dict, limit: int = MD_LIMIT) -> str:
+    """``receipt.md``: header (summary and verdicts first) plus one block per section, under ``limit`` characters
+    whatever the run: over it, tables lose their padding (compact_tables), then each section block over its share
+    of the room the header leaves is cut with a note (fit.fit_blocks); only a header alone over the limit is cut
+    at its end (truncate)."""
+    header = render_header(receipt)
+    blocks = [(name, section_md(name, obj)) for name, obj in sections(receipt)]
+    text = join(header, blocks)
+    if len(text) < limit:
+        return text
+    header, blocks = compact_tables(header), [(name, compact_tables(b)) for name, b in blocks]
+    return truncate(fit_blocks(header, blocks, limit), limit)
 
 
 def render_extra(name: str, extra: dict) -> str:

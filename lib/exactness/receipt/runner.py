@@ -25,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .env import REPO_ROOT, environment, git_state  # noqa: F401  (re-exported: receipt.environment, ...)
+from .env import (REPO_ROOT, environment, git_state,  # noqa: F401  (re-exported: receipt.environment, ...)
+                  kernel_set_records)
 from .overrides import (OUT_JSON, RUNNER_SET, check_common_values, check_override_types,  # noqa: F401
                         check_section_values, declared_parameters, parse_overrides, plan_parameters)
 from .preflight import probe_engines
@@ -372,6 +373,7 @@ def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: d
     params = {**prof.parameters(), **overrides}
     ran = {SECTIONS[section_of(nb)].runs_on for nb in per_nb if section_of(nb) in SECTIONS}
     env = {**env, "kernel_sets": params.get("kernel_sets") if "reference" in ran else None,
+           "kernel_set_records": kernel_set_records(params.get("kernel_sets")) if "reference" in ran else None,
            "engines": params.get("engine") if "engines" in ran else None,
            "dumps": params.get("dumps") if "dumps" in ran else None}
     entries = _execute_all(tmp, nb_dir, per_nb, kernel_name, prof.side_by_side)

@@ -33,6 +33,7 @@ markdown names them.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -40,7 +41,7 @@ import torch
 
 from ...config import get_preset
 from ...exact import as_int, ulp_distance
-from ...kernels import get_set
+from ...kernels import get_set, set_names
 from ...kernels.registry import ClassNames
 from ...model import tapping
 from ...receipt.params import Fp64Params
@@ -324,7 +325,8 @@ def run_section(params: Fp64Params | dict, extra_positions=()) -> dict:
     Raises:
         ValueError: a missing profile field or a bad value (named), an extra position outside the prompt.
     """
-    p = Fp64Params.from_dict(params)
+    p = Fp64Params.from_dict(params)   # rows and taps name each set by its own name (a reference resolved)
+    p = dataclasses.replace(p, kernel_sets=set_names(p.kernel_sets))
     dtype, dev = DTYPES[p.dtype], resolve_device(p.device)   # a clear error where CUDA is asked for but absent
     cfg = get_preset(p.preset)
     plan = capture_plan(p, extra_positions)

@@ -1,0 +1,189 @@
+"""Kernel sets defined outside the package, named by reference ``package.module:ATTR``.
+
+ATTR is a KernelSet or a function of no arguments returning one. :func:`import_set` imports it once per process,
+labels its kernels with the set's name (a set built with ``dataclasses.replace`` from ``invariant`` keeps names
+such as ``invariant.dense.prompt``: they become ``<set>.dense.prompt``), validates it (:func:`validate_set`) and
+adds it to KERNEL_SETS under its own name, so every section and row names it by that one name. :func:`provenance`
+records where it came from (module file, SHA-256, package version) for the receipt.
+
+Every failure is one ValueError line naming the reference (and the class and role where one kernel fails).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.metadata
+import sys
+from pathlib import Path
+
+from .registry import KERNEL_CLASS_RECORDS, KERNEL_CLASSES, KERNEL_SETS, KERNELS, KernelSet, KernelSpec, resolve
+
+_IMPORTED: dict[str, KernelSet] = {}   # reference -> its set, resolved once (a function is called once)
+_REFS: dict[str, str] = {}             # set name -> the reference it was imported from
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200] + ' ...' if len(text) > 200 else text}"
+
+
+def _load(ref: str) -> KernelSet:
+    module, _, attr = ref.partition(":")
+    if not module or not attr or ":" in attr:
+        raise ValueError(f"kernel set reference {ref!r} is not of the form package.module:ATTR")
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001  (any failure of the user's module is one line, not a traceback)
+        raise ValueError(f"kernel set reference {ref!r}: cannot import module {module!r} ({_one_line(e)})") from None
+    if not hasattr(mod, attr):
+        raise ValueError(f"kernel set reference {ref!r}: module {module!r} has no attribute {attr!r}")
+    obj = getattr(mod, attr)
+    if callable(obj) and not isinstance(obj, KernelSet):
+        try:
+            obj = obj()
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"kernel set reference {ref!r}: its function raised ({_one_line(e)})") from None
+    if not isinstance(obj, KernelSet):
+        raise ValueError(f"kernel set reference {ref!r} gives a {type(obj).__name__}, not a KernelSet (allowed: a "
+                         "KernelSet, or a function of no arguments returning one)")
+    return obj
+
+
+def relabel(ks: KernelSet) -> KernelSet:
+    """``ks`` with every kernel named ``<set>.<class>.<role>`` (prompt kernels replacing the set's decode kernel of
+    their class); the callables, docs and options are kept. Raises nothing."""
+    dec = {c: dataclasses.replace(s, name=f"{ks.name}.{c}.decode", role="decode", replaces=None)
+           for c, s in ks.decode.items()}
+    pro = {c: dataclasses.replace(s, name=f"{ks.name}.{c}.prompt", role="prompt", replaces=f"{ks.name}.{c}.decode")
+           for c, s in ks.prompt.items()}
+    return dataclasses.replace(ks, decode=dec, prompt=pro)
+
+
+def _default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def validate_set(ks: KernelSet, device: str | None = None, where: str = "") -> None:
+    """Call every kernel of ``ks`` once on tiny inputs of its class's shapes (the contract's random builders, preset
+    ``tiny``, bfloat16, two rows) on ``device`` (None: CUDA when present, else CPU).
+
+    Raises:
+        ValueError: one line naming the set (and ``where``, its reference), the class and role, and the reason: a
+            class without a decode or prompt kernel, a kernel that is not callable or whose call raises (a wrong
+            signature included).
+    """
+    import torch
+
+    from ..analysis.contract.cases import make_pool   # imported here: kernels/ does not import analysis/ at load
+    _check_tables(ks, where)
+    dev = device or _default_device()
+    for cls in KERNEL_CLASSES:
+        if resolve(KERNEL_CLASS_RECORDS[cls].contract_inputs) is None:
+            continue
+        pool = make_pool(cls, "random", torch.bfloat16, dev)
+        kw = {"expert_id": 0} if ks.options.get("expert_id_aware") and cls.startswith("expert_") else {}
+        for role in ("decode", "prompt"):
+            try:
+                ks.fn(cls, role)(*pool.args(torch.arange(2, device=dev)), **kw)
+            except Exception as e:  # noqa: BLE001  (the reason, in one line)
+                raise ValueError(f"kernel set {ks.name!r}" + (f" ({where})" if where else "") + f", class {cls!r}, "
+                                 f"{role} kernel fails on tiny inputs (preset tiny, 2 rows, {dev}): {_one_line(e)}"
+                                 ) from None
+
+
+def _check_tables(ks: KernelSet, where: str) -> None:
+    """Every class has a decode and a prompt KernelSpec with a callable fn; one ValueError line otherwise."""
+    name = f"kernel set {ks.name!r}" + (f" ({where})" if where else "")
+    for role, table in (("decode", ks.decode), ("prompt", ks.prompt)):
+        if not isinstance(table, dict):
+            raise ValueError(f"{name}: its {role} kernels are a {type(table).__name__}, not a dict class -> KernelSpec")
+        missing = [c for c in KERNEL_CLASSES if c not in table]
+        if missing:
+            raise ValueError(f"{name} has no {role} kernel for classes {missing}; every class needs a decode and "
+                             "a prompt kernel")
+        for cls, spec in table.items():
+            if cls not in KERNEL_CLASSES or not isinstance(spec, KernelSpec) or not callable(spec.fn):
+                raise ValueError(f"{name}, class {cls!r}, {role}: not a KernelSpec of a known class with a callable "
+                                 f"fn (known classes: {', '.join(KERNEL_CLASSES)})")
+
+
+def import_set(ref: str, device: str | None = None) -> KernelSet:
+    """The kernel set named by ``ref`` = ``"package.module:ATTR"``, imported, relabelled and validated once
+    (:func:`validate_set` on ``device``) and added to KERNEL_SETS under its own name.
+
+    Raises:
+        ValueError: one line naming ``ref``: not of that form, the module cannot be imported (or raises), no ATTR,
+            ATTR neither a KernelSet nor a function returning one (or the function raises), a failed validation,
+            or its set's name taken by another set.
+    """
+    if ref in _IMPORTED:
+        return _IMPORTED[ref]
+    ks = _load(ref)
+    if KERNEL_SETS.get(ks.name, ks) is not ks and _REFS.get(ks.name) != ref:
+        raise ValueError(f"kernel set reference {ref!r} gives a set named {ks.name!r}, a name another registered "
+                         "set has")
+    _check_tables(ks, ref)   # before relabelling, which needs KernelSpecs
+    ks = relabel(ks)
+    validate_set(ks, device, ref)
+    KERNEL_SETS[ks.name] = ks
+    _IMPORTED[ref], _REFS[ks.name] = ks, ref
+    return ks
+
+
+def _builtin_fns() -> dict:
+    """(id(fn), role) and id(fn) -> the name of the registered (built-in) kernel with that callable."""
+    out: dict = {}
+    for n, s in KERNELS.items():
+        out.setdefault((id(s.fn), s.role), n)
+        out.setdefault(id(s.fn), n)
+    return out
+
+
+def provenance(name_or_ref: str) -> dict:
+    """Where a kernel set comes from, for the receipt.
+
+    Returns:
+        {"reference", "name", "description", "claims_exact", "options" (names), "module", "file", "sha256",
+        "package", "package_version", "kernels_own" (its kernels whose callable is no built-in kernel's),
+        "kernels_builtin" (kernel -> the built-in kernel it calls)}; a built-in set gives its name, description,
+        claims_exact and options, with "module" "exactness.kernels.sets".
+    Raises:
+        ValueError: an unknown set or a reference that does not resolve (kernels.get_set).
+    """
+    from . import get_set
+    ks = get_set(name_or_ref)
+    rec = {"reference": name_or_ref, "name": ks.name, "description": ks.description,
+           "claims_exact": ks.claims_exact, "options": sorted(ks.options)}
+    if ks.name not in _REFS:
+        return rec | {"module": f"{__package__}.sets"}
+    module = _REFS[ks.name].partition(":")[0]
+    path = getattr(sys.modules.get(module), "__file__", None)
+    top = module.split(".")[0]
+    dists = importlib.metadata.packages_distributions().get(top) or []
+    builtin, own = _builtin_fns(), {}
+    for s in (*ks.decode.values(), *ks.prompt.values()):
+        own[s.name] = builtin.get((id(s.fn), s.role), builtin.get(id(s.fn)))
+    return rec | {"module": module, "file": str(Path(path).resolve()) if path else None,
+                  "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None,
+                  "package": dists[0] if dists else None,
+                  "package_version": importlib.metadata.version(dists[0]) if dists else None,
+                  "kernels_own": [k for k, b in own.items() if b is None],
+                  "kernels_builtin": {k: b for k, b in own.items() if b is not None}}
+
+
+def set_names(refs) -> list[str]:
+    """Each kernel set's own name (a reference resolved, a name as is), in order.
+
+    Raises:
+        ValueError: a set that does not resolve, or the same set given twice (by name or reference), naming it.
+    """
+    from . import get_set
+    names = []
+    for r in refs:
+        n = get_set(r).name
+        if n in names:
+            raise ValueError(f"kernel set {n!r} is given twice ({r!r}); give each set once")
+        names.append(n)
+    return names
