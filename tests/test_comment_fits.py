@@ -149,3 +149,11 @@ def test_make_comment_runs_the_comment_command(tmp_path):
     assert f"-m exactness comment 'a b' 'pr' --out '{tmp_path}/c.md'" in made.stdout
     bare = subprocess.run(["make", "-s", "-n", "comment", "PR=pr"], cwd=root, capture_output=True, text=True)
     assert bare.returncode != 0 and "make comment needs BASE=" in bare.stderr
+
+
+def test_an_engines_receipt_comment_carries_each_engines_verdict_line(engines_section):
+    only = {"status": "ok", "profile": "ci", "env": {}, "sections": {"engines": engines_section}}
+    text = comment.comment_text(only, only)
+    lines = [line for line in text.splitlines() if "runs equal their oracle" in line]
+    assert len(lines) == len(ENGINES) and all(f"**{render.md_escape(e)}**" in "\n".join(lines) for e in ENGINES)
+    assert "No summary" not in text and len(text) < LIMIT

@@ -9,9 +9,10 @@ import httpx
 import pytest
 import torch
 
+from exactness.analysis.engines_bench import bench_engine
 from exactness.engines import open_engine
 from exactness.engines.base import Engine, EngineError, NotAvailable
-from exactness.engines.openai import OpenAIEngine, bench
+from exactness.engines.openai import OpenAIEngine
 from exactness.exact import bytes_equal, first_differing_row, token_hash
 from exactness.kernels import get_set
 from exactness.paths import Schedule, generate
@@ -133,12 +134,12 @@ def test_concurrent_and_bench(engine, tiny_weights, prompt):
     for p, g in zip(prompts, gens):
         ref = generate(tiny_weights, torch.tensor(p), 8, "invariant", Schedule("batched", 16)).gen_ids
         assert bytes_equal(g.gen_ids, ref) and g.info["concurrent"] == 2
-    b = bench(engine, prompt, 8, "batched-16")
-    for k in ("cold", "warm"):
-        assert b[k]["generated"] == 8 and b[k]["ttft_s"] > 0 and b[k]["prefill_tps"] > 0
-        assert b[k]["itl_p95_ms"] >= b[k]["itl_p50_ms"] >= 0
-    assert [s["streams"] for s in b["streams"]] == [1, 2] and all(s["equal_to_alone"] for s in b["streams"])
-    print("bench:", {k: b[k] for k in ("cold", "warm")}, b["streams"])
+    b = bench_engine(engine, {"p": prompt}, 8, [], prompt)
+    for r in (r for r in b["runs"] if r["config"] == "batched-16"):
+        assert r["generated"] == 8 and r["ttft_s"] > 0 and r["prefill_tps"] > 0
+        assert r["itl_p95_ms"] >= r["itl_p50_ms"] >= 0 and r["token_times"] == "engine"
+    streams = b["streams"]["batched-16"]
+    assert [s["streams"] for s in streams] == [1, 2] and all(s["equal_to_alone"] for s in streams)
 
 
 def test_not_available_and_options(engine, prompt):

@@ -96,7 +96,7 @@ def test_prompt_logprobs_compared_row_by_row(fakes):
     assert a.prompt_logprobs[:, 0].tolist() == [-1.5, -0.25, -2.0] and a.prompt_logprobs[1, 2] == -float("inf")
     same, diff = compare(a2, a), compare(b, a)
     assert same["prompt_logprobs_equal"] is True and same["verdict"] == \
-        "equal (prompt logits, generated logits, KV not exposed)"
+        "equal (not exposed: prompt logits, generated logits, KV)"
     assert diff["prompt_logprobs_equal"] is False and diff["first_differing_prompt_logprob_row"] == 1
     assert diff["prompt_logprob_rows_differing"] == 1 and diff["verdict"] == "differs: prompt logprobs"
     assert eng.configurations()[0].settings["prompt_logprobs"] == "vllm"

@@ -60,7 +60,7 @@ def test_compare_names_what_differs_and_what_was_not_exposed():
     b = a.clone()
     b[1, 2] = 1.0
     assert E.compare(_gen("x", [1, 2]), _gen("o", [1, 2]))["verdict"] == \
-        "equal (prompt logits, generated logits, KV not exposed)"
+        "equal (not exposed: prompt logits, generated logits, KV)"
     r = E.compare(_gen("x", [1, 3], b), _gen("o", [1, 2], a))
     assert r["verdict"] == "differs: tokens, prompt logits" and r["first_divergence"] == 1
     assert r["first_differing_prompt_row"] == 1 and r["prompt_rows_differing"] == 1
@@ -112,7 +112,7 @@ def test_missing_abilities_are_reasons_not_verdicts():
     assert out["not_available"] == {"drafted": "not available from this engine: no draft model configured",
                                     "resumed": "not available from this engine: no prompt cache"}
     assert out["drafted"] == [] and [r["verdict"] for r in out["concurrent"]] == [
-        "equal (prompt logits, generated logits, KV not exposed)"]
+        "equal (not exposed: prompt logits, generated logits, KV)"]
 
 
 def test_engine_specs_are_checked_before_anything_runs(tmp_path):

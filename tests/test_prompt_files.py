@@ -1,4 +1,4 @@
-"""The user's own prompts (prompt_files.py, prompts.build_prompts, engines.build_prompts): .txt and .jsonl files mixed
+"""The user's own prompts (prompt_files.py: reading and build_prompts; engines.build_prompts): .txt and .jsonl files mixed
 with the built-in names, recorded by name, kind, SHA-256 and token count, refused up front with one line, escaped
 wherever a receipt shows them; and the CI receipt of one prompt file through four engines.
 
@@ -19,8 +19,8 @@ import torch
 
 from exactness.config import get_preset
 from exactness.exact import token_hash
-from exactness.prompt_files import resolve
-from exactness.prompts import build_prompts, plain_chat_text, prompt_record
+from exactness.prompt_files import build_prompts, prompt_record, resolve
+from exactness.prompts import plain_chat_text
 from exactness.receipt.cli import main
 from exactness.receipt.params import ParamError, check_common
 from exactness.receipt.preflight import PreflightError, check_run
@@ -95,8 +95,8 @@ BAD_FILES = [
     ("empty.txt", b"", "is empty"),
     ("blank.jsonl", b"\n\n", "holds no prompt"),
     ("json.jsonl", '{"name": "a", "text": "x"}\n{"name": "b", "text": \n', "line 2: not valid JSON"),
-    ("two.jsonl", '{"name": "a", "text": "x", "ids": [1]}\n', "has text, ids of text/ids/messages"),
-    ("none.jsonl", '{"name": "a"}\n', "has none of text/ids/messages"),
+    ("two.jsonl", '{"name": "a", "text": "x", "ids": [1]}\n', "gives \"text\" and \"ids\"; allowed: exactly one of"),
+    ("none.jsonl", '{"name": "a"}\n', "gives none of \"text\", \"ids\", \"messages\""),
     ("extra.jsonl", '{"name": "a", "text": "x", "colour": 1}\n', "unknown keys colour"),
     ("noname.jsonl", '{"text": "x"}\n', 'non-empty string "name"'),
     ("emptytext.jsonl", '{"name": "a", "text": ""}\n', '"text" must be a non-empty string'),

@@ -328,3 +328,16 @@ def test_client_gone_mid_stream_stops_the_run(server, tiny_weights, prompt, monk
     print(f"decode steps run for a 4000-token stream dropped after 2 chunks (+ those of the next request): "
           f"{len(steps)}")
     assert len(steps) < 1000
+
+
+def test_top_logprobs_keyed_by_text_keep_the_best_of_colliding_texts(server):
+    """Token texts collide (every lone byte >= 0x80 decodes to U+FFFD): the best logprob keeps the key, so a greedy
+    reply's top-1 entry equals its chosen token's logprob."""
+    from exactness.engines.serve_api import _keyed
+
+    name = lambda i: "\ufffd" if i >= 128 else chr(i)   # noqa: E731
+    assert _keyed(name, [(200, -1.0), (150, -2.0), (65, -3.0)]) == {"\ufffd": -1.0, "A": -3.0}
+    assert _keyed(name, [(65, -0.5), (200, -1.0), (150, -2.0)]) == {"A": -0.5, "\ufffd": -1.0}
+    lp = post(server, {"prompt": [1, 72], "max_tokens": 8, "logprobs": 5}).json()["choices"][0]["logprobs"]
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert max(top.values()) == chosen

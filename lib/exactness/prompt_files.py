@@ -11,6 +11,8 @@ Empty lines of a .jsonl file are skipped. Names are the user's (any characters) 
 Each prompt is identified by its SHA-256: of its UTF-8 text, of its ids as int64 little-endian bytes, or of its
 messages' canonical JSON (``[{"content", "role"}, ...]``, keys sorted, no spaces, UTF-8, non-ASCII kept).
 Every defect is refused with one line (:class:`PromptFileError`) naming the file, the line and what is allowed.
+:func:`build_prompts` builds a whole list for our engine (a chat prompt through prompts.plain_chat_text), and
+:func:`prompt_record` is what a section's JSON records of each (name, kind, SHA-256, token count).
 """
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+
+from .prompts import PROMPTS, Prompt, build_prompt, plain_chat_text
+from .tokenizer import ByteTokenizer
 
 FILE_SUFFIXES = (".txt", ".jsonl")
 KINDS = ("text", "ids", "messages")
@@ -114,9 +120,10 @@ def _line_prompt(where: str, path: str, line: str) -> PromptSource:
     given = [k for k in KINDS if k in obj]
     extra = sorted(set(obj) - {"name", *KINDS})
     if len(given) != 1 or extra:
-        raise PromptFileError(f"{where}: prompt {obj['name']!r} has {', '.join(given) or 'none'} of text/ids/"
-                              f"messages{' and unknown keys ' + ', '.join(extra) if extra else ''}; "
-                              "allowed: exactly one of them")
+        keys = " and ".join(f'"{k}"' for k in given) or "none of \"text\", \"ids\", \"messages\""
+        raise PromptFileError(f"{where}: prompt {obj['name']!r} gives {keys}"
+                              f"{' and unknown keys ' + ', '.join(extra) if extra else ''}; allowed: exactly one of "
+                              "\"text\", \"ids\" or \"messages\" besides \"name\"")
     name, kind, value = obj["name"], given[0], obj[given[0]]
     if kind == "text":
         if not isinstance(value, str) or not value:
@@ -159,8 +166,6 @@ def resolve(entries) -> list[PromptSource]:
         PromptFileError: an entry that is neither a built-in name nor a .txt/.jsonl path, a bad file, or a name
             given twice (names both places).
     """
-    from .prompts import PROMPTS
-
     if not isinstance(entries, (list, tuple)) or not entries:
         raise PromptFileError(f"prompts must be a non-empty list of built-in names ({', '.join(PROMPTS)}) or "
                               f".txt/.jsonl files, got {entries!r}")
@@ -198,3 +203,51 @@ def check_vocab(sources: list[PromptSource], vocab: int, model: str) -> None:
         if bad:
             raise PromptFileError(f"prompt {s.name!r}: id {bad[1]} at position {bad[0]} is outside the vocabulary "
                                   f"of {model} (ids 0..{vocab - 1})")
+
+
+# ------------------------------------------------------------------------------------------- building for our engine
+
+def build_source(source, max_tokens: int | None = None, allow_unpinned: bool = False, tokenizer=None) -> Prompt:
+    """Build one prompt_files.PromptSource for our engine, cut to its first ``max_tokens`` tokens: a built-in one
+    as build_prompt does, text through the tokenizer, ids as they are, chat through plain_chat_text.
+
+    Raises:
+        ValueError: max_tokens < 2; PromptPinError: see build_prompt.
+    """
+    if source.kind == "builtin":
+        return build_prompt(source.name, max_tokens, allow_unpinned, tokenizer)
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"max_tokens must be >= 2 (BOS + one byte), got {max_tokens}")
+    tok = tokenizer or ByteTokenizer()
+    template = "plain" if source.kind == "chat" else None
+    if source.kind == "ids":
+        text, ids = b"", torch.tensor(source.ids, dtype=torch.int64)
+    else:
+        text = (plain_chat_text(source.messages) if template else source.text).encode("utf-8")
+        if max_tokens is not None and isinstance(tok, ByteTokenizer):
+            text = text[:max_tokens - 1]
+        ids = tok.encode(text)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    return Prompt(source.name, text, ids, source.sha256, source.sha256, True, source.kind, source.file, template)
+
+
+def build_prompts(entries, max_tokens: int | None = None, allow_unpinned: bool = False, tokenizer=None,
+                  vocab: int | None = None) -> list[Prompt]:
+    """Every prompt of a ``prompts`` list (built-in names and prompt files, prompt_files.resolve), built for our
+    engine and cut to ``max_tokens`` tokens.
+
+    Raises:
+        prompt_files.PromptFileError: a bad entry or file, a repeated name, an id outside ``vocab`` (when given);
+        ValueError / PromptPinError: see build_source.
+    """
+    sources = resolve(entries)
+    if vocab is not None:
+        check_vocab(sources, vocab, "the model")
+    return [build_source(s, max_tokens, allow_unpinned, tokenizer) for s in sources]
+
+
+def prompt_record(prompt: Prompt) -> dict:
+    """What a section's JSON records of a prompt: name, kind, sha256, tokens (after the cut), file, template."""
+    return {"name": prompt.name, "kind": prompt.kind, "sha256": prompt.sha256, "tokens": prompt.n_tokens,
+            "file": prompt.file, "template": prompt.template}

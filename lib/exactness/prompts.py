@@ -10,9 +10,8 @@ prompt (``PromptPinError``) unless ``allow_unpinned=True``, and the receipt reco
 
 Token counts are for the byte tokenizer (bytes + BOS).
 
-The user's own prompts (.txt and .jsonl files, prompt_files.py) mix with these names in one list:
-:func:`build_prompts` builds them all for our engine (a chat prompt through :func:`plain_chat_text`), and
-:func:`prompt_record` is what a section's JSON records of each (name, kind, SHA-256, token count).
+The user's own prompts (.txt and .jsonl files) mix with these names in one list: prompt_files.py reads them and
+builds the whole list for our engine (a chat prompt through :func:`plain_chat_text`).
 """
 from __future__ import annotations
 
@@ -135,51 +134,3 @@ def plain_chat_text(messages) -> str:
     pairs = getattr(messages, "messages", messages)
     pairs = [(m["role"], m["content"]) if isinstance(m, dict) else tuple(m) for m in pairs]
     return "".join(f"{role}: {content}\n" for role, content in pairs) + "assistant:"
-
-
-def build_source(source, max_tokens: int | None = None, allow_unpinned: bool = False, tokenizer=None) -> Prompt:
-    """Build one prompt_files.PromptSource for our engine, cut to its first ``max_tokens`` tokens: a built-in one
-    as build_prompt does, text through the tokenizer, ids as they are, chat through plain_chat_text.
-
-    Raises:
-        ValueError: max_tokens < 2; PromptPinError: see build_prompt.
-    """
-    if source.kind == "builtin":
-        return build_prompt(source.name, max_tokens, allow_unpinned, tokenizer)
-    if max_tokens is not None and max_tokens < 2:
-        raise ValueError(f"max_tokens must be >= 2 (BOS + one byte), got {max_tokens}")
-    tok = tokenizer or ByteTokenizer()
-    template = "plain" if source.kind == "chat" else None
-    if source.kind == "ids":
-        text, ids = b"", torch.tensor(source.ids, dtype=torch.int64)
-    else:
-        text = (plain_chat_text(source.messages) if template else source.text).encode("utf-8")
-        if max_tokens is not None and isinstance(tok, ByteTokenizer):
-            text = text[:max_tokens - 1]
-        ids = tok.encode(text)
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    return Prompt(source.name, text, ids, source.sha256, source.sha256, True, source.kind, source.file, template)
-
-
-def build_prompts(entries, max_tokens: int | None = None, allow_unpinned: bool = False, tokenizer=None,
-                  vocab: int | None = None) -> list[Prompt]:
-    """Every prompt of a ``prompts`` list (built-in names and prompt files, prompt_files.resolve), built for our
-    engine and cut to ``max_tokens`` tokens.
-
-    Raises:
-        prompt_files.PromptFileError: a bad entry or file, a repeated name, an id outside ``vocab`` (when given);
-        ValueError / PromptPinError: see build_source.
-    """
-    from .prompt_files import check_vocab, resolve
-
-    sources = resolve(entries)
-    if vocab is not None:
-        check_vocab(sources, vocab, "the model")
-    return [build_source(s, max_tokens, allow_unpinned, tokenizer) for s in sources]
-
-
-def prompt_record(prompt: Prompt) -> dict:
-    """What a section's JSON records of a prompt: name, kind, sha256, tokens (after the cut), file, template."""
-    return {"name": prompt.name, "kind": prompt.kind, "sha256": prompt.sha256, "tokens": prompt.n_tokens,
-            "file": prompt.file, "template": prompt.template}

@@ -40,7 +40,8 @@ from ..kernels import get_set
 from ..offload import ExpertStore
 from ..receipt.params import BenchParams
 from ..progress import bar as progress_bar
-from ..prompts import build_prompt, build_prompts, prompt_record
+from ..prompt_files import build_prompts, prompt_record
+from ..prompts import build_prompt
 from ..receipt.sections import join_provenance
 from .bench_tables import (INTRO, config_line, expert_store_md, render_md, table,  # noqa: F401  (its views)
                            tables)

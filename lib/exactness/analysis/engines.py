@@ -56,7 +56,7 @@ def _kv_equal(a: list | None, b: list | None) -> tuple[bool | None, int | None]:
 def verdict(tokens: bool, parts: dict[str, bool | None], not_greedy: str | None = None,
             lossy: list | None = None) -> str:
     """One line: "not greedy: <where>" when the run or its reference was not greedy (never compared as greedy);
-    "equal" when tokens and every exposed part are equal ("equal (X not exposed)" when some were not exposed),
+    "equal" when tokens and every exposed part are equal ("equal (not exposed: X, Y)" when some were not exposed),
     "equal as text, lossy: <what was lost>" when the tokens are texts a server may have lost bytes of; else
     "differs: <what differed>"."""
     if not_greedy:
@@ -67,7 +67,7 @@ def verdict(tokens: bool, parts: dict[str, bool | None], not_greedy: str | None 
         return "differs: " + ", ".join(failed) + (f" (lossy text: {'; '.join(lossy)})" if lossy else "")
     if lossy:
         return "equal as text, lossy: " + "; ".join(lossy)
-    return "equal" + (f" ({', '.join(missing)} not exposed)" if missing else "")
+    return "equal" + (f" (not exposed: {', '.join(missing)})" if missing else "")
 
 
 def _not_greedy(run: Generation, ref: Generation) -> str | None:
@@ -114,7 +114,7 @@ def compare(run: Generation, ref: Generation) -> dict:
     return {"equals_oracle": False if div is not None else (None if ng or lossy else True),
             "first_divergence": div, "oracle_margin": margin,
             "prompt_logits_equal": p_eq, "prompt_rows_differing": p_count, "first_differing_prompt_row": p_first,
-            "prompt_logprobs_equal": lp_eq, "prompt_logprob_rows_differing": lp_count,
+            "prompt_logprobs_equal": lp_eq, "prompt_logprob_rows_differing": None if lp_eq is None else lp_count,
             "first_differing_prompt_logprob_row": lp_first,
             "gen_logits_equal": g_eq, "first_differing_gen_row": g_first, "kv_equal": kv_eq, "kv_first_tensor": kv_first,
             "greedy": run.greedy, "lossy": lossy, "verdict": verdict(div is None, parts, ng, lossy)}

@@ -20,22 +20,13 @@ import re
 import tempfile
 from pathlib import Path
 
-MODES = ("off", "on-differ", "always")
+from ..receipt.params import ENGINE_DUMPS_MODES as MODES
+
 MAX_TOKENS = 256
 FIELDS = ("class", "site", "prompt_kernel", "call_rows", "row", "pos", "token", "output", "element", "ulp",
           "prompt", "decode", "inputs_equal")
 CANNOT = {"reference": "our engine's kernel-level cause is the contract section (make receipts without ENGINE)",
           "openai": "a server's kernels run in another process; give its tensor dumps (make receipts DUMPS=DIR)"}
-
-
-def check_mode(value) -> None:
-    """Raise ValueError naming ``value`` unless it is one of MODES or a folder: an existing one, or a path with a
-    ``/`` that is not a file (so that a misspelt mode is not taken for a folder)."""
-    folder = isinstance(value, str) and value not in MODES and value != "" and (
-        Path(value).is_dir() or ("/" in value and not Path(value).is_file()))
-    if not isinstance(value, str) or not (value in MODES or folder):
-        raise ValueError(f"engine_dumps={value!r} is not allowed; allowed: {', '.join(MODES)}, or a folder "
-                         "(a path with '/': on-differ, writing there)")
 
 
 def _slug(text: str) -> str:

@@ -133,8 +133,8 @@ def verdict_md(section: dict) -> str:
         tok = sum(1 for r in rows if r.get("equals_oracle"))
         apart = "".join(f"; {n}/{len(rows)} {what}" for n, what in ((lossy, "equal as text only (lossy)"),
                                                                      (notg, "not greedy (not compared)")) if n)
-        lines.append(f"- **{md_escape(str(e.get('spec')))}**: {eq}/{len(rows)} runs equal their oracle ({e.get('oracle', 'oracle')}); "
-                     f"{tok}/{len(rows)} with the oracle's tokens{apart}.")
+        lines.append(f"- **{md_escape(str(e.get('spec')))}**: {eq}/{len(rows)} runs equal their oracle "
+                     f"({md_escape(str(e.get('oracle', 'oracle')))}); {tok}/{len(rows)} with the oracle's tokens{apart}.")
     return "\n".join(lines)
 
 

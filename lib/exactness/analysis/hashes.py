@@ -27,7 +27,8 @@ from ..config import get_preset
 from ..kernels import get_set
 from ..receipt.params import HashesParams, check_offload_paths, offload_modes  # noqa: F401  (offload_modes: its API)
 from ..paths import PATHS, RunResult, Schedule, generate
-from ..prompts import build_prompt, build_prompts, prompt_record
+from ..prompt_files import build_prompts, prompt_record
+from ..prompts import build_prompt
 from ..weights import quantize_weights, synthetic_weights, weights_format
 from .hashes_md import render_md  # noqa: F401  (the section's markdown)
 from .hashes_report import (INTRO, control_groups, control_table, curve_groups, hash_matrix,  # noqa: F401

@@ -43,7 +43,7 @@ from ..mtp import generate_drafted, resolve_mtp
 from ..paths import Schedule, generate
 from ..progress import bar as progress_bar
 from ..prompt_cache import PromptCache, generate_cached
-from ..prompts import build_prompts, prompt_record
+from ..prompt_files import build_prompts, prompt_record
 from ..weights import sharing_synthetic_weights
 from .hashes import load_model
 from .streams_report import (INTRO, concurrent_table, drafted_table, packed_table,  # noqa: F401  (its views)

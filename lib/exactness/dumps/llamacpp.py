@@ -317,10 +317,12 @@ def dump_llamacpp(folder, gguf, prompt_ids, n_ubatch: int = 512, layers=None, po
         FileExistsError: ``folder`` is not empty; DumpError: a node the writer cannot read; RuntimeError: a
         failed llama_decode.
     """
-    from ..engines.llamacpp import _llama_cpp
     ids = [int(i) for i in (prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids)]
     _check_args(gguf, ids, n_ubatch, layers, positions, kv_type, n_ctx, gen_tokens)
-    lc = _llama_cpp()
+    try:
+        import llama_cpp as lc
+    except ImportError as e:
+        raise ImportError("llama.cpp dumps need llama-cpp-python: pip install llama-cpp-python") from e
     meta = {"gguf": str(gguf), "n_ubatch": n_ubatch, "decode": "one token per llama_decode", "n_ctx": n_ctx,
             "n_threads": n_threads, "kv_type": kv_type, "flash_attn": False, "prompt_tokens": len(ids),
             "gen_tokens": gen_tokens, "layers": layers, "positions": list(positions) if positions else None,

@@ -9,7 +9,8 @@ An engine is named by a spec string: ``KIND:TARGET`` or the path of a YAML engin
     my-engine.yaml                     {kind: ..., target: ..., configurations: [...], oracle: ..., ...}
 
 A YAML engine file holds the kind, its target and the adapter's options (each adapter documents its own: e.g. the
-configurations to run, launch commands of servers, the oracle's name). ``parse_spec`` checks a spec's form and
+configurations to run, launch commands of servers, the oracle's name). Relative paths in it are the file's: a
+relative target is taken from the file's folder, and launch commands run there. ``parse_spec`` checks a spec's form and
 ``probe`` what it names (a model file's header, a server's answer), both before anything runs.
 """
 from __future__ import annotations
@@ -48,6 +49,12 @@ def parse_spec(spec: str) -> tuple[str, str, dict]:
         if not isinstance(options, dict) or "kind" not in options:
             raise ValueError(f"engine file {spec!r} must be a mapping with a 'kind' ({', '.join(ENGINE_KINDS)})")
         kind, target = options.pop("kind"), str(options.pop("target", ""))
+        # paths in an engine file are the file's: a model target, and the folder its launch commands run in
+        folder = path.resolve().parent
+        if target and kind != "openai" and not Path(target).is_absolute():
+            target = str(folder / target)
+        if kind == "openai":
+            options.setdefault("cwd", str(folder))
     else:
         kind, _, target = spec.partition(":")
         options = {}

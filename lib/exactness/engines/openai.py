@@ -13,6 +13,8 @@ Spec: ``openai:http://127.0.0.1:8000/v1``, or a YAML engine file with these opti
     model            the served model name (default: the first one each server's /v1/models lists)
     timeout_s        seconds allowed for connecting and between two reads of a reply (default 60)
     launch_timeout_s seconds a launched server has to answer /v1/models (default 120)
+    cwd              the folder launch commands run in (default: the engine file's own folder, so relative paths
+                     in a launch command are the file's; the caller's folder for an ``openai:URL`` spec)
     token_ids        send prompts as token ids (default true); false sends the text the server's /detokenize gives
                      (exact only where the tokenizer round-trips the ids: ``generate`` cannot tell)
     top_logprobs     top-N log-probabilities asked per generated token (default 5; 0 asks none)
@@ -54,12 +56,10 @@ in ``info``). ``concurrent`` sends N requests at once from N threads.
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from ..exact import token_hash
 from .base import Chat, Configuration, EngineError, Generation, NotAvailable, check_config
 from .openai_checks import parse_echo, parse_vllm, refused_knob
 from .openai_http import Endpoint, launch, models, stop
@@ -171,7 +171,8 @@ class OpenAIEngine:
 
     def configurations(self) -> list[Configuration]:
         """One configuration per server, as given, with the knobs sent and the formats used."""
-        return [Configuration(n, {**e.settings, "base_url": e.base_url, "api": e.api,
+        # a launched server's URL holds a free port of the moment: its launch command names it, not the URL
+        return [Configuration(n, {**e.settings, "base_url": "launched" if e.launch else e.base_url, "api": e.api,
                                   "prompt_logprobs": e.plp + (f" ({e.plp_why})" if e.plp_why else "")})
                 for n, e in self.endpoints.items()]
 
@@ -378,36 +379,3 @@ def probe_urls(target: str, options: dict) -> list[str]:
     for e in probed:
         eng.probe_endpoint(e)
     return [e.name for e in probed]
-
-
-# ---------------------------------------------------------------------------------------------------------- bench
-
-def bench(engine: OpenAIEngine, prompt_ids: list[int], gen_tokens: int, config: str) -> dict:
-    """The bench section's measures (analysis/bench.py defines them) of one prompt on one configuration.
-
-    cold is the first request of this call and warm the identical repeat (a server's own prompt cache, if any, may
-    serve warm); streams 1 and 2 are that request sent alone and twice at once: aggregate tok/s = generated tokens
-    of all streams / wall seconds of the whole call, and whether every stream's tokens equal warm's.
-
-    Returns:
-        {"cold": metrics, "warm": metrics, "streams": [{streams, wall_s, aggregate_tps, equal_to_alone}, ...]} with
-        metrics as analysis.bench_runner.timing_metrics (ttft_s, prefill_tps, decode_tps, itl_mean_ms, itl_p50_ms,
-        itl_p95_ms, generated); seconds and tokens per second.
-    Raises:
-        EngineError, ValueError: as OpenAIEngine.generate.
-    """
-    from ..analysis.bench_runner import timing_metrics
-
-    P = len(prompt_ids)
-    runs = {k: engine.generate(prompt_ids, gen_tokens, config) for k in ("cold", "warm")}
-    out = {k: timing_metrics(P, g.ttft_s, g.token_times or []) for k, g in runs.items()}
-    ref = token_hash(runs["warm"].gen_ids)
-    out["streams"] = []
-    for n in (1, 2):
-        t0 = time.perf_counter()
-        gens = engine.concurrent([list(prompt_ids)] * n, gen_tokens, config)
-        wall = time.perf_counter() - t0
-        out["streams"].append({"streams": n, "wall_s": wall,
-                               "aggregate_tps": sum(int(g.gen_ids.numel()) for g in gens) / wall,
-                               "equal_to_alone": all(token_hash(g.gen_ids) == ref for g in gens)})
-    return out

@@ -37,6 +37,7 @@ class Endpoint:
     sampling: dict = field(default_factory=dict)
     plp: str = "off"                   # prompt logprobs: auto | vllm | echo | off (auto resolved at first use)
     plp_why: str | None = None         # why auto resolved to off
+    cwd: str | None = None             # the folder a launch command runs in (None: the caller's)
 
     def where(self) -> str:
         return f"openai engine, configuration {self.name!r} at {self.base_url or '(not started)'}"
@@ -101,7 +102,7 @@ def launch(ep: Endpoint, timeout_s: float) -> None:
     ep.base_url = f"http://127.0.0.1:{port}/v1"
     ep.log = tempfile.NamedTemporaryFile("w+", prefix=f"openai-{ep.name}-", suffix=".log", delete=False)
     try:
-        ep.proc = subprocess.Popen(shlex.split(launch_line(ep.launch, port)), stdout=ep.log,
+        ep.proc = subprocess.Popen(shlex.split(launch_line(ep.launch, port)), stdout=ep.log, cwd=ep.cwd,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     except (OSError, ValueError, KeyError, IndexError) as e:
         raise EngineError(f"{ep.where()}: cannot start {ep.launch!r}: {e}") from None

@@ -2,12 +2,14 @@
 api and sampling knobs, and the checks of each value (ValueError naming the value and what is allowed)."""
 from __future__ import annotations
 
+import os
+
 from .base import Configuration
 from .openai_checks import sampling_knobs
 from .openai_http import Endpoint, launch_line
 
 OPTIONS = ("configurations", "oracle", "model", "timeout_s", "launch_timeout_s", "token_ids", "top_logprobs",
-           "sampling", "api", "prompt_logprobs", "stream")
+           "sampling", "api", "prompt_logprobs", "stream", "cwd")
 APIS = ("completions", "chat", "auto")
 PLP_MODES = ("auto", "vllm", "echo", "off")
 PROBE_S = 10.0
@@ -47,11 +49,20 @@ def endpoints(target: str, options: dict) -> list[Endpoint]:
         knobs = sampling_knobs(options.get("sampling"), c.get("sampling"))
         settings = {**core, "sampling": knobs, **({"api": c["api"]} if "api" in c else {})}
         out.append(Endpoint(c["name"], base_url=c.get("base_url", "").rstrip("/"), launch=c.get("launch", ""),
-                            settings=settings, api=choice(c, "api", APIS, api), sampling=knobs))
+                            settings=settings, api=choice(c, "api", APIS, api), sampling=knobs,
+                            cwd=_cwd(options) if "launch" in c else None))
     names = [e.name for e in out]
     if len(set(names)) != len(names):
         raise ValueError(f"openai engine: configuration names must be unique, got {names}")
     return out
+
+
+def _cwd(options: dict) -> str | None:
+    """The folder launch commands run in: the ``cwd`` option (an engine file's own folder), else the caller's."""
+    cwd = options.get("cwd")
+    if cwd is not None and not (isinstance(cwd, str) and os.path.isdir(cwd)):
+        raise ValueError(f"openai engine: cwd must be an existing folder, got {cwd!r}")
+    return cwd
 
 
 def _check_launch(name: str, command: str) -> None:

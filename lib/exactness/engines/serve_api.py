@@ -172,6 +172,15 @@ def _token_bytes(m, i: int) -> list[int]:
     return list(text(m, [i]).encode("utf-8"))
 
 
+def _keyed(name, top: list) -> dict:
+    """[(id, logprob)] best first -> {name(id): logprob}; where names collide (token texts: every lone byte of a
+    multi-byte character is U+FFFD) the best logprob keeps the key."""
+    out = {}
+    for i, v in top:
+        out.setdefault(name(i), v)
+    return out
+
+
 def legacy_logprobs(m, job: Job, steps: list[Step], rows: PromptRows | None, offset: int = 0) -> dict | None:
     """The completions ``logprobs`` object: with echo the prompt tokens first, then ``steps``' tokens."""
     if job.logprobs is None:
@@ -182,7 +191,7 @@ def legacy_logprobs(m, job: Job, steps: list[Step], rows: PromptRows | None, off
     def add(tok, lp, top):
         out["tokens"].append(name(tok))
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append(None if top is None else {name(i): v for i, v in top[:N]})
+        out["top_logprobs"].append(None if top is None else _keyed(name, top[:N]))
         out["text_offset"].append(offset)
         return offset + len(text(m, [tok]))
     if job.echo and rows is not None:

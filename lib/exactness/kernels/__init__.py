@@ -11,7 +11,7 @@ from . import registry
 from .registry import (KERNEL_CLASS_RECORDS, KERNEL_CLASSES, KERNEL_SETS, KERNELS, KernelClass, KernelSet,  # noqa: F401
                        KernelSpec, class_record, register_class, register_set)
 from . import sets  # noqa: F401  (registers the built-in sets)
-from .imported import import_set, provenance, set_names, validate_set  # noqa: F401
+from .imported import import_set, provenance, set_names  # noqa: F401
 
 
 def get_set(name: str | KernelSet) -> KernelSet:

@@ -2,7 +2,7 @@
 
 ATTR is a KernelSet or a function of no arguments returning one. :func:`import_set` imports it once per process,
 labels its kernels with the set's name (a set built with ``dataclasses.replace`` from ``invariant`` keeps names
-such as ``invariant.dense.prompt``: they become ``<set>.dense.prompt``), validates it (:func:`validate_set`) and
+such as ``invariant.dense.prompt``: they become ``<set>.dense.prompt``), checks its tables (:func:`check_tables`) and
 adds it to KERNEL_SETS under its own name, so every section and row names it by that one name. :func:`provenance`
 records where it came from (module file, SHA-256, package version) for the receipt.
 
@@ -17,13 +17,14 @@ import importlib.metadata
 import sys
 from pathlib import Path
 
-from .registry import KERNEL_CLASS_RECORDS, KERNEL_CLASSES, KERNEL_SETS, KERNELS, KernelSet, KernelSpec, resolve
+from .registry import KERNEL_CLASSES, KERNEL_SETS, KERNELS, KernelSet, KernelSpec
 
 _IMPORTED: dict[str, KernelSet] = {}   # reference -> its set, resolved once (a function is called once)
 _REFS: dict[str, str] = {}             # set name -> the reference it was imported from
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
+    """``TypeName: message`` on one line, at most about 200 characters of the message."""
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:200] + ' ...' if len(text) > 200 else text}"
 
@@ -35,7 +36,7 @@ def _load(ref: str) -> KernelSet:
     try:
         mod = importlib.import_module(module)
     except Exception as e:  # noqa: BLE001  (any failure of the user's module is one line, not a traceback)
-        raise ValueError(f"kernel set reference {ref!r}: cannot import module {module!r} ({_one_line(e)})") from None
+        raise ValueError(f"kernel set reference {ref!r}: cannot import module {module!r} ({one_line(e)})") from None
     if not hasattr(mod, attr):
         raise ValueError(f"kernel set reference {ref!r}: module {module!r} has no attribute {attr!r}")
     obj = getattr(mod, attr)
@@ -43,7 +44,7 @@ def _load(ref: str) -> KernelSet:
         try:
             obj = obj()
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"kernel set reference {ref!r}: its function raised ({_one_line(e)})") from None
+            raise ValueError(f"kernel set reference {ref!r}: its function raised ({one_line(e)})") from None
     if not isinstance(obj, KernelSet):
         raise ValueError(f"kernel set reference {ref!r} gives a {type(obj).__name__}, not a KernelSet (allowed: a "
                          "KernelSet, or a function of no arguments returning one)")
@@ -60,40 +61,7 @@ def relabel(ks: KernelSet) -> KernelSet:
     return dataclasses.replace(ks, decode=dec, prompt=pro)
 
 
-def _default_device() -> str:
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def validate_set(ks: KernelSet, device: str | None = None, where: str = "") -> None:
-    """Call every kernel of ``ks`` once on tiny inputs of its class's shapes (the contract's random builders, preset
-    ``tiny``, bfloat16, two rows) on ``device`` (None: CUDA when present, else CPU).
-
-    Raises:
-        ValueError: one line naming the set (and ``where``, its reference), the class and role, and the reason: a
-            class without a decode or prompt kernel, a kernel that is not callable or whose call raises (a wrong
-            signature included).
-    """
-    import torch
-
-    from ..analysis.contract.cases import make_pool   # imported here: kernels/ does not import analysis/ at load
-    _check_tables(ks, where)
-    dev = device or _default_device()
-    for cls in KERNEL_CLASSES:
-        if resolve(KERNEL_CLASS_RECORDS[cls].contract_inputs) is None:
-            continue
-        pool = make_pool(cls, "random", torch.bfloat16, dev)
-        kw = {"expert_id": 0} if ks.options.get("expert_id_aware") and cls.startswith("expert_") else {}
-        for role in ("decode", "prompt"):
-            try:
-                ks.fn(cls, role)(*pool.args(torch.arange(2, device=dev)), **kw)
-            except Exception as e:  # noqa: BLE001  (the reason, in one line)
-                raise ValueError(f"kernel set {ks.name!r}" + (f" ({where})" if where else "") + f", class {cls!r}, "
-                                 f"{role} kernel fails on tiny inputs (preset tiny, 2 rows, {dev}): {_one_line(e)}"
-                                 ) from None
-
-
-def _check_tables(ks: KernelSet, where: str) -> None:
+def check_tables(ks: KernelSet, where: str) -> None:
     """Every class has a decode and a prompt KernelSpec with a callable fn; one ValueError line otherwise."""
     name = f"kernel set {ks.name!r}" + (f" ({where})" if where else "")
     for role, table in (("decode", ks.decode), ("prompt", ks.prompt)):
@@ -109,9 +77,11 @@ def _check_tables(ks: KernelSet, where: str) -> None:
                                  f"fn (known classes: {', '.join(KERNEL_CLASSES)})")
 
 
-def import_set(ref: str, device: str | None = None) -> KernelSet:
-    """The kernel set named by ``ref`` = ``"package.module:ATTR"``, imported, relabelled and validated once
-    (:func:`validate_set` on ``device``) and added to KERNEL_SETS under its own name.
+def import_set(ref: str) -> KernelSet:
+    """The kernel set named by ``ref`` = ``"package.module:ATTR"``, imported, relabelled and checked once (every
+    class has a decode and a prompt KernelSpec: :func:`check_tables`) and added to KERNEL_SETS under its own name.
+    Calling each kernel on tiny inputs is analysis.contract.validate.validate_set (the contract's input builders),
+    which a run's parameter check does.
 
     Raises:
         ValueError: one line naming ``ref``: not of that form, the module cannot be imported (or raises), no ATTR,
@@ -124,9 +94,8 @@ def import_set(ref: str, device: str | None = None) -> KernelSet:
     if KERNEL_SETS.get(ks.name, ks) is not ks and _REFS.get(ks.name) != ref:
         raise ValueError(f"kernel set reference {ref!r} gives a set named {ks.name!r}, a name another registered "
                          "set has")
-    _check_tables(ks, ref)   # before relabelling, which needs KernelSpecs
+    check_tables(ks, ref)   # before relabelling, which needs KernelSpecs
     ks = relabel(ks)
-    validate_set(ks, device, ref)
     KERNEL_SETS[ks.name] = ks
     _IMPORTED[ref], _REFS[ks.name] = ks, ref
     return ks

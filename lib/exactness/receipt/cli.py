@@ -135,11 +135,11 @@ def analysis_command(section: Section) -> Subcommand:
 
 def _failed(obj: dict, name: str) -> int:
     """1 when the section judged its own run failed (runner.section_failures, one stderr line each), else 0."""
-    from .runner import section_failures
+    from .runner import head_and_tail, section_failures
 
     fails = section_failures({name: obj})
     for f in fails:
-        print(f"[{name}] failed: {' '.join(str(f['evalue']).split())[:300]}", file=sys.stderr)
+        print(f"[{name}] failed: {head_and_tail(str(f['evalue']))}", file=sys.stderr)
     return 1 if fails else 0
 
 

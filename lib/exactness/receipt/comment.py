@@ -1,9 +1,9 @@
 """The pull-request comment (``python -m exactness comment BASE PR [--out FILE]``, ``make comment BASE=... PR=...``).
 
 One markdown text under GitHub's comment limit (render.MD_LIMIT): PR's status and commit, its summary (one verdict
-line per kernel set), its errors when it failed, then what moved against BASE as ``exactness diff`` computes it
-(diff.diff_receipts, diff_md.render: cut with a note when long, diff.json holding every row). BASE and PR are
-receipt folders or receipt.json files. Exit status: 0 written, 2 bad input (a message on stderr, nothing written).
+line per kernel set, and per engine for an engines run), its errors when it failed, then what moved against BASE as
+``exactness diff`` computes it (diff.diff_receipts, diff_md.render: cut with a note when long, diff.json holding every
+row). BASE and PR are receipt folders or receipt.json files. Exit status: 0 written, 2 bad input (a message on stderr, nothing written).
 """
 from __future__ import annotations
 
@@ -33,8 +33,11 @@ def summary_md(pr: dict, pr_name: str) -> str:
              f"Receipt `{pr_name}` at {git_text(git)}; its receipt.md and receipt.html hold every section.", ""]
     if failed:
         parts += ["**This run FAILED: the receipt is incomplete.**", ""]
-    summary = render_summary(pr)
-    parts += [summary if summary else "_No kernel-set summary: the run holds none of the summarized sections._"]
+    summary, engines = render_summary(pr), (pr.get("sections") or {}).get("engines")
+    if isinstance(engines, dict) and engines.get("engines"):
+        from ..analysis.engines_md import verdict_md   # the engines section's own verdict lines
+        summary = "\n\n".join(x for x in (summary, verdict_md(engines)) if x)
+    parts += [summary if summary else "_No summary: the run holds none of the summarized sections._"]
     if failed:
         parts += ["", render_errors(pr.get("errors") or [])]
     return "\n".join(parts)

@@ -20,12 +20,16 @@ def _git(args: list[str], cwd: Path) -> str:
                           timeout=30).stdout.strip()
 
 
+CODE_PATHS = ("lib", "notebooks", "scripts", "benchmarks", "tests", "Makefile", "pyproject.toml")
+
+
 def git_state(path: Path | str = REPO_ROOT) -> dict:
     """Git state of the repository containing ``path``.
 
     Returns:
         ``{"sha": str|None, "short": str|None, "dirty": bool|None, "error": str (only when unknown)}``; ``dirty``
-        counts modified, staged and untracked (not ignored) files. Never raises: no git, no repo or no commit
+        counts modified and staged files, and untracked (not ignored) ones under CODE_PATHS: a user's prompt or
+        engine file beside the code is no change of it. Never raises: no git, no repo or no commit
         yet give ``None`` values and an ``error`` message. Where the tree was copied with a stale ``.git`` or none
         (e.g. a working tree sent to a GPU machine with an older checkout's ``.git``), the caller states the commit
         in ``EXACTNESS_GIT_SHA`` (40 hex digits) and ``EXACTNESS_GIT_DIRTY`` (``0``/``1``); the record then
@@ -33,7 +37,8 @@ def git_state(path: Path | str = REPO_ROOT) -> dict:
     """
     try:
         sha = _git(["rev-parse", "HEAD"], Path(path))
-        dirty = bool(_git(["status", "--porcelain"], Path(path)))
+        dirty = bool(_git(["status", "--porcelain", "--untracked-files=no"], Path(path))
+                     or _git(["status", "--porcelain", "--", *CODE_PATHS], Path(path)))
         said = {"sha": sha, "short": sha[:7], "dirty": dirty}
     except (OSError, subprocess.SubprocessError) as e:
         msg = getattr(e, "stderr", None) or str(e)

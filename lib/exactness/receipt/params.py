@@ -13,6 +13,7 @@ module import it when they run, so that importing this module stays cheap.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -70,6 +71,7 @@ def check_common(values: dict) -> None:
         bad("device", "cpu, cuda, cuda:N")
     if values.get("prompts") is not None:
         _check_prompts(values, PROMPTS, bad)
+    _absolute_engines(values)
     _check_kernel_sets(values, KERNEL_SETS, bad)
     if values.get("steps") is not None and (not isinstance(values["steps"], (list, tuple)) or not values["steps"]
                                             or not all(_positive_int(v) for v in values["steps"])):
@@ -83,6 +85,24 @@ def check_common(values: dict) -> None:
         bad("weights", ", ".join(WEIGHT_FORMATS))
     if values.get("kv_dtype") is not None and values["kv_dtype"] not in KV_DTYPES:
         bad("kv_dtype", ", ".join(KV_DTYPES))
+
+
+def _absolute_engines(values: dict) -> None:
+    """Engine specs with a relative path (a YAML engine file, a model folder or GGUF target) made absolute in
+    ``values``, from the caller's folder (notebooks run in their own folder)."""
+    specs = values.get("engine")
+    if not isinstance(specs, (list, tuple)):
+        return
+    out = []
+    for spec in specs:
+        kind, sep, target = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+        if isinstance(spec, str) and spec.endswith((".yaml", ".yml")) and os.path.isfile(spec):
+            spec = os.path.abspath(spec)
+        elif sep and kind in ("reference", "transformers", "llamacpp") and target and os.path.exists(target):
+            spec = f"{kind}:{os.path.abspath(target)}"
+        out.append(spec)
+    if out != list(specs):
+        values["engine"] = out
 
 
 def _check_prompts(values: dict, known, bad) -> None:
@@ -112,11 +132,12 @@ def _check_kernel_sets(values: dict, known, bad) -> None:
                "or a function returning one")
     if not isinstance(sets, (list, tuple)) or not sets or not all(isinstance(v, str) for v in sets):
         bad("kernel_sets", allowed)
+    from ..analysis.contract.validate import validate_set
     from ..kernels import import_set, set_names
     device = "cpu" if values.get("device") == "cpu" else None   # validated where the run computes (None: CUDA if any)
     for v in (v for v in sets if ":" in v):
         try:
-            import_set(v, device)
+            validate_set(import_set(v), device, v)
         except ValueError as e:
             raise ParamError(f"parameter kernel_sets: {v!r} is not allowed: {e}") from None
     if any(v not in known and ":" not in v for v in sets):
@@ -444,6 +465,21 @@ class DumpsParams(Common):
         _bool("dumps_fp64", self.dumps_fp64)
 
 
+ENGINE_DUMPS_MODES = ("off", "on-differ", "always")   # engine_dumps, or a folder (analysis/engines_dumps.py)
+
+
+def _check_engine_dumps(value) -> None:
+    """Refuse ``engine_dumps`` unless it is one of ENGINE_DUMPS_MODES or a folder: an existing one, or a path with a
+    ``/`` that is not a file (so that a misspelt mode is not taken for a folder)."""
+    from pathlib import Path
+
+    folder = isinstance(value, str) and value not in ENGINE_DUMPS_MODES and value != "" and (
+        Path(value).is_dir() or ("/" in value and not Path(value).is_file()))
+    if not isinstance(value, str) or not (value in ENGINE_DUMPS_MODES or folder):
+        raise ParamError(f"engine_dumps={value!r} is not allowed; allowed: {', '.join(ENGINE_DUMPS_MODES)}, or a "
+                         "folder (a path with '/': on-differ, writing there)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EnginesParams(Common):
     """Engines under test (analysis/engines.py documents each parameter). ``engine`` lists engine specs
@@ -485,11 +521,7 @@ class EnginesParams(Common):
             _at_least("engine_max_tokens", self.engine_max_tokens)
         _bool("engine_streams", self.engine_streams)
         _bool("engine_bench", self.engine_bench)
-        try:   # off | on-differ | always | a folder (analysis/engines_dumps.py)
-            from ..analysis.engines_dumps import check_mode
-            check_mode(self.engine_dumps)
-        except ValueError as e:
-            raise ParamError(str(e)) from None
+        _check_engine_dumps(self.engine_dumps)
         if not isinstance(self.engine_cold_lengths, (list, tuple)):
             raise ParamError(f"engine_cold_lengths must be a list of ints (tokens), got {self.engine_cold_lengths!r}")
         for n in self.engine_cold_lengths:

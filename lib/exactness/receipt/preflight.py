@@ -63,8 +63,7 @@ def check_lengths(params: dict, cfg: ModelConfig, tokenizer, model: str, section
     Raises:
         PreflightError: naming the prompt or length, the token counts, the limit and what would fit.
     """
-    from ..prompt_files import PromptFileError, check_vocab, resolve
-    from ..prompts import build_source
+    from ..prompt_files import PromptFileError, build_source, check_vocab, resolve
 
     limit = cfg.max_positions
     sources = resolve(params["prompts"]) if params.get("prompts") else []   # well formed: checked with the others

@@ -359,11 +359,17 @@ def section_failures(sections: dict) -> list[dict]:
     return out
 
 
+def head_and_tail(text: str, n: int = 300) -> str:
+    """``text`` on one line, at most about ``n`` characters: its start and its end (where a server's log puts the
+    error) joined by `` ... ``."""
+    why = " ".join(text.split())
+    return why if len(why) <= n else f"{why[:n // 2]} ... {why[-(n // 2):]}"
+
+
 def _console_line(e: dict) -> str:
     """One console line for a receipt error: the section's failure as it is, or the notebook's error."""
     if e.get("section"):
-        why = " ".join(str(e.get("evalue")).split())
-        return f"[receipt] failed: {why[:300] + ' ...' if len(why) > 300 else why}"
+        return f"[receipt] failed: {head_and_tail(str(e.get('evalue')))}"
     return f"[receipt] error in {e.get('notebook')}: {e.get('ename')}: {e.get('evalue')}"
 
 

@@ -80,15 +80,18 @@ def cell_text(v, fmt: str | Callable | None = None, words: tuple[str, str] = ("y
 
 
 _ENTITY = re.compile(r"&(?=#\d+;|#[xX][0-9a-fA-F]+;|[A-Za-z][A-Za-z0-9]*;)")
+_EDGE_UNDERSCORE = re.compile(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")   # may open or close emphasis
 
 
 def md_escape(text: str) -> str:
     """``text`` (the user's: a prompt name or text, a file path) shown as text in markdown, in a table cell or a
     line, in receipt.md and in receipt.html (nbconvert renders markdown outputs): newlines flattened; backslashes,
-    backticks, pipes and the ``](`` of a link backslash-escaped; ``<``, ``>`` and an entity-like ``&`` as HTML
-    entities, so that no tag, link or code span is made from it and a table keeps its columns."""
+    backticks, pipes, asterisks, an underscore at a word's edge and the ``](`` of a link backslash-escaped; ``<``,
+    ``>`` and an entity-like ``&`` as HTML entities, so that no tag, link, emphasis or code span is made from it and a
+    table keeps its columns."""
     s = text.replace("\r\n", " ").replace("\r", " ").replace("\n", " ").replace("\\", "\\\\")
-    s = s.replace("`", "\\`").replace("|", "\\|").replace("](", "\\](")
+    s = s.replace("`", "\\`").replace("|", "\\|").replace("](", "\\](").replace("*", "\\*")
+    s = _EDGE_UNDERSCORE.sub(r"\\_", s)
     return _ENTITY.sub("&amp;", s).replace("<", "&lt;").replace(">", "&gt;")
 
 

@@ -47,7 +47,7 @@ from ...model import tapping
 from ...receipt.params import Fp64Params
 from ...paths import PATHS, Schedule, generate
 from ...progress import bar as progress_bar
-from ...prompts import build_prompts, prompt_record
+from ...prompt_files import build_prompts, prompt_record
 from ...weights import synthetic_weights
 from . import synth
 from .cert import certify

@@ -1,0 +1,41 @@
+"""A kernel set called once per kernel on tiny inputs before a run uses it: every class's decode and prompt kernel
+on the contract's random row builders (cases.make_pool, preset ``tiny``, bfloat16, two rows), so a wrong signature or
+a kernel that raises is one line naming the set, class and role, not a traceback at the first forward."""
+from __future__ import annotations
+
+import torch
+
+from ...kernels import KERNEL_CLASSES, KernelSet
+from ...kernels.imported import check_tables, one_line
+from ...kernels.registry import KERNEL_CLASS_RECORDS, resolve
+from .cases import make_pool
+
+_VALIDATED: set[tuple[str, str]] = set()   # (set name, device) already called on tiny inputs in this process
+
+
+def validate_set(ks: KernelSet, device: str | None = None, where: str = "") -> None:
+    """Call every kernel of ``ks`` once on tiny inputs of its class's shapes on ``device`` (None: CUDA when present,
+    else CPU); once per set and device in a process.
+
+    Raises:
+        ValueError: one line naming the set (and ``where``, its reference), the class and role, and the reason: a
+            class without a decode or prompt kernel, a kernel that is not callable or whose call raises (a wrong
+            signature included).
+    """
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if (ks.name, dev) in _VALIDATED:
+        return
+    check_tables(ks, where)
+    for cls in KERNEL_CLASSES:
+        if resolve(KERNEL_CLASS_RECORDS[cls].contract_inputs) is None:
+            continue
+        pool = make_pool(cls, "random", torch.bfloat16, dev)
+        kw = {"expert_id": 0} if ks.options.get("expert_id_aware") and cls.startswith("expert_") else {}
+        for role in ("decode", "prompt"):
+            try:
+                ks.fn(cls, role)(*pool.args(torch.arange(2, device=dev)), **kw)
+            except Exception as e:  # noqa: BLE001  (the reason, in one line)
+                raise ValueError(f"kernel set {ks.name!r}" + (f" ({where})" if where else "") + f", class {cls!r}, "
+                                 f"{role} kernel fails on tiny inputs (preset tiny, 2 rows, {dev}): {one_line(e)}"
+                                 ) from None
+    _VALIDATED.add((ks.name, dev))
