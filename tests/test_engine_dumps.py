@@ -12,7 +12,8 @@ import torch
 
 from exactness.analysis import engines as E
 from exactness.analysis import engines_dumps as ED
-from exactness.receipt.params import EnginesParams, ParamError
+from exactness.receipt.params import ParamError
+from exactness.receipt.params_engines import EnginesParams
 
 P = 12
 

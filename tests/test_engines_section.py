@@ -12,7 +12,8 @@ from exactness.analysis import engines as E
 from exactness.engines import open_engine, parse_spec
 from exactness.engines.base import EngineError, Generation, NotAvailable
 from exactness.engines.reference import ReferenceEngine
-from exactness.receipt.params import EnginesParams, ParamError
+from exactness.receipt.params import ParamError
+from exactness.receipt.params_engines import EnginesParams
 from exactness.weights import synthetic_weights
 from exactness.config import get_preset
 from faults import row0_rmsnorm_perturbed

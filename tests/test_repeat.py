@@ -23,7 +23,8 @@ from exactness.engines.base import Configuration, Generation, NotAvailable
 from exactness.engines.openai import OpenAIEngine
 from exactness.engines.reference import ReferenceEngine
 from exactness.paths import Schedule, generate
-from exactness.receipt.params import EnginesParams, ParamError
+from exactness.receipt.params import ParamError
+from exactness.receipt.params_engines import EnginesParams
 from exactness.weights import synthetic_weights
 from faults import row0_perturbed
 from http_servers import ThreadServer

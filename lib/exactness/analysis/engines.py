@@ -19,7 +19,7 @@ import torch
 from ..engines import open_engine, parse_spec
 from ..engines.base import Engine, EngineError, Generation, NotAvailable
 from ..exact import bytes_equal, differing_rows, first_differing_row, token_hash
-from ..receipt.params import EnginesParams
+from ..receipt.params_engines import EnginesParams
 from ..progress import bar as progress_bar
 from .engines_dumps import run_engine_dumps
 from .repeat import many_prompts, prompt_counts, run_repeat

@@ -20,7 +20,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from ..receipt.params import ENGINE_DUMPS_MODES as MODES
+from ..receipt.params_engines import ENGINE_DUMPS_MODES as MODES
 
 MAX_TOKENS = 256
 FIELDS = ("class", "site", "prompt_kernel", "call_rows", "row", "pos", "token", "output", "element", "ulp",

@@ -7,7 +7,7 @@ line, the receipt runner (both build it from the merged parameters) or a noteboo
 through :meth:`Common.from_dict`).
 
 The section table (sections.SECTIONS) names each section's class; the parameter names a section accepts anywhere
-are its class's fields. This module imports no analysis (the analyses import it); the checks that need a model
+are its class's fields. The engines section's class is in params_engines.py. This module imports no analysis (the analyses import it); the checks that need a model
 module import it when they run, so that importing this module stays cheap.
 """
 from __future__ import annotations
@@ -23,16 +23,16 @@ class ParamError(ValueError):
     """A parameter value that no section can run with."""
 
 
-def _positive_int(v) -> bool:
+def positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
-def _at_least(name: str, v, minimum: int = 1) -> None:
+def at_least(name: str, v, minimum: int = 1) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise ParamError(f"{name} must be an int >= {minimum}, got {v!r}")
 
 
-def _bool(name: str, v) -> None:
+def check_bool(name: str, v) -> None:
     if not isinstance(v, bool):
         raise ParamError(f"{name} must be true or false, got {v!r}")
 
@@ -74,12 +74,12 @@ def check_common(values: dict) -> None:
     _absolute_engines(values)
     _check_kernel_sets(values, KERNEL_SETS, bad)
     if values.get("steps") is not None and (not isinstance(values["steps"], (list, tuple)) or not values["steps"]
-                                            or not all(_positive_int(v) for v in values["steps"])):
+                                            or not all(positive_int(v) for v in values["steps"])):
         bad("steps", "a non-empty list of positive ints (tokens per prefill chunk)")
     for key in ("gen_tokens", "deep_threshold"):
-        if values.get(key) is not None and not _positive_int(values[key]):
+        if values.get(key) is not None and not positive_int(values[key]):
             bad(key, "a positive int")
-    if values.get("prompt_max_tokens") is not None and not _positive_int(values["prompt_max_tokens"]):
+    if values.get("prompt_max_tokens") is not None and not positive_int(values["prompt_max_tokens"]):
         bad("prompt_max_tokens", "null (the full prompt) or a positive int (tokens)")
     if values.get("weights") is not None and values["weights"] not in WEIGHT_FORMATS:
         bad("weights", ", ".join(WEIGHT_FORMATS))
@@ -253,16 +253,16 @@ class HashesParams(Common):
         if self.hash_offload_paths is not None:
             check_offload_paths(self.hash_offload_paths)
         cut = self.max_tokens
-        if cut is not None and not _positive_int(cut):
+        if cut is not None and not positive_int(cut):
             raise ParamError(f"hash_max_tokens / prompt_max_tokens must be a positive int or None, got {cut!r}")
-        _bool("hash_rerun", self.hash_rerun)
-        _bool("hash_fp32_control", self.hash_fp32_control)
-        _bool("hash_features", self.hash_features)
-        _bool("hash_graphs", self.hash_graphs)
+        check_bool("hash_rerun", self.hash_rerun)
+        check_bool("hash_fp32_control", self.hash_fp32_control)
+        check_bool("hash_features", self.hash_features)
+        check_bool("hash_graphs", self.hash_graphs)
         if not isinstance(self.hash_sweep_steps, (list, tuple)) or not all(
-                _positive_int(s) for s in self.hash_sweep_steps):
+                positive_int(s) for s in self.hash_sweep_steps):
             raise ParamError(f"hash_sweep_steps must be a list of positive ints (tokens), got {self.hash_sweep_steps!r}")
-        _at_least("hash_sweep_tokens", self.hash_sweep_tokens, 2)
+        at_least("hash_sweep_tokens", self.hash_sweep_tokens, 2)
         from ..prompts import PROMPTS
         if self.hash_sweep_prompt not in PROMPTS:
             raise ParamError(f"hash_sweep_prompt {self.hash_sweep_prompt!r} is not a prompt; allowed: "
@@ -305,7 +305,7 @@ class ContractParams(Common):
         g = self.contract_router_groups
         if g is None:
             return
-        if not isinstance(g, (list, tuple)) or len(g) != 2 or not all(_positive_int(v) for v in g):
+        if not isinstance(g, (list, tuple)) or len(g) != 2 or not all(positive_int(v) for v in g):
             raise ParamError(f"contract_router_groups={g!r} is not allowed; allowed: null (the preset's routing) "
                              "or [n_groups, topk_groups], two positive ints")
         from ..config import get_preset
@@ -417,16 +417,16 @@ class BenchParams(Common):
         if self.bench_path not in PATHS:
             raise ParamError(f"bench_path {self.bench_path!r} is not a path; allowed: {', '.join(PATHS)}")
         if self.bench_step is not None:
-            _at_least("bench_step", self.bench_step)
+            at_least("bench_step", self.bench_step)
         for name in ("bench_reps", "bench_itl_reps", "gen_tokens"):
-            _at_least(name, getattr(self, name))
-        _bool("offload", self.offload)
+            at_least(name, getattr(self, name))
+        check_bool("offload", self.offload)
         _offload_weights("offload", self.offload, self.weights)
         if not isinstance(self.bench_cold_lengths, (list, tuple)):
             raise ParamError(f"bench_cold_lengths must be a list of ints (tokens), got {self.bench_cold_lengths!r}")
         for n in self.bench_cold_lengths:
-            _at_least("every bench_cold_lengths entry", n, 2)
-        _bool("bench_graphs", self.bench_graphs)
+            at_least("every bench_cold_lengths entry", n, 2)
+        check_bool("bench_graphs", self.bench_graphs)
 
     def check_lengths(self, max_positions: int, model: str = "the model") -> None:
         """Refuse a cold length whose prompt and reply pass ``max_positions`` (``model`` names it in the message).
@@ -462,126 +462,7 @@ class DumpsParams(Common):
                                                                                          "manifest.json"))):
             raise ParamError(f"dumps={self.dumps!r} is not a dump set; allowed: a folder holding manifest.json "
                              "(docs/dumps.md)")
-        _bool("dumps_fp64", self.dumps_fp64)
-
-
-ENGINE_DUMPS_MODES = ("off", "on-differ", "always")   # engine_dumps, or a folder (analysis/engines_dumps.py)
-
-
-def _check_engine_dumps(value) -> None:
-    """Refuse ``engine_dumps`` unless it is one of ENGINE_DUMPS_MODES or a folder: an existing one, or a path with a
-    ``/`` that is not a file (so that a misspelt mode is not taken for a folder)."""
-    from pathlib import Path
-
-    folder = isinstance(value, str) and value not in ENGINE_DUMPS_MODES and value != "" and (
-        Path(value).is_dir() or ("/" in value and not Path(value).is_file()))
-    if not isinstance(value, str) or not (value in ENGINE_DUMPS_MODES or folder):
-        raise ParamError(f"engine_dumps={value!r} is not allowed; allowed: {', '.join(ENGINE_DUMPS_MODES)}, or a "
-                         "folder (a path with '/': on-differ, writing there)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class EnginesParams(Common):
-    """Engines under test (analysis/engines.py documents each parameter). ``engine`` lists engine specs
-    (engines/__init__.py: ``reference``, ``transformers:/path``, ``openai:URL``, ``llamacpp:/path.gguf`` or a YAML
-    engine file); the steps are each adapter's chunk sizes."""
-
-    SECTION: ClassVar[str] = "engines"
-    NEEDS: ClassVar[tuple[str, ...]] = ("device", "dtype", "prompts", "steps", "gen_tokens")
-
-    engine: list[str] = field(default_factory=lambda: ["reference"])
-    engine_max_tokens: int | None = None
-    engine_streams: bool = True
-    engine_bench: bool = False
-    engine_cold_lengths: list[int] = field(default_factory=lambda: [256, 1024])
-    engine_repeat: int = 0
-    engine_repeat_concurrency: list[int] = field(default_factory=lambda: [1, 8])
-    engine_repeat_prompt: str | None = None
-    engine_repeat_tokens: int = 32
-    engine_repeat_configs: list[str] = field(default_factory=list)
-    engine_repeat_only: bool = False
-    engine_dumps: str = "off"
-    allow_unpinned: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        from ..engines import parse_spec
-
-        if isinstance(self.engine, str):
-            object.__setattr__(self, "engine", self.engine.split())
-        if not isinstance(self.engine, (list, tuple)) or not self.engine:
-            raise ParamError(f"engine must be a non-empty list of engine specs, got {self.engine!r}; e.g. "
-                             "[reference, 'transformers:/path/to/model', 'openai:http://127.0.0.1:8000/v1']")
-        for spec in self.engine:
-            try:
-                parse_spec(spec)
-            except ValueError as e:
-                raise ParamError(str(e)) from None
-        if self.engine_max_tokens is not None:
-            _at_least("engine_max_tokens", self.engine_max_tokens)
-        _bool("engine_streams", self.engine_streams)
-        _bool("engine_bench", self.engine_bench)
-        _check_engine_dumps(self.engine_dumps)
-        if not isinstance(self.engine_cold_lengths, (list, tuple)):
-            raise ParamError(f"engine_cold_lengths must be a list of ints (tokens), got {self.engine_cold_lengths!r}")
-        for n in self.engine_cold_lengths:
-            _at_least("every engine_cold_lengths entry", n, 2)
-        self._check_repeat()
-
-    def _check_repeat(self) -> None:
-        """The repeat test's parameters (analysis/repeat.py): N >= 0, levels and tokens positive, a prompt of the
-        run, configuration names as strings, only local servers loaded."""
-        from ..prompts import PROMPTS
-        _at_least("engine_repeat", self.engine_repeat, 0)
-        _at_least("engine_repeat_tokens", self.engine_repeat_tokens)
-        _bool("engine_repeat_only", self.engine_repeat_only)
-        levels, configs = self.engine_repeat_concurrency, self.engine_repeat_configs
-        if not isinstance(levels, (list, tuple)) or not levels or not all(_positive_int(c) for c in levels):
-            raise ParamError(f"engine_repeat_concurrency must be a non-empty list of ints >= 1 (requests in flight), "
-                             f"got {levels!r}")
-        if not isinstance(configs, (list, tuple)) or not all(isinstance(c, str) and c for c in configs):
-            raise ParamError(f"engine_repeat_configs must be a list of configuration names, got {configs!r}")
-        name, names = self.engine_repeat_prompt, list(self.prompts or [])
-        if name is not None and (not isinstance(name, str) or (all(n in PROMPTS for n in names)
-                                                             and name not in names)):
-            raise ParamError(f"engine_repeat_prompt {name!r} is not a prompt of this run; allowed: "
-                             f"{', '.join(map(str, names))} (default: the first)")
-        if self.engine_repeat_only and not self.engine_repeat:
-            raise ParamError("engine_repeat_only=true needs engine_repeat >= 1 (the number of requests); got 0")
-        if self.engine_repeat:
-            _local_servers(list(self.engine))
-
-    @property
-    def max_tokens(self) -> int | None:
-        """This section's prompt cut: engine_max_tokens, else prompt_max_tokens."""
-        return self.engine_max_tokens or self.prompt_max_tokens
-
-
-
-
-
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")   # the only hosts the repeat test sends load to
-
-
-def check_local(url: str, where: str) -> None:
-    """Raise ParamError unless ``url``'s host is this machine (LOCAL_HOSTS); ``where`` names the engine."""
-    from urllib.parse import urlsplit
-    host = urlsplit(url).hostname or ""
-    if host not in LOCAL_HOSTS:
-        raise ParamError(f"engine_repeat: {where} is at {url!r}: the repeat test sends load only to servers on "
-                         f"this machine (hosts {', '.join(LOCAL_HOSTS)}), not to {host or 'no host'!r}")
-
-
-def _local_servers(specs: list[str]) -> None:
-    """check_local on every openai spec's target or configured base_url (launched servers are local)."""
-    from ..engines import parse_spec
-    for spec in specs:
-        kind, target, options = parse_spec(spec)
-        confs = options.get("configurations")
-        if kind == "openai":
-            for url in ([c["base_url"] for c in confs if isinstance(c, dict) and c.get("base_url")] if confs
-                        else [target]):
-                check_local(url, f"engine {spec!r}")
+        check_bool("dumps_fp64", self.dumps_fp64)
 
 
 def known_names() -> set[str]:

@@ -17,8 +17,8 @@ import tempfile
 from dataclasses import dataclass
 from types import ModuleType
 
-from .params import (BenchParams, Common, ContractParams, DumpsParams, EnginesParams, Fp64Params, HashesParams,
-                     StreamsParams)
+from .params import BenchParams, Common, ContractParams, DumpsParams, Fp64Params, HashesParams, StreamsParams
+from .params_engines import EnginesParams
 
 
 @dataclass(frozen=True)
