@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .diff import DiffError, _write_text, diff_receipts, load_receipt
+from .diff import DiffError, command_main, diff_receipts, load_receipt, write_text
 from .diff_md import render as diff_markdown
 from .fit import SEP
 from .render import MD_LIMIT, git_text, render_errors, render_summary, truncate
@@ -76,20 +76,14 @@ def run(args: argparse.Namespace) -> int:
     if out is None:
         sys.stdout.write(text)
     else:
-        _write_text(text, out)
+        write_text(text, out)
         print(f"wrote {out} ({len(text):,} characters)", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m exactness.receipt.comment BASE PR [--out FILE]``: the exit status (0, or 2 with a message)."""
-    parser = argparse.ArgumentParser(prog="python -m exactness comment", description=HELP)
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except DiffError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return command_main(argv, "python -m exactness comment", HELP, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -339,7 +339,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "files are never replaced); the markdown goes to stdout as well")
 
 
-def _write_text(text: str, path: Path) -> None:
+def write_text(text: str, path: Path) -> None:
     """``text`` to ``path`` atomically (a hidden temporary file beside it, renamed into place)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -375,7 +375,7 @@ def write_outputs(result: dict, markdown: str, out: str) -> None:
     folder = check_out(out)
     folder.mkdir(parents=True, exist_ok=True)
     write_json(result, str(folder / "diff.json"))
-    _write_text(markdown, folder / "diff.md")
+    write_text(markdown, folder / "diff.md")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -395,15 +395,21 @@ def run(args: argparse.Namespace) -> int:
     return 1 if result["moved"] else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m exactness.receipt.diff BASE PR [--out DIR]``; returns the exit status (0, 1, or 2 with a message)."""
-    parser = argparse.ArgumentParser(prog="python -m exactness diff", description=HELP)
-    add_arguments(parser)
+def command_main(argv: list[str] | None, prog: str, description: str, add, run_args) -> int:
+    """A receipt-comparing command run alone: ``add(parser)`` declares its arguments, ``run_args(args)`` returns its
+    exit status; a DiffError is one ``error:`` line on stderr and status 2."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add(parser)
     try:
-        return run(parser.parse_args(argv))
+        return run_args(parser.parse_args(argv))
     except DiffError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m exactness.receipt.diff BASE PR [--out DIR]``; returns the exit status (0, 1, or 2 with a message)."""
+    return command_main(argv, "python -m exactness diff", HELP, add_arguments, run)
 
 
 if __name__ == "__main__":
