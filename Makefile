@@ -6,7 +6,7 @@
 #   make diff BASE=receipt-folder PR=receipt-folder [OUT=dir]   (what moved, as markdown; exit 1 when it did)
 #   make comment BASE=receipt-folder PR=receipt-folder [OUT=file]   (the PR comment: PR's summary and what moved,
 #                 under GitHub's 65,536-character limit; to stdout without OUT)
-#   make test        the full suite (what CI runs)
+#   make test [PYTEST_ARGS="-n auto"]   the full suite (what CI runs); PYTEST_ARGS: further pytest arguments
 #   make test-quick  the tests not marked slow (pytest -m "not slow": within 2 minutes on 2 cores), for editing: the
 #                    modules of tests/conftest.py's QUICK_MODULES less their tests marked @pytest.mark.slow
 #   make lab [LAB_ARGS="--port=8890"] | make clean
@@ -42,6 +42,8 @@ ENGINE        ?=
 DUMPS         ?=
 PROMPTS       ?=
 LAB_ARGS      ?=
+# further pytest arguments for make test / test-quick, e.g. PYTEST_ARGS="-n auto" (pytest-xdist: tests in parallel)
+PYTEST_ARGS   ?=
 # One CPU thread by default: the tiny preset's kernels are too small to gain from threads, and a second OpenMP
 # thread spin-waits badly on a busy 2-core machine. Receipts record the thread count (env.numerics.cpu_threads).
 export OMP_NUM_THREADS ?= 1
@@ -90,10 +92,10 @@ comment: setup
 	$(PY) -m exactness comment '$(BASE)' '$(PR)' $(if $(OUT),--out '$(OUT)')
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-quick: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # JupyterLab on notebooks/, URL with its token printed here, no browser; --allow-root only as root (scripts/lab.sh).
 lab: setup

@@ -30,7 +30,7 @@ from exactness.analysis.taps import TapRecorder  # noqa: E402
 from exactness.config import get_preset  # noqa: E402
 from exactness.model import tapping  # noqa: E402
 from exactness.paths import PATHS, Schedule, generate  # noqa: E402
-from exactness.receipt.profiles import get_profile  # noqa: E402
+from exactness.profiles import get_profile  # noqa: E402
 from exactness.weights import synthetic_weights  # noqa: E402
 
 

@@ -37,6 +37,8 @@ from exactness import paths  # noqa: E402
 from exactness.config import get_preset  # noqa: E402
 from exactness.kernels import attention as fast_attn  # noqa: E402
 from exactness.kernels import cuda, experts, norm, rope, router  # noqa: E402
+from exactness.loop import decode_step as eager_step  # noqa: E402
+from exactness.weights import device_random_weights  # noqa: E402
 
 SHAPES = {"q": (4096, 2048), "k/v": (512, 2048), "o": (2048, 4096), "gate|up": (768, 2048), "down": (2048, 768),
           "router": (128, 2048), "lm_head": (258, 2048)}
@@ -373,7 +375,7 @@ def _weights(kind: str):
             from exactness.weights import synthetic_weights
             _WEIGHTS[kind] = synthetic_weights(cfg, BF16, "cuda")
         else:
-            _WEIGHTS[kind] = cuda.device_random_weights(cfg, BF16, "cuda", seed=0)
+            _WEIGHTS[kind] = device_random_weights(cfg, BF16, "cuda", seed=0)
         print(f"weights ({kind}) built in {time.perf_counter() - t0:.1f} s")
     return _WEIGHTS[kind]
 
@@ -400,10 +402,10 @@ def decode_step(args) -> dict:
     logits = {}
     for fl in (False, True):
         tr.FAST_LAUNCH = fl
-        logits[fl] = paths.decode_step(w, cache, tok, pos0, slots, "invariant").clone()
+        logits[fl] = eager_step(w, cache, tok, pos0, slots, "invariant").clone()
     dec, graph_same = {}, {}
     for ks in ("fast", "invariant"):
-        eager = paths.decode_step(w, cache, tok, pos0, slots, ks).clone()
+        eager = eager_step(w, cache, tok, pos0, slots, ks).clone()
         dec[ks] = GraphDecoder(w, cache, ks)
         dec[ks].step(tok, [P], [0])                                          # eager warm-up, then capture
         graph_same[ks] = bytes_equal(eager, dec[ks].step(tok, [P], [0]))     # the first replay
@@ -420,7 +422,7 @@ def decode_step(args) -> dict:
                 if ks.endswith("(graphs)"):
                     dec[name].step(tok, [P + i], [0])
                 else:
-                    paths.decode_step(w, cache, tok, pos, slots, name)
+                    eager_step(w, cache, tok, pos, slots, name)
                 torch.cuda.synchronize()
                 if rnd:                                                      # round 0 warms up
                     times[ks].append(time.perf_counter() - t0)
@@ -442,7 +444,7 @@ def decode_step(args) -> dict:
     kernels = {}
     for ks in ("fast", "invariant"):
         kernels[f"{ks} (graphs)"] = _step_kernels(f"{ks} (graphs)", lambda: dec[ks].step(tok, [P], [0]))
-        kernels[ks] = _step_kernels(ks, lambda: paths.decode_step(w, cache, tok, pos0, slots, ks))
+        kernels[ks] = _step_kernels(ks, lambda: eager_step(w, cache, tok, pos0, slots, ks))
     return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "kernels": kernels}
 
 
@@ -485,12 +487,12 @@ def profile(args) -> dict:
     tok, slots = ids[-1:].to(w.device), torch.zeros(1, dtype=torch.int64, device=w.device)
     pos = [torch.tensor([P + i], device=w.device) for i in range(20)]
     for p in pos[:3]:
-        paths.decode_step(w, cache, tok, p, slots, "invariant")
+        eager_step(w, cache, tok, p, slots, "invariant")
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
     for p in pos:
-        paths.decode_step(w, cache, tok, p, slots, "invariant")
+        eager_step(w, cache, tok, p, slots, "invariant")
     torch.cuda.synchronize()
     prof.disable()
     buf = io.StringIO()
@@ -583,11 +585,12 @@ def compile_sm120(_args) -> dict:
 def contract(args) -> dict:
     """The contract checker's sweep of the invariant set on cuda (if analysis/contract/check.py is present)."""
     from exactness.analysis.contract import check as ct
+    from exactness.analysis.contract.combine import coverage
     t0 = time.perf_counter()
     res = ct.check_set("invariant", device="cuda", dtypes=("bfloat16", "float32"), sweep=args.contract_sweep,
                        progress=True)
     rows_ = [r.to_row() for r in res]
-    cov, unc = ct.coverage(rows_, ["invariant"], "cuda", ("bfloat16", "float32"))
+    cov, unc = coverage(rows_, ["invariant"], "cuda", ("bfloat16", "float32"))
     bad = sum(r.mismatches for r in res)
     print(f"contract ({args.contract_sweep}) invariant on cuda: {len(res)} pairs, {bad} mismatching rows, "
           f"{len(unc)} uncovered, {time.perf_counter() - t0:.1f} s")

@@ -130,7 +130,7 @@ def _args(argv):
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--weights", default="synthetic", choices=("synthetic", "device"),
                     help="synthetic: the seeded CPU draw (slow: ~2.4 G values for the small preset); device: "
-                         "drawn on the GPU with the same distributions (kernels.cuda.device_random_weights; fast). "
+                         "drawn on the GPU with the same distributions (weights.device_random_weights; fast). "
                          "Timings do not depend on the values")
     a = ap.parse_args(argv)
     if a.weights == "device" and not a.device.startswith("cuda"):
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     device, dtype = torch.device(a.device), DTYPES[a.dtype]
     cfg = get_preset(a.preset)
     if a.weights == "device":
-        from exactness.kernels.cuda import device_random_weights
+        from exactness.weights import device_random_weights
         w_host = device_random_weights(cfg, dtype, device).to(device="cpu")
         torch.cuda.empty_cache()
     else:

@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from exactness.dumps import dump_contract, render_md
+    from exactness.analysis.contract.calls import contract_of_calls
+    from exactness.analysis.contract.report import render_calls_md
     from exactness.dumps.hf_hooks import dump_hf_model
     from exactness.prompts import build_prompt
 
@@ -45,8 +46,8 @@ def main(argv=None) -> int:
     dump_hf_model(a.out, model, ids, weights=not a.no_weights, positions=positions)
     print(f"wrote {a.out}")
     if a.check:
-        obj = dump_contract(a.out)
-        print(render_md(obj))
+        obj = contract_of_calls(a.out)
+        print(render_calls_md(obj))
         return 1 if obj["totals"]["mismatches"] else 0
     return 0
 

@@ -40,7 +40,8 @@ def _ints(text: str | None, sep: str, what: str):
 def main(argv=None) -> int:
     """Write the dump set; returns 0 (1 with --check when rows differ, 2 on a bad argument)."""
     a = parse(argv)
-    from exactness.dumps import dump_contract, render_md
+    from exactness.analysis.contract.calls import contract_of_calls
+    from exactness.analysis.contract.report import render_calls_md
     from exactness.dumps.llamacpp import dump_llamacpp
     from exactness.prompts import build_prompt
 
@@ -54,8 +55,8 @@ def main(argv=None) -> int:
         return 2
     print(f"wrote {a.out}")
     if a.check:
-        obj = dump_contract(a.out)
-        print(render_md(obj))
+        obj = contract_of_calls(a.out)
+        print(render_calls_md(obj))
         return 1 if obj["totals"]["mismatches"] else 0
     return 0
 

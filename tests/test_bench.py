@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from exactness.analysis import bench
+from exactness.analysis import bench_runner
 from exactness.analysis.bench_tables import cold_table, render_md, tables
+from exactness.engines.reference import ReferenceEngine
 from exactness.offload import ExpertStore
 from exactness.prompts import build_prompt
 
@@ -51,11 +53,11 @@ def test_metrics_follow_the_definitions(section):
 
 
 def test_timing_metrics_known_values():
-    m = bench.timing_metrics(10, 1.0, [1.0, 1.5, 2.0, 3.0])                   # gaps 500, 500, 1000 ms
+    m = bench_runner.timing_metrics(10, 1.0, [1.0, 1.5, 2.0, 3.0])                   # gaps 500, 500, 1000 ms
     assert m["prefill_tps"] == 10 and m["decode_tps"] == 1.5
     assert m["itl_mean_ms"] == pytest.approx(2000 / 3) and m["itl_p50_ms"] == 500
     assert m["itl_p95_ms"] == pytest.approx(950)                              # numpy linear: 500 + 0.9 * 500
-    one = bench.timing_metrics(10, 1.0, [1.0])
+    one = bench_runner.timing_metrics(10, 1.0, [1.0])
     assert one["decode_tps"] is None and one["itl_mean_ms"] is None and one["generated"] == 1
 
 
@@ -87,7 +89,7 @@ def test_a_run_that_hit_a_cache_is_refused(section):
     run = data["cold"][0]["runs"][1]
     served = {"decode": {"segments": 0, "rows": 0}, "batched": {"segments": 1, "rows": 4},
               "deep": {"segments": 0, "rows": 0}}
-    hit = bench._record("plain", torch.zeros(16, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), served,
+    hit = bench_runner._record("plain", torch.zeros(16, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), served,
                         run["ttft_s"], [run["ttft_s"], 1.0, 2.0], None)
     assert hit["cache_state"] == "hit (12 rows not prefilled)"
     data["cold"][0].update(qualified=False, refused_reps=[1])
@@ -130,17 +132,17 @@ def test_offload_load_keeps_experts_on_the_host():
 
 def test_runner_says_when_the_ring_is_missing(tiny_weights):
     store = ExpertStore(tiny_weights, "offload", max_ring_bytes=0)
-    runner = bench.Runner(store.weights, store, bench.bench_params(PARAMS))
+    runner = bench_runner.Runner(ReferenceEngine(store.weights, None, "fast", experts=store), bench.bench_params(PARAMS))
     rec = runner.plain(build_prompt("short", 12).ids, "fast", 2)
     assert "expert ring not reserved" in rec["path_served"] and "max_ring_bytes=0" in rec["path_served"]
 
 
-def test_not_run_markers_render(section):
+def test_not_run_markers_render(section, tiny_weights):
     data = json.loads(json.dumps(section["data"]))
     data.update(drafted=[], not_run={"drafted": "not run: mtp missing (No module named 'exactness.mtp')"})
     md = render_md({"section": "bench", "data": data})
     assert md.count("_not run: mtp missing") == 2                             # drafted table and drafted == plain
-    assert bench._available("mtp") is None and bench._available("no_such_module").startswith("not run")
+    assert bench._not_run(ReferenceEngine(tiny_weights)) == {}
 
 
 def test_render_md(section):

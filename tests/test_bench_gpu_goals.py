@@ -7,48 +7,78 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def test_gpu_goals_table_from_saved_results(tmp_path):
-    """bench_gpu_goals.py --from-json prints a goal row per measure, met where the figure meets its goal and MISSED
-    where it does not; saved results made up for the test put one figure of each goal kind on either side. A run's
-    goals.json renders the same table; results that lack a section are refused with a one-line error."""
-    runs = (("batched", None, 0.05), ("deep", None, 0.04), ("batched", 2048, 0.07), ("deep", 2048, 0.08))
-    e2e = [{"set": "invariant", "path": p, "step": s, "prefill_s": t} for p, s, t in runs]
+def _saved():
+    runs = (("batched", None, 0.05, 0.048), ("deep", None, 0.04, 0.03), ("batched", 2048, 0.07, 0.066),
+            ("deep", 2048, 0.08, 0.07))
+    e2e = [{"set": ks, "path": p, "step": s, "prefill_s": t} for p, s, ti, tf in runs
+           for ks, t in (("invariant", ti), ("fast", tf))]
     kernels = {"ceilings": {"matmul_tflops": 750.0, "copy_gbs": 4000.0},
-               "decode_step": {"graphs": [{"set": "invariant", "graphs_ms": 0.8}, {"set": "fast", "graphs_ms": 2.0}]},
-               "e2e": {"rows": e2e, "ratios": [{"path": "batched", "step": None, "ratio": 0.2, "met": True}]},
+               "decode_step": {"graphs": [{"set": "invariant", "graphs_ms": 0.2}, {"set": "fast", "graphs_ms": 0.3}]},
+               "streams": {"streams": 8, "graphs_ms": {"invariant": 0.5, "fast": 0.4}},
+               "e2e": {"rows": e2e},
                "gemm": {"rows": [{"shape": "gate|up", "M": 64, "N": 768, "K": 2048, "ratio": 1.2, "goal": 1.25,
                                   "met": True, "cublas_gpu_us": 5.0, "invariant_gpu_us": 6.0},
                                  {"shape": "q", "M": 4096, "N": 4096, "K": 2048, "ratio": 1.3, "goal": 1.05,
                                   "met": False, "cublas_gpu_us": 100.0, "invariant_gpu_us": 130.0}]}}
     offload = {"flops": 15e12, "peak_flops": 750e12,
-               "rows": [{"kernels": "invariant", "path": "deep", "speedup_over_batched": 18.0, "ratio": 1.1,
-                         "ratio_min_bytes": 1.2}]}
+               "rows": [{"kernels": ks, "path": "deep", "seconds": t, "bound_s": 0.9, "speedup_over_batched": 18.0,
+                         "ratio": 1.1, "ratio_min_bytes": 1.2} for ks, t in (("invariant", 1.0), ("fast", 0.95))]}
+    return kernels, offload
+
+
+def _table(stdout: str) -> dict:
+    rows = [ln.split("|") for ln in stdout.splitlines() if ln.startswith("| ")]
+    return {r[1].strip(): [c.strip() for c in r[2:-1]] for r in rows if r[1].strip() not in ("measure", "shape")}
+
+
+def test_gpu_goals_table_from_saved_results(tmp_path):
+    """bench_gpu_goals.py --from-json prints a goal row per measure with both sets' figures, their ratio and the
+    row's bound, met where the figure meets its goal and MISSED where it does not (saved results made up for the
+    test put figures on either side); a run's goals.json renders the same table; results that lack a section are
+    refused with a one-line error."""
+    kernels, offload = _saved()
     (tmp_path / "k.json").write_text(json.dumps(kernels))
     (tmp_path / "o.json").write_text(json.dumps(offload))
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu_goals.py"), "--from-json",
-                           str(tmp_path / "k.json"), str(tmp_path / "o.json")], capture_output=True, text=True,
-                          timeout=120)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_gpu_goals.py"), "--from-json"]
+    proc = subprocess.run(cmd + [str(tmp_path / "k.json"), str(tmp_path / "o.json")], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    lines = {ln.split("|")[1].strip(): ln.split("|")[-2].strip() for ln in proc.stdout.splitlines()
-             if ln.startswith("| ") and "measure" not in ln}
-    assert lines["decode step at 4,096 context, CUDA graphs, invariant"] == "met"
-    assert lines["decode step at 4,096 context, CUDA graphs, fast"] == "MISSED"
-    assert lines["batched one-chunk prefill (invariant) / FLOP bound"] == "MISSED"      # 0.05 s / 0.02 s = 2.5
-    assert lines["deep vs batched, experts resident, invariant, step whole prompt"] == "met"
-    assert lines["deep vs batched, experts resident, invariant, step 2048"] == "MISSED"
-    assert lines["offloaded deep / offloaded batched@2048, invariant"] == "met"
-    assert lines["GEMM invariant / cuBLAS, GPU time, M = 64–512"] == "met"
-    assert lines["GEMM invariant / cuBLAS, GPU time, M = 4096–16384"] == "MISSED"
+    t = _table(proc.stdout)
+    dec = t["decode step, 4,096 context, 1 stream, CUDA graphs"]
+    assert dec[-1] == "MISSED" and dec[1:3] == ["0.2 ms", "0.3 ms"] and dec[4].startswith("memory")
+    assert t["concurrent streams: decode step of 8, CUDA graphs"][-1] == "MISSED"          # 0.5 / 0.4 = 1.25
+    assert t["prefill, one chunk"][-1] == "met" and t["prefill, one chunk"][4].startswith("FLOP 0.02")
+    assert t["prefill, deep@one segment"][-1] == "MISSED"                                  # 0.04 / 0.03
+    assert t["one-chunk prefill, invariant / FLOP bound"][-1] == "MISSED"                  # 0.05 s / 0.02 s = 2.5
+    assert t["deep vs batched, experts resident, invariant, step whole prompt"][-1] == "met"
+    assert t["deep vs batched, experts resident, invariant, step 2048"][-1] == "MISSED"
+    assert t["offloaded deep prefill"][-1] == "met"
+    assert t["offloaded deep / offloaded batched@2048, invariant"][-1] == "met"
+    assert t["drafted verify (MTP k=2), ms per generated token, CUDA graphs"][-1] == "—"   # not measured
+    assert t["GEMM invariant / cuBLAS, GPU time, M = 64–512"][-1] == "met"
+    assert t["GEMM invariant / cuBLAS, GPU time, M = 4096–16384"][-1] == "MISSED"
     assert "gate/up" in proc.stdout and "gate|up" not in proc.stdout
+    assert "- prefill, deep@one segment: invariant 0.04 s, fast 0.03 s" in proc.stdout      # the closing note
     (tmp_path / "goals.json").write_text(json.dumps({"kernels": kernels, "offload": offload}))
-    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu_goals.py"), "--from-json",
-                            str(tmp_path / "goals.json")], capture_output=True, text=True, timeout=120)
+    again = subprocess.run(cmd + [str(tmp_path / "goals.json")], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and again.stdout == proc.stdout, again.stderr
     del kernels["decode_step"]
     (tmp_path / "k.json").write_text(json.dumps(kernels))
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu_goals.py"), "--from-json",
-                          str(tmp_path / "k.json"), str(tmp_path / "o.json")], capture_output=True, text=True,
-                         timeout=120)
+    bad = subprocess.run(cmd + [str(tmp_path / "k.json"), str(tmp_path / "o.json")], capture_output=True,
+                         text=True, timeout=120)
     assert bad.returncode == 2 and "the results lack 'decode_step'" in bad.stderr
+
+
+def test_decode_bytes_small_preset():
+    """The decode step's bytes (small preset, 4,096 positions, one stream): 4 layers of attention (18.9M) and
+    router weights, 8 experts (37.7M), 8.4 MB of KV per layer, the LM head; more streams touch more experts."""
+    from bench_gpu_goals import decode_bytes
+    from exactness.config import get_preset
+    cfg = get_preset("small")
+    one = decode_bytes(cfg, 4096)
+    expect = 2 * (4 * (18_874_368 + 128 * 2048 + 8 * 3 * 768 * 2048 + 2 * 4096 * 4 * 128) + 258 * 2048)
+    assert abs(one - expect) < 1e-6 * expect and 0.48e9 < one < 0.50e9
+    assert 4 * one < decode_bytes(cfg, 4096, 8) < 5 * one       # about 52 distinct experts of 128

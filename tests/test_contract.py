@@ -18,6 +18,7 @@ import pytest
 
 from exactness.analysis.contract import check as C
 from exactness.analysis.contract import cases as cc
+from exactness.analysis.contract import combine, report as contract_report
 from exactness.exact import as_int
 from exactness.kernels import KERNEL_CLASSES, KERNEL_SETS, attention, dense, get_set, norm, register_set
 
@@ -167,6 +168,7 @@ def test_planted_one_ulp_flip_is_caught_exactly(dtype):
     n_sites = len(cc.class_sites("rmsnorm"))
     assert n_sites == 5 and res.mismatches == 2 * n_sites * calls_where("rmsnorm", "quick", flipped) > 0
     assert all(bad == 2 * calls_where("rmsnorm", "quick", flipped) for _, bad in res.by_site.values())
+    assert res.decode_rows[0] > 0 and res.decode_rows[1] == 0      # the decode kernel at M > 1: clean
 
 
 def test_planted_kv_block_change_is_caught():
@@ -232,11 +234,11 @@ def test_invariant_set_has_zero_mismatches(invariant_rows):
 
 
 def test_coverage_lists_every_class_and_marks_missing_ones_uncovered(invariant_rows):
-    cov, unc = C.coverage(invariant_rows, ["invariant"], "cpu", ["bfloat16", "float32"])
+    cov, unc = combine.coverage(invariant_rows, ["invariant"], "cpu", ["bfloat16", "float32"])
     assert {c["class"] for c in cov} == set(KERNEL_CLASSES) and unc == []
     assert all(c["status"] == "checked" and c["cases"] > 0 for c in cov)
     partial = [r for r in invariant_rows if r["class"] != "rope"]
-    cov, unc = C.coverage(partial, ["invariant"], "cpu", ["bfloat16", "float32"])
+    cov, unc = combine.coverage(partial, ["invariant"], "cpu", ["bfloat16", "float32"])
     assert {c["class"] for c in cov} == set(KERNEL_CLASSES)
     assert [(u["class"], u["dtype"]) for u in unc] == [("rope", "bfloat16"), ("rope", "float32")]
     assert [c["status"] for c in cov if c["class"] == "rope"] == ["uncovered", "uncovered"]
@@ -245,8 +247,8 @@ def test_coverage_lists_every_class_and_marks_missing_ones_uncovered(invariant_r
 def test_render_md_shows_summary_matrix_and_mismatches(invariant_rows):
     fast = C.check_pair(*get_set("fast").pairs()[0], "cpu", "float32", "quick", stop_at_first=True).to_row()
     rows = invariant_rows + [fast]
-    cov, unc = C.coverage(rows, ["invariant", "fast"], "cpu", ["bfloat16", "float32"])
-    md = C.render_md({"section": "contract", "sweep": "quick", "rows": rows, "coverage": cov, "uncovered": unc})
+    cov, unc = combine.coverage(rows, ["invariant", "fast"], "cpu", ["bfloat16", "float32"])
+    md = contract_report.render_md({"section": "contract", "sweep": "quick", "rows": rows, "coverage": cov, "uncovered": unc})
     lines = md.splitlines()
     summary = [ln.replace(" ", "") for ln in lines if ln.startswith("| invariant") or ln.startswith("| fast ")]
     assert "|fast|cpu|float32|1|" in summary[0] and summary[1].startswith("|invariant|cpu|bfloat16|11|")
@@ -336,7 +338,7 @@ def test_control_sweep_applies_to_sets_that_claim_no_exactness(monkeypatch):
                          "contract_sweep": "full", "contract_control_sweep": "quick"})
     assert seen == [("fast", "quick"), ("invariant", "full")]
     assert sec["sweep"] == "full" and sec["control_sweep"] == "quick"
-    assert "sets that claim no exactness: `quick`" in C.render_md(sec)
+    assert "sets that claim no exactness: `quick`" in contract_report.render_md(sec)
     with pytest.raises(ValueError):
         C.run_section({"kernel_sets": ["fast"], "contract_control_sweep": "most"})
 
@@ -348,17 +350,17 @@ def test_merge_sections_equals_one_run_and_refuses_overlap(section, invariant_ro
     base = {"preset": "tiny", "device": "cpu", "kernel_sets": ["invariant"], "contract_sweep": "quick"}
     parts = [dict(C.run_section({**base, "contract_dtypes": [d]}), provenance={"computed_on": "H200", "command": c})
              for d, c in (("float32", "a"), ("bfloat16", "b"))]
-    merged = C.merge_sections(parts)
+    merged = combine.merge_sections(parts)
     key = lambda r: (r["dtype"], r["class"])  # noqa: E731
     assert sorted(merged.pop("rows"), key=key) == sorted(section["rows"], key=key)
     assert {k: v for k, v in merged.items() if k != "provenance"} == {k: v for k, v in section.items() if k != "rows"}
     assert merged["provenance"]["command"] == "a | b" and merged["provenance"]["computed_on"] == "H200"
     with pytest.raises(ValueError, match="overlap"):
-        C.merge_sections([parts[0], parts[0]])
+        combine.merge_sections([parts[0], parts[0]])
     with pytest.raises(ValueError, match="sweep"):
-        C.merge_sections([parts[0], dict(parts[1], sweep="full")])
+        combine.merge_sections([parts[0], dict(parts[1], sweep="full")])
     with pytest.raises(ValueError, match="two or more"):
-        C.merge_sections([parts[0]])
+        combine.merge_sections([parts[0]])
 
 
 def test_merge_command_joins_contract_parts_and_refuses_mixed_kinds(invariant_rows, monkeypatch, tmp_path, capsys):
@@ -371,7 +373,7 @@ def test_merge_command_joins_contract_parts_and_refuses_mixed_kinds(invariant_ro
                                                        "contract_sweep": "quick", "contract_dtypes": [d]})))
     out = tmp_path / "contract.json"
     assert main(["merge", "--out", str(out), *map(str, files)]) == 0
-    assert json.loads(out.read_text()) == C.merge_sections([json.loads(f.read_text()) for f in files])
+    assert json.loads(out.read_text()) == combine.merge_sections([json.loads(f.read_text()) for f in files])
     (tmp_path / "bench.json").write_text(json.dumps({"section": "bench", "data": {}}))
     assert main(["merge", "--out", str(tmp_path / "x.json"), str(files[0]), str(tmp_path / "bench.json")]) == 2
     assert "one section" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
@@ -402,11 +404,11 @@ def test_offloaded_expert_weights_keep_the_contract(cls):
 
 
 def assert_every_row_compared(res, plan) -> None:
-    """Every row of every planned case was compared once per (call site, input source), in every call-size bucket
-    the plan reaches: the property a case count stands for, whatever the sweep holds."""
+    """Every row of every planned case (and of the decode plan's) was compared once per (call site, input source), in
+    every call-size bucket the plan reaches: the property a case count stands for, whatever the sweep holds."""
     per_case = len(res.sites.split(",")) * len(res.inputs.split(","))
     want: dict[str, int] = {}
-    for c in plan:
+    for c in plan + [c for c in plan if c.M in cc.DECODE_M]:
         want[cc.bucket(c.M)] = want.get(cc.bucket(c.M), 0) + c.M * per_case
     assert {b: n for b, (n, _) in res.buckets.items()} == want and res.cases == sum(want.values()) > 0, res
     assert sum(n for n, _ in res.by_site.values()) == res.cases and res.m_ranges == cc.ranges(c.M for c in plan)
@@ -418,14 +420,15 @@ def _ring_hands_out(monkeypatch, which: str):
     from exactness import ring
     original = ring.StagedWeights.__init__
 
-    def planted(self, tensors):
-        original(self, tensors)
+    def planted(self, tensors, more=()):
+        original(self, tensors, more)
         if which == "decoy":
-            self.ring.source = lambda key: self.decoy
+            self.ring.source = lambda key: self.decoys[key[2]]
         else:
-            bad = tuple(t.clone() for t in self.host)
-            as_int(bad[0]).view(-1)[5] += 1
-            self.ring.source = lambda key: self.decoy if key[1] == "decoy" else bad
+            bad = [tuple(t.clone() for t in unit) for unit in self.units]
+            for unit in bad:
+                as_int(unit[0]).view(-1)[5] += 1
+            self.ring.source = lambda key: self.decoys[key[2]] if key[1] == "decoy" else bad[key[2]]
     monkeypatch.setattr(ring.StagedWeights, "__init__", planted)
 
 
@@ -460,8 +463,8 @@ def test_section_carries_offload_rows_and_renders_them(monkeypatch):
     sec = C.run_section({"preset": "tiny", "device": "cpu", "dtype": "float32", "kernel_sets": ["invariant"],
                          "contract_dtypes": ["float32"]})
     assert [r["weights"] for r in sec["rows"]] == ["resident"] and len(sec["offload_rows"]) == 1
-    md = re.sub(" +", " ", C.render_md(sec))
+    md = re.sub(" +", " ", contract_report.render_md(sec))
     assert "Expert weights offloaded" in md and "| invariant | float32 | expert_down | 1/3 |" in md
     off = C.run_section({"preset": "tiny", "device": "cpu", "dtype": "float32", "kernel_sets": ["invariant"],
                          "contract_dtypes": ["float32"], "contract_offload": False})
-    assert off["offload_rows"] == [] and "Expert weights offloaded" not in C.render_md(off)
+    assert off["offload_rows"] == [] and "Expert weights offloaded" not in contract_report.render_md(off)

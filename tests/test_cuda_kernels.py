@@ -209,8 +209,9 @@ def test_gpu_paths_prompt_logits_equal_decode(preset):
     from exactness import model, paths
     from exactness.config import get_preset
     from exactness.kernels import cuda
+    from exactness.weights import device_random_weights
     cfg = get_preset(preset)
-    w = cuda.device_random_weights(cfg, torch.bfloat16, "cuda", seed=1)
+    w = device_random_weights(cfg, torch.bfloat16, "cuda", seed=1)
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2))
     runs = [paths.generate(w, ids, 4, "invariant", paths.Schedule(p, s, deep_threshold=128))
             for p, s in (("decode", None), ("batched", 100), ("deep", 256), ("batched", None))]

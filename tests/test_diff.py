@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from faults import row0_rmsnorm_perturbed
 
-from exactness.receipt import diff
+from exactness.receipt import diff, diff_cli
 from exactness.receipt.diff_md import render
 from exactness.kernels import KERNEL_SETS
 
@@ -216,7 +216,7 @@ def test_exit_status_outputs_and_bad_input(receipt, tmp_path, capsys):
     assert cli(["diff", str(base), str(pr), "--out", str(out)]) == 1
     md = (out / "diff.md").read_text()
     assert md in capsys.readouterr().out and json.loads((out / "diff.json").read_text())["moved"] is True
-    assert diff.main([str(base), str(pr), "--out", str(out)]) == 2
+    assert diff_cli.main([str(base), str(pr), "--out", str(out)]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err and (out / "diff.md").read_text() == md
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "list.json").write_text("[]")
@@ -271,3 +271,19 @@ def test_a_planted_fault_kernel_set_moves_exactly_what_it_changed(monkeypatch, n
     assert got == want
     assert any(f == "prompt_logits_equal" and (x, y) == (True, False) for _, f, x, y in got)   # the fault acts
     assert result["only_base"] == result["only_pr"] == result["not_comparable"] == []
+
+
+def test_folders_of_section_jsons_compare_like_receipts(receipt, tmp_path):
+    """``exactness sections --out DIR`` folders (one JSON per section, env.json) are diffed as receipts."""
+    for side in ("base", "pr"):
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "env.json").write_text(json.dumps(receipt.get("env") or {}))
+    moved = copy.deepcopy(receipt)
+    _hash_row(moved).update(hash="0123456789ab")
+    for name in receipt["sections"]:
+        (tmp_path / "base" / f"{name}.json").write_text(json.dumps(diff.section(receipt, name)))
+        (tmp_path / "pr" / f"{name}.json").write_text(json.dumps(diff.section(moved, name)))
+    base, pr = diff.load_receipt(tmp_path / "base"), diff.load_receipt(tmp_path / "pr")
+    assert not diff.diff_receipts(base, base)["moved"]
+    result = diff.diff_receipts(base, pr)
+    assert result["moved"] and [c["pr"] for c in result["changes"] if c["kind"] == "hash"] == ["0123456789ab"]

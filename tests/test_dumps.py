@@ -11,8 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from brute import _raw
-from exactness.dumps import DumpError, DumpWriter, dump_contract, read_dump, render_md
-from exactness.dumps.fp64 import dump_fp64, render_fp64_md
+from exactness.analysis.calls import engine_calls, open_calls
+from exactness.analysis.contract.calls import contract_of_calls
+from exactness.analysis.contract.report import render_calls_md
+from exactness.analysis.fp64.calls import fp64_of_calls
+from exactness.analysis.fp64.report import render_calls_md as fp64_md
+from exactness.dumps.format import DumpError
+from exactness.dumps.reader import read_dump
+from exactness.dumps.writer import DumpWriter
 from exactness.dumps.hf_hooks import dump_hf_model
 from exactness.dumps.ours import dump_engine
 from exactness.prompts import build_prompt
@@ -119,31 +125,44 @@ def test_writer_refuses_bad_calls(tmp_path):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_contract_on_a_small_set_clean_and_planted(tmp_path, fp8):
-    clean = dump_contract(_small_set(tmp_path / "clean", fp8=fp8), progress=False)
+    clean = contract_of_calls(_small_set(tmp_path / "clean", fp8=fp8), progress=False)
     assert clean["totals"] == {"paired": 2, "mismatches": 0, "origin_mismatches": 0, "unpaired_prompt": 0,
                                "unpaired_decode": 1}
     bump = (lambda y: (y.float() * 1.5).to(y.dtype)) if fp8 else (lambda y: y * (1 + 2 ** -7))
-    bad = dump_contract(_small_set(tmp_path / "bad", decode_y=bump, fp8=fp8), progress=False)
+    bad = contract_of_calls(_small_set(tmp_path / "bad", decode_y=bump, fp8=fp8), progress=False)
     f = bad["first_mismatch"]
     assert bad["totals"]["mismatches"] == 1 and bad["first_origin"] == f
     assert (f["class"], f["site"], f["pos"], f["row"], f["call_rows"], f["inputs_equal"]) == ("dense", "wq", 9, 2, 3,
                                                                                              True)
     assert (f["prompt_kernel"], f["replaces"], f["decode_kernel"]) == ("toy.tiled", "toy.gemv", "toy.gemv")
     assert (f["ulp"] is None) if fp8 else f["ulp"] >= 1
-    assert "`dense`, site `wq`" in render_md(bad)
+    assert "`dense`, site `wq`" in render_calls_md(bad)
 
 
 def test_an_fp8_scale_alone_differing_is_a_mismatch(tmp_path):
-    obj = dump_contract(_small_set(tmp_path / "s", fp8=True, decode_scale=2.0), progress=False)
+    obj = contract_of_calls(_small_set(tmp_path / "s", fp8=True, decode_scale=2.0), progress=False)
     f = obj["first_mismatch"]
     assert obj["totals"]["mismatches"] == 1 and (f["pos"], f["output"]) == (9, "y.scale"), f
+
+
+def test_a_source_of_calls_is_a_folder_or_a_read_set_and_nothing_else(tmp_path):
+    """The contract and FP64 of recorded calls give the same result from a folder and from its read DumpSet; any
+    other source is refused in one line."""
+    folder = _small_set(tmp_path / "bad", decode_y=lambda y: y * (1 + 2 ** -7))
+    ds = open_calls(folder)
+    assert open_calls(ds) is ds
+    assert contract_of_calls(ds, progress=False) == contract_of_calls(folder, progress=False)
+    assert fp64_of_calls(ds, progress=False) == fp64_of_calls(Path(folder), progress=False)
+    with pytest.raises(TypeError, match="^source list is not a source of kernel calls; allowed: a dump folder"):
+        contract_of_calls([folder], progress=False)
 
 
 def test_deep_plan_and_a_position_subset_pair_every_row(tmp_path, tiny_weights):
     ids = build_prompt("code", max_tokens=140).ids
     keep = [0, 3, 63, 64, 65, 100, 139]           # around the deep plan's 64-row dense tiles
-    obj = dump_contract(dump_engine(tmp_path / "deep", tiny_weights, ids, "invariant", positions=keep,
-                                    path="deep", deep_threshold=16), progress=False)
+    calls = engine_calls(tmp_path / "deep", tiny_weights, ids, "invariant", positions=keep, path="deep",
+                         deep_threshold=16)      # our engine's recorded calls as the source
+    obj = contract_of_calls(calls, progress=False)
     assert obj["totals"]["mismatches"] == 0 and obj["totals"]["unpaired_prompt"] == 0
     routed = [s for s in obj["sites"] if s["class"].startswith("expert") and ".e" in s["site"]]
     assert all(s["paired"] == len(keep) for s in obj["sites"] if s not in routed)
@@ -153,14 +172,14 @@ def test_deep_plan_and_a_position_subset_pair_every_row(tmp_path, tiny_weights):
 
 
 def test_our_invariant_set_dumps_clean_and_a_planted_fault_is_located(tmp_path, tiny_weights, ids):
-    clean = dump_contract(dump_engine(tmp_path / "inv", tiny_weights, ids, "invariant", step=STEP), progress=False)
+    clean = contract_of_calls(dump_engine(tmp_path / "inv", tiny_weights, ids, "invariant", step=STEP), progress=False)
     assert clean["totals"]["mismatches"] == 0 and clean["totals"]["unpaired_prompt"] == 0
     covered = {c["class"] for c in clean["classes"] if c["paired"]}
     assert covered == {c["class"] for c in clean["classes"]} - {"argmax"}
     assert clean["totals"]["paired"] == sum(c["prompt_rows"] for c in clean["classes"])
     # negative control: RMSNorm's prompt kernel perturbed on row 0 of every call of more than one row
-    bad = dump_contract(dump_engine(tmp_path / "bad", tiny_weights, ids, row0_rmsnorm_perturbed(), step=STEP),
-                        progress=False)
+    bad = contract_of_calls(dump_engine(tmp_path / "bad", tiny_weights, ids, row0_rmsnorm_perturbed(), step=STEP),
+                            progress=False)
     f = bad["first_origin"]
     assert bad["first_mismatch"] == f
     assert (f["class"], f["site"], f["row"], f["pos"], f["call_rows"]) == ("rmsnorm", "L0.attn_norm", 0, 0, STEP)
@@ -170,11 +189,11 @@ def test_our_invariant_set_dumps_clean_and_a_planted_fault_is_located(tmp_path, 
     origins = {(s["class"], s["site"]) for s in bad["sites"] if s["origin_mismatches"]}
     assert {c for c, _ in origins} == {"rmsnorm"}, origins
     # FP64: the invariant set's outputs lie within their class bounds; a dense kernel scaled by 9/8 on row 0 does not
-    ok = {r["class"]: r for r in dump_fp64(tmp_path / "inv", progress=False)["rows"]}
+    ok = {r["class"]: r for r in fp64_of_calls(tmp_path / "inv", progress=False)["rows"]}
     for cls in ("dense", "router", "expert_gate_up", "expert_down", "attention", "lm_head"):
         assert ok[cls]["over_bound"] == 0 and ok[cls]["bound_use"] <= 1, (cls, ok[cls])
     scaled = row0_perturbed("dense", lambda t: t * 1.125, roles=("prompt",))
-    worse = dump_fp64(dump_engine(tmp_path / "d64", tiny_weights, ids, scaled, step=STEP), progress=False)
+    worse = fp64_of_calls(dump_engine(tmp_path / "d64", tiny_weights, ids, scaled, step=STEP), progress=False)
     d = next(r for r in worse["rows"] if r["class"] == "dense")
     assert d["over_bound"] > 0 and d["bound_use"] > 1
     assert (d["worst"]["role"], d["worst"]["row"], d["worst"]["pos"] % STEP) == ("prompt", 0, 0), d["worst"]
@@ -218,16 +237,16 @@ def test_hf_dump_contract_agrees_with_brute_force_and_locates_a_planted_fault(tm
     from exactness.engines.tiny import save_tiny_qwen3_moe
     model_dir = save_tiny_qwen3_moe(tmp_path / "model")
     assert _script().main([str(model_dir), str(tmp_path / "hf"), "--tokens", "24"]) == 0
-    obj = dump_contract(tmp_path / "hf", progress=False)
+    obj = contract_of_calls(tmp_path / "hf", progress=False)
     assert {s["class"] for s in obj["sites"]} == {"dense", "attention", "rmsnorm", "router", "moe_combine", "lm_head",
                                                   "rope", "residual"}
     brute = _brute_site_counts(tmp_path / "hf")
     assert {(s["class"], s["site"]): s["mismatches"] for s in obj["sites"]} == brute   # CPU-dependent counts, agreed
     assert obj["totals"]["mismatches"] == sum(brute.values())
-    fp = dump_fp64(tmp_path / "hf", progress=False)    # the fused experts call has no per-expert inputs: skipped
+    fp = fp64_of_calls(tmp_path / "hf", progress=False)    # the fused experts call has no per-expert inputs: skipped
     assert {r["class"] for r in fp["rows"]} == {"dense", "router", "attention", "rmsnorm", "lm_head", "rope",
                                                 "residual"}
-    assert [s["class"] for s in fp["skipped"]] == ["moe_combine"] and "Not evaluated" in render_fp64_md(fp)
+    assert [s["class"] for s in fp["skipped"]] == ["moe_combine"] and "Not evaluated" in fp64_md(fp)
     # negative control: layer 0's input RMSNorm changed on prompt row 5 (calls of more than one row)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
 
@@ -239,7 +258,7 @@ def test_hf_dump_contract_agrees_with_brute_force_and_locates_a_planted_fault(tm
     handle = model.model.layers[0].input_layernorm.register_forward_hook(fault)
     dump_hf_model(tmp_path / "hf_bad", model, build_prompt("code", max_tokens=24).ids)
     handle.remove()
-    bad = dump_contract(tmp_path / "hf_bad", progress=False)
+    bad = contract_of_calls(tmp_path / "hf_bad", progress=False)
     f = bad["first_mismatch"]    # layer 0's input norm is the first call: its inputs are the embeddings
     assert (f["class"], f["site"], f["inputs_equal"]) == ("rmsnorm", "L0.input_layernorm", True)
     site = next(s for s in bad["sites"] if s["site"] == "L0.input_layernorm")

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from exactness.dumps import dump_contract, read_dump
+from exactness.analysis.contract.calls import contract_of_calls
+from exactness.dumps.reader import read_dump
 from exactness.dumps.hf_hooks import dump_hf_model
 from exactness.prompts import build_prompt
 
@@ -43,7 +44,7 @@ def _ulp(t, idx):
 
 
 def test_rope_and_residual_adds_are_dumped_and_clean(model, ids, tmp_path):
-    rep = dump_contract(dump_hf_model(tmp_path / "clean", model, ids), progress=False)
+    rep = contract_of_calls(dump_hf_model(tmp_path / "clean", model, ids), progress=False)
     by = {c["class"]: c for c in rep["classes"]}
     L = model.config.num_hidden_layers
     for cls, per_layer in (("rope", 2), ("residual", 2)):
@@ -70,7 +71,7 @@ def test_planted_rope_fault_is_located_at_rope(model, ids, tmp_path, monkeypatch
                 qe = _ulp(qe, (0, 0, 5, 0))
         return qe, ke
     monkeypatch.setattr(m, "apply_rotary_pos_emb", faulty)
-    rep = dump_contract(dump_hf_model(tmp_path / "rope", model, ids), progress=False)
+    rep = contract_of_calls(dump_hf_model(tmp_path / "rope", model, ids), progress=False)
     assert _origins(rep, "rope") == {"L1.rope_q": "5"}
     assert m.apply_rotary_pos_emb is faulty
 
@@ -97,7 +98,7 @@ def test_planted_residual_fault_is_located_at_the_add(model, ids, tmp_path):
     with plant:
         folder = dump_hf_model(tmp_path / "res", model, ids)
     assert plant.done
-    rep = dump_contract(folder, progress=False)
+    rep = contract_of_calls(folder, progress=False)
     assert _origins(rep, "residual") == {"L0.residual_attn": "7"}
     assert _origins(rep, "rope") == {}
     norm = next(s for s in rep["sites"] if s["site"] == "L0.post_attention_layernorm")

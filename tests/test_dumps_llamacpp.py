@@ -12,7 +12,10 @@ import shutil
 import pytest
 import torch
 
-from exactness.dumps import DumpError, dump_contract, read_dump, render_md
+from exactness.analysis.contract.calls import contract_of_calls
+from exactness.analysis.contract.report import render_calls_md
+from exactness.dumps.format import DumpError
+from exactness.dumps.reader import read_dump
 
 P = 12
 CLASSES = ("dense", "router", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope",
@@ -69,7 +72,7 @@ def test_identical_pair_has_no_differing_rows(gguf, ids, tmp_path):
     folder = _dump(tmp_path / "u1", gguf, ids, n_ubatch=1)
     ds = read_dump(folder)
     assert {c.role for c in ds.calls} == {"prompt", "decode"}
-    rep = dump_contract(folder, progress=False)
+    rep = contract_of_calls(folder, progress=False)
     by = {c["class"]: c for c in rep["classes"]}
     for cls in CLASSES:
         assert by[cls]["paired"] > 0 and by[cls]["status"] == "byte-exact", cls
@@ -90,7 +93,7 @@ def test_planted_ulp_is_located_at_its_op(gguf, ids, tmp_path, ubatch, site, cls
     layer = int(site.split("#")[0].rsplit("-", 1)[1])   # only the planted node's layer is written
     folder = _dump(tmp_path / "planted", gguf, ids, n_ubatch=ubatch, on_output=hook, layers=[layer])
     assert hits == [site]
-    rep = dump_contract(folder, progress=False)
+    rep = contract_of_calls(folder, progress=False)
     rec = next(s for s in rep["sites"] if s["site"] == site)
     assert rec["class"] == cls and str(pos) in _positions(rec["origin_positions"])
     first = rep["first_origin"]
@@ -102,7 +105,7 @@ def test_planted_ulp_is_located_at_its_op(gguf, ids, tmp_path, ubatch, site, cls
 def test_ubatch_512_against_token_by_token(gguf, ids, tmp_path):
     """The first op whose prompt row differs from its decode row with byte-equal inputs (printed: CPU-dependent)."""
     folder = _dump(tmp_path / "u512", gguf, ids, n_ubatch=512, gen_tokens=2)
-    rep = dump_contract(folder, progress=False)
+    rep = contract_of_calls(folder, progress=False)
     by = {c["class"]: c for c in rep["classes"]}
     decode_pos = {r[2] for c in read_dump(folder).calls if c.role == "decode" for r in c.rows}
     assert decode_pos == set(range(P + 2)) and rep["totals"]["unpaired_prompt"] == 0
@@ -114,7 +117,7 @@ def test_ubatch_512_against_token_by_token(gguf, ids, tmp_path):
         assert rep["first_mismatch"] is not None
     if first is not None:
         assert first["inputs_equal"] is True and first["call_rows"] == P
-    print("\n" + render_md(rep).split("\n\n")[2])
+    print("\n" + render_calls_md(rep).split("\n\n")[2])
     print("first mismatch with equal inputs:", first and {k: first[k] for k in ("class", "site", "pos", "ulp")})
 
 
@@ -124,7 +127,7 @@ def test_layer_and_position_selection(gguf, ids, tmp_path):
     assert {r[2] for c in ds.calls for r in c.rows} == set(range(4, 9))
     sites = {c.site for c in ds.calls}
     assert "ffn_moe_gate-1" in sites and "norm" in sites and not any(s.split("#")[0].endswith("-0") for s in sites)
-    assert dump_contract(folder, progress=False)["totals"]["unpaired_prompt"] == 0
+    assert contract_of_calls(folder, progress=False)["totals"]["unpaired_prompt"] == 0
 
 
 def test_reader_refuses_an_unknown_mapped_class(gguf, ids, tmp_path):
@@ -168,9 +171,9 @@ def test_engine_option_dumps_each_configuration_once(gguf, ids, tmp_path):
 def test_fp64_reads_the_recommended_names(gguf, ids, tmp_path):
     """Mapped nodes carry the names docs/dumps.md recommends (x, w, a, b, eps, theta): RoPE and the residual adds
     are within their FP64 bound; the bf16 matmuls are evaluated (ggml rounds their f32 input to bf16 first)."""
-    from exactness.dumps.fp64 import dump_fp64
+    from exactness.analysis.fp64.calls import fp64_of_calls
     folder = _dump(tmp_path / "w", gguf, ids, n_ubatch=512, weights=True, layers=[0])
-    rows = {r["class"]: r for r in dump_fp64(folder, progress=False)["rows"]}
+    rows = {r["class"]: r for r in fp64_of_calls(folder, progress=False)["rows"]}
     assert rows["rope"]["over_bound"] == 0 and rows["residual"]["over_bound"] == 0
     assert rows["dense"]["rows"] > 0 and rows["lm_head"]["rows"] == 2 * P
     c = next(c for c in read_dump(folder).calls if c.cls == "rmsnorm")

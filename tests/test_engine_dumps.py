@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from exactness.analysis import engines as E
+from exactness.analysis import engines_md
 from exactness.analysis import engines_dumps as ED
-from exactness.receipt.params import ParamError
-from exactness.receipt.params_engines import EnginesParams
+from exactness.params import ParamError
+from exactness.params_engines import EnginesParams
 
 P = 12
 
@@ -55,20 +56,21 @@ def _section(gguf, tokens, mode, **kw):
 def test_ubatch_512_names_the_op_the_script_names(gguf, capsys, tmp_path):
     """``always``: whether or not this CPU's n_ubatch 512 logits differ, the set is dumped and its first op that
     broke is the one scripts/dump_llamacpp.py --check prints on the same tokens."""
-    from exactness.dumps import dump_contract, read_dump
+    from exactness.analysis.contract.calls import contract_of_calls
+    from exactness.dumps.reader import read_dump
     sec = _section(gguf, P, "always")
     assert sec["errors"] == [] and sec["failures"] == []
     rec = sec["engine_dumps"][f"llamacpp:{gguf}"]
     _script().main([gguf, str(tmp_path / "script"), "--ubatch", "512", "--tokens", str(P), "--check"])
     printed = capsys.readouterr().out
-    ref = dump_contract(tmp_path / "script", progress=False)
+    ref = contract_of_calls(tmp_path / "script", progress=False)
     (got,) = rec["configs"]
     assert got["config"] == "n_ubatch-512" and got["status"] == "dumped" and got["prompt_tokens"] == P
     tokens = lambda folder: [r[3] for c in read_dump(folder).calls if c.role == "prompt" for r in c.rows]  # noqa
     assert tokens(got["folder"]) == tokens(tmp_path / "script")   # the same input
     assert got["totals"] == ref["totals"] and got["first_origin"] == ED.compact(ref)["first_origin"]
     assert got["first_mismatch"] == ED.compact(ref)["first_mismatch"]
-    o, md = got["first_origin"], E.render_md(sec)
+    o, md = got["first_origin"], engines_md.render_md(sec)
     if o is None:   # this CPU's kernels keep the contract at this call size
         assert ref["first_origin"] is None and "no op broke the contract" in md
     else:
@@ -100,7 +102,7 @@ def test_identical_pair_needs_no_dumps(gguf, tmp_path):
     assert all(r["verdict"] == "equal" for r in sec["rows"]), [r["verdict"] for r in sec["rows"]]
     rec = sec["engine_dumps"][f"llamacpp:{gguf}"]
     assert rec["configs"] == [] and rec["oracle"] is None and rec["folder"] is None
-    assert "no dumps needed: every configuration's runs equal the oracle's; 0 rows dumped" in E.render_md(sec)
+    assert "no dumps needed: every configuration's runs equal the oracle's; 0 rows dumped" in engines_md.render_md(sec)
     sec = _section(gguf, 1, "always")
     (got,) = sec["engine_dumps"][f"llamacpp:{gguf}"]["configs"]
     assert got["status"] == "dumped" and got["totals"]["paired"] > 0 and got["totals"]["mismatches"] == 0
@@ -175,7 +177,7 @@ def test_bad_value_is_one_line(bad, tmp_path, monkeypatch):
 def test_transformers_one_forward_is_dumped_and_the_others_say_why(tmp_path):
     """``always`` on the tiny transformers model: one-forward's set gives the contract dump_hf_model gives on the
     same ids; the other configurations and the oracle are named as not dumpable, with the reason."""
-    from exactness.dumps import dump_contract
+    from exactness.analysis.contract.calls import contract_of_calls
     from exactness.dumps.hf_hooks import dump_hf_model
     from exactness.engines import open_engine
     from exactness.engines.tiny import save_tiny_qwen3_moe
@@ -194,12 +196,12 @@ def test_transformers_one_forward_is_dumped_and_the_others_say_why(tmp_path):
     eng = open_engine(spec, device="cpu", dtype="bfloat16")
     try:
         ids = eng.encode(build_prompt("code").text.decode("utf-8"))[:P]
-        ref = ED.compact(dump_contract(dump_hf_model(tmp_path / "ref", eng.model, torch.tensor(ids), weights=False),
-                                       progress=False))
+        calls = dump_hf_model(tmp_path / "ref", eng.model, torch.tensor(ids), weights=False)
+        ref = ED.compact(contract_of_calls(calls, progress=False))
     finally:
         eng.close()
     got = by["one-forward"]
     assert (got["totals"], got["first_mismatch"], got["first_origin"]) == \
         (ref["totals"], ref["first_mismatch"], ref["first_origin"])
-    md = E.render_md(sec)
+    md = engines_md.render_md(sec)
     assert "**chunk-4** (prompt `code`, 12 tokens): not available: only one-forward is dumped" in md

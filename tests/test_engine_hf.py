@@ -41,12 +41,12 @@ def ids(engine):
 
 @pytest.fixture(scope="module")
 def runs(engine, ids):
-    """One Generation per configuration."""
+    """One Run per configuration."""
     return {c.name: engine.generate(ids, G, c.name) for c in engine.configurations()}
 
 
 def run_differences(a, b) -> list[str]:
-    """What differs in bytes between two Generations (empty: the same run)."""
+    """What differs in bytes between two Runs (empty: the same run)."""
     out = []
     if not exact.bytes_equal(a.gen_ids, b.gen_ids):
         out.append(f"gen_ids from {exact.first_differing_row(a.gen_ids, b.gen_ids)}")

@@ -123,7 +123,7 @@ def test_kv_bytes_are_the_cache(tiny, prompt, reference):
 
 
 def test_parse_refuses_other_layouts(tiny, prompt):
-    from exactness.engines.llamacpp import parse_seq_state
+    from exactness.engines.llamacpp_kv import parse_seq_state
     eng = open_engine(f"llamacpp:{tiny[1]['bf16']}", ubatch=[1])
     llm = eng._llm("n_ubatch-1")
     eng.generate(prompt, 1, "n_ubatch-1")

@@ -5,7 +5,7 @@ import os
 import sys
 
 from exactness.engines import open_engine, parse_spec
-from exactness.receipt.params import check_common
+from exactness.params import check_common
 
 SERVE_HERE = "import sys\nfrom exactness.engines.serve import main\nsys.exit(main(['--port', sys.argv[1]]))\n"
 

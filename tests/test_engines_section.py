@@ -10,10 +10,11 @@ import torch
 
 from exactness.analysis import engines as E
 from exactness.engines import open_engine, parse_spec
-from exactness.engines.base import EngineError, Generation, NotAvailable
+from exactness.engines.base import EngineError, NotAvailable
+from exactness.run import Run
 from exactness.engines.reference import ReferenceEngine
-from exactness.receipt.params import ParamError
-from exactness.receipt.params_engines import EnginesParams
+from exactness.params import ParamError
+from exactness.params_engines import EnginesParams
 from exactness.weights import synthetic_weights
 from exactness.config import get_preset
 from faults import row0_rmsnorm_perturbed
@@ -53,7 +54,7 @@ def test_planted_fault_is_named_with_its_first_row(w, prompts):
 
 
 def _gen(config, ids, logits=None, kv=None):
-    return Generation(config, torch.tensor(ids), prompt_logits=logits, kv=kv)
+    return Run(config, torch.tensor(ids), prompt_logits=logits, kv=kv)
 
 
 def test_compare_names_what_differs_and_what_was_not_exposed():
@@ -68,7 +69,7 @@ def test_compare_names_what_differs_and_what_was_not_exposed():
     kv = [torch.zeros(2, 2, dtype=torch.bfloat16)]
     kv2 = [kv[0].clone()]
     kv2[0][1, 1] = 2 ** -20  # a subnormal-scale change that a tolerance would accept
-    r = E.compare(Generation("x", torch.tensor([1]), kv=kv2), Generation("o", torch.tensor([1]), kv=kv))
+    r = E.compare(Run("x", torch.tensor([1]), kv=kv2), Run("o", torch.tensor([1]), kv=kv))
     assert r["kv_equal"] is False and r["verdict"].startswith("differs: KV")
 
 
@@ -209,9 +210,9 @@ def test_engine_bench_measures_each_configuration_and_refuses_a_cache_hit_as_col
         (ok, skipped) = b["cold"][c]
         assert ok["length"] == 32 and ok["cold"] is True and skipped["skipped"] == "the source prompt has 199 tokens"
     cached = _Partial()
-    cached.generate = lambda ids, gen, config: Generation(config, torch.tensor([1] * gen), ttft_s=0.1,
-                                                          info={"usage": {"prompt_tokens_details":
-                                                                          {"cached_tokens": 16}}})
+    cached.generate = lambda ids, gen, config: Run(config, torch.tensor([1] * gen), ttft_s=0.1,
+                                                   info={"usage": {"prompt_tokens_details":
+                                                                   {"cached_tokens": 16}}})
     (row,) = cold_rows(cached, source, [32], 2, "a")
     assert row["cold"] is False and row["cached_tokens"] == 16
 

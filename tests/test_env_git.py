@@ -16,7 +16,7 @@ def test_dirty_counts_code_changes_not_user_files(tmp_path):
     _git(tmp_path, "add", "-A")
     _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
     assert git_state(tmp_path)["dirty"] is False
-    (tmp_path / "my.jsonl").write_text('{"name": "a", "text": "hi"}\n')        # the README's own prompt file
+    (tmp_path / "my.jsonl").write_text('{"name": "a", "text": "hi"}\n')        # docs/engines.md's own prompt file
     (tmp_path / "my-server.yaml").write_text("kind: openai\n")
     assert git_state(tmp_path)["dirty"] is False
     (tmp_path / "lib" / "b.py").write_text("y = 2\n")                          # new code: dirty

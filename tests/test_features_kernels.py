@@ -11,19 +11,21 @@ import torch
 
 from exactness.analysis.contract import cases as cc
 from exactness.analysis.contract import check as C
+from exactness.analysis.contract import combine, report as contract_report
 from exactness.analysis.fp64 import cert as fp64_cert
 from exactness.analysis.fp64 import ref as fp64_ref
+from exactness.analysis.fp64 import report as fp64_report
 from exactness.analysis.fp64 import section as fp64
 from exactness.analysis.fp64 import synth
 from exactness.analysis.taps import TapRecorder
 from exactness.config import get_preset
 from exactness.exact import bytes_equal, first_differing_row
 from exactness.kernels import KernelSet, get_set, quant
-from exactness.kernels.dense import dense_invariant
+from exactness.kernels.cuda import dense_invariant
 from exactness.kernels.router import router_invariant
 from exactness.model import tapping
 from exactness.paths import Schedule, generate
-from exactness.receipt.params import ContractParams, Fp64Params, ParamError
+from exactness.params import ContractParams, Fp64Params, ParamError
 from exactness.weights import synthetic_weights
 
 FORMATS = ("int4_g128", "nvfp4")
@@ -84,7 +86,7 @@ def test_quantized_dense_contract_identical_copy_clean_scale_fault_located(fmt):
 def test_quantized_expert_down_fault_caught_on_captured_rows():
     def fault(h, w):
         return experts_down(h, quant.with_scale(w, 0, 0, 0.5) if isinstance(w, quant.QuantWeight) else w)
-    from exactness.kernels.experts import down_any as experts_down
+    from exactness.kernels.cuda import down_any as experts_down
     ks = _prompt_variant("invariant+down-fault", "expert_down", fault)
     res = C.check_pair(*_pair(ks, "expert_down"), "cpu", "bfloat16", "quick", sources=("captured",),
                        weights="int4_g128", stop_at_first=True)
@@ -138,7 +140,7 @@ def test_run_section_rows_name_their_weights_and_merge_per_format(monkeypatch):
     quant_cov = [c for c in sec["coverage"] if c["weights_format"] == "int4_g128"]
     assert {c["class"]: c["status"] for c in quant_cov} == {"dense": "uncovered", "expert_gate_up": "uncovered",
                                                             "expert_down": "checked"}
-    md = C.render_md(sec)
+    md = contract_report.render_md(sec)
     assert "Quantized weights" in md and "| invariant | bfloat16 | int4_g128 | expert_down" in md
     # one part per format merges into the one run
     done = {r["weights_format"]: r for r in sec["rows"]}
@@ -147,10 +149,10 @@ def test_run_section_rows_name_their_weights_and_merge_per_format(monkeypatch):
         return [C.PairResult(cls=done[weights]["class"], **{k: v for k, v in done[weights].items() if k != "class"})]
     monkeypatch.setattr(C, "check_set", lookup)
     parts = [C.run_section({**base, "contract_weights": [f]}) for f in ("bf16", "int4_g128")]
-    merged = C.merge_sections(parts)
+    merged = combine.merge_sections(parts)
     assert {k: v for k, v in merged.items() if k != "provenance"} == sec
     with pytest.raises(ValueError, match="overlap"):
-        C.merge_sections([parts[1], parts[1]])
+        combine.merge_sections([parts[1], parts[1]])
 
 
 def test_contract_and_fp64_parameters_refused_with_what_is_allowed():
@@ -215,7 +217,7 @@ def test_fp64_section_on_quantized_captured_runs():
     assert {r["class"] for r in gemm} == {"dense", "expert_gate_up", "expert_down"}
     bad = [(r["class"], r["path"], r["verdict"]) for r in rows if r["verdict"] not in ("within bound", "exact")]
     assert bad == [] and all(r["ref_certified"] for r in rows)
-    assert "(nvfp4 weights)" in fp64.render_md(sec)
+    assert "(nvfp4 weights)" in fp64_report.render_md(sec)
 
 
 def test_grouped_router_taps_and_decisions_apply_the_group_mask(code_prompt):

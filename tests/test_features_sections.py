@@ -11,14 +11,15 @@ import torch
 
 import exactness.cache as kvc
 from exactness.analysis import hashes, streams
+from exactness.analysis import bench_tables, streams_report
 from exactness.config import get_preset
 from exactness.exact import token_hash
 from exactness.kernels import KERNEL_SETS, KernelSet, get_set
 from exactness.kernels.router import router_invariant
 from exactness.paths import Schedule, generate
 from exactness.prompts import build_prompt
-from exactness.receipt.params import HashesParams, ParamError, StreamsParams
-from exactness.receipt.profiles import get_profile
+from exactness.params import HashesParams, ParamError, StreamsParams
+from exactness.profiles import get_profile
 from exactness.weights import synthetic_weights
 
 import brute
@@ -189,8 +190,8 @@ def test_streams_packed_equals_alone_and_a_leak_is_named(monkeypatch):
     assert leak["equal_to_alone"]["neq"] == 2
     others = [r for part in ("drafted", "resumed", "concurrent") for r in sec["data"][part] if r["set"] == "invariant"]
     assert len(others) == 10 and all(r["equal"] for r in others)   # every stream part on the fp8 cache
-    md = streams.render_md(sec)
-    assert "### packed == alone" in md and "packed == alone" in streams.verdict_md(sec["data"])
+    md = streams_report.render_md(sec)
+    assert "### packed == alone" in md and "packed == alone" in streams_report.verdict_md(sec["data"])
     assert sec["data"]["settings"]["kv_dtype"] == "fp8_e4m3_block"
 
 
@@ -221,14 +222,15 @@ def test_reference_engine_and_serve_take_the_feature_options():
 def test_bench_runs_on_the_profile_weights_and_kv_dtype(monkeypatch):
     """Every bench request runs the configured model: each paths.generate call gets int4_g128 weights and an fp8
     block-scaled cache, and the plain and drafted hashes equal paths.generate's on that model."""
-    from exactness.analysis import bench, bench_runner
+    from exactness.analysis import bench
+    from exactness.engines import reference
     from exactness.weights import weights_format
     seen = []
 
     def spy(w, *args, **kw):
         seen.append((weights_format(w), kw.get("kv_dtype")))
         return generate(w, *args, **kw)
-    monkeypatch.setattr(bench_runner, "generate", spy)   # the module whose requests call it
+    monkeypatch.setattr(reference, "generate", spy)   # the module whose requests call it
     params = dict(preset="tiny", device="cpu", dtype="bfloat16", prompts=["short"], prompt_max_tokens=16,
                   gen_tokens=3, deep_threshold=8, kernel_sets=["invariant"], bench_path="deep", bench_step=8,
                   bench_reps=1, bench_itl_reps=1, bench_cold_lengths=[16], weights="int4_g128",
@@ -240,11 +242,11 @@ def test_bench_runs_on_the_profile_weights_and_kv_dtype(monkeypatch):
     want = token_hash(generate(synthetic_weights(get_preset("tiny"), weights="int4_g128"), ids, 3, "invariant",
                                Schedule("deep", 8, 8), kv_dtype="fp8_e4m3_block").gen_ids)
     assert {run["hash"] for part in ("plain", "drafted") for row in data[part] for run in row["runs"]} == {want}
-    assert "weights int4_g128, KV cache fp8_e4m3_block" in bench.config_line(data)
+    assert "weights int4_g128, KV cache fp8_e4m3_block" in bench_tables.config_line(data)
 
 
 def test_offload_with_quantized_weights_is_refused():
-    from exactness.receipt.params import BenchParams
+    from exactness.params import BenchParams
     base = {**SMALL, "kernel_sets": ["invariant"], "weights": "nvfp4"}
     with pytest.raises(ParamError, match="hash_offload with weights='nvfp4' is not allowed.*allowed: weights='bf16'"):
         HashesParams.from_dict({**base, "hash_offload": [False, True]})

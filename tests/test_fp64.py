@@ -13,6 +13,7 @@ import torch
 from exactness.analysis.fp64 import section as fp64
 from exactness.analysis.fp64 import cert as fp64_cert
 from exactness.analysis.fp64 import ref as fp64_ref
+from exactness.analysis.fp64 import report as fp64_report
 from exactness.analysis.fp64 import synth
 from exactness.analysis.taps import TapRecorder
 from exactness.analysis.ulp import round_to, step
@@ -21,7 +22,7 @@ from exactness.exact import bytes_equal
 from exactness.kernels import get_set
 from exactness.model import tapping
 from exactness.paths import Schedule, generate
-from exactness.receipt.profiles import get_profile
+from exactness.profiles import get_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = get_preset("tiny")
@@ -264,10 +265,10 @@ def test_section_rows_cover_every_class_and_path(section):
 
 
 def test_render_md_is_compact(section):
-    md = fp64.render_md(section)
+    md = fp64_report.render_md(section)
     assert "| class" in md and "#### Captured activations" in md and len(md) < 20_000
     with pytest.raises(ValueError, match="no rows"):
-        fp64.render_md({"rows": []})
+        fp64_report.render_md({"rows": []})
 
 
 def test_bad_parameters():
@@ -305,6 +306,6 @@ def test_uncertified_reference_fails_the_receipt(section):
 def test_cuda_asked_for_without_cuda_is_a_clear_error():
     """device='cuda' where torch sees none: the same clear ValueError as the other sections, before any work."""
     from exactness.analysis.fp64 import section as fp64
-    from exactness.receipt.profiles import get_profile
+    from exactness.profiles import get_profile
     with pytest.raises(ValueError, match="sees no CUDA device; allowed here: 'cpu'"):
         fp64.run_section({**get_profile("ci").parameters(), "device": "cuda"})

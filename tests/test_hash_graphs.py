@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from exactness.analysis import hashes, hashes_md
-from exactness.analysis.hashes_report import graphs_summary
+from exactness.analysis.hashes_report import graphs_summary, summary_table
+from exactness.engines import reference
 from exactness.prompts import build_prompt
 
 BASE = dict(preset="tiny", device="cpu", dtype="bfloat16", prompts=["short"], prompt_max_tokens=None, steps=[16],
@@ -28,12 +29,12 @@ def same_rows(a: list[dict], b: list[dict], ignore: tuple = ()) -> bool:
 @pytest.fixture
 def calls(monkeypatch) -> list:
     """The ``graphs`` argument of every generate call the hash matrix makes."""
-    seen, generate = [], hashes.generate
+    seen, generate = [], reference.generate
 
     def spy(*args, graphs=False, **kw):
         seen.append(graphs)
         return generate(*args, graphs=graphs, **kw)
-    monkeypatch.setattr(hashes, "generate", spy)
+    monkeypatch.setattr(reference, "generate", spy)   # where our engine's runs call it
     return seen
 
 
@@ -44,8 +45,8 @@ def test_on_the_cpu_hash_graphs_tries_nothing_and_changes_nothing(calls):
     assert len(calls) == 6 and not any(calls)
     assert all(r["graphs"] is None for r in on["rows"] + off["rows"])
     assert same_rows(on["rows"], off["rows"]) and on["curves"] == off["curves"]
-    assert "CUDA graphs" not in hashes.render_md(on) and graphs_summary(on["rows"]) is None
-    assert "graphs" not in hashes.summary_table(on["rows"]).columns
+    assert "CUDA graphs" not in hashes_md.render_md(on) and graphs_summary(on["rows"]) is None
+    assert "graphs" not in summary_table(on["rows"]).columns
     planted = [dict(r) for r in on["rows"]]             # negative control: one row's hash changed
     planted[1]["hash"] = "0" * 12
     assert not same_rows(planted, off["rows"])
@@ -71,7 +72,7 @@ def test_a_cpu_run_that_asks_for_graphs_records_why_none_served(tiny_weights, ca
     assert summary.startswith("replayed in 0 of 3 runs; not in 3: CUDA graphs need a CUDA device")
     assert hashes_md._graphs_line(rows) == ("CUDA graphs (decode steps, the oracle's prompt rows included): "
                                             f"invariant: {summary}")
-    assert hashes.summary_table(rows).columns["graphs"]
+    assert summary_table(rows).columns["graphs"]
 
 
 def test_the_graphs_summary_counts_replayed_runs_and_each_reason():

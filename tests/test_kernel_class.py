@@ -8,6 +8,7 @@ import torch
 
 from exactness.analysis.contract import check as C
 from exactness.analysis.contract import cases as cc
+from exactness.analysis.contract import combine
 from exactness.analysis.fp64 import section as fp64
 from exactness.analysis.fp64 import cert as fp64_cert
 from exactness.analysis.fp64 import ref as fp64_ref
@@ -79,8 +80,9 @@ def test_toy_class_is_checked_by_the_contract(toy):
     assert (p, d) in C.selected_pairs("toy", ["scale"])
     res = C.check_pair(p, d, "cpu", "float32", "quick", sources=("random",))
     assert (res.cls, res.set, res.mismatches) == ("scale", "toy", 0)
-    assert res.cases == sum(c.M for c in cc.plan("scale", "quick")) and res.m_ranges.startswith("1-130,")
-    cov, unc = C.coverage([res.to_row()], ["toy", "invariant"], "cpu", ["float32"])
+    both = cc.plan("scale", "quick") + cc.decode_plan("scale", "quick")   # prompt kernel; decode kernel at M > 1
+    assert res.cases == sum(c.M for c in both) and res.m_ranges.startswith("1-130,")
+    cov, unc = combine.coverage([res.to_row()], ["toy", "invariant"], "cpu", ["float32"])
     status = {(c["class"], c["set"]): c["status"] for c in cov}
     assert status[("scale", "toy")] == "checked" and status[("dense", "toy")] == "uncovered"
     want = {"class": "scale", "set": "invariant", "dtype": "float32", "device": "cpu", "reason": "no registered pair"}

@@ -12,7 +12,7 @@ from exactness.analysis import hashes, streams
 from exactness.analysis.contract import check as contract
 from exactness.analysis.fp64 import section as fp64
 from exactness.kernels import KERNEL_SETS, get_set, imported, provenance
-from exactness.receipt.params import ParamError, check_common
+from exactness.params import ParamError, check_common
 from exactness.receipt.render import render_header, render_summary
 
 MODULE = "user_kernels_h9"

@@ -14,6 +14,7 @@ import pytest
 matplotlib.use("Agg")
 
 from exactness.analysis import engines as E  # noqa: E402
+from exactness.analysis import engines_md  # noqa: E402
 from exactness.analysis.repeat import MANY_PROMPTS, many_prompts, prompt_counts  # noqa: E402
 from exactness.analysis.repeat_md import bins, counts_block, histogram_text, plot_divergence  # noqa: E402
 from exactness.config import get_preset  # noqa: E402
@@ -76,7 +77,7 @@ def test_histogram_bins_hold_every_flip():
 
 
 def test_receipt_md_shows_counts_not_a_row_per_run(section):
-    md = E.render_md(section)
+    md = engines_md.render_md(section)
     c = section["prompt_counts"][0]
     shown = [f"p{i:03d}" for i in range(N_PROMPTS) if f"p{i:03d}" in md]
     assert shown == [c["min_flip_prompt"]]                  # no row per prompt: only the smallest flip is named

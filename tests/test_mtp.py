@@ -38,7 +38,7 @@ def test_drafted_equals_plain_invariant(tiny_weights, ids, plain, k):
     assert bytes_equal(r.gen_logits, plain.gen_logits), first_differing_row(r.gen_logits, plain.gen_logits)
     assert kv_first_difference(r.cache, plain.cache) is None
     assert r.stats.proposed > 0 and r.stats.rounds > 0 and 0 <= r.stats.accepted <= r.stats.proposed
-    assert r.mtp_source.startswith("synthetic")
+    assert r.info["mtp_source"].startswith("derived")
 
 
 def test_self_draft_accepts_every_draft_invariant(tiny_weights, ids, plain):
@@ -47,6 +47,35 @@ def test_self_draft_accepts_every_draft_invariant(tiny_weights, ids, plain):
     assert r.stats.acceptance_rate == 1.0, r.stats
     # token 0 from the prefill, rounds of 3 drafts + 1 model token: 4 + 3 (2 drafts: never past GEN)
     assert (r.stats.proposed, r.stats.rounds) == (5, 2)
+
+
+@pytest.mark.parametrize("name", ["short", "code", "docs"])
+def test_derived_head_accepts_most_drafts(tiny_weights, name):
+    """The default head (derived from the model) on the ci profile's prompts: at least half the drafts accepted, so
+    drafted == plain compares verify rows >= 1; drafted still equals plain."""
+    ids = build_prompt(name, max_tokens=300).ids
+    step = 128 if ids.numel() > 128 else ids.numel() // 3
+    r = mtp.generate_drafted(tiny_weights, ids, 32, "invariant", Schedule("batched", step), k=2)
+    assert r.info["mtp_source"].startswith("derived") and r.stats.acceptance_rate >= 0.5, r.stats
+    assert torch.equal(r.gen_ids, generate(tiny_weights, ids, 32, "invariant", Schedule("batched", step)).gen_ids)
+
+
+def test_derived_head_reads_no_random_state_and_shares_the_models_layers(tiny_weights):
+    state = torch.random.get_rng_state()
+    m = mtp.resolve_mtp(tiny_weights)
+    assert torch.equal(state, torch.random.get_rng_state())
+    assert m.derived and [lw.wq for lw in m.blocks] == [lw.wq for lw in tiny_weights.layers]
+    assert bytes_equal(m.proj[:, :tiny_weights.cfg.hidden], torch.eye(tiny_weights.cfg.hidden, dtype=m.proj.dtype))
+    assert not m.proj[:, tiny_weights.cfg.hidden:].any()
+
+
+def test_derived_head_reads_offloaded_experts(tiny_weights, ids):
+    """With an offload store the model's weights hold no experts: the derived head reads them from the store."""
+    from exactness.offload import ExpertStore
+    store = ExpertStore(tiny_weights, "offload", ring_slots=2)
+    r = mtp.generate_drafted(store.weights, ids, GEN, "invariant", Schedule("batched", STEP), k=2, experts=store)
+    ref = mtp.generate_drafted(tiny_weights, ids, GEN, "invariant", Schedule("batched", STEP), k=2)
+    assert torch.equal(r.gen_ids, ref.gen_ids) and r.stats == ref.stats and store.stats["sync_fetches"] > 0
 
 
 def test_mtp_cache_holds_exactly_the_accepted_rows(tiny_weights, ids):

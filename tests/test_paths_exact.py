@@ -17,7 +17,8 @@ from exactness.cache import KVCache
 from exactness.config import get_preset
 from exactness.exact import bytes_equal, kv_first_difference
 from exactness.kernels import KernelSet, get_set
-from exactness.paths import Schedule, decode_step, generate, prefill
+from exactness.loop import decode_step
+from exactness.paths import Schedule, generate, prefill
 from exactness.prompts import build_prompt
 from exactness.weights import synthetic_weights
 

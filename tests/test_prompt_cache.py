@@ -40,7 +40,7 @@ def resume(w, ids, ks, mode, step=STEP):
 
 def diffs(fresh, run):
     """(first differing token, tail row, generated-logits row, KV position); all None when resumed == fresh."""
-    tail = first_differing_row(run.tail_logits, fresh.prompt_logits[run.resumed_from:])
+    tail = first_differing_row(run.prompt_logits, fresh.prompt_logits[run.prompt_start:])
     return (first_differing_row(run.gen_ids, fresh.gen_ids), tail,
             first_differing_row(run.gen_logits, fresh.gen_logits), kv_first_difference(run.cache, fresh.cache))
 
@@ -48,8 +48,8 @@ def diffs(fresh, run):
 @pytest.mark.parametrize("mode", ["grid", "any"])
 def test_resumed_equals_fresh_invariant(tiny_weights, ids, mode):
     fresh, run, split = resume(tiny_weights, ids, "invariant", mode)
-    assert run.resumed_from == split and (split % STEP == 0) == (mode == "grid")
-    assert run.tail_logits.shape[0] == ids.numel() - split  # only the tail was prefilled
+    assert run.prompt_start == split and (split % STEP == 0) == (mode == "grid")
+    assert run.prompt_logits.shape[0] == ids.numel() - split  # only the tail was prefilled
     assert diffs(fresh, run) == (None, None, None, None)
 
 
@@ -64,7 +64,7 @@ def test_fast_set_equal_on_grid_and_measured_off_grid(tiny_weights, ids):
     fresh, run, split = resume(tiny_weights, ids, "fast", "any", step=24)
     _, tail_row, _, kv_pos = diffs(fresh, run)
     assert split == 35
-    assert tail_row == brute.first_row(run.tail_logits, fresh.prompt_logits[split:])
+    assert tail_row == brute.first_row(run.prompt_logits, fresh.prompt_logits[split:])
     assert kv_pos == brute.first_kv_position(run.cache, fresh.cache)
     if kv_pos is not None:
         assert kv_pos >= split, "positions before the resume point come from the shared prefix"

@@ -22,10 +22,9 @@ from exactness.exact import token_hash
 from exactness.prompt_files import build_prompts, prompt_record, resolve
 from exactness.prompts import plain_chat_text
 from exactness.receipt.cli import main
-from exactness.receipt.params import ParamError, check_common
+from exactness.params import ParamError, check_common
 from exactness.receipt.preflight import PreflightError, check_run
-from exactness.receipt.render import table
-from exactness.receipt.tables import Table
+from exactness.tables import Table, table
 from exactness.tokenizer import ByteTokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -353,8 +352,8 @@ def test_the_ids_prompt_shows_the_tiny_gguf_flipping_tokens(four_engines):
 
 def test_fp64_captures_a_file_prompt_by_name():
     from exactness.analysis.fp64.section import capture_plan
-    from exactness.receipt.params import Fp64Params
-    from exactness.receipt.profiles import get_profile
+    from exactness.params import Fp64Params
+    from exactness.profiles import get_profile
 
     base = {k: v for k, v in get_profile("ci").parameters().items() if k in Fp64Params.names()}
     ids = next(o["ids"] for o in _lines(ENGINES_FILE) if o["name"] == "ids-flips")

@@ -10,7 +10,7 @@ from exactness.config import get_preset
 from exactness.exact import bytes_equal, differing_rows, first_differing_row, kv_first_difference
 from exactness.kernels import KernelSet, get_set
 from exactness.kernels import quant
-from exactness.kernels.dense import dense_invariant
+from exactness.kernels.cuda import dense_invariant
 from exactness.paths import Schedule, generate
 from exactness.weights import synthetic_weights, weights_format
 

@@ -12,10 +12,15 @@ from pathlib import Path
 import nbformat
 import pytest
 from exactness.receipt import runner as receipt
+from exactness.receipt import env as env_module
 from exactness.receipt import page as page_module
 from exactness.receipt import render
 from exactness.receipt.cli import main
-from exactness.receipt.runner import ReceiptError, add_section, parse_overrides, run_receipts
+from exactness.receipt.overrides import parse_overrides
+from exactness.params import BenchParams
+from exactness.profiles import get_profile
+from exactness.receipt.runfolder import ReceiptError
+from exactness.receipt.runner import add_section, run_receipts
 from exactness.receipt.sections import SECTIONS
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -265,17 +270,17 @@ def test_markdown_escapes_pipes_and_newlines():
 
 
 def test_git_state_outside_a_repo(tmp_path, monkeypatch):
-    state = receipt.git_state(tmp_path)
+    state = env_module.git_state(tmp_path)
     assert state["sha"] is None and state["dirty"] is None and state["error"]
     # a tree copied without .git (the GPU machine): the commit stated by the caller, marked as stated
     monkeypatch.setenv("EXACTNESS_GIT_SHA", "ab" * 20)
     monkeypatch.setenv("EXACTNESS_GIT_DIRTY", "0")
-    state = receipt.git_state(tmp_path)
+    state = env_module.git_state(tmp_path)
     assert {k: state[k] for k in ("sha", "short", "dirty", "source")} == {
         "sha": "ab" * 20, "short": "ababab" + "a", "dirty": False, "source": "EXACTNESS_GIT_SHA"}
     assert state["git_said"]["sha"] is None and state["git_said"]["error"]
     monkeypatch.setenv("EXACTNESS_GIT_SHA", "not-a-sha")
-    assert receipt.git_state(tmp_path)["sha"] is None
+    assert env_module.git_state(tmp_path)["sha"] is None
 
 
 def test_environment_record():
@@ -439,23 +444,24 @@ def test_bad_values_are_refused_before_anything_runs(tmp_path, override, message
 
 def test_precomputed_sections_of_another_profile_are_refused(tmp_path):
     """Rendering GPU sections under the CPU profile (or a CUDA profile over a CPU env.json) is refused."""
-    per_nb = {"50_bench": {"preset": "tiny", "device": "cpu"}}
+    def bench(profile, **over):   # the bench notebook's parameters as the runner plans them
+        p = {**get_profile(profile).parameters(), **over}
+        return {"50_bench": {"params": {k: v for k, v in p.items() if k in BenchParams.names()}}}
     (tmp_path / "bench.json").write_text(json.dumps(
         {"section": "bench", "data": {"config": {"preset": "small", "device": "cuda:0"}}}))
     with pytest.raises(ReceiptError, match="computed with preset 'small' on 'cuda', but this profile has preset "
                                            "'tiny' on 'cpu'"):
-        receipt.precomputed_parameters(tmp_path, per_nb, {})
-    ok = {"50_bench": {"preset": "small", "device": "cuda"}}
-    assert receipt.precomputed_parameters(tmp_path, ok, {"host": "here"}) == {"host": "here"}
+        receipt.precomputed_parameters(tmp_path, bench("ci"), {})
+    assert receipt.precomputed_parameters(tmp_path, bench("gpu"), {"host": "here"}) == {"host": "here"}
     (tmp_path / "bench.json").write_text(json.dumps(
         {"section": "bench", "data": {"config": {"preset": "small", "device": "cuda:0", "gen_tokens": 64}}}))
-    with pytest.raises(ReceiptError, match="computed with 64 generated tokens, but the parameters say 192; add "
+    with pytest.raises(ReceiptError, match="computed with 64 generated tokens, but the parameters say 192; .*"
                                            "--param bench_gen_tokens=64"):
-        receipt.precomputed_parameters(tmp_path, {"50_bench": {"preset": "small", "device": "cuda",
-                                                               "bench_gen_tokens": 192}}, {})
+        receipt.precomputed_parameters(tmp_path, bench("gpu"), {})
+    assert receipt.precomputed_parameters(tmp_path, bench("gpu", bench_gen_tokens=64), {}) == {}
     (tmp_path / "env.json").write_text(json.dumps({"cuda_available": False}))
     with pytest.raises(ReceiptError, match="without CUDA"):
-        receipt.precomputed_parameters(tmp_path, {"50_bench": {"preset": "small", "device": "cuda"}}, {})
+        receipt.precomputed_parameters(tmp_path, bench("gpu", bench_gen_tokens=64), {})
 
 
 def test_sections_command_with_no_sections(tmp_path, capsys):
@@ -477,7 +483,7 @@ def test_tables_show_dashes_words_and_integers_without_an_index():
     """Every table cell goes through tables.cell_text: None/NaN/pd.NA as a dash (with a footnote saying what it
     means), booleans as words, whole numbers as integers; the HTML hides the index."""
     import pandas as pd
-    from exactness.receipt.tables import Table
+    from exactness.tables import Table
 
     df = pd.DataFrame({"pos": [8, None], "margin": [0.5, float("nan")], "equal": [True, False],
                        "n": pd.array([3, pd.NA], dtype="Int64")})
@@ -506,7 +512,7 @@ def test_html_drops_stderr_but_the_executed_notebook_keeps_it(tmp_path):
     path = tmp_path / "nb.ipynb"
     nbformat.write(nb, str(path))
     before = path.read_text()
-    html = render.render_html({"status": "ok", "profile": "ci"}, [path])
+    html = page_module.render_html({"status": "ok", "profile": "ci"}, [path])
     assert "shown to the reviewer" in html and "hash matrix" not in html
     assert 'data-mime-type="application/vnd.jupyter.stderr"' not in html
     assert path.read_text() == before
@@ -545,7 +551,7 @@ def test_summary_is_stored_and_a_rendering_failure_fails_the_receipt(tmp_path, m
 
     def boom(*a, **k):
         raise RuntimeError("renderer broke")
-    monkeypatch.setattr(render, "render_html", boom)
+    monkeypatch.setattr(page_module, "render_html", boom)
     rec = {**_huge_receipt(2), "errors": []}
     receipt._write_outputs(rec, tmp_path, [])
     data = json.loads((tmp_path / "receipt.json").read_text())

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +104,44 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
+def lib_env(**extra: str) -> dict:
+    """This process's environment with ``lib`` first on PYTHONPATH (what PYTHONPATH held stays: a Python whose
+    packages sit in a folder on it, as ``make test PY=... WHEELS=...`` sets up, still finds them)."""
+    path = os.pathsep.join(p for p in (str(ROOT / "lib"), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+class StderrReader:
+    """Reads a process's stderr in a thread, so a test can wait for a line while the pipe never fills."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.text, self._thread = "", threading.Thread(target=self._read, args=(proc.stderr,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream):
+        for chunk in iter(lambda: stream.read(256), ""):
+            self.text += chunk
+
+    def wait_for(self, needle: str, proc: subprocess.Popen, timeout_s: float, what: str):
+        deadline = time.monotonic() + timeout_s
+        while needle not in self.text:
+            assert proc.poll() is None, f"{what}: the process ended ({proc.returncode}): {self.text}"
+            assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s: {self.text}"
+            time.sleep(0.2)
+
+    def rest(self) -> str:
+        self._thread.join(timeout=60)
+        return self.text
+
+
+def _gone(pids, timeout_s: float = 30) -> list[int]:
+    """Those of ``pids`` still alive after up to ``timeout_s`` (a loaded machine takes a while to reap them)."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -114,23 +153,23 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the notebook kernel's process")
 def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "lib")}
     proc = subprocess.Popen([sys.executable, "-m", "exactness", "receipts", "--profile", "ci", "--sections", "hashes",
-                             "--out", str(out)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".run.tmp-*/10_output_hashes.ipynb")):   # papermill writes it as the run starts
-        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
-        time.sleep(0.2)
-    time.sleep(2)
+                             "--out", str(out)], cwd=ROOT, env=lib_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    err = StderrReader(proc)
+    # the signal comes while the notebook's kernel computes (its progress line forwarded), however loaded the
+    # machine (other tests beside this one under pytest -n) and however long the kernel took to start
+    err.wait_for("hash matrix", proc, 300, "the hash matrix did not start")
     kernels = _descendants(proc.pid)
     assert kernels, "the notebook kernel should be running"
+    assert list(tmp_path.glob(".run.tmp-*/10_output_hashes.ipynb")), "the run should be in its temporary folder"
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "stopped: terminated by signal 15; nothing was written" in err
+    proc.wait(timeout=120)
+    text = err.rest()
+    assert proc.returncode == 128 + signal.SIGTERM, text
+    assert "stopped: terminated by signal 15; nothing was written" in text
     assert list(tmp_path.iterdir()) == [], "the temporary folder must be removed"
-    time.sleep(1)
-    assert [p for p in kernels if _alive(p)] == [], "the notebook kernel must be shut down"
+    assert _gone(kernels) == [], "the notebook kernel must be shut down"
 
 
 def test_stale_temporary_folder_of_a_dead_run_is_removed(tmp_path, capsys):

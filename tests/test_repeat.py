@@ -15,16 +15,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from exactness.analysis import engines as E
+from exactness.analysis import engines_md
 from exactness.analysis.repeat import distinct, parting, repeat_engine, repeat_errors, repeat_level
 from exactness.analysis.repeat_md import repeat_block
 from exactness.config import get_preset
 from exactness.engines import open_engine
-from exactness.engines.base import Configuration, Generation, NotAvailable
+from exactness.engines.base import Configuration, NotAvailable
+from exactness.run import Run
 from exactness.engines.openai import OpenAIEngine
 from exactness.engines.reference import ReferenceEngine
 from exactness.paths import Schedule, generate
-from exactness.receipt.params import ParamError
-from exactness.receipt.params_engines import EnginesParams
+from exactness.params import ParamError
+from exactness.params_engines import EnginesParams
 from exactness.weights import synthetic_weights
 from faults import row0_perturbed
 from http_servers import ThreadServer
@@ -82,7 +84,7 @@ class _NoBatching:
         return [Configuration("a"), Configuration("b")]
 
     def generate(self, ids, gen, config):
-        return Generation(config, torch.arange(gen))
+        return Run(config, torch.arange(gen))
 
     def concurrent(self, prompts, gen, config):
         raise NotAvailable("requests run one at a time")
@@ -105,7 +107,7 @@ def test_section_runs_the_repeat_test_alone_and_renders_it(w):
     assert sec["rows"] == [] and sec["streams"] == {} and sec["errors"] == []
     res = sec["repeat"]["reference:invariant"]
     assert res["prompt"] == "code" and res["configs"]["batched"][0]["distinct"] == 1
-    md = E.render_md(sec)
+    md = engines_md.render_md(sec)
     assert "The same request N times under load" in md
     assert "| reference:invariant | batched | code | 2 | 4 | 0 | 0 | 1 | 100.0% |" in " ".join(md.split())
 

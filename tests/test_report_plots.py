@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from exactness.analysis.fp64 import report as fp64_report  # noqa: E402
-from exactness.analysis import hashes  # noqa: E402
+from exactness.analysis import hashes_report  # noqa: E402
 
 
 def _curve(kernels, path, y, offload=False):
@@ -22,7 +22,7 @@ def test_plot_curves_draws_every_named_curve_and_lists_exact_runs():
                           _curve("fast", "batched", [0, 0.1, 0, 0.2], offload=True),  # identical: shares a panel
                           _curve("fast", "deep", [0, 0, 0.5, 0]),                      # one isolated position
                           _curve("invariant", "batched", [0, 0, 0, 0]), _curve("invariant", "deep", [0, 0, 0, 0])]}
-    fig = hashes.plot_curves(section)
+    fig = hashes_report.plot_curves(section)
     drawn = [ax for ax in fig.axes if ax.lines]
     assert sorted(ax.get_title(loc="left") for ax in drawn) == [
         "p: fast batched@8 (resident and offloaded)", "p: fast deep@8"]

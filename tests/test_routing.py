@@ -5,7 +5,7 @@ import torch
 
 from exactness.config import PRESETS, get_preset
 from exactness.exact import bytes_equal, differing_rows, first_differing_row, kv_first_difference
-from exactness.kernels import experts, get_set
+from exactness.kernels import cuda, experts, get_set
 from exactness.kernels.router import router_fast, router_invariant
 from exactness.model import tapping
 from exactness.paths import Schedule, generate, prefill
@@ -104,7 +104,7 @@ def test_grouped_routing_in_the_model(ids):
 def _nudged_down(h, w_down):
     """The invariant expert_down with element 0 of every row moved to the next bf16 value (a cold kernel that
     rounds differently)."""
-    out = experts.down_any(h, w_down).clone()
+    out = cuda.down_any(h, w_down).clone()
     out[:, 0] = (out[:, 0].view(torch.int16) + 1).view(out.dtype)
     return out
 
@@ -122,7 +122,7 @@ def _layer0(w, ids, ks):
 def test_expert_id_aware_residency_set(tiny_weights, ids):
     base = get_set("invariant")
     hot = {0, 1, 2, 3}
-    same = experts.by_expert(base, hot, experts.gate_up_any, experts.down_any, name="hot-cold-same")
+    same = experts.by_expert(base, hot, cuda.gate_up_any, cuda.down_any, name="hot-cold-same")
     assert same.options["expert_id_aware"] and "grouped_experts" not in same.options
     ref_logits, ref_y, idx = _layer0(tiny_weights, ids, base)
     logits, y, _ = _layer0(tiny_weights, ids, same)
@@ -130,11 +130,11 @@ def test_expert_id_aware_residency_set(tiny_weights, ids):
     oracle = generate(tiny_weights, ids, 2, same, Schedule("decode"))
     assert first_differing_row(oracle.prompt_logits, ref_logits) is None
     # hot and cold kernels that differ: exactly the rows routed to a cold expert in layer 0 are flagged
-    cold = experts.by_expert(base, hot, experts.gate_up_any, _nudged_down, name="hot-cold-differ")
+    cold = experts.by_expert(base, hot, cuda.gate_up_any, _nudged_down, name="hot-cold-differ")
     logits, y, _ = _layer0(tiny_weights, ids, cold)
     has_cold = (idx >= len(hot)).any(dim=1)
     assert bool(has_cold.any()) and not bool(has_cold.all())
     assert torch.equal(differing_rows(ref_y, y), has_cold)
     assert first_differing_row(ref_logits, logits) is not None
     with pytest.raises(ValueError, match="hot expert ids"):
-        experts.by_expert(base, {-2}, experts.gate_up_any, experts.down_any)
+        experts.by_expert(base, {-2}, cuda.gate_up_any, cuda.down_any)

@@ -13,13 +13,13 @@ import pytest
 from exactness.receipt import runner as receipt
 from exactness.receipt import render
 from exactness.receipt.cli import SUBCOMMANDS, section_parameters
-from exactness.receipt.params import Common, ParamError
-from exactness.receipt.profiles import PROFILES, Profile, get_profile
+from exactness.params import Common, ParamError
+from exactness.profiles import PROFILES, Profile, get_profile
 from exactness.receipt.runner import ReceiptError
 from exactness.receipt.sections import SECTIONS, section_of
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-RUNNER_ONLY = {"out_json", "precomputed_json"}   # set by the runner, never by a user
+RUNNER_ONLY = {"out_json", "precomputed_json", "params"}   # set by the runner, never by a user
 
 
 def declared(section) -> dict:
@@ -44,30 +44,34 @@ def test_the_table_drives_the_runner_the_cli_and_the_renderer():
     for s in SECTIONS.values():
         assert s.name in SUBCOMMANDS and SUBCOMMANDS[s.name].help == s.help
         mod = s.load()
-        assert callable(mod.run_section) and callable(mod.render_md)
-        assert callable(getattr(mod, "merge_sections", None)) == s.mergeable
+        assert callable(mod.run_section) and callable(s.renderer())
+        assert callable(s.merger()) == s.mergeable
+        for ref, fn in ((s.render, s.renderer()), (s.merge, s.merger())):
+            assert not ref or fn.__module__ == ref.partition(":")[0], f"{s.name}: {ref} names a re-export"
         assert (NOTEBOOKS / f"{s.notebook}.ipynb").is_file()
     assert not render.RENDERERS.keys() & SECTIONS.keys()
 
 
+def _literal(v):
+    return json.loads(json.dumps(list(v) if isinstance(v, tuple) else v))
+
+
 @pytest.mark.parametrize("name", list(SECTIONS))
 def test_every_section_parameter_is_accepted_by_every_entry_point(name):
-    """Each parameter a section takes is declared by its notebook, passed on by the notebook to the section, and
-    accepted by the section's subcommand and by the receipt runner, with the notebook's default as the value."""
+    """Each parameter a section takes is accepted by the section's subcommand and by the receipt runner, which hands
+    it to the notebook in its one ``params`` mapping; the notebook declares nothing else."""
     s = SECTIONS[name]
     defaults = declared(s)
+    assert defaults == {"params": {}, "out_json": "", "precomputed_json": ""}, s.notebook
+    assert f'notebook_params("{name}", params)' in code_of(s), f"{s.notebook} does not type its params"
     profile = get_profile("ci").parameters()
-    code = code_of(s)
+    typed = s.typed(profile)
     for p in s.params:
-        assert p in defaults, f"{s.notebook} does not declare {p}"
-        assert f"{p}={p}" in code, f"{s.notebook} does not pass {p} to its section"
-        value = json.dumps(defaults[p])
-        assert section_parameters("ci", [f"{p}={value}"], s.params, [name])[p] == defaults[p]
-        per_nb = receipt.plan_parameters(profile, {p: defaults[p]},
-                                         {s.notebook: set(defaults) | RUNNER_ONLY})
-        assert per_nb[s.notebook][p] == defaults[p]
-    stray = set(defaults) - set(s.params) - set(profile) - RUNNER_ONLY
-    assert stray == set(), f"{s.notebook} declares parameters that no entry point accepts: {stray}"
+        value = _literal(getattr(typed, p))
+        assert section_parameters("ci", [f"{p}={json.dumps(value)}"], s.params, [name])[p] == value
+        per_nb = receipt.plan_parameters(profile, {p: value}, {s.notebook: set(defaults)})
+        assert per_nb[s.notebook] == {"params": {k: _literal(v) for k, v in {**profile, p: value}.items()
+                                                 if k in s.params_class.names()}}
 
 
 @pytest.mark.parametrize("name", list(SECTIONS))
@@ -123,30 +127,12 @@ def test_a_bad_section_value_is_refused_by_every_entry_point_before_it_runs(name
         s.params_class.from_dict({**get_profile("ci").parameters(), key: value})
 
 
-def test_a_new_section_is_one_table_entry(monkeypatch, tmp_path, capsys):
-    """A section added to the table alone (module, notebook and params class in tests/fixtures) is run by the
-    receipt runner, stored as computed, rendered, offered as a subcommand and has its parameters checked by every
-    entry point."""
-    from exactness.receipt.cli import analysis_command
-    from exactness.receipt.sections import Section
-    fixtures = Path(__file__).parent / "fixtures"
-    monkeypatch.syspath_prepend(str(fixtures))
-    from toy_section import ToyParams
-    monkeypatch.setitem(SECTIONS, "toy", Section("toy", "toy_section", "70_toy", "a toy section", ToyParams))
-    monkeypatch.setattr(receipt, "DEFAULT_NOTEBOOKS_DIR", fixtures)
-    monkeypatch.setenv("PYTHONPATH", f"{fixtures}:{__import__('os').environ.get('PYTHONPATH', '')}")
-    res = receipt.run_receipts("ci", tmp_path / "r", {"toy_rows": 2}, sections=["toy"])
-    data = json.loads((res.folder / "receipt.json").read_text())
-    gen = get_profile("ci").gen_tokens   # the profile's value reaches the new section's notebook
-    assert res.status == "ok" and data["sections"] == {"toy": {"section": "toy", "rows": [
-        {"i": 0, "tokens": gen}, {"i": 1, "tokens": gen}]}}
-    assert "## Toy section\n\n2 toy rows." in (res.folder / "receipt.md").read_text()
-    with pytest.raises(ReceiptError, match="toy: toy_rows must be an int >= 1, got 0"):
-        receipt.run_receipts("ci", tmp_path / "r2", {"toy_rows": 0}, sections=["toy"])
-    with pytest.raises(ReceiptError, match="toy: toy_rows must be an int >= 1, got 0"):
-        section_parameters("ci", ["toy_rows=0"], SECTIONS["toy"].params, ["toy"])
-    cmd = analysis_command(SECTIONS["toy"])
-    assert cmd.help == "a toy section"
-    args = type("A", (), {"profile": "ci", "param": ["toy_rows=4"], "out": str(tmp_path / "toy.json")})()
-    assert cmd.handler(args) == 0
-    assert len(json.loads((tmp_path / "toy.json").read_text())["rows"]) == 4
+def test_the_tables_preflight_facts_agree_with_the_params_classes():
+    """A section takes a checkpoint exactly when its params class has the field, and the parameters its entry names
+    for generated tokens and prompt cuts are its own."""
+    for s in SECTIONS.values():
+        names = s.params_class.names()
+        assert s.takes_checkpoint == ("checkpoint" in names), s.name
+        assert set(s.generated_by) | set(s.cut_by) <= names, s.name
+        assert not s.selected_by or s.selected_by in names, s.name
+        assert (s.runs_on == "reference") == (not s.selected_by), s.name

@@ -16,7 +16,8 @@ import torch
 from exactness.cache import KVCache
 from exactness.exact import bytes_equal, first_differing_row, token_hash
 from exactness.kernels import get_set
-from exactness.paths import Schedule, decode_step, generate, prefill
+from exactness.loop import decode_step
+from exactness.paths import Schedule, generate, prefill
 from exactness.prompts import plain_chat_text
 from exactness.engines.serve import Served, build_parser, create_app
 from exactness.tokenizer import ByteTokenizer
@@ -308,9 +309,9 @@ def test_parser_options():
 def test_client_gone_mid_stream_stops_the_run(server, tiny_weights, prompt, monkeypatch):
     """A stream of 4000 tokens dropped after 2 chunks leaves the batch at the next step: once the scheduler is idle
     (a short request answered meanwhile), far fewer than the 4000 decode steps of the whole run were taken."""
-    import exactness.engines.serve_batch as serve_batch
+    import exactness.loop as loop
     steps = []
-    monkeypatch.setattr(serve_batch, "decode_step", lambda *a, **k: steps.append(1) or decode_step(*a, **k))
+    monkeypatch.setattr(loop, "decode_step", lambda *a, **k: steps.append(1) or decode_step(*a, **k))
     long = {"prompt": prompt.tolist(), "max_tokens": 4000, "ignore_eos": True, "stream": True, "temperature": 0}
     got = []
     with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=60) as r:

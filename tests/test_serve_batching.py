@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-import exactness.engines.serve_batch as serve_batch
+import exactness.loop as loop
 from exactness.exact import bytes_equal
 from exactness.kernels import get_set
 from exactness.paths import Schedule, generate
@@ -58,12 +58,12 @@ def staggered_run(w, kernels, prompt, monkeypatch, max_batch=3) -> tuple[list[li
     """LOAD against a server of ``max_batch`` slots and 256 positions: request 0 starts decoding alone, the others
     arrive while its first decode step is held, then join between its steps (the batch grows), wait for free
     slots, and leave at different steps (it shrinks). Returns each request's chunks and the decode batch sizes."""
-    gate, real = threading.Event(), serve_batch.decode_step
+    gate, real = threading.Event(), loop.decode_step
 
     def held(*a, **k):   # the decode step runs unchanged once the gate is open
         assert gate.wait(60), "the decode gate was never opened"
         return real(*a, **k)
-    monkeypatch.setattr(serve_batch, "decode_step", held)
+    monkeypatch.setattr(loop, "decode_step", held)
     m = Served("tiny", w, ByteTokenizer(), kernels, SCHED, max_batch=max_batch, max_model_len=256)
     bodies = [{"prompt": prompt[:p].tolist(), "max_tokens": g, "ignore_eos": True, "logprobs": N_TOP,
                "prompt_logprobs": N_PROMPT_TOP, "return_tokens_as_token_ids": True} for p, g in LOAD]

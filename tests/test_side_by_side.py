@@ -9,7 +9,7 @@ import threading
 import time
 
 from exactness.receipt import runner
-from exactness.receipt.profiles import get_profile
+from exactness.profiles import get_profile
 from exactness.receipt.sections import SECTIONS
 
 NOTEBOOKS = [s.notebook for s in SECTIONS.values() if s.runs_on == "reference"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from exactness.analysis import streams as section
+from exactness.analysis import streams_report
 from exactness.exact import bytes_equal, first_differing_row
 
 from exactness.paths import Schedule, generate
@@ -41,7 +42,7 @@ def test_concurrent_streams_equal_alone_and_serial_invariant(tiny_weights, promp
     for j, s in enumerate(res.streams):
         alone = generate(tiny_weights, prompts[j], GEN, "invariant", Schedule("batched", STEP))
         serial = generate(tiny_weights, prompts[j], GEN, "invariant", Schedule("decode"))
-        assert s.join_step == j * OFFSET
+        assert s.info["join_step"] == j * OFFSET
         assert same(s, alone), f"stream {j} differs from its run alone"
         assert same(s, serial), f"stream {j} differs from the serial oracle"
 
@@ -49,14 +50,14 @@ def test_concurrent_streams_equal_alone_and_serial_invariant(tiny_weights, promp
 def test_graphs_on_cpu_fall_back_per_batch_size_with_reason(tiny_weights, prompts, monkeypatch):
     """run_streams(graphs=True) without a CUDA device: one GraphDecoder per active count (1 while stream 0 is
     alone, then 2), every forward eager with the reason recorded, and the eager run's bytes."""
-    from exactness import batch
+    from exactness import loop
     built = []
 
-    class Counted(batch.GraphDecoder):
+    class Counted(loop.GraphDecoder):
         def __init__(self, *a, **kw):
             built.append(kw.get("batch"))
             super().__init__(*a, **kw)
-    monkeypatch.setattr(batch, "GraphDecoder", Counted)
+    monkeypatch.setattr(loop, "GraphDecoder", Counted)
     args = (tiny_weights, prompts[:2], GEN, "invariant", Schedule("batched", STEP))
     eager, run = run_streams(*args, offset=OFFSET), run_streams(*args, offset=OFFSET, graphs=True)
     assert eager.graphs == {} and sorted(run.graphs) == [1, 2] and built == [1, 2]   # one decoder per batch size
@@ -114,8 +115,8 @@ def test_section_rows_and_equalities(tiny_section):
 
 
 def test_section_render_md(tiny_section):
-    md = section.render_md(tiny_section)
-    assert md == section.render_md(tiny_section["data"])  # the receipt renderer passes the data object
+    md = streams_report.render_md(tiny_section)
+    assert md == streams_report.render_md(tiny_section["data"])  # the receipt renderer passes the data object
     for head in ("drafted == plain", "resumed == fresh", "concurrent streams", "summary"):
         assert f"### {head}" in md
     assert tiny_section["data"]["drafted"][0]["plain_hash"] in md and "**no**" not in md

@@ -20,6 +20,9 @@ import torch
 
 from exactness.analysis.contract import check as C
 from exactness.analysis.contract import cases as cc
+from exactness.analysis.contract import report as contract_report
+from exactness.analysis import streams_report
+from exactness.analysis.fp64 import report as fp64_report
 from exactness.config import get_preset
 from exactness.exact import as_int
 from exactness.kernels import KERNEL_SETS, get_set, register_set
@@ -74,7 +77,7 @@ def test_dense_fault_on_the_k_projection_shape_is_caught_and_the_site_named():
     assert res.by_site["q"][1] == 0 and res.by_site["o"][1] == 0
     assert res.by_site["k"][1] > 0 and res.by_site["v"][1] > 0
     row = res.to_row()
-    md = C.render_md({"section": "contract", "sweep": "quick", "rows": [row], "coverage": [], "uncovered": []})
+    md = contract_report.render_md({"section": "contract", "sweep": "quick", "rows": [row], "coverage": [], "uncovered": []})
     line = [ln for ln in md.splitlines() if ln.startswith("| verdict_dense_kv_shape")][-1]   # the mismatch table
     cells = [c.strip() for c in line.split("|")[1:-1]]
     assert cells[2:5] == ["dense", "k", "2"] and cells[7] == str(fm["call_rows"]), cells
@@ -133,14 +136,12 @@ def decode_fault_set(name: str, cls: str, fn) -> str:
 def drafted_row(weights, ks: str) -> tuple[dict, int]:
     """The drafted row (self drafts, k = 2) of set ``ks`` on the short prompt, and the prompt's length P."""
     from exactness.analysis import streams as S
-    from exactness.paths import generate
     from exactness.prompts import build_prompt
 
     p = S.section_params({**STREAMS, "kernel_sets": [ks]})
     pr = build_prompt("short", p.prompt_max_tokens)
     step = S.prompt_step(p.steps[0], pr.n_tokens)
-    plain = [generate(weights, pr.ids, p.gen_tokens, ks, S._schedule(p, step), keep_cache=True)
-             for _ in range(S.REPS)]
+    plain = S.plain_runs(weights, pr, ks, p, step)
     return S.drafted_rows(weights, pr, ks, plain, p, step)[0], pr.n_tokens
 
 
@@ -150,7 +151,7 @@ def test_drafted_logits_fault_with_equal_tokens_is_caught(tiny_weights):
     assert row["equal"] is False and row["failed"] == ["logits"] and row["compared"] == ["tokens", "logits", "kv"]
     assert row["first_logits_row_diff"] == 1 and row["proposed"] > 0   # row 0 comes from the shared prefill
     from exactness.analysis import streams as S
-    md = S.render_md({"drafted": [row], "resumed": [], "concurrent": [], "settings": {}})
+    md = streams_report.render_md({"drafted": [row], "resumed": [], "concurrent": [], "settings": {}})
     assert "| logits " in md.split("### drafted == plain")[1].split("###")[0]
 
 
@@ -254,14 +255,14 @@ def lm_head_row9_fault(x, w):
 
 def fp64_rows(ks: str, extra=()) -> tuple[list[dict], str]:
     from exactness.analysis.fp64 import section as fp64
-    from exactness.receipt.profiles import get_profile
+    from exactness.profiles import get_profile
 
     p = get_profile("ci").parameters()
     p.update(prompts=["short"], fp64_tokens=24, steps=[16], deep_threshold=16, fp64_rows=4, fp64_cert=2,
              fp64_synthetic=False, kernel_sets=[ks])
     sec = fp64.run_section(p, extra_positions=extra)
     rows = [r for r in sec["rows"] if r["class"] == "lm_head" and r["path"] != "decode"]
-    return rows, fp64.verdict_md(sec["rows"])
+    return rows, fp64_report.verdict_md(sec["rows"])
 
 
 def test_fp64_judges_the_extra_positions_it_is_given():
@@ -289,7 +290,7 @@ def test_fp64_extra_position_outside_the_prompt_is_refused():
 # ----------------------------------------------------------------------------------------- importable sets
 
 def test_importable_sets_resolve_and_are_validated():
-    from exactness.receipt.params import ContractParams, ParamError, check_common
+    from exactness.params import ContractParams, ParamError, check_common
 
     assert get_set("verdict_sets:COPY").name == "helper_copy"
     assert get_set("verdict_sets:dense_row0_fault") is get_set("verdict_sets:dense_row0_fault")   # resolved once

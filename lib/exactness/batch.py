@@ -3,10 +3,10 @@ alone. (The receipt's ``streams`` section, which compares them, is analysis/stre
 
 Timeline (one global step counter t = 0, 1, ...): stream j joins at t = j * offset; its prefill runs alone through
 paths.prefill into cache slot j, and its first token comes from its last prompt row. Then, at every step, ONE decode
-forward carries one row per active stream (slots = stream ids, rows in ascending stream order, each at its own
-position); a stream leaves once it has ``gen_tokens`` tokens. Prompts may differ in length, so rows of one forward
-sit at different positions. With row-invariant decode kernels each stream equals its run alone (paths.generate on
-the same prefill path) and the serial no-draft oracle (paths.generate on ``decode``).
+forward of the greedy loop (loop.Loop) carries one row per active stream (slots = stream ids, rows in ascending
+stream order, each at its own position); a stream leaves once it has ``gen_tokens`` tokens. Prompts may differ in
+length, so rows of one forward sit at different positions. With row-invariant decode kernels each stream equals its
+run alone (paths.generate on the same prefill path) and the serial no-draft oracle (paths.generate on ``decode``).
 
 With ``graphs`` each decode forward of B active streams replays a CUDA graph captured for B rows
 (graphs.GraphDecoder, one per active count, the slots loaded per step): the eager forward's bytes. Where a graph
@@ -26,34 +26,23 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache, KVFormat
-from .graphs import GraphDecoder
 from .kernels import KernelSet, get_set
+from .loop import DecodeStep, Loop, Stream
 from .model import BATCHED, DEEP, ExpertProvider, ForwardOut, ResidentExperts, forward
-from .paths import PATHS, RunResult, Schedule, check_run_args, decode_step, prefill
+from .paths import Schedule, check_run_args, prefill, run_info, served_counts, stream_run
+from .run import Run
 from .weights import Weights
 
 BATCH_LIMIT = 4  # streams one batch (one cache with this many slots) may hold
 
 
 @dataclass
-class StreamRun:
-    """One stream of a concurrent run: id, join step, prompt_ids [P], gen_ids [N] int64, prompt_logits [P, V] and
-    gen_logits [N, V] fp32 (row 0 = last prompt row), all cpu."""
-
-    stream: int
-    join_step: int
-    prompt_ids: torch.Tensor
-    gen_ids: torch.Tensor
-    prompt_logits: torch.Tensor
-    gen_logits: torch.Tensor
-
-
-@dataclass
 class StreamsResult:
-    """A concurrent run: the streams, global steps taken, decode forwards run, the largest batch (rows), and with
-    graphs, per active count B the GraphDecoder.info() of its forwards ({} when graphs were not asked for)."""
+    """A concurrent run: one Run per stream (info: stream, join_step), global steps taken, decode forwards run, the
+    largest batch (rows), and with graphs, per active count B the GraphDecoder.info() of its forwards ({} when
+    graphs were not asked for)."""
 
-    streams: list[StreamRun] = field(default_factory=list)
+    streams: list[Run] = field(default_factory=list)
     steps: int = 0
     decode_forwards: int = 0
     max_batch_rows: int = 0
@@ -80,7 +69,7 @@ def run_streams(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernel
         experts: the expert provider (None: the resident weights); kv_dtype: what the KV cache stores;
         graphs: decode forwards replayed from CUDA graphs, one per active count (module docstring).
     Returns:
-        StreamsResult with one StreamRun per stream.
+        StreamsResult with one Run per stream (config ``schedule.name``; token times from the run's start).
     Raises:
         ValueError: more streams than ``max_batch``, a bad offset, gen_tokens < 1, or what check_run_args raises.
     """
@@ -91,48 +80,23 @@ def run_streams(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernel
         check_run_args(w, int(p.numel()), gen_tokens)
     ks, N = get_set(kernels), len(prompts)
     cache = KVCache(w.cfg, max(int(p.numel()) for p in prompts) + gen_tokens, N, w.dtype, w.device, kv_dtype)
-    gen: list[list] = [[] for _ in prompts]
-    glog: list[list] = [[] for _ in prompts]
-    plog: list = [None] * N
-    res, t = StreamsResult(), 0
-    decoders: dict[int, GraphDecoder] = {}
-    while any(len(g) < gen_tokens for g in gen):
+    step = DecodeStep(w, cache, ks, experts=experts, graphs=graphs)
+    loop = Loop(ks, step, timed=True)
+    streams = [Stream(j, int(p.numel()), gen_tokens) for j, p in enumerate(prompts)]
+    plog, served = [None] * N, [served_counts() for _ in prompts]
+    t, t0 = 0, time.perf_counter()
+    while any(len(s.ids) < gen_tokens for s in streams):
         for j in range(N):
             if j * offset == t:  # join: prefill alone into slot j
-                plog[j] = prefill(w, cache, prompts[j], ks, schedule, slot=j, experts=experts).logits  # [P_j, V]
-                gen[j].append(ks.fn("argmax", schedule.role)(plog[j][-1:]))
-                glog[j].append(plog[j][-1:])
-        active = [j for j in range(N) if gen[j] and len(gen[j]) < gen_tokens]
-        if active:
-            dec = decoders.get(len(active)) if graphs else None
-            if graphs and dec is None:
-                dec = decoders[len(active)] = GraphDecoder(w, cache, ks, batch=len(active), experts=experts)
-            _batched_step(w, cache, ks, prompts, gen, glog, active, experts, dec)
-            res.decode_forwards += 1
-            res.max_batch_rows = max(res.max_batch_rows, len(active))
+                plog[j] = prefill(w, cache, prompts[j], ks, schedule, slot=j, served=served[j],
+                                  experts=experts).logits                                   # [P_j, V]
+                loop.start(streams[j], plog[j][-1:], schedule.role)
+        loop.advance(streams)
         t += 1
-    res.steps = t
-    res.graphs = {b: d.info() for b, d in sorted(decoders.items())}
-    res.streams = [StreamRun(j, j * offset, prompts[j].cpu(), torch.cat(gen[j]).cpu(), plog[j].cpu(),
-                             torch.cat(glog[j]).cpu()) for j in range(N)]
-    return res
-
-
-def _batched_step(w, cache, ks, prompts, gen, glog, active, experts, dec: GraphDecoder | None = None) -> None:
-    """One decode forward with one row per active stream (replayed by ``dec`` when given); appends each stream's
-    token and logits row."""
-    dev = w.device
-    tokens = torch.cat([gen[j][-1] for j in active])                                   # [B] int64
-    pos = [int(prompts[j].numel()) + len(gen[j]) - 1 for j in active]                  # [B] host
-    if dec is not None:
-        logits = dec.step(tokens, pos, active)                                         # [B, V] fp32
-    else:
-        logits = decode_step(w, cache, tokens, torch.tensor(pos, device=dev), torch.tensor(active, device=dev), ks,
-                             experts=experts)
-    ids = ks.fn("argmax", "decode")(logits)                                            # [B]
-    for r, j in enumerate(active):
-        gen[j].append(ids[r:r + 1])
-        glog[j].append(logits[r:r + 1])
+    runs = [stream_run(schedule.name, s, w.cfg.vocab_size,
+                       run_info(schedule, ks, cache, served[j], stream=j, join_step=j * offset), t0,
+                       prompt_ids=prompts[j], prompt_logits=plog[j]) for j, s in enumerate(streams)]
+    return StreamsResult(runs, t, loop.forwards, loop.max_rows, step.info())
 
 
 PACKED_PLANS = {"batched": BATCHED, "deep": DEEP}   # plans a packed prefill may run
@@ -181,14 +145,15 @@ def _check_packed(cache: KVCache, prompts: list[torch.Tensor], plan: str, slots:
 
 def run_packed(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernels: KernelSet | str = "fast",
                plan: str = "batched", *, keep_cache: bool = False, experts: ExpertProvider | None = None,
-               kv_dtype: str | KVFormat = "bf16", max_batch: int = BATCH_LIMIT) -> list[RunResult]:
+               kv_dtype: str | KVFormat = "bf16", max_batch: int = BATCH_LIMIT) -> list[Run]:
     """Prefill ``prompts`` packed into one forward (prefill_packed), then greedily decode ``gen_tokens`` tokens for
     all of them, one decode forward per step with one row per prompt (ascending slot).
 
     Returns:
-        one paths.RunResult per prompt (path ``"packed"``, step None; ``served`` counts the one packed forward
-        under the plan and its ``packed`` entry the prompts and rows it held; ``cache``, when kept, is a one-slot
-        copy of the prompt's slot, comparable with exact.kv_first_difference). ttft_s is the packed prefill's.
+        one Run per prompt (config ``packed-<plan>``, path ``"packed"``, step None; ``served`` counts the one packed
+        forward under the plan and its ``packed`` entry the prompts and rows it held; ``cache``, when kept, is a
+        one-slot copy of the prompt's slot, comparable with exact.kv_first_difference). Token times count from
+        the packed prefill's start.
     Raises:
         ValueError: more prompts than ``max_batch``, what check_run_args or prefill_packed raises.
     """
@@ -199,26 +164,20 @@ def run_packed(w: Weights, prompts: list[torch.Tensor], gen_tokens: int, kernels
     cache = KVCache(w.cfg, max(int(p.numel()) for p in prompts) + max(gen_tokens, 1), N, w.dtype, w.device,
                     kv_dtype)
     experts = ResidentExperts(w.layers) if experts is None else experts
+    loop = Loop(ks, DecodeStep(w, cache, ks, experts=experts), timed=True)
     t0 = time.perf_counter()
     plog = [o.logits for o in prefill_packed(w, cache, prompts, ks, plan, experts=experts)]   # [P_j, V] each
-    ttft = time.perf_counter() - t0
-    gen = [[ks.fn("argmax", "prompt")(lg[-1:])] if gen_tokens else [] for lg in plog]
-    glog = [[lg[-1:]] if gen_tokens else [] for lg in plog]
-    for _ in range(1, gen_tokens):
-        _batched_step(w, cache, ks, prompts, gen, glog, list(range(N)), experts)
-    decode_s = time.perf_counter() - t0 - ttft
-    return [_packed_result(w, ks, plan, prompts, j, plog[j], gen[j], glog[j], cache, keep_cache, (ttft, decode_s))
-            for j in range(N)]
-
-
-def _packed_result(w, ks, plan, prompts, j, plog, gen, glog, cache, keep_cache, times) -> RunResult:
-    served = {p: {"segments": 0, "rows": 0} for p in PATHS}
-    served[plan] = {"segments": 1, "rows": int(prompts[j].numel())}
-    served["packed"] = {"prompts": len(prompts), "rows": sum(int(p.numel()) for p in prompts)}
-    none = torch.zeros(0, dtype=torch.int64)
-    return RunResult(
-        path="packed", step=None, kernels=ks.name, prompt_ids=prompts[j].cpu(),
-        deep_threshold=1 if plan == "deep" else Schedule("batched").deep_threshold,   # the one forward's plan
-        gen_ids=torch.cat(gen).cpu() if gen else none, prompt_logits=plog.cpu(),
-        gen_logits=torch.cat(glog).cpu() if glog else torch.zeros(0, w.cfg.vocab_size), served=served,
-        ttft_s=times[0], decode_s=times[1], cache=cache.select(j) if keep_cache else None, kv_dtype=cache.kv_dtype)
+    streams = [Stream(j, int(p.numel()), gen_tokens) for j, p in enumerate(prompts)]
+    for s, lg in zip(streams, plog):
+        loop.start(s, lg[-1:], "prompt")   # the packed forward ran the prompt kernels
+    loop.run(streams)
+    threshold = 1 if plan == "deep" else Schedule("batched").deep_threshold   # the one forward's plan
+    runs = []
+    for j, s in enumerate(streams):
+        served = served_counts()
+        served[plan] = {"segments": 1, "rows": int(prompts[j].numel())}
+        served["packed"] = {"prompts": N, "rows": sum(int(p.numel()) for p in prompts)}
+        info = {**run_info(Schedule("batched", None, threshold), ks, cache, served), "path": "packed"}
+        runs.append(stream_run(f"packed-{plan}", s, w.cfg.vocab_size, info, t0, prompt_ids=prompts[j],
+                               prompt_logits=plog[j], cache=cache.select(j) if keep_cache else None))
+    return runs

@@ -16,6 +16,9 @@ Tensor names map onto weights.py's layout (its docstring lists them). Two expert
                 gate_up_proj[e]).chunk(2, dim=-1)``, and conversion_mapping.py's ``Concatenate(dim=1)`` of [gate, up]).
 A layer may use either layout, not both. Multi-token-prediction tensors (names with an ``mtp.`` component) are not
 part of the decoder: they are loaded into ``weights.extra`` (name -> tensor) and otherwise ignored.
+
+``load_model`` is the one entry every section and engine loads a model through: a preset's synthetic weights or a
+checkpoint folder, on a device and dtype named as the profiles name them (``resolve_device``, ``resolve_dtype``).
 """
 from __future__ import annotations
 
@@ -25,14 +28,15 @@ import re
 
 import torch
 
-from .config import BYTE_VOCAB, ModelConfig
+from .config import BYTE_VOCAB, ModelConfig, get_preset
 from .tokenizer import ByteTokenizer, HFTokenizer
-from .weights import LayerWeights, Weights
+from .weights import LayerWeights, Weights, quantize_weights, synthetic_weights
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _MTP = re.compile(r"(^|\.)mtp\.")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}   # the dtypes a profile names
 
 
 class CheckpointError(ValueError):
@@ -283,3 +287,43 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16,
                 final_norm=rd("model.norm.weight"), lm_head=embed if tied else rd("lm_head.weight"))
     w.extra = {n: rd(n) for n in mtp}  # kept beside the decoder; Weights.to() does not carry it (see report)
     return w, tokenizer_for(path, cfg)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"cpu"`` or ``"cuda"``/``"cuda:N"`` -> torch.device.
+
+    Raises:
+        ValueError: unknown device string, or CUDA asked for where torch sees none.
+    """
+    if device == "cpu":
+        return torch.device("cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} sees no CUDA device; "
+                             f"allowed here: 'cpu'")
+        return torch.device(device)
+    raise ValueError(f"unknown device {device!r}; allowed: 'cpu', 'cuda', 'cuda:N'")
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """``"bfloat16"`` or ``"float32"`` -> torch dtype. Raises ValueError naming the allowed ones."""
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}") from None
+
+
+def load_model(preset: str, device: str, dtype: str, checkpoint: str = "", weights: str = "bf16"):
+    """Weights and tokenizer for a preset (synthetic, seeded) or a local checkpoint folder, the projections
+    quantized as ``weights`` says (weights.quantize_weights: ``"bf16"`` none, ``"int4_g128"``, ``"nvfp4"``).
+
+    Returns:
+        (Weights on ``device`` in ``dtype``, tokenizer or None for the byte tokenizer).
+    Raises:
+        ValueError: unknown preset, dtype, device (see resolve_device / resolve_dtype) or weights setting.
+    """
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    if checkpoint:
+        w, tok = load_checkpoint(checkpoint, dtype=dt, device=dev)
+        return quantize_weights(w, weights), tok
+    return synthetic_weights(get_preset(preset), dtype=dt, device=dev, weights=weights), None

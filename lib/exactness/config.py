@@ -109,13 +109,54 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+PRESET_REFERENCE = "package.module:ATTR (a ModelConfig, or a function of no arguments returning one)"
+_IMPORTED: dict[str, ModelConfig] = {}   # reference -> its config, imported once per process
+
+
 def get_preset(name: str) -> ModelConfig:
-    """Return the preset called ``name``.
+    """Return the preset called ``name``, or the user preset a ``package.module:ATTR`` reference names
+    (:func:`import_preset`).
 
     Raises:
-        ValueError: ``name`` is not a preset; the message lists the known ones.
+        ValueError: ``name`` is not a preset (the message lists the known ones), or a reference that does not
+            resolve (one line, import_preset).
     """
+    if isinstance(name, str) and ":" in name:
+        return import_preset(name)
     try:
         return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}, or "
+                         f"{PRESET_REFERENCE}") from None
+
+
+def import_preset(ref: str) -> ModelConfig:
+    """The ModelConfig named by ``ref`` = ``package.module:ATTR`` (a user's own shapes, e.g. ``top_k`` 4 on the
+    tiny preset's layers: ``PRESETS["tiny"].replace(name="tiny_top4", top_k=4)``), imported once per process and
+    registered in PRESETS under its own ``name``.
+
+    Raises:
+        ValueError: one line naming ``ref`` and the reason: a malformed reference, a module that fails to import,
+            a missing attribute, a function that raises, an object that is not a ModelConfig, or a name another
+            preset has with other values.
+    """
+    if ref in _IMPORTED:
+        return _IMPORTED[ref]
+    module, _, attr = ref.partition(":")
+    if not module or not attr or ":" in attr:
+        raise ValueError(f"preset reference {ref!r} is not of the form {PRESET_REFERENCE}")
+    import importlib
+
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+        cfg = obj() if callable(obj) and not isinstance(obj, ModelConfig) else obj
+    except Exception as e:  # noqa: BLE001  (a user module's failure is one line, not a traceback)
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        raise ValueError(f"preset reference {ref!r} does not resolve ({why}); allowed: {PRESET_REFERENCE}") from None
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"preset reference {ref!r} gives a {type(cfg).__name__}; allowed: {PRESET_REFERENCE}")
+    if PRESETS.get(cfg.name, cfg) != cfg:
+        raise ValueError(f"preset reference {ref!r} is named {cfg.name!r}, as another preset with other values; "
+                         f"give it a name of its own (taken: {', '.join(sorted(PRESETS))})")
+    PRESETS[cfg.name] = _IMPORTED[ref] = cfg
+    return cfg

@@ -11,20 +11,18 @@ each); a drafted run (mtp.generate_drafted) keeps one GraphForward per shape it 
 (StreamForwards): its verify of k+1 rows of one stream on the batched plan, its plain decode steps, and the head's
 one-row and catch-up forwards.
 
-Two parts of a forward cannot be recorded as they are, and are handled so that the bytes stay the eager ones:
+Two parts of a forward cannot always be recorded as they are, and are handled so that the bytes stay the eager ones:
 
-    attention  a kernel whose launch shape depends on the position (the fast set's one SDPA call over keys 0..p)
-               or that reads positions on the host (the torch kernel of an fp8 cache, the slot grouping of a
-               multi-slot cache) runs eagerly between graph pieces: the forward is captured as pieces cut at each
-               attention call, and the attention writes into a static buffer the next piece reads. Only the
-               invariant set's Triton kernel (decode and prompt rows alike) on a one-slot model-dtype cache reads
-               the positions on the device with a fixed launch, and is captured.
-    experts    a set without a grouped expert kernel (the fast set) runs one GEMM chain per routed expert, chosen
-               on the host. For a one-row forward every routed expert has exactly one member row, so the graph
-               gathers the k experts' weights by the device-side ids and runs the same per-expert kernels on the
-               same [1, H] row (the same shapes, hence the same library calls): the eager bytes, at the cost of
-               copying k experts' weights per layer. With more rows (streams, or a verify's k+1 rows) an expert's
-               member count varies, so such a set is not captured.
+    attention  a kernel whose launch depends on the position (the per-row SDPA fallback over keys 0..p) or that
+               reads positions on the host (an fp8 cache's torch kernel, a multi-slot cache's slot grouping) runs
+               eagerly between graph pieces, writing a static buffer the next piece reads. A kernel that reads
+               slots and positions on the device with a fixed launch is captured: the invariant set's Triton
+               kernel on a one-slot model-dtype cache, and a kernel whose ``captures(cache)`` says so (the fast
+               set's FlashAttention on CUDA bf16, kernels/fast_cuda.py).
+    experts    a set without a grouped expert kernel (the fast set off CUDA bf16) runs one GEMM chain per routed
+               expert, chosen on the host. For one row the graph gathers the k experts' weights by the device-side
+               ids and runs the same per-expert kernels on the same [1, H] row (the eager bytes, at the cost of
+               copying k experts' weights per layer); with more rows the member counts vary: not captured.
 
 Where a graph cannot serve (no CUDA device, kernel taps active, an expert provider other than the resident
 weights, quantized or expert-id-aware experts, an exception during capture) the forward runs eagerly and records
@@ -33,7 +31,7 @@ why (GraphForward.info).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -43,8 +41,17 @@ from .model import (_TAPS, BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, Pla
                     run_rows)
 from .weights import Weights
 
-if TYPE_CHECKING:
-    from .mtp import MTPHead
+
+class Head(Protocol):
+    """What a head's forwards need of mtp.MTPHead (typed here so that graphs needs no import of mtp): its own
+    one-layer cache, its weights ``m`` (``m.layer``), its eager forward and its body on given Ops."""
+
+    cache: KVCache
+    m: object
+
+    def forward(self, tokens, hidden, positions, kernels, plan=DECODE, slot: int = 0) -> ForwardOut: ...
+
+    def body(self, ops, tokens, positions, slots, hidden) -> ForwardOut: ...
 
 
 def _device_indexed_attention(role: str = "decode") -> tuple:
@@ -167,7 +174,7 @@ class GraphForward:
     """
 
     def __init__(self, w: Weights, cache: KVCache, kernels: KernelSet | str, *, batch: int = 1, rows: int = 1,
-                 plan: Plan = DECODE, experts: ExpertProvider | None = None, head: MTPHead | None = None):
+                 plan: Plan = DECODE, experts: ExpertProvider | None = None, head: Head | None = None):
         if head is not None and (cache is not head.cache or batch != 1):
             raise ValueError("an MTP head's forwards run one stream over the head's own cache (head.cache); got "
                              f"batch={batch!r} and {'its' if cache is head.cache else 'another'} cache")
@@ -186,7 +193,9 @@ class GraphForward:
                 opts = {**opts, "grouped_experts": _gathered_experts(self.ks)}
             self._set = dataclasses.replace(self.ks, options=opts)
             self._attn = attn = self.ks.fn("attention", plan.role)
-            self._attn_in_graph = (attn in _device_indexed_attention(plan.role) and not cache.format.quantized
+            captures = getattr(attn, "captures", None)   # a kernel that says which caches it reads on the device
+            self._attn_in_graph = (captures(cache.k[0]) if captures is not None else
+                                   attn in _device_indexed_attention(plan.role) and not cache.format.quantized
                                    and len(cache.lengths) == 1)
             self._attn_host = attn in _host_indexed_attention()
 
@@ -335,7 +344,7 @@ class StreamForwards:
     """
 
     def __init__(self, w: Weights, cache: KVCache, kernels: KernelSet | str, experts: ExpertProvider | None,
-                 head: MTPHead | None, graphs: bool, max_rows: int):
+                 head: Head | None, graphs: bool, max_rows: int):
         self.w, self.cache, self.ks, self.experts, self.head = w, cache, get_set(kernels), experts, head
         self.graphs, self.max_rows = graphs, max_rows
         self.captured: dict[str, GraphForward] = {}

@@ -4,10 +4,10 @@ A *plan* says how the rows of this call are computed: ``decode`` rows (one per s
 decode kernels; ``batched`` and ``deep`` prompt rows use its prompt kernels. The deep plan additionally runs the dense
 projections on fixed ``tile_rows``-row tiles and each expert over its member rows in ``expert_tile``-member tiles
 (the deep prefill), one kernel call per tile; with an invariant kernel set none of this changes a byte. A set whose
-options name ``tiles_in_kernels`` (its dense and expert kernels fix their row tiles themselves, so a row's bytes do
-not depend on how many rows a call holds: the contract checks this) gets each call's rows whole instead: its
-kernels' own tiles replace the host loop. While kernel calls are tapped, every set gets the host tiles (the taps
-record the deep plan's calls as tiles).
+options name ``tiles_in_kernels`` (True, or a predicate of the call's rows: its dense and expert kernels fix their
+row tiles themselves, so a row's bytes do not depend on how many rows a call holds, or the set makes no such claim
+and runs as an engine would) gets each call's rows whole instead: its kernels' own tiles replace the host loop.
+While kernel calls are tapped, every set gets the host tiles (the taps record the deep plan's calls as tiles).
 
 The routed experts' weights come from an *expert provider* (ExpertProvider): ResidentExperts by default, or
 offload.ExpertStore, which keeps them in host memory and stages them through device buffers.
@@ -165,7 +165,10 @@ class Ops:
         return self._tiled(f, self.plan.expert_tile, x, wg, wu, wd)
 
     def _tiled(self, fn, tile: int, x: torch.Tensor, *w) -> torch.Tensor:
-        if self.plan.kind != "deep" or x.shape[0] <= tile or (self.k.options.get("tiles_in_kernels") and not _TAPS):
+        whole = self.k.options.get("tiles_in_kernels")       # a bool, or a predicate of the call's rows x
+        if callable(whole):
+            whole = whole(x)
+        if self.plan.kind != "deep" or x.shape[0] <= tile or (whole and not _TAPS):
             return fn(x, *w)
         return torch.cat([fn(x[i:i + tile], *w) for i in range(0, x.shape[0], tile)], dim=0)
 

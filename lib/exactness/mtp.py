@@ -18,16 +18,24 @@ equals the model's own argmax rows, plus the model's next token; the main and MT
 With ``graphs`` (CUDA) the forwards after the prefill of up to k+1 rows replay from CUDA graphs, one per shape met
 more than once (graphs.StreamForwards: the verify's k+1 rows, plain decode steps, the head's one-row and catch-up
 forwards; the eager forwards' bytes); where a shape cannot be captured (the fast set's verify: its per-expert GEMM
-shapes follow the routing; offloaded experts) it runs eagerly and ``DraftedResult.graphs`` says why.
+shapes follow the routing; offloaded experts) it runs eagerly and ``Run.graphs`` says why.
 
-Draft sources: ``"mtp"`` (the head above; synthetic weights have a low acceptance rate, reported as measured) and
+Without a checkpoint's MTP tensors the head is derived from the model itself (derived_mtp_weights): its blocks are
+the model's own decoder layers run one position ahead (proj passes the next token's embedding through), so the head
+replays the model's next step over its own cache and most drafts are accepted (synthetic_mtp_weights: a random head
+accepting almost none).
+
+Draft sources: ``"mtp"`` (the head above; acceptance reported as measured) and
 ``"self"`` (sanity mode: the drafts are the main model's own decode steps, so acceptance is 100% exactly when the
 verify rows reproduce the decode rows' argmax).
+
+Token 0 comes from loop.first_token and the plain steps from loop.Loop (the greedy loop every run kind shares); a
+round's verified rows are appended to the same loop.Stream.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -35,8 +43,10 @@ from .cache import KVCache, KVFormat
 from .config import ModelConfig
 from .graphs import StreamForwards
 from .kernels import KernelSet, get_set
+from .loop import Loop, Stream
 from .model import BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, ResidentExperts, attention_block, moe_block
-from .paths import PATHS, Schedule, check_run_args, prefill
+from .paths import Schedule, check_run_args, prefill, run_info, served_counts, stream_run
+from .run import Run
 from .weights import LayerWeights, Weights, _linear, _norm, moved, shared_draw
 
 K_MIN, K_MAX = 1, 4
@@ -50,7 +60,9 @@ class MTPWeights:
 
     emb_norm [H] (mtp.pre_fc_norm_embedding.weight), hidden_norm [H] (mtp.pre_fc_norm_hidden.weight),
     proj [H, 2H] (mtp.fc.weight; input = [norm(emb); norm(h)]), layer: one decoder layer (mtp.layers.0.*, Qwen3-MoE
-    names), final_norm [H] (mtp.norm.weight). ``source`` says where they came from (for receipts).
+    names), final_norm [H] (mtp.norm.weight). ``source`` says where they came from (for receipts). ``more``: further
+    blocks after ``layer``; ``derived``: the blocks are the main model's layers 0.. (their experts then come from the
+    main model's expert provider, offloaded or not).
     """
 
     emb_norm: torch.Tensor
@@ -59,6 +71,13 @@ class MTPWeights:
     layer: LayerWeights
     final_norm: torch.Tensor
     source: str = "synthetic"
+    more: tuple[LayerWeights, ...] = ()
+    derived: bool = False
+
+    @property
+    def blocks(self) -> list[LayerWeights]:
+        """The decoder blocks in order: ``layer``, then ``more``."""
+        return [self.layer, *self.more]
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "MTPWeights":
         """Copy on ``device`` with floating tensors cast to ``dtype`` (round-to-nearest-even)."""
@@ -67,7 +86,7 @@ class MTPWeights:
     def map_tensors(self, fn) -> "MTPWeights":
         """fn applied to every tensor."""
         return MTPWeights(fn(self.emb_norm), fn(self.hidden_norm), fn(self.proj), self.layer.map(fn),
-                          fn(self.final_norm), self.source)
+                          fn(self.final_norm), self.source, tuple(lw.map(fn) for lw in self.more), self.derived)
 
 
 def check_k(k) -> int:
@@ -98,6 +117,20 @@ def _mtp_draw(cfg: ModelConfig) -> MTPWeights:
         shared_gate=_linear(g, Is, H) if Is else None, shared_up=_linear(g, Is, H) if Is else None,
         shared_down=_linear(g, H, Is) if Is else None)
     return MTPWeights(emb_norm, hidden_norm, proj, layer, _norm(g, H), f"synthetic (seed {cfg.seed} + 1000)")
+
+
+def derived_mtp_weights(w: Weights) -> MTPWeights:
+    """A head derived from the model ``w`` itself: its blocks are w's decoder layers (the same tensors), proj
+    [H, 2H] = [I, 0] (the next token's RMS-normalised embedding passes through, the main hidden row is not read),
+    unit input norms and w's final norm. The head's row i then runs the model's layers on token t_{i+1} at position
+    i over its own cache, which holds t_1.. at positions 0..: the model's next step, its keys one position early
+    (attention depends on relative positions; t_0 is missing). Deterministic: no random draw."""
+    H, dev, dt = w.cfg.hidden, w.device, w.dtype
+    proj = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1).to(device=dev, dtype=dt)   # exact in bf16
+    ones = torch.ones(H, device=dev, dtype=dt)
+    return MTPWeights(ones, ones.clone(), proj, w.layers[0], w.final_norm,
+                      f"derived: the model's {len(w.layers)} decoder layers one position ahead",
+                      tuple(w.layers[1:]), derived=True)
 
 
 _LAYER_NAMES = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
@@ -136,28 +169,32 @@ def mtp_from_extra(cfg: ModelConfig, extra: dict) -> MTPWeights:
 
 def resolve_mtp(w: Weights, mtp: MTPWeights | None = None) -> MTPWeights:
     """The MTP weights to use: ``mtp`` when given, else the checkpoint's (``w.extra`` holding ``mtp.fc.weight``),
-    else synthetic weights from the preset's seed; always on w's device in w's dtype."""
+    else a head derived from the model (derived_mtp_weights); always on w's device in w's dtype."""
     if mtp is None and "mtp.fc.weight" in (getattr(w, "extra", None) or {}):
         mtp = mtp_from_extra(w.cfg, w.extra)
     if mtp is None:
-        return synthetic_mtp_weights(w.cfg, w.dtype, w.device)
+        return derived_mtp_weights(w)
     return mtp.to(device=w.device, dtype=w.dtype)
 
 
 class MTPHead:
-    """The MTP module bound to a model: its weights and its own one-layer KV cache (``cfg.replace(n_layers=1)``).
+    """The MTP module bound to a model: its weights and its own KV cache, one layer per block
+    (``cfg.replace(n_layers=len(mtp.blocks))``).
 
     Args:
         w: main model weights (embedding and lm_head are shared).
         mtp: MTP weights (see resolve_mtp); capacity: positions per slot; slots: streams.
         kv_dtype: what the head's cache stores (cache.KV_DTYPES name; per-tensor fp8 scales are 1.0, since a
             main-model KVFormat's scales are per main-model layer).
+        experts: the main model's expert provider, read by a derived head (its blocks are the model's layers);
+            None, or a head of its own: its blocks' experts, always on the device.
     """
 
-    def __init__(self, w: Weights, mtp: MTPWeights, capacity: int, slots: int = 1, kv_dtype: str = "bf16"):
+    def __init__(self, w: Weights, mtp: MTPWeights, capacity: int, slots: int = 1, kv_dtype: str = "bf16",
+                 experts: ExpertProvider | None = None):
         self.w, self.m = w, mtp
-        self.experts = ResidentExperts([mtp.layer])  # the head's own experts, always on the device
-        self.cfg1 = w.cfg.replace(n_layers=1)
+        self.experts = experts if mtp.derived and experts is not None else ResidentExperts(mtp.blocks)
+        self.cfg1 = w.cfg.replace(n_layers=len(mtp.blocks))
         self.cache = KVCache(self.cfg1, capacity, slots, w.dtype, w.device, KVFormat.of(kv_dtype).dtype)
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kernels: KernelSet,
@@ -176,12 +213,14 @@ class MTPHead:
         """forward's rows with ``ops`` at cache ``slots`` [M] int64: no host read of its own, and the cache's
         lengths left to the caller (graphs.GraphForward records the kernels it launches)."""
         cfg, m = self.cfg1, self.m
-        ops.layer = self.w.cfg.n_layers                                                # taps see the block as layer L
+        ops.layer = self.w.cfg.n_layers                                            # taps see block j as layer L + j
         e = ops.rmsnorm(self.w.embed[tokens], m.emb_norm, cfg.rms_eps)                # [M, H]
         h = ops.rmsnorm(hidden, m.hidden_norm, cfg.rms_eps)                            # [M, H]
         x = ops.dense(torch.cat([e, h], dim=-1), m.proj)                               # [M, 2H] -> [M, H]
-        x = attention_block(ops, m.layer, cfg, x, positions, slots, self.cache, 0)
-        x = moe_block(ops, m.layer, cfg, x, self.experts, 0)
+        for j, lw in enumerate(m.blocks):
+            ops.layer = self.w.cfg.n_layers + j
+            x = attention_block(ops, lw, cfg, x, positions, slots, self.cache, j)
+            x = moe_block(ops, lw, cfg, x, self.experts, j)
         ops.layer = -1
         logits = ops.lm_head(ops.rmsnorm(x, m.final_norm, cfg.rms_eps), self.w.lm_head)  # [M, V] fp32
         return ForwardOut(logits, x)
@@ -200,49 +239,6 @@ class DraftStats:
     def acceptance_rate(self) -> float | None:
         """accepted / proposed (None when nothing was proposed)."""
         return self.accepted / self.proposed if self.proposed else None
-
-
-@dataclass
-class DraftedResult:
-    """One drafted greedy run.
-
-    Attributes:
-        draft ("mtp"/"self"), k, kernels, path, step: what was asked for; mtp_source: where MTP weights came from.
-        prompt_ids [P] int64, gen_ids [N] int64, gen_logits [N, V] fp32 (the row each token was chosen from), cpu.
-        stats: DraftStats; served: prefill plan -> {"segments", "rows"}; seconds: wall time of the run.
-        cache, mtp_cache: the main and the MTP head's KV caches after the run (kept only when asked).
-        graphs: {} when CUDA graphs were not asked for; else graphs.StreamForwards.info(): per forward shape of up
-            to k+1 rows met after the prefill ("main 3 batched": the verify of k = 2 drafts, "main 1 decode", "head 1
-            decode", "head 2 batched", ...) its replays, eager calls and why a graph did not serve.
-    """
-
-    draft: str
-    k: int
-    kernels: str
-    path: str
-    step: int | None
-    mtp_source: str | None
-    prompt_ids: torch.Tensor
-    gen_ids: torch.Tensor
-    gen_logits: torch.Tensor
-    stats: DraftStats = field(default_factory=DraftStats)
-    served: dict = field(default_factory=lambda: {p: {"segments": 0, "rows": 0} for p in PATHS})
-    seconds: float = 0.0
-    cache: KVCache | None = None
-    mtp_cache: KVCache | None = None
-    graphs: dict = field(default_factory=dict)
-
-    def graphs_record(self) -> dict | None:
-        """What a report keeps of ``graphs``: None when CUDA graphs were not asked for, else {"served": any shape
-        replayed, "replays" and "eager_steps" summed over the shapes, "reason": "<shape>: <why>" for each shape a
-        graph did not serve, joined with "; " (None when every shape's graph served)}."""
-        if not self.graphs:
-            return None
-        why = [f"{key}: {g['reason']}" for key, g in self.graphs.items() if g["reason"] is not None]
-        return {"served": any(g["served"] for g in self.graphs.values()),
-                "replays": sum(g["replays"] for g in self.graphs.values()),
-                "eager_steps": sum(g["eager_steps"] for g in self.graphs.values()),
-                "reason": "; ".join(why) or None}
 
 
 class _Drafter:
@@ -297,23 +293,21 @@ def _verify(fwd: StreamForwards, last, drafts, L):
 
 @dataclass
 class _Drafting:
-    """One drafted decode in progress (slot 0): what each _round reads, and the tokens it appends to."""
+    """One drafted decode in progress (slot 0): what each _round reads, and the stream it appends to."""
 
     fwd: StreamForwards             # the main model's and the head's forwards (cache, kernel set, graphs)
     drafter: _Drafter
+    loop: Loop                      # its plain steps: fwd.main on one decode row
     k: int                          # drafts per round
-    n_prompt: int                   # P
-    gen_tokens: int                 # tokens asked for
     stats: DraftStats
-    gen: list = field(default_factory=list)   # generated ids, [1] int64 each
-    glog: list = field(default_factory=list)  # the logits row each was chosen from, [1, V] fp32 each
+    stream: Stream                  # token ids and the logits row each was chosen from
 
 
 def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",
                      schedule: Schedule = Schedule("batched"), *, k: int = 2, draft: str = "mtp",
                      mtp: MTPWeights | None = None, keep_cache: bool = False,
                      experts: ExpertProvider | None = None, kv_dtype: str | KVFormat = "bf16",
-                     graphs: bool = False) -> DraftedResult:
+                     graphs: bool = False) -> Run:
     """Prefill ``prompt_ids`` [P] int64 as ``schedule`` says (as paths.generate does) and generate ``gen_tokens``
     greedy tokens with k drafts per verify forward (module docstring).
 
@@ -323,10 +317,12 @@ def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kern
         kv_dtype: what the main cache stores (cache.KV_DTYPES name or a KVFormat); the head's cache stores the
             same kind (MTPHead).
         graphs: replay the forwards after the prefill (verify, plain decode steps, the head's rows up to k+1 per
-            call) from CUDA graphs (graphs.StreamForwards: the same bytes); ``DraftedResult.graphs`` says what
-            served.
+            call) from CUDA graphs (graphs.StreamForwards: the same bytes); ``Run.graphs`` says what served.
     Returns:
-        DraftedResult; tokens equal paths.generate's exactly when the verify rows reproduce the decode rows.
+        Run named ``schedule.name``; tokens equal paths.generate's exactly when the verify rows reproduce the
+        decode rows. info adds draft, k, mtp_source (where the MTP weights came from), draft_stats (DraftStats),
+        graphs (graphs.StreamForwards.info(): per forward shape of up to k+1 rows met after the prefill, "main 3
+        batched", "main 1 decode", "head 1 decode", ...) and, with keep_cache, mtp_cache (the head's KV cache).
     Raises:
         ValueError: k outside 1..4, unknown draft source or kv_dtype, or what paths.check_run_args raises.
     """
@@ -339,50 +335,44 @@ def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kern
     ids = prompt_ids.to(dev)
     cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, dev, kv_dtype)
     mw = resolve_mtp(w, mtp) if draft == "mtp" else None
-    res = DraftedResult(draft, k, ks.name, schedule.path, schedule.step, mw.source if mw else None,
-                        prompt_ids.cpu(), torch.zeros(0, dtype=torch.int64), torch.zeros(0, w.cfg.vocab_size))
-    pre = prefill(w, cache, ids, ks, schedule, served=res.served, experts=experts)
-    head = MTPHead(w, mw, cache.capacity, kv_dtype=cache.kv_dtype) if mw is not None else None
+    served = served_counts()
+    pre = prefill(w, cache, ids, ks, schedule, served=served, experts=experts)
+    head = MTPHead(w, mw, cache.capacity, kv_dtype=cache.kv_dtype, experts=experts) if mw is not None else None
+    if head is not None and type(head.experts) is not ResidentExperts:
+        graphs = False   # a derived head reading staged experts: its forwards fetch on the host, as the model's do
     fwd = StreamForwards(w, cache, ks, experts, head, graphs, max_rows=k + 1)
-    drafter = _Drafter(fwd, draft, schedule.step)
-    state = _Drafting(fwd, drafter, k, P, gen_tokens, res.stats)
+    loop = Loop(ks, lambda tokens, positions, slots: fwd.main(tokens, positions[0], DECODE).logits, timed=True)
+    state = _Drafting(fwd, _Drafter(fwd, draft, schedule.step), loop, k, DraftStats(), Stream(0, P, gen_tokens))
+    loop.start(state.stream, pre.logits[-1:], schedule.role)
     if gen_tokens:
-        state.gen.append(ks.fn("argmax", schedule.role)(pre.logits[-1:]))
-        state.glog.append(pre.logits[-1:])
-        drafter.feed(pre.hidden, torch.cat([ids[1:], state.gen[0]]), 0)
-    while len(state.gen) < gen_tokens:
+        state.drafter.feed(pre.hidden, torch.cat([ids[1:], state.stream.ids[0]]), 0)
+    while state.stream.active:
         _round(state)
-    res.gen_ids = torch.cat(state.gen).cpu() if state.gen else res.gen_ids
-    res.gen_logits = torch.cat(state.glog).cpu() if state.glog else res.gen_logits
-    res.seconds = time.perf_counter() - t0
-    res.graphs = fwd.info()
-    if keep_cache:
-        res.cache, res.mtp_cache = cache, (head.cache if head else None)
-    return res
+    info = run_info(schedule, ks, cache, served, fwd.info(), draft=draft, k=k, mtp_source=mw.source if mw else None,
+                    draft_stats=state.stats, mtp_cache=head.cache if keep_cache and head else None)
+    return stream_run(schedule.name, state.stream, w.cfg.vocab_size, info, t0, prompt_ids=prompt_ids,
+                      prompt_logits=pre.logits, cache=cache if keep_cache else None)
 
 
 def _round(state: _Drafting) -> None:
-    """One draft-and-verify round (or a plain decode step when one token is left); appends to state.gen / glog."""
-    fwd, gen, stats = state.fwd, state.gen, state.stats
-    L = state.n_prompt + len(gen) - 1              # position of the newest token, not yet fed
-    kk = min(state.k, state.gen_tokens - len(gen) - 1)  # never draft past the requested length
-    last = gen[-1]
+    """One draft-and-verify round (or the loop's plain decode step when one token is left); appends to the
+    stream."""
+    fwd, s, stats = state.fwd, state.stream, state.stats
+    L = s.position                                 # position of the newest token, not yet fed
+    kk = min(state.k, s.wanted - len(s.ids) - 1)   # never draft past the requested length
     if kk == 0:
-        logits = fwd.main(last, L, DECODE).logits                                      # [1, V] fp32
-        gen.append(fwd.ks.fn("argmax", "decode")(logits))
-        state.glog.append(logits)
+        state.loop.advance([s])
         stats.plain_steps += 1
         return
+    last = s.ids[-1]
     drafts = state.drafter.propose(fwd.cache, last, L, kk)
     a, new, logits, hidden = _verify(fwd, last, drafts, L)
     stats.proposed, stats.accepted, stats.rounds = stats.proposed + kk, stats.accepted + a, stats.rounds + 1
-    gen.extend(new.split(1))
-    state.glog.extend(logits.split(1))
+    s.add(new, logits, state.loop.stamp(logits.device))
     state.drafter.feed(hidden, new, L)
 
 
 def mtp_nbytes(m: MTPWeights) -> int:
     """Bytes of the MTP tensors."""
-    lw = m.layer
-    layer = sum(getattr(lw, f.name).nbytes for f in fields(lw) if getattr(lw, f.name) is not None)
-    return layer + m.emb_norm.nbytes + m.hidden_norm.nbytes + m.proj.nbytes + m.final_norm.nbytes
+    layers = sum(getattr(lw, f.name).nbytes for lw in m.blocks for f in fields(lw) if getattr(lw, f.name) is not None)
+    return layers + m.emb_norm.nbytes + m.hidden_norm.nbytes + m.proj.nbytes + m.final_norm.nbytes

@@ -7,27 +7,31 @@
              tiles: model.Ops), shorter ones the batched plan
 
 A Schedule names the path with its step and deep threshold. Every run records how many segments and rows each plan
-actually served, so a deep run that never ran deep shows. Generation is greedy (the set's argmax kernel),
-end-of-sequence ignored. With ``graphs`` the decode steps (on the decode path every prompt row's step too) replay
-from a CUDA graph (graphs.GraphDecoder), which writes the eager steps' bytes.
+actually served, so a deep run that never ran deep shows. Generation is greedy (loop.Loop: the set's argmax
+kernel), end-of-sequence ignored; every run kind returns a run.Run. With ``graphs`` the decode steps (on the decode
+path every prompt row's step too) replay from a CUDA graph (graphs.GraphDecoder), which writes the eager steps'
+bytes.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .cache import KVCache, KVFormat
 from .graphs import GraphDecoder
 from .kernels import KernelSet, get_set
+from .loop import DecodeStep, Loop, Stream
 from .model import BATCHED, DECODE, DEEP, ExpertProvider, ForwardOut, Plan, ResidentExperts, forward
+from .run import Run, cache_kv
 from .weights import Weights
 
 PATHS = ("decode", "batched", "deep")
 
 
-def _served() -> dict:
+def served_counts() -> dict:
+    """Run.served before a prefill: plan -> {"segments": 0, "rows": 0} for each of PATHS."""
     return {p: {"segments": 0, "rows": 0} for p in PATHS}
 
 
@@ -63,6 +67,13 @@ class Schedule:
         """Kernel role of the prompt's rows (``"decode"`` on the decode path, else ``"prompt"``)."""
         return "decode" if self.path == "decode" else "prompt"
 
+    @property
+    def name(self) -> str:
+        """The configuration's name as ReferenceEngine gives it: decode, batched, batched-<step>, deep-<step>."""
+        if self.path == "decode" or self.step is None:
+            return self.path
+        return f"{self.path}-{self.step}"
+
     def segment_rows(self, n_rows: int) -> int:
         """Rows per prefill segment of a prompt of ``n_rows`` rows."""
         return 1 if self.path == "decode" else (self.step or n_rows)
@@ -72,51 +83,6 @@ class Schedule:
         if self.path == "decode":
             return DECODE
         return DEEP if self.path == "deep" and rows >= self.deep_threshold else BATCHED
-
-
-@dataclass
-class RunResult:
-    """One greedy run.
-
-    Attributes:
-        path, step, kernels, deep_threshold: what was asked for (step in tokens, None = unbounded).
-        prompt_ids [P] int64, gen_ids [N] int64 (cpu).
-        prompt_logits [P, V] fp32 (cpu): logits of every prompt row.
-        gen_logits [N, V] fp32 (cpu): the logits each generated token was chosen from (row 0 = last prompt row).
-        served: plan -> {"segments", "rows"} actually run during prefill.
-        ttft_s: seconds to the first generated token; decode_s: seconds of the N-1 decode steps;
-        token_times: perf_counter stamp of each generated token (seconds).
-        cache: the KV cache after the run (kept only when asked).
-        kv_dtype: what the KV cache stored (cache.KV_DTYPES).
-        graphs: {} when CUDA graphs were not asked for; else graphs.GraphDecoder.info() of the decode steps, on
-            the decode path the prompt rows' steps included ("served", "replays", "eager_steps", "pieces",
-            "reason": why a graph did not serve), and on the decode path "prompt": "replayed" or "eager: <why>"
-            (paths._prompt_graphs).
-    """
-
-    path: str
-    step: int | None
-    kernels: str
-    deep_threshold: int
-    prompt_ids: torch.Tensor
-    gen_ids: torch.Tensor
-    prompt_logits: torch.Tensor
-    gen_logits: torch.Tensor
-    served: dict = field(default_factory=_served)
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    token_times: list = field(default_factory=list)
-    cache: KVCache | None = None
-    kv_dtype: str = "bf16"
-    graphs: dict = field(default_factory=dict)
-
-    def graphs_record(self) -> dict | None:
-        """What a report keeps of ``graphs``: None when CUDA graphs were not asked for, else {"served": any step
-        replayed, "replays", "eager_steps", "reason": why a graph did not serve (None when it did), and on the
-        decode path "prompt": "replayed" or "eager: <why>" (how its prompt rows ran)}."""
-        if not self.graphs:
-            return None
-        return {k: self.graphs[k] for k in ("served", "replays", "eager_steps", "reason", "prompt") if k in self.graphs}
 
 
 def check_run_args(w: Weights, n_prompt: int, gen_tokens: int) -> None:
@@ -133,11 +99,6 @@ def check_run_args(w: Weights, n_prompt: int, gen_tokens: int) -> None:
     if n_prompt + gen_tokens > w.cfg.max_positions:
         raise ValueError(f"prompt of {n_prompt} tokens + {gen_tokens} generated exceeds the model's "
                          f"max_positions={w.cfg.max_positions}")
-
-
-def _sync(w: Weights) -> None:
-    if w.device.type == "cuda":
-        torch.cuda.synchronize(w.device)
 
 
 def prefill(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | str, schedule: Schedule, *,
@@ -157,7 +118,7 @@ def prefill(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | 
     Raises:
         ValueError: a position outside the cache (model.forward).
     """
-    served = _served() if served is None else served
+    served = served_counts() if served is None else served
     experts = ResidentExperts(w.layers) if experts is None else experts
     dev = w.device
     ids = ids.to(dev)
@@ -181,44 +142,23 @@ def prefill(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | 
     return ForwardOut(torch.cat([o.logits for o in out]), torch.cat([o.hidden for o in out]))
 
 
-def decode_step(w: Weights, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                kernels: KernelSet | str, *, experts: ExpertProvider | None = None) -> torch.Tensor:
-    """One decode step for len(tokens) streams: tokens, positions, slots [B] int64 -> logits [B, V] fp32."""
-    return forward(w, tokens, positions, cache, kernels, DECODE, slots=slots, experts=experts).logits
-
-
-def _stepper(w: Weights, cache: KVCache, ks: KernelSet, experts: ExpertProvider | None, dec: GraphDecoder | None):
-    """step(token [1] int64 (device), position) -> logits [1, V] fp32: one decode step of slot 0, replayed by
-    ``dec`` when given (it runs the eager step itself where a graph cannot serve), else the eager decode step."""
-    if dec is not None:
-        return lambda token, pos: dec.step(token, [pos], [0])
-    slots = torch.zeros(1, dtype=torch.int64, device=w.device)
-    return lambda token, pos: decode_step(w, cache, token, torch.tensor([pos], device=w.device), slots, ks,
-                                          experts=experts)
-
-
-def _decode_loop(step, token: torch.Tensor, start: int, n: int, after) -> None:
-    """``n`` decode steps of one stream at positions start..start+n-1, the first on ``token`` [1] int64;
-    after(i, logits [1, V] fp32) keeps step i's logits and returns the next step's token (the prompt's next id,
-    or the reply's pick)."""
-    for i in range(n):
-        token = after(i, step(token, start + i))
-
-
-def _decode_prompt(step, ids: torch.Tensor, served: dict, progress=None) -> torch.Tensor:
+def _decode_prompt(step: DecodeStep, ids: torch.Tensor, served: dict, progress=None) -> torch.Tensor:
     """The decode path's prefill through ``step``: prompt ids [P] int64 (device), one decode step per row at
-    positions 0..P-1 -> logits [P, V] fp32 (what prefill returns on the decode path)."""
+    positions 0..P-1 of slot 0 -> logits [P, V] fp32 (what prefill returns on the decode path)."""
     out = []
-
-    def after(i, logits):
-        out.append(logits)
+    for i in range(ids.numel()):
+        out.append(step(ids[i:i + 1], [i], [0]))
         served["decode"]["segments"] += 1
         served["decode"]["rows"] += 1
         if progress is not None:
             progress.update(1)
-        return ids[i + 1:i + 2]
-    _decode_loop(step, ids[:1], 0, ids.numel(), after)
     return torch.cat(out)
+
+
+def _advance(progress) -> bool:
+    """One generated token on the bar; False: the stream goes on (tqdm.update's own result says it redrew)."""
+    progress.update(1)
+    return False
 
 
 def _prompt_graphs(dec: GraphDecoder) -> str:
@@ -232,16 +172,19 @@ def _prompt_graphs(dec: GraphDecoder) -> str:
 def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: KernelSet | str = "fast",
              schedule: Schedule = Schedule("decode"), *, keep_cache: bool = False,
              experts: ExpertProvider | None = None, progress=None, kv_dtype: str | KVFormat = "bf16",
-             graphs: bool = False) -> RunResult:
+             graphs: bool = False) -> Run:
     """Prefill ``prompt_ids`` [P] int64 as ``schedule`` says and greedily generate ``gen_tokens`` tokens.
 
     Args:
-        keep_cache: keep the KV cache in the result; experts: the expert provider (None: the resident weights);
-        progress: a tqdm bar, advanced by one per prompt row and per generated token;
+        keep_cache: keep the KV cache in the result (Run.cache, Run.kv); experts: the expert provider (None: the
+            resident weights); progress: a tqdm bar, advanced by one per prompt row and per generated token;
         kv_dtype: what the KV cache stores (cache.KV_DTYPES name or a cache.KVFormat);
         graphs: replay the decode steps from a CUDA graph (graphs.GraphDecoder: the same bytes), on the decode
-            path the prompt rows' steps too; where a graph cannot serve, the eager steps run and RunResult.graphs
-            says why.
+            path the prompt rows' steps too; where a graph cannot serve, the eager steps run and Run.graphs says why.
+    Returns:
+        Run named ``schedule.name``; info: path, step, kernels, deep_threshold, kv_dtype, served (plan ->
+        {"segments", "rows"} the prefill ran), graphs ({} without graphs, else GraphDecoder.info() and on the
+        decode path "prompt": "replayed" or "eager: <why>").
     Raises:
         ValueError: see check_run_args; an unknown kernel set or kv_dtype.
     """
@@ -249,33 +192,39 @@ def generate(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kernels: Ker
     P = int(prompt_ids.numel())
     check_run_args(w, P, gen_tokens)
     cache = KVCache(w.cfg, P + max(gen_tokens, 1), 1, w.dtype, w.device, kv_dtype)
-    served = _served()
-    dec = GraphDecoder(w, cache, ks, experts=experts) if graphs else None
-    step = _stepper(w, cache, ks, experts, dec)
+    served = served_counts()
+    step = DecodeStep(w, cache, ks, experts=experts, graphs=graphs)
+    dec = step.decoder(1) if graphs else None
     t0 = time.perf_counter()
     if dec is not None and schedule.path == "decode":   # the prompt rows are decode steps: replayed too
         plog = _decode_prompt(step, prompt_ids.to(w.device), served, progress)
     else:
         plog = prefill(w, cache, prompt_ids, ks, schedule, served=served, experts=experts, progress=progress).logits
     prompt_graphs = None if dec is None or schedule.path != "decode" else _prompt_graphs(dec)
-    gen, glog, times = [], [], []
+    s = Stream(0, P, gen_tokens, on_token=None if progress is None else lambda *_: _advance(progress))
+    loop = Loop(ks, step, timed=True)
+    loop.start(s, plog[-1:], schedule.role)   # token 0 from the last prompt row, the others from decode steps
+    loop.run([s])
+    graph_info = {} if dec is None else {**dec.info(), **({"prompt": prompt_graphs} if prompt_graphs else {})}
+    return stream_run(schedule.name, s, w.cfg.vocab_size, run_info(schedule, ks, cache, served, graph_info), t0,
+                      prompt_ids=prompt_ids, prompt_logits=plog, cache=cache if keep_cache else None)
 
-    def pick(i, logits, role="decode"):
-        gen.append(ks.fn("argmax", role)(logits))
-        glog.append(logits)
-        _sync(w)
-        times.append(time.perf_counter())
-        if progress is not None:
-            progress.update(1)
-        return gen[-1]
-    if gen_tokens:   # the first token comes from the last prompt row, the others from decode steps at P, P + 1, ...
-        _decode_loop(step, pick(0, plog[-1:], schedule.role), P, gen_tokens - 1, pick)
-    V = w.cfg.vocab_size
-    return RunResult(
-        path=schedule.path, step=schedule.step, kernels=ks.name, deep_threshold=schedule.deep_threshold,
-        prompt_ids=prompt_ids.cpu(), gen_ids=torch.cat(gen).cpu() if gen else torch.zeros(0, dtype=torch.int64),
-        prompt_logits=plog.cpu(), gen_logits=torch.cat(glog).cpu() if glog else torch.zeros(0, V),
-        served=served, ttft_s=(times[0] - t0) if times else 0.0,
-        decode_s=(times[-1] - times[0]) if len(times) > 1 else 0.0, token_times=[t - t0 for t in times],
-        cache=cache if keep_cache else None, kv_dtype=cache.kv_dtype,
-        graphs={} if dec is None else {**dec.info(), **({"prompt": prompt_graphs} if prompt_graphs else {})})
+
+def run_info(schedule: Schedule, ks: KernelSet, cache: KVCache, served: dict, graphs: dict | None = None,
+             **more) -> dict:
+    """Run.info of our engine's run: path, step, kernels, deep_threshold, kv_dtype, served, graphs, ``more``."""
+    return {"path": schedule.path, "step": schedule.step, "kernels": ks.name,
+            "deep_threshold": schedule.deep_threshold, "kv_dtype": cache.kv_dtype, "served": served,
+            "graphs": graphs or {}, **more}
+
+
+def stream_run(config: str, s: Stream, vocab: int, info: dict, t0: float | None, *, prompt_ids: torch.Tensor,
+               prompt_logits: torch.Tensor | None, prompt_start: int = 0, cache: KVCache | None = None) -> Run:
+    """The Run of stream ``s``: its tokens and rows, token times relative to ``t0`` (perf_counter; None: not
+    timed), the prompt's ids [P] and computed rows [P - prompt_start, V], and a one-slot ``cache`` when kept
+    (Run.cache, and its slot 0 as Run.kv)."""
+    times = [t - t0 for t in s.times] if t0 is not None else []
+    return Run(config, s.gen_ids(), None if prompt_logits is None else prompt_logits.cpu(), s.gen_logits(vocab),
+               kv=cache_kv(cache), ttft_s=times[0] if times else 0.0,
+               decode_s=times[-1] - times[0] if len(times) > 1 else 0.0, token_times=times, info=info,
+               prompt_ids=prompt_ids.cpu(), prompt_start=prompt_start, cache=cache)

@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .cache import KVCache, KVFormat, KVState
 from .kernels import KernelSet, get_set
+from .loop import DecodeStep, Loop, Stream
 from .model import ExpertProvider
-from .paths import PATHS, Schedule, check_run_args, decode_step, prefill
+from .paths import Schedule, check_run_args, prefill, run_info, served_counts, stream_run
+from .run import Run
 from .weights import Weights
 
 MODES = ("grid", "any")
@@ -172,59 +175,21 @@ class PromptCache:
         return e
 
 
-@dataclass
-class CachedRun:
-    """One request through the prompt cache.
-
-    Attributes:
-        resumed_from: prefix length restored from the cache (0 = fresh prefill); key: that state's key or None.
-        prompt_ids [P], gen_ids [N] int64; tail_logits [P - resumed_from, V] fp32: logits of the prefilled rows;
-        gen_logits [N, V] fp32 (row 0 = last prompt row); all cpu.
-        stored: keys kept after this request's prefill; served: prefill plan -> counts.
-        cache: the KV cache after the run (kept only when asked).
-    """
-
-    resumed_from: int
-    key: str | None
-    prompt_ids: torch.Tensor
-    gen_ids: torch.Tensor
-    tail_logits: torch.Tensor
-    gen_logits: torch.Tensor
-    stored: list = field(default_factory=list)
-    served: dict = field(default_factory=lambda: {p: {"segments": 0, "rows": 0} for p in PATHS})
-    cache: KVCache | None = None
-
-
-def continue_greedy(w: Weights, cache: KVCache, last_logits: torch.Tensor, n_prompt: int, gen_tokens: int,
-                    kernels: KernelSet | str, *, slot: int = 0,
-                    experts: ExpertProvider | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy tokens after a prefill, as paths.generate decodes them: token 0 from ``last_logits`` [1, V] fp32, then
-    one decode step per token at positions n_prompt.. of ``slot``. Returns (ids [N] int64, logits [N, V] fp32)."""
-    ks = get_set(kernels)
-    if gen_tokens == 0:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, last_logits.shape[-1])
-    gen, glog = [ks.fn("argmax", "prompt")(last_logits)], [last_logits]
-    slots = torch.tensor([slot], device=w.device)
-    for i in range(1, gen_tokens):
-        pos = torch.tensor([n_prompt + i - 1], device=w.device)
-        last = decode_step(w, cache, gen[-1], pos, slots, ks, experts=experts)
-        gen.append(ks.fn("argmax", "decode")(last))
-        glog.append(last)
-    return torch.cat(gen).cpu(), torch.cat(glog).cpu()
-
-
 def generate_cached(w: Weights, pc: PromptCache, prompt_ids: torch.Tensor, gen_tokens: int,
                     kernels: KernelSet | str = "fast", schedule: Schedule = Schedule("batched"), *,
                     resume_key: str | None = None, keep_cache: bool = False,
-                    experts: ExpertProvider | None = None, kv_dtype: str | KVFormat = "bf16") -> CachedRun:
+                    experts: ExpertProvider | None = None, kv_dtype: str | KVFormat = "bf16") -> Run:
     """One request: restore the longest cached prefix (or the state ``resume_key``), prefill only the tail
     ``prompt_ids[n:]`` with paths.prefill(start=n), keep this prompt's states in ``pc``, then decode ``gen_tokens``
-    greedy tokens.
+    greedy tokens (loop.Loop; token 0 under ``schedule.role``, as a fresh run's).
 
     The tail's chunks of ``schedule.step`` rows start at the resume point n, so they line up with a fresh prefill's
     chunks exactly when n is a multiple of the step (grid mode); elsewhere only row-invariant kernels keep the
     bytes. ``kv_dtype`` (cache.KV_DTYPES name or a KVFormat) is what the request's cache stores; a cached state of
     another format is refused by KVCache.restore.
+    Returns:
+        Run named ``schedule.name``: prompt_start = n (0: a fresh prefill), prompt_logits [P - n, V] the prefilled
+        rows; info adds ``key`` (the restored state's, or None) and ``stored`` (keys kept after the prefill).
     Raises:
         ValueError: what paths.check_run_args raises, PromptCache.get's mismatch errors, an unknown kv_dtype.
     """
@@ -236,11 +201,13 @@ def generate_cached(w: Weights, pc: PromptCache, prompt_ids: torch.Tensor, gen_t
     if entry is not None:
         cache.restore(entry.state, 0)
         start = entry.length
-    run = CachedRun(start, entry.key if entry else None, prompt_ids.cpu(), torch.zeros(0, dtype=torch.int64),
-                    torch.zeros(0), torch.zeros(0))
-    tail = prefill(w, cache, prompt_ids[start:], ks, schedule, start=start, served=run.served,
+    served, t0 = served_counts(), time.perf_counter()
+    tail = prefill(w, cache, prompt_ids[start:], ks, schedule, start=start, served=served,
                    experts=experts).logits                                             # [P - start, V] fp32
-    run.tail_logits, run.stored = tail.cpu(), pc.store(prompt_ids, cache, 0)
-    run.gen_ids, run.gen_logits = continue_greedy(w, cache, tail[-1:], P, gen_tokens, ks, experts=experts)
-    run.cache = cache if keep_cache else None
-    return run
+    stored = pc.store(prompt_ids, cache, 0)
+    loop, s = Loop(ks, DecodeStep(w, cache, ks, experts=experts), timed=True), Stream(0, P, gen_tokens)
+    loop.start(s, tail[-1:], schedule.role)
+    loop.run([s])
+    info = run_info(schedule, ks, cache, served, key=entry.key if entry else None, stored=stored)
+    return stream_run(schedule.name, s, w.cfg.vocab_size, info, t0, prompt_ids=prompt_ids, prompt_logits=tail,
+                      prompt_start=start, cache=cache if keep_cache else None)

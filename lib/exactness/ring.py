@@ -161,35 +161,42 @@ class StagedWeights:
     (the weights negated: every nonzero element differs in its sign bit) and then the weights into the same slot.
     A kernel that ran before its copy landed, or a copy that overwrote the slot before the previous kernel had read
     it, reads the decoy, and the contract sees different bytes. ``fetch("sync")`` (decode's and the batched pass's
-    route): copied into fresh device tensors, as ExpertStore._fetch_sync does.
+    route): copied into fresh device tensors, as ExpertStore._fetch_sync does. With several *units* (the weights
+    of several experts) the one slot holds different experts over time, as offload's ring slots do: a kernel that
+    keeps what it derived from a buffer by the buffer's address reads a stale unit.
 
     Args:
         tensors: the weights on the compute device (one dtype), e.g. (w_gate [I, H], w_up [I, H]).
+        more: further units of the same shapes (other experts' weights), fetched by index 1, 2, ...
     Raises:
         ValueError: an unknown route; torch.cuda.OutOfMemoryError: the slot does not fit.
     """
 
     ROUTES = ("ring", "sync")
 
-    def __init__(self, tensors: tuple):
+    def __init__(self, tensors: tuple, more: tuple = ()):
         self.device = tensors[0].device
         pin = self.device.type == "cuda"
-        self.host = tuple(host_copy(t, pin) for t in tensors)
-        self.decoy = tuple(host_copy(-t, pin) for t in tensors)
+        self.units = [tuple(host_copy(t, pin) for t in ts) for ts in (tensors, *more)]
+        self.decoys = [tuple(host_copy(-t, pin) for t in ts) for ts in self.units]
+        self.host, self.decoy = self.units[0], self.decoys[0]
         self.stats = ring_counters()
         self.ring = ExpertRing([t.shape for t in tensors], tensors[0].dtype, self.device, 1,
-                               lambda key: self.decoy if key[1] == "decoy" else self.host, None, self.stats)
+                               lambda key: (self.decoys if key[1] == "decoy" else self.units)[key[2]], None,
+                               self.stats)
         self.calls = 0
 
-    def fetch(self, route: str) -> tuple:
-        """The weights on the device by ``route`` ("ring" or "sync"), one fresh copy per call."""
+    def fetch(self, route: str, unit: int = 0) -> tuple:
+        """Unit ``unit``'s weights on the device by ``route`` ("ring" or "sync"), one fresh copy per call."""
+        if not 0 <= unit < len(self.units):
+            raise ValueError(f"unit {unit!r} outside 0..{len(self.units) - 1}")
         if route == "sync":
             self.stats["sync_fetches"] += 1
-            return tuple(torch.empty(h.shape, dtype=h.dtype, device=self.device).copy_(h) for h in self.host)
+            return tuple(torch.empty(h.shape, dtype=h.dtype, device=self.device).copy_(h) for h in self.units[unit])
         if route != "ring":
             raise ValueError(f"unknown route {route!r}; allowed: {', '.join(self.ROUTES)}")
         self.calls += 1
-        decoy, real = (self.calls, "decoy"), (self.calls, "real")
+        decoy, real = (self.calls, "decoy", unit), (self.calls, "real", unit)
         self.ring.schedule([decoy, real])
         self.ring.take(decoy)      # the slot holds the decoy; taking the weights next must copy over it
         return self.ring.take(real)

@@ -221,3 +221,32 @@ def weights_format(w: Weights) -> str:
     QuantWeight format of its projections."""
     q = w.layers[0].wq if w.layers else None
     return q.fmt if isinstance(q, QuantWeight) else "bf16"
+
+
+def device_random_weights(cfg, dtype: torch.dtype = torch.bfloat16, device="cuda", seed: int = 0):
+    """Weights with synthetic_weights' distributions drawn directly on ``device`` (different values).
+
+    For GPU benchmarks and tests: synthetic_weights draws every value on the CPU (about 2.5 G values for the
+    ``small`` preset, minutes of CPU time); this draws them with a device generator in seconds. Distributions:
+    embedding N(0, 1), linear weights N(0, 1/in_features), norm weights 1 + 0.1 N(0, 1), router 4 N(0, 1/H).
+
+    Returns:
+        Weights on ``device`` in ``dtype``.
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def lin(out_f: int, in_f: int, *lead: int, scale: float = 1.0):
+        return (torch.randn(*lead, out_f, in_f, generator=g, device=device) * (scale / math.sqrt(in_f))).to(dtype)
+
+    def nrm(n: int):
+        return (1.0 + 0.1 * torch.randn(n, generator=g, device=device)).to(dtype)
+
+    H, D, E, I, Is = cfg.hidden, cfg.head_dim, cfg.n_experts, cfg.expert_inter, cfg.shared_expert_inter
+    layers = [LayerWeights(attn_norm=nrm(H), wq=lin(cfg.n_heads * D, H), wk=lin(cfg.n_kv_heads * D, H),
+                           wv=lin(cfg.n_kv_heads * D, H), wo=lin(H, cfg.n_heads * D), q_norm=nrm(D), k_norm=nrm(D),
+                           mlp_norm=nrm(H), router=lin(E, H, scale=4.0), w_gate=lin(I, H, E), w_up=lin(I, H, E),
+                           w_down=lin(H, I, E), shared_gate=lin(Is, H) if Is else None,
+                           shared_up=lin(Is, H) if Is else None, shared_down=lin(H, Is) if Is else None)
+              for _ in range(cfg.n_layers)]
+    embed = torch.randn(cfg.vocab_size, H, generator=g, device=device).to(dtype)
+    return Weights(cfg=cfg, embed=embed, layers=layers, final_norm=nrm(H), lm_head=lin(cfg.vocab_size, H))

@@ -1,5 +1,6 @@
 """Analyses: each computes one receipt section (``run_section(params) -> dict``) and renders it
-(``render_md(section) -> str``); the section table (receipt/sections.py) names them.
+(``render_md(section) -> str``, in the module itself or its views module); the section table (receipt/sections.py)
+names both.
 
     hashes     the hash matrix: every prompt x path x step x kernel set against its serial-decode oracle, with a
                step sweep at tile boundaries and an fp32 control (hashes_report.py, hashes_md.py: tables)

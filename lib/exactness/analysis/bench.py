@@ -2,16 +2,17 @@
 
 Runs, per kernel set (greedy, temperature 0, end-of-sequence ignored; prefill on ``bench_path`` at ``bench_step``):
 
-    plain       each prompt ``bench_reps`` times through paths.generate: rep 0 is *cold* (the first request of that
+    plain       each prompt ``bench_reps`` times through our engine's run: rep 0 is *cold* (the first request of that
                 prompt since the model was loaded: first-touch, library initialisation), rep 1.. are *warm* (the
                 identical repeat, prefilled again from scratch: the engine holds no prompt cache)
-    drafted     the same through mtp.generate_drafted (MTP head, k = MTP_K drafts), the head loaded once up front
+    drafted     the same through the engine's run_drafted (MTP head, k = MTP_K drafts), the head loaded once up
+                front
     itl         each prompt ``bench_itl_reps`` more times (plain and drafted): decode tok/s median and ITL p50/p95
                 over the pooled per-token gaps of those repetitions
     cold        exact token-id prompts of ``bench_cold_lengths`` tokens (code then docs ids, repeated as needed),
                 ``bench_reps`` fresh requests each; a run qualifies as cold only if its prefill served every prompt
                 row (nothing came from a cache), otherwise it is refused and not reported
-    streams     1 and 2 concurrent streams of each prompt (batch.run_streams, all joining at step 0), each stream
+    streams     1 and 2 concurrent streams of each prompt (run_concurrent, all joining at step 0), each stream
                 compared with the plain run alone
     memory      peak device memory per run (torch.cuda.max_memory_allocated; None on CPU), and on CUDA the peak of
                 a batched and a ``bench_path`` prefill of the longest prompt; the ring's reserved bytes (offload)
@@ -24,9 +25,8 @@ served and, per shape, why not (the fast set's multi-row forwards, offloaded exp
 Metrics: TTFT = seconds from the request to the first generated token; prefill tok/s = prompt tokens /
 TTFT; decode tok/s = (generated - 1) / (time of last token - time of first token); mean ITL = that span /
 (generated - 1); ITL p50/p95 = numpy.percentile (linear interpolation) of the gaps between consecutive tokens.
-Drafted runs stamp every token of a verify round with the round's end, so their ITL p50 can be 0.
-mtp.DraftedResult and batch.StreamsResult carry no timestamps, so the bench stamps them by wrapping the modules'
-prefill and round functions for the duration of a run (restored in ``finally``).
+Drafted runs stamp every token of a verify round with the round's end, so their ITL p50 can be 0. The stamps are
+the runs' own (Run.token_times: the greedy loop stamps each token after the device finished).
 """
 from __future__ import annotations
 
@@ -36,17 +36,16 @@ import numpy as np
 import torch
 
 from ..config import get_preset
+from ..engines.reference import ReferenceEngine
 from ..kernels import get_set
 from ..offload import ExpertStore
-from ..receipt.params import BenchParams
+from ..params import BenchParams
 from ..progress import bar as progress_bar
 from ..prompt_files import build_prompts, prompt_record
 from ..prompts import build_prompt
-from ..receipt.sections import join_provenance
-from .bench_tables import (INTRO, config_line, expert_store_md, render_md, table,  # noqa: F401  (its views)
-                           tables)
-from .bench_runner import MTP_K, Runner, _record, timing_metrics  # noqa: F401  (the section's metrics and records)
-from .hashes import load_model, resolve_device
+from .merge import join_provenance
+from .bench_runner import MTP_K, Runner
+from ..checkpoint import load_model, resolve_device
 
 STREAM_COUNTS = (1, 2)   # concurrent streams
 RING_SLOTS = 4           # expert ring slots when offload is on
@@ -90,13 +89,11 @@ def exact_length_ids(n: int, sources: list[torch.Tensor]) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------------- section
 
-def _available(module: str) -> str | None:
-    """None when ``exactness.<module>`` imports, else the "not run" reason."""
-    try:
-        __import__(f"exactness.{module}")
-    except ImportError as e:
-        return f"not run: {module} missing ({e})"
-    return None
+def _not_run(engine: ReferenceEngine) -> dict:
+    """Table -> "not run: ..." for the tables whose run kind the engine lacks (drafted, concurrent streams)."""
+    need = {"drafted": "drafted", "streams": "concurrent"}
+    return {k: f"not run: not available from this engine ({cap})" for k, cap in need.items()
+            if cap not in engine.capabilities}
 
 
 def _reps(runner_fn, n: int, bar) -> list[dict]:
@@ -240,8 +237,10 @@ def run_section(params: BenchParams | dict) -> dict:
     p.check_lengths(w.cfg.max_positions)
     prompts = build_prompts(p.prompts, p.prompt_max_tokens, p.allow_unpinned, tok, w.cfg.vocab_size)
     sources = [build_prompt(n, None, p.allow_unpinned, tok).ids for n in ("code", "docs")]
-    not_run = {k: r for k, r in (("drafted", _available("mtp")), ("streams", _available("batch"))) if r}
-    runner = Runner(w, store, p)
+    engine = ReferenceEngine(w, tok, p.kernel_sets[0], deep_threshold=p.deep_threshold, draft_k=MTP_K,
+                             kv_dtype=p.kv_dtype, experts=store, graphs=p.bench_graphs and w.device.type == "cuda")
+    not_run = _not_run(engine)
+    runner = Runner(engine, p)
     data = {k: [] for k in ("plain", "drafted", "itl", "cold", "streams", "memory")}
     total = _n_runs(p, len(prompts), "drafted" not in not_run, "streams" not in not_run, runner.device.type == "cuda")
     with ExitStack() as stack:

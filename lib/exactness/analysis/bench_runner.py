@@ -1,20 +1,17 @@
-"""The bench's timed requests: one greedy request at a time (plain, drafted, cold exact-length, streams) through the
-engine's paths with the metrics analysis/bench.py defines (TTFT, tok/s, ITL gaps, peak memory) and the rows each
-plan served; analysis/bench.py runs the section from them.
+"""The bench's timed requests: one greedy request at a time (plain, drafted, cold exact-length, streams) through our
+engine (engines/reference.py) with the metrics analysis/bench.py defines (TTFT, tok/s, ITL gaps, peak memory) and
+the rows each plan served; analysis/bench.py runs the section from them.
 """
 from __future__ import annotations
 
-import inspect
-import time
-from contextlib import ExitStack, contextmanager
-from dataclasses import replace
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
-from ..paths import PATHS, Schedule, generate
-from ..receipt.params import BenchParams
-from .hashes import token_hash
+from ..engines.reference import ReferenceEngine
+from ..exact import token_hash
+from ..params import BenchParams
 
 MTP_K = 2                # drafts per verify round
 
@@ -47,26 +44,6 @@ def timing_metrics(n_prompt: int, ttft_s: float, token_times: list[float]) -> di
 
 
 @contextmanager
-def after_calls(module, name: str, callback, device: torch.device):
-    """Within the block, ``module.<name>`` calls ``callback(bound_arguments, result)`` right after each call
-    (device synchronised first, so a timestamp taken there is the result's); restored on exit."""
-    original = getattr(module, name)
-    sig = inspect.signature(original)
-
-    def wrapped(*args, **kwargs):
-        out = original(*args, **kwargs)
-        _sync(device)
-        callback(sig.bind(*args, **kwargs).arguments, out)
-        return out
-
-    setattr(module, name, wrapped)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-
-
-@contextmanager
 def peak_memory(device: torch.device):
     """Yields a dict whose ``peak_bytes`` is set on exit to torch.cuda.max_memory_allocated over the block
     (None on CPU)."""
@@ -80,6 +57,9 @@ def peak_memory(device: torch.device):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             out["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
+
+
+PATHS = ReferenceEngine.PATHS
 
 
 def _served_rows(served: dict) -> int:
@@ -109,25 +89,31 @@ def _record(kind: str, ids: torch.Tensor, gen_ids, served: dict, ttft: float, ti
 # ------------------------------------------------------------------------------------------------------ runner
 
 class Runner:
-    """Timed greedy requests on one model (weights, optional expert store) with the bench's prefill path.
+    """Timed greedy requests on our engine (``engine``: weights, expert provider, KV format and graphs as the bench
+    asks; one engine per kernel set, engine.with_kernels) with the bench's prefill path.
 
     Each method returns a record (``_record``): kind, prompt_tokens, hash, path_served, prefilled_rows,
     cache_state, peak_mem_bytes, decode_graphs (None without graphs, else whether they served, replays, eager
     steps and why not), the timing_metrics fields and ``_gen_ids`` (dropped before the JSON).
     """
 
-    def __init__(self, w, experts, p: BenchParams):
-        self.w, self.experts, self.device = w, experts, w.device
-        self.schedule = Schedule(p.bench_path, p.bench_step, p.deep_threshold)
-        self.mtp, self.kv_dtype = None, p.kv_dtype   # what every request's KV cache stores
-        self.graphs = p.bench_graphs and w.device.type == "cuda"   # replay what can be captured after prefill
+    def __init__(self, engine: ReferenceEngine, p: BenchParams):
+        self.base, self.engines = engine, {}
+        self.experts, self.device = engine.experts, engine.w.device
+        self.path, self.step = p.bench_path, p.bench_step
+
+    def engine(self, ks: str) -> ReferenceEngine:
+        """Our engine with kernel set ``ks`` (made on first use, sharing the base engine's model)."""
+        if ks not in self.engines:
+            self.engines[ks] = self.base.with_kernels(ks)
+        return self.engines[ks]
 
     def plain(self, ids: torch.Tensor, ks: str, gen: int, path: str | None = None) -> dict:
-        """One paths.generate request (``path`` overrides the bench path, e.g. for the memory comparison)."""
-        schedule = self.schedule if path is None else replace(self.schedule, path=path)
+        """One plain request (``path`` overrides the bench path, e.g. for the memory comparison)."""
+        eng = self.engine(ks)
+        config = eng.configuration(path or self.path, self.step)
         with peak_memory(self.device) as mem:
-            r = generate(self.w, ids, gen, ks, schedule, experts=self.experts, kv_dtype=self.kv_dtype,
-                         graphs=self.graphs)
+            r = eng.run(ids, gen, config)
         return self._note(_record("plain", ids, r.gen_ids, r.served, r.ttft_s, list(r.token_times),
                                   mem["peak_bytes"], r.graphs_record()))
 
@@ -138,55 +124,28 @@ class Runner:
         return rec
 
     def drafted(self, ids: torch.Tensor, ks: str, gen: int) -> dict:
-        """One mtp.generate_drafted request (MTP head, MTP_K drafts); tokens stamped at each round's end."""
-        from .. import mtp
-        if self.mtp is None:
-            self.mtp = mtp.resolve_mtp(self.w)  # the head is loaded once, before any timed request
-        stamps = []
-
-        def first(args, out):
-            stamps.append(time.perf_counter())
-
-        def round_done(args, out):
-            stamps.extend([time.perf_counter()] * (len(args["state"].gen) - len(stamps)))
-
-        with ExitStack() as stack, peak_memory(self.device) as mem:
-            stack.enter_context(after_calls(mtp, "prefill", first, self.device))
-            stack.enter_context(after_calls(mtp, "_round", round_done, self.device))
-            t0 = time.perf_counter()
-            r = mtp.generate_drafted(self.w, ids, gen, ks, self.schedule, k=MTP_K, draft="mtp", mtp=self.mtp,
-                                     experts=self.experts, kv_dtype=self.kv_dtype, graphs=self.graphs)
-        times = [t - t0 for t in stamps[:gen]]
+        """One drafted request (MTP head, MTP_K drafts); a round's tokens are stamped at its end."""
+        eng = self.engine(ks)
+        eng.load_mtp()  # the head is loaded once, before any timed request
+        with peak_memory(self.device) as mem:
+            r = eng.run_drafted(ids, gen, eng.configuration(self.path, self.step), draft="mtp")
+        times = list(r.token_times)
         rec = _record("drafted", ids, r.gen_ids, r.served, times[0], times, mem["peak_bytes"], r.graphs_record())
         rec["acceptance"] = r.stats.acceptance_rate
         return self._note(rec)
 
     def streams(self, ids: torch.Tensor, n: int, ks: str, gen: int) -> list[dict]:
-        """``n`` concurrent streams of the same prompt joining at step 0 (batch.run_streams); one record per
-        stream (TTFT counted from the start of the whole run)."""
-        from .. import batch
-        stamps: list[list[float]] = [[] for _ in range(n)]
-
-        def prefilled(args, out):
-            stamps[args.get("slot", 0)].append(time.perf_counter())
-
-        def stepped(args, out):
-            now = time.perf_counter()
-            for j in args["active"]:
-                stamps[j].append(now)
-
-        with ExitStack() as stack, peak_memory(self.device) as mem:
-            stack.enter_context(after_calls(batch, "prefill", prefilled, self.device))
-            stack.enter_context(after_calls(batch, "_batched_step", stepped, self.device))
-            t0 = time.perf_counter()
-            res = batch.run_streams(self.w, [ids] * n, gen, ks, self.schedule, offset=0, experts=self.experts,
-                                    kv_dtype=self.kv_dtype, graphs=self.graphs)
+        """``n`` concurrent streams of the same prompt joining at step 0 (the engine's run_concurrent); one record
+        per stream (TTFT counted from the start of the whole run)."""
+        eng = self.engine(ks)
+        with peak_memory(self.device) as mem:
+            res = eng.run_concurrent([ids] * n, gen, eng.configuration(self.path, self.step), offset=0)
         g = res.graphs.get(n)   # all n streams join at step 0 and leave together: every forward has n rows
         graphs = {k: g[k] for k in ("served", "replays", "eager_steps", "reason")} if g else None
         out = []
-        for j, s in enumerate(res.streams):
-            times = [t - t0 for t in stamps[j]]
-            served = {p: {"segments": 0, "rows": 0} for p in PATHS}  # run_streams does not report it
+        for s in res.streams:
+            times = list(s.token_times)
+            served = {p: {"segments": 0, "rows": 0} for p in PATHS}  # a stream's record leaves its prefill out
             rec = _record("stream", ids, s.gen_ids, served, times[0], times, mem["peak_bytes"], graphs)
             rec.update(prefilled_rows=None, cache_state="cold (fresh cache per run)", path_served=None)
             out.append(rec)

@@ -11,7 +11,7 @@ import statistics
 import pandas as pd
 from tabulate import tabulate
 
-from ..receipt.tables import Table
+from ..tables import Table
 
 MIB = 2 ** 20
 INTRO = ("Serving speed and memory of each kernel set on this machine: time to the first token (TTFT), prefill "

@@ -17,14 +17,14 @@ import time
 import torch
 
 from ..engines import open_engine, parse_spec
-from ..engines.base import Engine, EngineError, Generation, NotAvailable
-from ..exact import bytes_equal, differing_rows, first_differing_row, token_hash
-from ..receipt.params_engines import EnginesParams
+from ..engines.base import Engine, EngineError, NotAvailable
+from ..exact import NOT_EXPOSED, Verdict, compare as exact_compare, token_hash
+from ..params_engines import EnginesParams
 from ..progress import bar as progress_bar
+from ..run import Run
 from .engines_dumps import run_engine_dumps
 from .repeat import many_prompts, prompt_counts, run_repeat
-from .engines_md import (INTRO, bench_block, cross_table, engines_table, hash_table, render_md,  # noqa: F401
-                         streams_block, verdict_md)
+
 
 def not_kernel_level(section: str) -> str:
     """Why the kernel-level section ``section`` is not computed from engines, and how to get it."""
@@ -32,46 +32,20 @@ def not_kernel_level(section: str) -> str:
             f"dumps (make receipts DUMPS=DIR, or python -m exactness {section} --dumps DIR)")
 
 
-def _rows_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[bool | None, int | None, int]:
-    """(every row byte-equal, first differing row, count) of two [R, V] tensors; (None, None, 0) where either is
-    missing; a shape mismatch counts every row of the longer one as differing."""
-    if a is None or b is None:
-        return None, None, 0
-    if a.shape != b.shape:
-        return False, 0, max(a.shape[0], b.shape[0])
-    d = differing_rows(a, b)
-    return not bool(d.any()), (int(d.nonzero()[0]) if d.any() else None), int(d.sum())
-
-
-def _kv_equal(a: list | None, b: list | None) -> tuple[bool | None, int | None]:
-    """(all KV tensors byte-equal, index of the first differing tensor) or (None, None) where not exposed."""
-    if a is None or b is None:
-        return None, None
-    if len(a) != len(b):
-        return False, 0
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x.shape != y.shape or not bytes_equal(x, y)), None)
-    return first is None, first
-
-
-def verdict(tokens: bool, parts: dict[str, bool | None], not_greedy: str | None = None,
-            lossy: list | None = None) -> str:
+def verdict(v: Verdict, not_greedy: str | None = None, lossy: list | None = None) -> str:
     """One line: "not greedy: <where>" when the run or its reference was not greedy (never compared as greedy);
-    "equal" when tokens and every exposed part are equal ("equal (not exposed: X, Y)" when some were not exposed),
-    "equal as text, lossy: <what was lost>" when the tokens are texts a server may have lost bytes of; else
-    "differs: <what differed>"."""
+    else the Verdict's line ("equal", "equal (not exposed: X, Y)" or "differs: <what differed>"), with the lossy
+    text named where the tokens are texts a server may have lost bytes of ("equal as text, lossy: <what was
+    lost>" where nothing differed)."""
     if not_greedy:
         return f"not greedy: {not_greedy}"
-    failed = (["tokens"] if not tokens else []) + [k for k, v in parts.items() if v is False]
-    missing = [k for k, v in parts.items() if v is None]
-    if failed:
-        return "differs: " + ", ".join(failed) + (f" (lossy text: {'; '.join(lossy)})" if lossy else "")
-    if lossy:
-        return "equal as text, lossy: " + "; ".join(lossy)
-    return "equal" + (f" (not exposed: {', '.join(missing)})" if missing else "")
+    if v.failed:
+        return v.line() + (f" (lossy text: {'; '.join(lossy)})" if lossy else "")
+    return "equal as text, lossy: " + "; ".join(lossy) if lossy else v.line()
 
 
-def _not_greedy(run: Generation, ref: Generation) -> str | None:
-    """Where the run or its reference is known not greedy (Generation.greedy False), in words, else None."""
+def _not_greedy(run: Run, ref: Run) -> str | None:
+    """Where the run or its reference is known not greedy (Run.greedy False), in words, else None."""
     for who, g in (("this run", run), (f"its reference {ref.config}", ref)):
         if g.greedy is False:
             c = g.info.get("greedy_check") or {}
@@ -80,69 +54,57 @@ def _not_greedy(run: Generation, ref: Generation) -> str | None:
     return None
 
 
-def _prompt_logprobs_equal(run: Generation, ref: Generation) -> tuple[bool | None, int | None, int]:
-    """_rows_equal of the prompt logprobs [R, 1+N] and their ids together (a row differs where either does)."""
-    eq, first, count = _rows_equal(run.prompt_logprobs, ref.prompt_logprobs)
-    a, b = run.prompt_logprob_ids, ref.prompt_logprob_ids
-    if eq is None or run.prompt_logprobs.shape != ref.prompt_logprobs.shape or a is None or b is None \
-            or a.shape != b.shape:
-        return eq, first, count
-    d = differing_rows(run.prompt_logprobs, ref.prompt_logprobs) | differing_rows(run.prompt_logprob_ids,
-                                                                                  ref.prompt_logprob_ids)
-    return not bool(d.any()), (int(d.nonzero()[0]) if d.any() else None), int(d.sum())
-
-
-def compare(run: Generation, ref: Generation) -> dict:
-    """Row fields comparing a run with its reference: tokens, prompt-logit rows, prompt logprobs (servers),
-    generated-logit rows, KV bytes; a run or reference not greedy, or tokens that are lossy text, is never
-    counted as equal (equals_oracle None where the tokens agree)."""
-    div = first_differing_row(run.gen_ids, ref.gen_ids)
-    p_eq, p_first, p_count = _rows_equal(run.prompt_logits, ref.prompt_logits)
-    lp_eq, lp_first, lp_count = _prompt_logprobs_equal(run, ref)
-    g_eq, g_first, _ = _rows_equal(run.gen_logits, ref.gen_logits)
-    kv_eq, kv_first = _kv_equal(run.kv, ref.kv)
-    margin = None
-    if div is not None and ref.gen_logits is not None and div < ref.gen_logits.shape[0]:
-        top = torch.topk(ref.gen_logits[div].float(), 2).values
-        margin = float(top[0] - top[1])
+def compare(run: Run, ref: Run) -> dict:
+    """Row fields comparing a run with its reference (exact.compare: tokens, prompt-logit rows, prompt logprobs
+    (servers), generated-logit rows, KV bytes); a run or reference not greedy, or tokens that are lossy text, is
+    never counted as equal (equals_oracle None where the tokens agree)."""
+    v = exact_compare(run, ref)
     ng = _not_greedy(run, ref)
     ref_lost = [] if ref is run else [f"reference {ref.config}: {x}" for x in ref.info.get("lost") or []]
     lossy = (run.info.get("lost") or []) + ref_lost or None
-    parts = {"prompt logits": p_eq, "generated logits": g_eq, "KV": kv_eq}
-    if run.prompt_logprobs is not None or ref.prompt_logprobs is not None:
-        parts = {"prompt logits": p_eq, "prompt logprobs": lp_eq, "generated logits": g_eq, "KV": kv_eq}
-    return {"equals_oracle": False if div is not None else (None if ng or lossy else True),
-            "first_divergence": div, "oracle_margin": margin,
-            "prompt_logits_equal": p_eq, "prompt_rows_differing": p_count, "first_differing_prompt_row": p_first,
-            "prompt_logprobs_equal": lp_eq, "prompt_logprob_rows_differing": None if lp_eq is None else lp_count,
-            "first_differing_prompt_logprob_row": lp_first,
-            "gen_logits_equal": g_eq, "first_differing_gen_row": g_first, "kv_equal": kv_eq, "kv_first_tensor": kv_first,
-            "greedy": run.greedy, "lossy": lossy, "verdict": verdict(div is None, parts, ng, lossy)}
+    p, lp, g = v.prompt_rows, v.prompt_logprobs or NOT_EXPOSED, v.gen_rows
+    return {"equals_oracle": False if not v.tokens.equal else (None if ng or lossy else True),
+            "first_divergence": v.tokens.first, "oracle_margin": v.oracle_margin,
+            "prompt_logits_equal": p.equal, "prompt_rows_differing": p.count, "first_differing_prompt_row": p.first,
+            "prompt_logprobs_equal": lp.equal,
+            "prompt_logprob_rows_differing": None if lp.equal is None else lp.count,
+            "first_differing_prompt_logprob_row": lp.first,
+            "gen_logits_equal": g.equal, "first_differing_gen_row": g.first, "kv_equal": v.kv.equal,
+            "kv_first_tensor": v.kv.first["tensor"] if v.kv.first else None,
+            "greedy": run.greedy, "lossy": lossy, "verdict": verdict(v, ng, lossy)}
 
 
-def _prompt_tokens(ids, run: Generation) -> int | None:
+def _prompt_tokens(ids, run: Run) -> int | None:
     """Tokens of the prompt: its ids, or for a chat prompt sent as messages what the server counted (else None)."""
     if isinstance(ids, (list, tuple, torch.Tensor)):
         return len(ids)
     return ((run.info or {}).get("usage") or {}).get("prompt_tokens")
 
 
-def _row(engine: Engine, prompt: str, ids: list[int], run: Generation, seconds: float) -> dict:
+def _row(engine: Engine, prompt: str, ids: list[int], run: Run, seconds: float) -> dict:
     return {"engine": engine.kind, "prompt": prompt, "prompt_tokens": _prompt_tokens(ids, run), "config": run.config,
             "oracle": engine.oracle, "gen_tokens": int(run.gen_ids.numel()), "hash": token_hash(run.gen_ids),
             "ttft_s": round(run.ttft_s, 4), "decode_s": round(run.decode_s, 4), "seconds": round(seconds, 3)}
+
+
+def oracle_runs(engine: Engine, ids, gen_tokens: int, configs: list, *, run=None, oracle: Run | None = None):
+    """The hash matrix's walk over one prompt: each of ``configs`` run in order by ``run(config) -> Run`` (default:
+    engine.generate of ``ids``), yielded as (config, its Run, the oracle's Run, seconds). The oracle is ``oracle``
+    when given, else the first configuration's run (yielded as its own oracle)."""
+    run = run or (lambda config: engine.generate(ids, gen_tokens, config))
+    for config in configs:
+        t0 = time.perf_counter()
+        r = run(config)
+        oracle = oracle or r
+        yield config, r, oracle, time.perf_counter() - t0
 
 
 def hash_rows(engine: Engine, prompts: dict[str, list[int]], gen_tokens: int, bar=None) -> list[dict]:
     """Every (prompt, configuration) of ``engine``, the oracle first, each compared with the oracle (compare)."""
     rows, names = [], [engine.oracle] + [c.name for c in engine.configurations() if c.name != engine.oracle]
     for prompt, ids in prompts.items():
-        oracle = None
-        for name in names:
-            t0 = time.perf_counter()
-            run = engine.generate(ids, gen_tokens, name)
-            oracle = oracle or run
-            rows.append({**_row(engine, prompt, ids, run, time.perf_counter() - t0), **compare(run, oracle)})
+        for _, run, oracle, seconds in oracle_runs(engine, ids, gen_tokens, names):
+            rows.append({**_row(engine, prompt, ids, run, seconds), **compare(run, oracle)})
             if bar is not None:
                 bar.update(1)
     return rows

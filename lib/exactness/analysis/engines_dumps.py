@@ -7,7 +7,7 @@ dumps/hf_hooks.py, saying why not the others: ``dump_unavailable``) into ``<root
 configuration's prompt calls (prompt role) against the prompt token by token (decode role). The oracle is dumped
 on the same prompt into ``<root>/<engine>/<oracle>`` where the engine can (its contract shows whether the decode
 role stands for the oracle: 0 differing rows when the oracle runs token by token). Each set's contract
-(dumps/contract.py) is kept compact: totals and the first mismatch, and the first one with byte-equal inputs (the
+(contract/calls.py) is kept compact: totals and the first mismatch, and the first one with byte-equal inputs (the
 first op that broke).
 
 Bounds: prompts of at most MAX_TOKENS tokens are dumped (a longer one is refused in one line: cut the prompts with
@@ -20,7 +20,9 @@ import re
 import tempfile
 from pathlib import Path
 
-from ..receipt.params_engines import ENGINE_DUMPS_MODES as MODES
+from ..dumps.format import DumpError
+from ..params_engines import ENGINE_DUMPS_MODES as MODES
+from .contract.calls import contract_of_calls
 
 MAX_TOKENS = 256
 FIELDS = ("class", "site", "prompt_kernel", "call_rows", "row", "pos", "token", "output", "element", "ulp",
@@ -47,7 +49,7 @@ def _targets(engine, rows: list[dict], prompts: dict, always: bool) -> dict[str,
 
 
 def compact(contract: dict) -> dict:
-    """The parts of a dump contract (contract.dump_contract) the engines section keeps."""
+    """The parts of a recorded-calls contract (contract.calls.contract_of_calls) the engines section keeps."""
     pick = (lambda f: None if f is None else {k: f.get(k) for k in FIELDS})
     return {"totals": contract["totals"], "first_mismatch": pick(contract.get("first_mismatch")),
             "first_origin": pick(contract.get("first_origin"))}
@@ -56,7 +58,6 @@ def compact(contract: dict) -> dict:
 def _dump_one(engine, config: str, prompt: str, ids, folder: Path) -> dict:
     """Dump ``config`` on ``ids`` into ``folder`` and check its contract; {config, prompt, tokens, folder, status,
     ...compact contract} or with status "refused" / "failed" and the reason."""
-    from ..dumps import DumpError, dump_contract
     rec = {"config": config, "prompt": prompt, "prompt_tokens": len(ids), "folder": str(folder)}
     why = getattr(engine, "dump_unavailable", lambda _: None)(config)
     if why:
@@ -66,7 +67,7 @@ def _dump_one(engine, config: str, prompt: str, ids, folder: Path) -> dict:
                 f"at most {MAX_TOKENS} (cut the prompts: engine_max_tokens={MAX_TOKENS})"}
     try:
         engine.dump(list(ids), config, folder)
-        return {**rec, "status": "dumped", **compact(dump_contract(folder, progress=False))}
+        return {**rec, "status": "dumped", **compact(contract_of_calls(folder, progress=False))}
     except (ValueError, RuntimeError, OSError, DumpError) as e:
         return {**rec, "status": "failed", "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
 

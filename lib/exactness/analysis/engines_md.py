@@ -3,8 +3,8 @@ against its oracle (with many prompts, counts per configuration: repeat_md.py), 
 equalities, the cross-engine view and what the engines could not give."""
 from __future__ import annotations
 
-from ..receipt.render import table
-from ..receipt.tables import md_escape
+from ..tables import table
+from ..tables import md_escape
 from .repeat_md import counts_block, repeat_block
 
 INTRO = ("Each engine runs every prompt greedily under each of its configurations; each run is compared with the "

@@ -10,7 +10,7 @@ against that feature's own decode oracle; packed rows (packed_rows) prefill the 
 With ``hash_graphs`` on a CUDA device the runs replay their decode steps from CUDA graphs (the oracle its prompt
 rows too: graphs.GraphDecoder, the eager steps' bytes) and each row's ``graphs`` says whether a graph served and,
 if not, why; ``graphs`` is None where graphs were not tried (hash_graphs off, a CPU device, the packed rows).
-Tables and the plot: analysis/hashes_report.py (re-exported here).
+Tables and the plot: analysis/hashes_report.py; the markdown: analysis/hashes_md.py.
 """
 from __future__ import annotations
 
@@ -20,52 +20,19 @@ from typing import NamedTuple
 
 import torch
 
-from ..batch import BATCH_LIMIT, run_packed
-from ..exact import bytes_equal, differing_rows, first_differing_row, kv_first_site, token_hash
+from ..checkpoint import load_model
+from ..engines.reference import ReferenceEngine
+from ..exact import compare as exact_compare, token_hash
 from ..progress import bar as progress_bar
-from ..config import get_preset
 from ..kernels import get_set
-from ..receipt.params import HashesParams, check_offload_paths, offload_modes  # noqa: F401  (offload_modes: its API)
-from ..paths import PATHS, RunResult, Schedule, generate
+from ..params import HashesParams, check_offload_paths, offload_modes
 from ..prompt_files import build_prompts, prompt_record
 from ..prompts import build_prompt
-from ..weights import quantize_weights, synthetic_weights, weights_format
-from .hashes_md import render_md  # noqa: F401  (the section's markdown)
-from .hashes_report import (INTRO, control_groups, control_table, curve_groups, hash_matrix,  # noqa: F401
-                            hash_table, oracle_table, plot_curves, prompts_table, summary_table, verdict_md)
+from ..run import Run
+from ..weights import weights_format
+from .engines import oracle_runs
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DIFF_BINS = 256  # the logit-difference curve keeps at most this many points per run
-
-
-def resolve_device(device: str) -> torch.device:
-    """``"cpu"`` or ``"cuda"``/``"cuda:N"`` -> torch.device.
-
-    Raises:
-        ValueError: unknown device string, or CUDA asked for where torch sees none.
-    """
-    if device == "cpu":
-        return torch.device("cpu")
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} sees no CUDA device; "
-                             f"allowed here: 'cpu'")
-        return torch.device(device)
-    raise ValueError(f"unknown device {device!r}; allowed: 'cpu', 'cuda', 'cuda:N'")
-
-
-def resolve_dtype(dtype: str) -> torch.dtype:
-    """``"bfloat16"`` or ``"float32"`` -> torch dtype. Raises ValueError naming the allowed ones."""
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}") from None
-
-
-def margin(logits: torch.Tensor) -> float:
-    """top-1 minus top-2 logit of one row [V] (fp32)."""
-    top = torch.topk(logits.float(), 2).values
-    return float(top[0] - top[1])
 
 
 def _binned_max(diff: torch.Tensor) -> list[float]:
@@ -77,42 +44,30 @@ def _binned_max(diff: torch.Tensor) -> list[float]:
     return [float(v) for v in d.view(-1, width).amax(dim=1)]
 
 
-def compare(run: RunResult, oracle: RunResult) -> dict:
-    """Row fields comparing ``run`` with ``oracle`` (tokens, prompt-logit bytes, KV bytes, margins)."""
-    div = first_differing_row(run.gen_ids, oracle.gen_ids)
+def compare(run: Run, oracle: Run) -> dict:
+    """Row fields comparing ``run`` with ``oracle`` (exact.compare: tokens, prompt-logit bytes, KV bytes, the
+    oracle's margin) and the per-position max |logit difference| of the prompt rows."""
+    v = exact_compare(run, oracle)
     row_diff = (run.prompt_logits - oracle.prompt_logits).abs().amax(dim=1)          # [P] fp32
-    differing = differing_rows(run.prompt_logits, oracle.prompt_logits)               # [P] bool
-    caches = run.cache is not None and oracle.cache is not None   # None: a run kept no cache, KV not compared
-    kv = kv_first_site(run.cache, oracle.cache) if caches else None
+    kv = v.kv.first
     return {
-        "equals_oracle": div is None,
-        "first_divergence": div,
-        "oracle_margin": margin(oracle.gen_logits[div]) if div is not None else None,
-        "prompt_logits_equal": not bool(differing.any()),
-        "prompt_rows_differing": int(differing.sum()),
-        "first_differing_prompt_row": int(differing.nonzero()[0]) if differing.any() else None,
+        "equals_oracle": v.tokens.equal,
+        "first_divergence": v.tokens.first,
+        "oracle_margin": v.oracle_margin,
+        "prompt_logits_equal": v.prompt_rows.equal,
+        "prompt_rows_differing": v.prompt_rows.count,
+        "first_differing_prompt_row": v.prompt_rows.first,
         "max_prompt_logit_diff": float(row_diff.max()),
-        "kv_equal": kv is None if caches else None,
+        "kv_equal": v.kv.equal,   # None: a run kept no cache, KV not compared
         "kv_first_position": kv["position"] if kv else None, "kv_first_layer": kv["layer"] if kv else None,
         "_curve": _binned_max(row_diff),
     }
 
 
-def load_model(preset: str, device: str, dtype: str, checkpoint: str = "", weights: str = "bf16"):
-    """Weights and tokenizer for a preset (synthetic, seeded) or a local checkpoint folder, the projections
-    quantized as ``weights`` says (weights.quantize_weights: ``"bf16"`` none, ``"int4_g128"``, ``"nvfp4"``).
-
-    Returns:
-        (Weights on ``device`` in ``dtype``, tokenizer or None for the byte tokenizer).
-    Raises:
-        ValueError: unknown preset, dtype, device (see resolve_device / resolve_dtype) or weights setting.
-    """
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
-    if checkpoint:
-        from ..checkpoint import load_checkpoint
-        w, tok = load_checkpoint(checkpoint, dtype=dt, device=dev)
-        return quantize_weights(w, weights), tok
-    return synthetic_weights(get_preset(preset), dtype=dt, device=dev, weights=weights), None
+# The oracle's own row: equal to itself in every part, no curve.
+ORACLE_ROW = dict(equals_oracle=True, first_divergence=None, oracle_margin=None, prompt_logits_equal=True,
+                  prompt_rows_differing=0, first_differing_prompt_row=None, max_prompt_logit_diff=0.0, kv_equal=True,
+                  kv_first_position=None, kv_first_layer=None, _curve=None)
 
 
 def run_configs(steps, kernel_sets) -> list[tuple[str, str, int | None]]:
@@ -131,7 +86,7 @@ def run_configs(steps, kernel_sets) -> list[tuple[str, str, int | None]]:
     return out
 
 
-def _row(prompt, run: RunResult, seconds: float, w) -> dict:
+def _row(prompt, run: Run, seconds: float, w) -> dict:
     return {
         "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "prompt_sha256": prompt.sha256,
         "prompt_pin_ok": prompt.pin_ok, "path": run.path, "step": run.step, "kernels": run.kernels,
@@ -146,7 +101,9 @@ def _row(prompt, run: RunResult, seconds: float, w) -> dict:
 def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress=None,
                store=None, offload_paths=("decode", "batched", "deep"), rerun: bool = False, *,
                kv_dtype: str = "bf16", oracles: dict | None = None, graphs: bool = False) -> list[dict]:
-    """All runs of one prompt; rows as documented in the module docstring (``_curve`` holds the plot data).
+    """All runs of one prompt on our engine (one per kernel set, resident and offloaded), walked configuration by
+    configuration against the oracle as the engines section walks any engine's (engines.oracle_runs); rows as
+    documented in the module docstring (``_curve`` holds the plot data).
 
     With an offload ``store`` (offload.ExpertStore) the runs of ``offload_paths`` are repeated with the experts in
     host memory, and each is compared with the resident oracle: offload must not change a byte. (Every offloaded
@@ -158,62 +115,70 @@ def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
     (so that no comparison of its runs, offload included, can separate a cause from noise) from one that is.
 
     Every run's KV cache stores ``kv_dtype`` (cache.KV_DTYPES). ``oracles``, when given, receives each set's
-    decode oracle (paths.RunResult with its cache) under (prompt name, kernel set name), for later comparisons.
-    ``graphs``: every run replays its decode steps from CUDA graphs where one serves (paths.generate).
+    decode oracle (a Run with its KV) under (prompt name, kernel set name), for later comparisons.
+    ``graphs``: every run replays its decode steps from CUDA graphs where one serves.
     """
-    rows, first = _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress, store,
-                             offload_paths, kv_dtype, oracles, graphs)
+    offs = [False, True] if store is not None else [False]
+    engines = {}   # our engine per (kernel set name, offloaded): resident, and with the experts in host memory
+    for ks in kernel_sets:
+        for off in offs:
+            engines[(get_set(ks).name, off)] = ReferenceEngine(
+                store.weights if off else w, None, ks, deep_threshold=deep_threshold, kv_dtype=kv_dtype,
+                experts=store if off else None, graphs=graphs)
+    rows, first = _run_modes(engines, w, prompt, kernel_sets, steps, gen_tokens, progress, offs, offload_paths,
+                             oracles)
     for ks in (kernel_sets if rerun else []):
-        row, logits = first[get_set(ks).name]
-        again = generate(w, prompt.ids, gen_tokens, ks, Schedule("batched", row["step"], deep_threshold),
-                         progress=progress, kv_dtype=kv_dtype, graphs=graphs)
-        row["rerun_equal"] = (token_hash(again.gen_ids) == row["hash"]
-                              and bytes_equal(again.prompt_logits, logits))
+        row, run = first[get_set(ks).name]
+        engine = engines[(get_set(ks).name, False)]
+        again = engine.run(prompt.ids, gen_tokens, engine.configuration("batched", row["step"]), progress=progress)
+        v = exact_compare(again, run)
+        row["rerun_equal"] = v.tokens.equal and v.prompt_rows.equal
     return rows
 
 
-def _run_modes(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progress, store, offload_paths,
-               kv_dtype="bf16", oracles=None, graphs=False):
-    """run_prompt without the rerun control: (rows, {kernel set name: (its first resident batched row, that run's
-    prompt logits [P, V] fp32)})."""
+def _run_modes(engines, w, prompt, kernel_sets, steps, gen_tokens, progress, offs, offload_paths, oracles=None):
+    """run_prompt without the rerun control, on ``engines[(kernel set name, offloaded)]``: (rows, {kernel set
+    name: (its first resident batched row, that Run without its KV)})."""
     rows, oracle, first = [], {}, {}
-    for off in ([False, True] if store is not None else [False]):
-        for ks, path, step in run_configs(steps, kernel_sets):
-            if off and path not in offload_paths:
-                continue
-            t0 = time.perf_counter()
-            run = generate(store.weights if off else w, prompt.ids, gen_tokens, ks,
-                           Schedule(path, step, deep_threshold), keep_cache=True,
-                           experts=store if off else None, progress=progress, kv_dtype=kv_dtype, graphs=graphs)
-            row = {**_row(prompt, run, time.perf_counter() - t0, w), "offload": off}
-            if path == "decode" and not off:
-                oracle[run.kernels] = run
-                if oracles is not None:
-                    oracles[(prompt.name, run.kernels)] = run
-                row.update(equals_oracle=True, first_divergence=None, oracle_margin=None, prompt_logits_equal=True,
-                           prompt_rows_differing=0, first_differing_prompt_row=None, max_prompt_logit_diff=0.0,
-                           kv_equal=True, kv_first_position=None, kv_first_layer=None, _curve=None)
-            else:
-                row.update(compare(run, oracle[run.kernels]))
-                run.cache = None  # the oracle keeps its cache for the later runs' KV comparison
-                if path == "batched" and not off:
-                    first.setdefault(run.kernels, (row, run.prompt_logits))
-            rows.append(row)
+    for off in offs:
+        for ks in kernel_sets:
+            name = get_set(ks).name
+            engine = engines[(name, off)]
+            configs = [engine.configuration(path, step) for _, path, step in run_configs(steps, [ks])
+                       if not off or path in offload_paths]   # resident: the decode oracle first
+
+            def keep_kv(config, engine=engine):
+                return engine.run(prompt.ids, gen_tokens, config, keep_kv=True, progress=progress)
+            for _, run, ref, seconds in oracle_runs(engine, prompt.ids, gen_tokens, configs, run=keep_kv,
+                                                     oracle=oracle.get(name) if off else None):
+                row = {**_row(prompt, run, seconds, w), "offload": off}
+                if run is ref:
+                    oracle[name] = run
+                    if oracles is not None:
+                        oracles[(prompt.name, name)] = run
+                    row.update(ORACLE_ROW)
+                else:
+                    row.update(compare(run, ref))
+                    run.kv = run.cache = None  # the oracle keeps its KV for the later runs' KV comparison
+                    if run.path == "batched" and not off:
+                        first.setdefault(name, (row, run))
+                rows.append(row)
     return rows, first
 
 
 def packed_rows(w, prompts: list, kernel_sets, gen_tokens: int, oracles: dict, kv_dtype: str = "bf16",
                 progress=None) -> list[dict]:
-    """The prompts prefilled packed together (batch.run_packed, the batched plan, at most BATCH_LIMIT per forward)
-    and decoded together, each compared with its decode oracle ``oracles[(prompt name, set name)]`` (run_prompt's):
-    tokens, prompt logits and KV bytes through compare(). Rows carry ``control`` "packed" and path "packed"."""
-    rows = []
+    """The prompts prefilled packed together (our engine's run_packed, the batched plan, at most BATCH_LIMIT per
+    forward) and decoded together, each compared with its decode oracle ``oracles[(prompt name, set name)]``
+    (run_prompt's): tokens, prompt logits and KV bytes through compare(). Rows carry ``control`` "packed" and path
+    "packed"."""
+    rows, limit = [], ReferenceEngine.BATCH_LIMIT
     for ks in kernel_sets:
-        for a in range(0, len(prompts), BATCH_LIMIT):
-            group = prompts[a:a + BATCH_LIMIT]
+        engine = ReferenceEngine(w, None, ks, kv_dtype=kv_dtype)
+        for a in range(0, len(prompts), limit):
+            group = prompts[a:a + limit]
             t0 = time.perf_counter()
-            runs = run_packed(w, [pr.ids for pr in group], gen_tokens, ks, "batched", keep_cache=True,
-                              kv_dtype=kv_dtype)
+            runs = engine.run_packed([pr.ids for pr in group], gen_tokens, "batched", keep_kv=True)
             secs = time.perf_counter() - t0
             if progress is not None:
                 progress.update(sum(pr.n_tokens + gen_tokens for pr in group))
@@ -310,7 +275,8 @@ def run_section(params: HashesParams | dict) -> dict:
     p = HashesParams.from_dict(params)   # refuses bad values before any work
     for ks in p.kernel_sets:
         get_set(ks)  # fail before any work on an unknown set
-    off_paths = list(PATHS) if p.hash_offload_paths is None else check_offload_paths(p.hash_offload_paths)
+    off_paths = (list(ReferenceEngine.PATHS) if p.hash_offload_paths is None
+                 else check_offload_paths(p.hash_offload_paths))
     max_tokens = p.max_tokens
     w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint, p.weights)
     prompts = build_prompts(p.prompts, max_tokens, p.allow_unpinned, tok, w.cfg.vocab_size)

@@ -4,8 +4,7 @@ the rerun control and what each path actually served.
 """
 from __future__ import annotations
 
-from ..receipt.render import render_extra, table
-from ..receipt.tables import Code, md_escape
+from ..tables import Code, md_escape, render_extra, table
 from .hashes_report import INTRO, control_table, differs_in, first_difference, graphs_summary, verdict_md
 
 DIFF_MARK = "✗"

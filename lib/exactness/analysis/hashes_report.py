@@ -1,5 +1,5 @@
 """Views of the ``hashes`` section (analysis/hashes.py computes it): the intro and verdict, the notebook's tables
-(tables.Table) and the plot of prompt-logit differences. Re-exported by hashes.py.
+(tables.Table) and the plot of prompt-logit differences.
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 
-from ..receipt.tables import Table
+from ..tables import Table
 
 INTRO = ("Each prompt runs through every path (batched and deep prefill at each step size, and with offloaded "
          "experts where asked) and is compared with the serial-decode oracle of the same kernel set: the generated "

@@ -22,10 +22,12 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from ..engines.base import Engine, EngineError, NotAvailable
-from ..exact import token_hash
+from ..exact import first_differing_row, token_hash
 from ..progress import bar as progress_bar
-from ..receipt.params_engines import check_local
+from ..params_engines import check_local
 
 MANY_PROMPTS = 20    # more prompts than this: the engines section shows counts, not one row per run
 KEEP_ERRORS = 3      # failure messages kept per level
@@ -39,11 +41,8 @@ class _NoBar:
 
 def parting(a, b) -> int | None:
     """The first position where id sequences ``a`` and ``b`` differ (the shorter length where one is a prefix of
-    the other), or None where they are equal."""
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    if first is None and len(a) != len(b):
-        return min(len(a), len(b))
-    return first
+    the other), or None where they are equal (exact.first_differing_row of the ids)."""
+    return first_differing_row(torch.tensor(a, dtype=torch.int64), torch.tensor(b, dtype=torch.int64))
 
 
 def distinct(completions: list[tuple]) -> list[dict]:
@@ -60,7 +59,7 @@ def distinct(completions: list[tuple]) -> list[dict]:
 
 
 def _server_level(engine: Engine, ids: list[int], n: int, c: int, tokens: int, config: str, bar) -> tuple[list, list]:
-    """N requests from c threads; (Generation or None per request, failure messages). An interrupt (Ctrl-C)
+    """N requests from c threads; (Run or None per request, failure messages). An interrupt (Ctrl-C)
     cancels the requests not yet sent and waits only for the c in flight."""
     gens, errors = [], []
     pool = ThreadPoolExecutor(c)

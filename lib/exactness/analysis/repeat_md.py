@@ -4,8 +4,8 @@ row per engine and configuration (prompts with the oracle's tokens, a text histo
 the smallest oracle margin at a flip) instead of one row per prompt and configuration."""
 from __future__ import annotations
 
-from ..receipt.render import table
-from ..receipt.tables import md_escape
+from ..tables import table
+from ..tables import md_escape
 
 HIST_BINS = 8        # text histogram: at most this many position bins
 SHOWN_GROUPS = 6     # distinct completions listed per level (their count is always whole)

@@ -6,16 +6,16 @@ Every configuration runs twice (``REPS``); ``reruns_equal`` says whether the rep
 (QUANTITIES): the tokens, the logits bytes of every row the run produced (for drafted runs: every verified row, the
 rows the tokens were chosen from) and the KV bytes of every written position; ``failed`` lists those that differed
 and ``compared`` those the verdict rests on (all three, except drafted runs of a set that claims no exactness,
-whose verdict stays on tokens):
+whose verdict stays on tokens). Every equality is exact.compare of the two runs (analysis/streams_compare.py):
 
-    drafted     the drafted run (mtp.generate_drafted) against the plain run (paths.generate) on the same prefill
+    drafted     the drafted run (our engine's run_drafted) against the plain run (its run) on the same prefill
                 path and step
     resumed     a request resumed from the prompt cache against a fresh request (logits: the prefilled tail rows
                 and the generated rows); one row per mode (grid: resume on the step grid; any: resume off it)
     concurrent  each of N concurrent streams against its run alone (same prefill path) and against the serial
-                no-draft oracle (paths.generate on ``decode``); logits of prompt and generated rows, KV of the
-                stream's cache slot (read through model.tapping: the cache the attention kernels read)
-    packed      the first N stream prompts prefilled packed into ONE forward (batch.run_packed, the plan of
+                no-draft oracle (the ``decode`` configuration); logits of prompt and generated rows, KV of the
+                stream's cache slot (read through the engine's kernel taps: the cache the attention kernels read)
+    packed      the first N stream prompts prefilled packed into ONE forward (run_packed, the plan of
                 ``prefill_path``: batched, or deep) and decoded together, each against its prefill alone (one
                 segment on the same plan); logits of prompt and generated rows, KV of its cache slot. N runs over
                 the stream counts of at least 2 (one packed prompt is a prefill alone)
@@ -25,7 +25,7 @@ prompt of P <= step tokens (so that short prompts still have a grid); the grid r
 of the step below P (an earlier request of P - 1 tokens left it), the off-grid one is about P / 2 (an earlier request
 of exactly that prefix); stream j's prompt is the profile's prompt j mod n cut to ``stream_prompt_tokens`` (default
 a quarter of prompt_max_tokens, at most 256) minus 5·j tokens, and it joins after j·offset steps. Tables and
-markdown: analysis/streams_report.py (re-exported here).
+markdown: analysis/streams_report.py.
 """
 from __future__ import annotations
 
@@ -34,61 +34,18 @@ import time
 
 import torch
 
-from ..batch import BATCH_LIMIT, run_packed, run_streams
-from ..exact import bytes_equal, first_differing_row, kv_first_difference, token_hash
-from ..model import tapping
+from ..checkpoint import load_model
+from ..engines.reference import ReferenceEngine
+from ..exact import Verdict, compare, token_hash
 from ..kernels import get_set, set_names
-from ..receipt.params import StreamsParams
-from ..mtp import generate_drafted, resolve_mtp
-from ..paths import Schedule, generate
+from ..params import StreamsParams
 from ..progress import bar as progress_bar
-from ..prompt_cache import PromptCache, generate_cached
 from ..prompt_files import build_prompts, prompt_record
 from ..weights import sharing_synthetic_weights
-from .hashes import load_model
-from .streams_report import (INTRO, concurrent_table, drafted_table, packed_table,  # noqa: F401  (its views)
-                             render_md, resumed_table, settings_md, summary_rows, summary_table, verdict_md)
+from .streams_compare import QUANTITIES, CacheTap, kv_position, outcome, quantities, same_run
 
 REPS = 2
 STREAM_CUT = 5  # stream j's prompt is STREAM_CUT * j tokens shorter, so the streams' lengths differ
-QUANTITIES = ("tokens", "logits", "kv")
-
-
-# --------------------------------------------------------------------------------------------------- comparisons
-
-def run_equal(a_ids, a_logits, b_ids, b_logits) -> bool:
-    """Tokens and logits bytes equal."""
-    return bool(torch.equal(a_ids, b_ids)) and bytes_equal(a_logits, b_logits)
-
-
-def verdict(ok: dict[str, bool], strict: bool = True) -> dict:
-    """Row fields from per-quantity outcomes ``ok`` (QUANTITIES -> equal in every repetition): ``compared`` (all
-    QUANTITIES when ``strict``, else tokens only), ``equal`` (every compared quantity equal) and ``failed`` (every
-    quantity that differed, compared or not, in QUANTITIES order)."""
-    compared = list(QUANTITIES) if strict else ["tokens"]
-    return {"equal": all(ok[q] for q in compared), "failed": [q for q in QUANTITIES if not ok[q]],
-            "compared": compared}
-
-
-class CacheTap:
-    """Tap recorder (model.tapping) keeping, per layer, the KV tensors the attention kernels read (KVCache.k/v
-    [S, T, Hkv, D], written in place): after the run they hold its cache, for runs that do not hand it back."""
-
-    def __init__(self):
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-
-    def record(self, cls, layer, args, **_):
-        if cls == "attention":
-            self.k[layer], self.v[layer] = args[1], args[2]
-
-    def first_difference(self, slot: int, ref) -> int | None:
-        """First position where this run's cache ``slot`` and slot 0 of KVCache ``ref`` differ in bytes in any
-        layer's keys or values, over ref's written positions (exact.first_differing_row); None when equal."""
-        n, layers = ref.lengths[0], sorted(self.k)
-        ours = [self.k[i] for i in layers] + [self.v[i] for i in layers]
-        firsts = [first_differing_row(x[slot, :n], y[0, :n]) for x, y in zip(ours, ref.k + ref.v)]
-        return min((f for f in firsts if f is not None), default=None)
 
 
 # --------------------------------------------------------------------------------------------------- parameters
@@ -108,9 +65,22 @@ def prompt_step(step: int, n_prompt: int) -> int:
     return step if n_prompt > step else max(1, n_prompt // 3)
 
 
-def _schedule(p: StreamsParams, step: int) -> Schedule:
+def engine(w, ks: str, p: StreamsParams) -> ReferenceEngine:
+    """Our engine on weights ``w`` with kernel set ``ks``, the profile's deep threshold, MTP draft count and KV
+    cache dtype."""
+    return ReferenceEngine(w, None, ks, deep_threshold=p.deep_threshold, draft_k=p.mtp_k, kv_dtype=p.kv_dtype)
+
+
+def _config(eng: ReferenceEngine, p: StreamsParams, step: int):
     """The section's prefill: ``prefill_path`` at ``step`` with the profile's deep threshold."""
-    return Schedule(p.prefill_path, step, p.deep_threshold)
+    return eng.configuration(p.prefill_path, step)
+
+
+def plain_runs(w, prompt, ks: str, p: StreamsParams, step: int) -> list:
+    """REPS plain runs of ``prompt`` (cache kept) on the section's prefill: what drafted and resumed runs are
+    compared with."""
+    eng = engine(w, ks, p)
+    return [eng.run(prompt.ids, p.gen_tokens, _config(eng, p, step), keep_kv=True) for _ in range(REPS)]
 
 
 def resume_points(n_prompt: int, step: int) -> dict[str, int]:
@@ -125,29 +95,27 @@ def resume_points(n_prompt: int, step: int) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------------ drafted
 
 def drafted_rows(w, prompt, ks: str, plain: list, p: StreamsParams, step: int) -> list[dict]:
-    """One row per draft source: drafted (REPS runs) against ``plain`` (REPS paths.generate runs, cache kept)."""
-    rows = []
+    """One row per draft source: drafted (REPS runs) against ``plain`` (plain_runs)."""
+    rows, eng = [], engine(w, ks, p)
     for draft in p.drafts:
         t0 = time.perf_counter()
-        runs = [generate_drafted(w, prompt.ids, p.gen_tokens, ks, _schedule(p, step), k=p.mtp_k, draft=draft,
-                                 keep_cache=True, kv_dtype=p.kv_dtype) for _ in range(REPS)]
-        ref, pairs = plain[0], list(zip(runs, plain))  # repetition i against plain repetition i
-        div = next((first_differing_row(r.gen_ids, q.gen_ids) for r, q in pairs
-                    if not torch.equal(r.gen_ids, q.gen_ids)), None)
-        kv = [kv_first_difference(r.cache, q.cache) for r, q in pairs]
-        ok = {"tokens": all(torch.equal(r.gen_ids, q.gen_ids) for r, q in pairs),
-              "logits": all(bytes_equal(r.gen_logits, q.gen_logits) for r, q in pairs),
-              "kv": all(d is None for d in kv)}
+        runs = [eng.run_drafted(prompt.ids, p.gen_tokens, _config(eng, p, step), draft=draft, keep_kv=True)
+                for _ in range(REPS)]
+        ref = plain[0]
+        vs = [compare(r, q) for r, q in zip(runs, plain)]   # repetition i against plain repetition i
+        oks = [quantities(v, prompt=False) for v in vs]
+        ok = {q: all(o[q] for o in oks) for q in QUANTITIES}
         s = runs[0].stats
         rows.append({
             "set": ks, "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "gen_tokens": p.gen_tokens,
             "path": p.prefill_path, "step": step, "draft": draft if draft == "mtp" else "self (sanity)",
-            "mtp_source": runs[0].mtp_source, "k": p.mtp_k, "plain_hash": token_hash(ref.gen_ids),
+            "mtp_source": runs[0].info.get("mtp_source"), "k": p.mtp_k, "plain_hash": token_hash(ref.gen_ids),
             "drafted_hash": token_hash(runs[0].gen_ids), "drafted_hashes": [token_hash(r.gen_ids) for r in runs],
-            **verdict(ok, get_set(ks).claims_exact), "first_divergence": div,
-            "logits_bytes_equal": ok["logits"],
-            "first_logits_row_diff": first_differing_row(runs[0].gen_logits, ref.gen_logits),
-            "kv_bytes_equal": ok["kv"], "first_kv_position_diff": next((d for d in kv if d is not None), None),
+            **outcome(ok, get_set(ks).claims_exact),
+            "first_divergence": next((v.tokens.first for v in vs if not v.tokens.equal), None),
+            "logits_bytes_equal": ok["logits"], "first_logits_row_diff": vs[0].gen_rows.first,
+            "kv_bytes_equal": ok["kv"], "first_kv_position_diff": next((kv_position(v) for v in vs if v.kv.first),
+                                                                       None),
             "proposed": s.proposed, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
             "rounds": s.rounds, **_reruns(_drafted_reruns(runs, plain)),
             "seconds": round(time.perf_counter() - t0, 3),
@@ -161,43 +129,39 @@ def _reruns(detail: dict) -> dict:
 
 
 def _drafted_reruns(runs, plain) -> dict:
-    same = all(run_equal(r.gen_ids, r.gen_logits, runs[0].gen_ids, runs[0].gen_logits) for r in runs)
-    same &= all(r.stats == runs[0].stats for r in runs)
-    return {"plain": all(run_equal(r.gen_ids, r.gen_logits, plain[0].gen_ids, plain[0].gen_logits) for r in plain),
-            "drafted": same}
+    same = all(same_run(r, runs[0], prompt=False) and r.stats == runs[0].stats for r in runs)
+    return {"plain": all(same_run(r, plain[0], prompt=False) for r in plain), "drafted": same}
 
 
 # ------------------------------------------------------------------------------------------------------ resumed
 
 def resumed_rows(w, prompt, ks: str, fresh: list, p: StreamsParams, step: int) -> list[dict]:
     """One row per prompt-cache mode: a request resumed from the cache (REPS runs) against ``fresh``."""
-    P, rows = prompt.n_tokens, []
+    P, rows, eng = prompt.n_tokens, [], engine(w, ks, p)
+    config = _config(eng, p, step)
     for mode, split in resume_points(P, step).items():
         t0 = time.perf_counter()
-        pc = PromptCache(p.prompt_cache_gib, mode, step)
+        pc = eng.prompt_cache(p.prompt_cache_gib, mode, step)
         earlier = P - 1 if mode == "grid" else split
         if split > 0:
-            generate_cached(w, pc, prompt.ids[:earlier], 1, ks, _schedule(p, step), kv_dtype=p.kv_dtype)
-        runs = [generate_cached(w, pc, prompt.ids, p.gen_tokens, ks, _schedule(p, step), keep_cache=True,
-                                kv_dtype=p.kv_dtype) for _ in range(REPS)]
+            eng.run_resumed(prompt.ids[:earlier], 1, config, pc)
+        runs = [eng.run_resumed(prompt.ids, p.gen_tokens, config, pc, keep_kv=True) for _ in range(REPS)]
         rows.append(_resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p))
         rows[-1]["seconds"] = round(time.perf_counter() - t0, 3)
     return rows
 
 
 def _resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p) -> dict:
-    ref, r0, pairs = fresh[0], runs[0], list(zip(runs, fresh))  # repetition i against fresh repetition i
-    tail = [f.prompt_logits[r.resumed_from:] for r, f in pairs]
-    tok = all(torch.equal(r.gen_ids, f.gen_ids) for r, f in pairs)
-    tail_eq = all(bytes_equal(r.tail_logits, t) for r, t in zip(runs, tail))
-    gen_eq = all(bytes_equal(r.gen_logits, f.gen_logits) for r, f in pairs)
-    kv = [kv_first_difference(r.cache, f.cache) for r, f in pairs]
-    row_diff = first_differing_row(r0.tail_logits, tail[0])
-    v = verdict({"tokens": tok, "logits": tail_eq and gen_eq, "kv": all(d is None for d in kv)})
+    ref, r0 = fresh[0], runs[0]
+    # repetition i against fresh repetition i; the prompt rows compared are the tail the resumed run computed
+    vs = [compare(r, f) for r, f in zip(runs, fresh)]
+    tok = all(x.tokens.equal for x in vs)
+    tail_eq = all(x.prompt_rows.equal is True for x in vs)
+    gen_eq = all(x.gen_rows.equal is True for x in vs)
+    v = outcome({q: all(quantities(x)[q] for x in vs) for q in QUANTITIES})
     planned = all(r.resumed_from == split for r in runs)
-    reruns = {"fresh": all(run_equal(f.gen_ids, f.gen_logits, ref.gen_ids, ref.gen_logits) for f in fresh),
-              "resumed": all(run_equal(r.gen_ids, r.gen_logits, r0.gen_ids, r0.gen_logits) and r.resumed_from ==
-                             r0.resumed_from and bytes_equal(r.tail_logits, r0.tail_logits) for r in runs)}
+    reruns = {"fresh": all(same_run(f, ref, prompt=False) for f in fresh),
+              "resumed": all(same_run(r, r0) and r.resumed_from == r0.resumed_from for r in runs)}
     return {
         "set": ks, "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "gen_tokens": p.gen_tokens,
         "mode": mode, "step": step, "split": split, "on_grid": split > 0 and split % step == 0,
@@ -205,11 +169,10 @@ def _resumed_row(prompt, ks, mode, split, earlier, step, runs, fresh, pc, p) -> 
         "resumed_from": [r.resumed_from for r in runs], "tail_rows": prompt.n_tokens - r0.resumed_from,
         "fresh_hash": token_hash(ref.gen_ids), "resumed_hash": token_hash(r0.gen_ids),
         "tokens_equal": tok, "tail_logits_equal": tail_eq, "gen_logits_equal": gen_eq,
-        "kv_bytes_equal": all(d is None for d in kv), **v, "equal": v["equal"] and planned,
+        "kv_bytes_equal": all(x.kv.equal is True for x in vs), **v, "equal": v["equal"] and planned,
         "failed": v["failed"] + ([] if planned else ["resume point"]),
-        "first_divergence": first_differing_row(r0.gen_ids, ref.gen_ids),
-        "first_tail_row_diff": None if row_diff is None else r0.resumed_from + row_diff,
-        "first_kv_position_diff": kv[0], **_reruns(reruns),
+        "first_divergence": vs[0].tokens.first, "first_tail_row_diff": vs[0].prompt_rows.first,
+        "first_kv_position_diff": kv_position(vs[0]), **_reruns(reruns),
         "resumed_as_planned": planned, "state_bytes": pc.nbytes,
         "cache_stats": dict(pc.stats), "budget_gib": p.prompt_cache_gib,
     }
@@ -231,20 +194,19 @@ def concurrent_rows(w, prompts: list, ks: str, p: StreamsParams) -> list[dict]:
     """One row per stream count N: N concurrent streams (REPS runs) against each stream alone and serial."""
     N_max = max(p.stream_counts)
     sp = stream_prompts(prompts, N_max, p.stream_prompt_tokens)
-    step = p.steps[0]
-    alone = [[generate(w, ids, p.gen_tokens, ks, _schedule(p, step), keep_cache=True, kv_dtype=p.kv_dtype)
-              for _ in range(REPS)] for _, ids in sp]
-    serial = [[generate(w, ids, p.gen_tokens, ks, Schedule("decode"), keep_cache=True, kv_dtype=p.kv_dtype)
-               for _ in range(REPS)] for _, ids in sp]
+    step, eng = p.steps[0], engine(w, ks, p)
+    config = _config(eng, p, step)
+    alone = [[eng.run(ids, p.gen_tokens, config, keep_kv=True) for _ in range(REPS)] for _, ids in sp]
+    serial = [[eng.run(ids, p.gen_tokens, eng.oracle, keep_kv=True) for _ in range(REPS)] for _, ids in sp]
     rows = []
     for N in p.stream_counts:
         t0 = time.perf_counter()
         runs, errors = [], []
         for _ in range(REPS):
             try:
-                with tapping(CacheTap()) as tap:
-                    runs.append((run_streams(w, [ids for _, ids in sp[:N]], p.gen_tokens, ks, _schedule(p, step),
-                                             offset=p.stream_offset, kv_dtype=p.kv_dtype), tap))
+                with eng.tapping(CacheTap()) as tap:
+                    runs.append((eng.run_concurrent([ids for _, ids in sp[:N]], p.gen_tokens, config,
+                                                    offset=p.stream_offset), tap))
             except RuntimeError as e:  # a run that fails is reported, not hidden (bad input still raises)
                 errors.append(f"{type(e).__name__}: {e}")
         rows.append(_concurrent_row(ks, N, sp[:N], step, runs, errors, alone, serial, p))
@@ -252,48 +214,40 @@ def concurrent_rows(w, prompts: list, ks: str, p: StreamsParams) -> list[dict]:
     return rows
 
 
-def _same(s, ref) -> bool:
-    return run_equal(s.gen_ids, s.gen_logits, ref.gen_ids, ref.gen_logits) and bytes_equal(s.prompt_logits,
-                                                                                          ref.prompt_logits)
+def _verdicts(runs, refs, N) -> list[list[Verdict]]:
+    """[repetition i][stream j]: stream j of concurrent repetition i (its KV read from the tap) against the
+    reference's repetition i (a Run with its KV)."""
+    return [[compare(tap.stream(r.streams[j], j, refs[j][i]), refs[j][i]) for j in range(N)]
+            for i, (r, tap) in enumerate(runs)]
 
 
-def _stream_ok(run, tap: CacheTap, j: int, ref) -> dict[str, bool]:
-    """Stream j of a concurrent run against ``ref`` (a paths.generate result with its cache): per quantity."""
-    s = run.streams[j]
-    return {"tokens": bool(torch.equal(s.gen_ids, ref.gen_ids)),
-            "logits": bytes_equal(s.gen_logits, ref.gen_logits) and bytes_equal(s.prompt_logits, ref.prompt_logits),
-            "kv": tap.first_difference(j, ref.cache) is None}
-
-
-def _counts(runs, refs, N, n_fail) -> tuple[dict, dict]:
-    """eq / neq / fail over streams x repetitions (repetition i against the reference's repetition i; a stream is
-    equal when tokens, logits and KV bytes all are), and per quantity whether it held for every stream and rep."""
-    oks = [_stream_ok(r, tap, j, refs[j][i]) for i, (r, tap) in enumerate(runs) for j in range(N)]
+def _counts(vs: list[list[Verdict]], N, n_fail) -> tuple[dict, dict]:
+    """eq / neq / fail over streams x repetitions (a stream is equal when tokens, logits and KV bytes all are), and
+    per quantity whether it held for every stream and repetition."""
+    oks = [quantities(v) for rep in vs for v in rep]
     eq = sum(all(o.values()) for o in oks)
-    return ({"eq": eq, "neq": len(runs) * N - eq, "fail": n_fail * N},
+    return ({"eq": eq, "neq": len(vs) * N - eq, "fail": n_fail * N},
             {q: all(o[q] for o in oks) for q in QUANTITIES})
 
 
-def _first_divs(r0, refs, N) -> list | None:
-    """Per stream: first generated index where repetition 0 differs from the reference's repetition 0."""
-    return [first_differing_row(r0.streams[j].gen_ids, refs[j][0].gen_ids) for j in range(N)] if r0 else None
-
-
-def _first_kv(run0, refs, N) -> list | None:
-    """Per stream: first KV position where repetition 0's cache slot differs from the reference's repetition 0."""
-    return [run0[1].first_difference(j, refs[j][0].cache) for j in range(N)] if run0 else None
+def _firsts(vs: list[list[Verdict]]) -> tuple[list | None, list | None]:
+    """Per stream of repetition 0: the first differing generated index and KV position (None without a run)."""
+    if not vs:
+        return None, None
+    return [v.tokens.first for v in vs[0]], [kv_position(v) for v in vs[0]]
 
 
 def _concurrent_row(ks, N, sp, step, runs, errors, alone, serial, p) -> dict:
-    (a, ok_a), (s, ok_s) = _counts(runs, alone, N, len(errors)), _counts(runs, serial, N, len(errors))
-    v = verdict({q: ok_a[q] and ok_s[q] for q in QUANTITIES})
-    run0 = runs[0] if runs else None
-    r0 = run0[0] if run0 else None
+    va, vs = _verdicts(runs, alone, N), _verdicts(runs, serial, N)
+    (a, ok_a), (s, ok_s) = _counts(va, N, len(errors)), _counts(vs, N, len(errors))
+    v = outcome({q: ok_a[q] and ok_s[q] for q in QUANTITIES})
+    (div_a, kv_a), (div_s, kv_s) = _firsts(va), _firsts(vs)
     runs = [r for r, _ in runs]
-    reruns = {"concurrent": bool(runs) and not errors and all(_same(r.streams[j], r0.streams[j]) for r in runs
+    r0 = runs[0] if runs else None
+    reruns = {"concurrent": bool(runs) and not errors and all(same_run(r.streams[j], r0.streams[j]) for r in runs
                                                                for j in range(N)),
-              "alone": all(_same(x, refs[0]) for refs in alone[:N] for x in refs),
-              "serial": all(_same(x, refs[0]) for refs in serial[:N] for x in refs)}
+              "alone": all(same_run(x, refs[0]) for refs in alone[:N] for x in refs),
+              "serial": all(same_run(x, refs[0]) for refs in serial[:N] for x in refs)}
     return {
         "set": ks, "streams": N, "offset": p.stream_offset, "step": step, "gen_tokens": p.gen_tokens,
         "stream_prompts": [{"prompt": name, "tokens": int(ids.numel()), "join_step": j * p.stream_offset}
@@ -304,9 +258,9 @@ def _concurrent_row(ks, N, sp, step, runs, errors, alone, serial, p) -> dict:
         "equal_to_alone": a, "equal_to_serial": s, "failures": len(errors) * N, "errors": errors,
         "alone_equal": a["eq"] == REPS * N, "serial_equal": s["eq"] == REPS * N, **v,
         "equal": v["equal"] and a["eq"] == REPS * N and s["eq"] == REPS * N,
-        "failed_vs": {"alone": verdict(ok_a)["failed"], "serial": verdict(ok_s)["failed"]},
-        "first_divergence_alone": _first_divs(r0, alone, N), "first_divergence_serial": _first_divs(r0, serial, N),
-        "first_kv_diff_alone": _first_kv(run0, alone, N), "first_kv_diff_serial": _first_kv(run0, serial, N),
+        "failed_vs": {"alone": outcome(ok_a)["failed"], "serial": outcome(ok_s)["failed"]},
+        "first_divergence_alone": div_a, "first_divergence_serial": div_s,
+        "first_kv_diff_alone": kv_a, "first_kv_diff_serial": kv_s,
         **_reruns(reruns),
         "steps": r0.steps if r0 else None, "max_batch_rows": r0.max_batch_rows if r0 else None,
     }
@@ -314,56 +268,51 @@ def _concurrent_row(ks, N, sp, step, runs, errors, alone, serial, p) -> dict:
 
 # ------------------------------------------------------------------------------------------------------- packed
 
-def packed_plan(p: StreamsParams) -> tuple[str, Schedule]:
-    """(the packed forward's plan, the schedule of a prefill alone on that plan in one segment)."""
+def packed_plan(p: StreamsParams) -> tuple[str, tuple[str, None, int]]:
+    """(the packed forward's plan, the (path, step, deep threshold) of a prefill alone on that plan in one
+    segment)."""
     if p.prefill_path == "deep":
-        return "deep", Schedule("deep", None, 1)
-    return "batched", Schedule("batched", None, p.deep_threshold)
+        return "deep", ("deep", None, 1)
+    return "batched", ("batched", None, p.deep_threshold)
 
 
 def packed_rows(w, prompts: list, ks: str, p: StreamsParams) -> list[dict]:
     """One row per stream count N >= 2: the first N stream prompts packed into one prefill (REPS runs of
-    batch.run_packed) against each prompt's prefill alone (REPS paths.generate runs, cache kept)."""
+    run_packed) against each prompt's prefill alone (REPS runs, cache kept)."""
     counts = [n for n in p.stream_counts if n >= 2]
     if not counts:
         return []
     sp = stream_prompts(prompts, max(counts), p.stream_prompt_tokens)
-    plan, alone_sched = packed_plan(p)
-    alone = [[generate(w, ids, p.gen_tokens, ks, alone_sched, keep_cache=True, kv_dtype=p.kv_dtype)
-              for _ in range(REPS)] for _, ids in sp]
+    plan, alone_prefill = packed_plan(p)
+    eng = engine(w, ks, p)
+    config = eng.configuration(*alone_prefill)
+    alone = [[eng.run(ids, p.gen_tokens, config, keep_kv=True) for _ in range(REPS)] for _, ids in sp]
     rows = []
     for N in counts:
         t0 = time.perf_counter()
-        runs = [run_packed(w, [ids for _, ids in sp[:N]], p.gen_tokens, ks, plan, keep_cache=True,
-                           kv_dtype=p.kv_dtype) for _ in range(REPS)]
+        runs = [eng.run_packed([ids for _, ids in sp[:N]], p.gen_tokens, plan, keep_kv=True) for _ in range(REPS)]
         rows.append(_packed_row(ks, N, sp[:N], plan, runs, alone, p))
         rows[-1]["seconds"] = round(time.perf_counter() - t0, 3)
     return rows
 
 
-def _packed_ok(r, ref) -> dict[str, bool]:
-    """One packed prompt's run against its run alone ``ref``: per quantity."""
-    return {"tokens": bool(torch.equal(r.gen_ids, ref.gen_ids)),
-            "logits": bytes_equal(r.prompt_logits, ref.prompt_logits) and bytes_equal(r.gen_logits, ref.gen_logits),
-            "kv": kv_first_difference(r.cache, ref.cache) is None}
-
-
 def _packed_row(ks, N, sp, plan, runs, alone, p) -> dict:
-    oks = [_packed_ok(run[j], alone[j][i]) for i, run in enumerate(runs) for j in range(N)]
-    v = verdict({q: all(o[q] for o in oks) for q in QUANTITIES})
+    # packed repetition i's prompt j against prompt j's run alone, repetition i
+    vs = [[compare(run[j], alone[j][i]) for j in range(N)] for i, run in enumerate(runs)]
+    oks = [quantities(x) for rep in vs for x in rep]
+    v = outcome({q: all(o[q] for o in oks) for q in QUANTITIES})
     r0, eq = runs[0], sum(all(o.values()) for o in oks)
-    reruns = {"packed": all(_same(r[j], r0[j]) for r in runs for j in range(N)),
-              "alone": all(_same(x, refs[0]) for refs in alone[:N] for x in refs)}
+    reruns = {"packed": all(same_run(r[j], r0[j]) for r in runs for j in range(N)),
+              "alone": all(same_run(x, refs[0]) for refs in alone[:N] for x in refs)}
     return {
         "set": ks, "streams": N, "plan": plan, "gen_tokens": p.gen_tokens, "kv_dtype": p.kv_dtype,
         "stream_prompts": [{"prompt": name, "tokens": int(ids.numel())} for name, ids in sp],
         "packed_rows": r0[0].served["packed"]["rows"],
         "hashes": [token_hash(r.gen_ids) for r in r0], "alone_hashes": [token_hash(a[0].gen_ids) for a in alone[:N]],
         "equal_to_alone": {"eq": eq, "neq": len(oks) - eq, "fail": 0}, **v, "equal": v["equal"] and eq == len(oks),
-        "first_divergence_alone": [first_differing_row(r.gen_ids, a[0].gen_ids) for r, a in zip(r0, alone)],
-        "first_prompt_row_diff_alone": [first_differing_row(r.prompt_logits, a[0].prompt_logits)
-                                        for r, a in zip(r0, alone)],
-        "first_kv_diff_alone": [kv_first_difference(r.cache, a[0].cache) for r, a in zip(r0, alone)],
+        "first_divergence_alone": [x.tokens.first for x in vs[0]],
+        "first_prompt_row_diff_alone": [x.prompt_rows.first for x in vs[0]],
+        "first_kv_diff_alone": [kv_position(x) for x in vs[0]],
         **_reruns(reruns),
     }
 
@@ -395,8 +344,7 @@ def run_section(params: StreamsParams | dict) -> dict:
         for ks in p.kernel_sets:
             for pr in prompts:
                 step = prompt_step(p.steps[0], pr.n_tokens)
-                plain = [generate(w, pr.ids, p.gen_tokens, ks, _schedule(p, step), keep_cache=True,
-                                  kv_dtype=p.kv_dtype) for _ in range(REPS)]
+                plain = plain_runs(w, pr, ks, p, step)
                 data["drafted"] += drafted_rows(w, pr, ks, plain, p, step)
                 if p.prompt_cache_gib > 0:  # 0 GiB disables the cache: nothing to resume, no rows
                     data["resumed"] += resumed_rows(w, pr, ks, plain, p, step)
@@ -409,11 +357,11 @@ def run_section(params: StreamsParams | dict) -> dict:
 
 
 def _settings(w, p) -> dict:
-    mtp_source = resolve_mtp(w).source if "mtp" in p.drafts else None
+    mtp_source = engine(w, p.kernel_sets[0], p).load_mtp().source if "mtp" in p.drafts else None
     return {"reps": REPS, "prefill_path": p.prefill_path, "steps": p.steps, "gen_tokens": p.gen_tokens,
             "mtp_k": p.mtp_k, "mtp_source": mtp_source, "drafts": p.drafts,
             "prompt_cache_gib": p.prompt_cache_gib, "eviction": "LRU by bytes",
             "stream_counts": p.stream_counts, "stream_offset": p.stream_offset,
-            "stream_prompt_tokens": p.stream_prompt_tokens, "batch_limit": BATCH_LIMIT,
+            "stream_prompt_tokens": p.stream_prompt_tokens, "batch_limit": ReferenceEngine.BATCH_LIMIT,
             "weights": p.weights, "kv_dtype": p.kv_dtype, "packed_plan": packed_plan(p)[0],
             "verify_plan": "batched (prompt kernels), k+1 rows per verify forward"}

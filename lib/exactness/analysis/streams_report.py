@@ -1,9 +1,9 @@
 """Views of the ``streams`` section (analysis/streams.py computes it): intro and verdict, and its five tables
-(tables.Table: the notebook displays them, ``render_md`` prints them as GitHub markdown). Re-exported by streams.py.
+(tables.Table: the notebook displays them, ``render_md`` prints them as GitHub markdown).
 """
 from __future__ import annotations
 
-from ..receipt.tables import Table
+from ..tables import Table
 
 INTRO = ("Four serving paths, each against the path it must reproduce, per kernel set: drafted (MTP) decode "
          "against plain decode, a request resumed from the prompt cache against a fresh prefill, N concurrent "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save_file
 
-from ..receipt.sections import write_json
+from ..files import write_json
 from .format import BYTE_ORDER, FORMAT, FP8, MANIFEST, ROLES, VERSION, DumpError, dtype_name
 
 

@@ -20,7 +20,11 @@ from pathlib import Path
 
 import yaml
 
-from .base import CAPABILITIES, Configuration, Engine, EngineError, Generation, NotAvailable  # noqa: F401
+from .base import CAPABILITIES, Configuration, Engine, EngineError, NotAvailable
+
+# the package's public names
+__all__ = ["CAPABILITIES", "ENGINE_KINDS", "Configuration", "Engine", "EngineError", "NotAvailable", "open_engine",
+           "parse_spec", "probe"]
 
 # kind -> "module:class"; each class has ``from_spec(target: str, options: dict) -> Engine``.
 ENGINE_KINDS = {

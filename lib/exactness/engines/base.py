@@ -1,7 +1,7 @@
 """What an engine under test is to the suite: the :class:`Engine` protocol and what it returns.
 
 An engine (our reference engine, a transformers model, an OpenAI-compatible server, llama.cpp) runs a prompt of
-token ids greedily under one of its named :class:`Configuration` s and returns a :class:`Generation`: the generated
+token ids greedily under one of its named :class:`Configuration` s and returns a :class:`run.Run`: the generated
 token ids always, and the logit rows, top-k logprobs or KV-cache bytes where the engine exposes them (None where it
 does not: never estimated, never faked). One configuration is the engine's oracle (token by token through the cache
 where the engine has one, else the one its user names); the hash matrix compares every other configuration with it.
@@ -15,22 +15,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-import torch
+from ..run import Run
 
 # What an engine may expose; Engine.capabilities holds the ones it does.
 CAPABILITIES = (
-    "prompt_logits",   # Generation.prompt_logits: one logit row per prompt token
-    "gen_logits",      # Generation.gen_logits: the logit row each generated token was chosen from
-    "top_logprobs",    # Generation.top_logprobs: the top-k log-probabilities of each generated token
-    "kv_bytes",        # Generation.kv: the KV cache as stored after the run
+    "prompt_logits",   # Run.prompt_logits: one logit row per prompt token
+    "gen_logits",      # Run.gen_logits: the logit row each generated token was chosen from
+    "top_logprobs",    # Run.top_logprobs: the top-k log-probabilities of each generated token
+    "kv_bytes",        # Run.kv: the KV cache as stored after the run
     "drafted",         # Engine.drafted: drafted (speculative / assisted) decoding
     "prompt_cache",    # Engine.resumed: a prompt resumed from a cached prefix
     "concurrent",      # Engine.concurrent: several requests at once
+    "packed",          # several prompts prefilled in one forward (our engine's run_packed)
+    "kernel_taps",     # every kernel call's inputs and output, reported to a recorder (our engine's tapping)
     "token_ids",       # prompts are taken as token ids (else as text, decoded from the ids by the engine's tokenizer)
     "chat",            # Engine.generate takes a Chat prompt as messages (a server's /v1/chat/completions, its template)
     "chat_template",   # Engine.encode_chat turns a Chat into token ids with the model's own chat template
-    "prompt_logprobs", # Generation.prompt_logprobs: the prompt tokens' logprobs (a server's echo / prompt_logprobs)
+    "prompt_logprobs", # Run.prompt_logprobs: the prompt tokens' logprobs (a server's echo / prompt_logprobs)
 )
+
+# Options open_engine fills from the profile (device ... deep_threshold), and profile fields an engine file may carry
+# beside its adapter's own options: an adapter takes those it knows and ignores the rest of these.
+PROFILE_OPTIONS = frozenset({"device", "dtype", "steps", "kernel_sets", "kernels", "preset", "deep_threshold",
+                             "kv_dtype", "weights", "prompts", "gen_tokens", "profile", "prompt_max_tokens"})
 
 
 class NotAvailable(RuntimeError):
@@ -84,43 +91,6 @@ class Configuration:
             raise ValueError(f"a configuration name must be a non-empty string without spaces, got {self.name!r}")
 
 
-@dataclass
-class Generation:
-    """What an engine returned for one prompt under one configuration.
-
-    Attributes:
-        config: the configuration's name.
-        gen_ids: [G] int64, the greedily generated token ids (end of sequence not a stop where the engine allows).
-        prompt_logits: [P, V] float32 (exactly upcast from the engine's dtype) or None where not exposed.
-        gen_logits: [G, V] float32 or None.
-        top_logprobs: per generated token, a list of (token id, logprob) pairs, best first, or None.
-        kv: the KV cache as stored after the run, one tensor per layer and K/V (their bytes are compared), or None.
-        ttft_s: seconds from the request to the first generated token; decode_s: seconds of the other G-1.
-        token_times: seconds from the request to each generated token (len G), or None.
-        info: anything else the engine reports about the run (served plans, acceptance), JSON-ready.
-        greedy: whether every generated token was checked to be the top-1 of its row: True, False (the first
-            offending position in ``info["greedy_check"]``), or None where not checked (an engine that picks by
-            argmax itself, or a server that sent no logprobs).
-        prompt_logprobs: [R, 1+N] float64, per prompt token after the first: its logprob, then the top-N logprobs
-            (-inf padding), as a server returned them; None where not exposed.
-        prompt_logprob_ids: [R, 1+N] int64, the matching token ids (-1 where the server named a token by text only).
-    """
-
-    config: str
-    gen_ids: torch.Tensor
-    prompt_logits: torch.Tensor | None = None
-    gen_logits: torch.Tensor | None = None
-    top_logprobs: list | None = None
-    kv: list[torch.Tensor] | None = None
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    token_times: list[float] | None = None
-    info: dict = field(default_factory=dict)
-    greedy: bool | None = None
-    prompt_logprobs: torch.Tensor | None = None
-    prompt_logprob_ids: torch.Tensor | None = None
-
-
 @runtime_checkable
 class Engine(Protocol):
     """An engine under test. Adapters: engines/reference.py (ours), engines/hf.py (transformers),
@@ -149,7 +119,7 @@ class Engine(Protocol):
         """Token ids of ``text`` with the engine's tokenizer (the byte tokenizer where the model has none)."""
         ...
 
-    def generate(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
+    def generate(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Run:
         """Greedy generation of ``gen_tokens`` tokens after ``prompt_ids`` under configuration ``config``.
 
         Raises:
@@ -157,7 +127,7 @@ class Engine(Protocol):
         """
         ...
 
-    def drafted(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
+    def drafted(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Run:
         """Greedy generation with drafted decoding (a draft model, prompt lookup or MTP, verified by the engine).
 
         Raises:
@@ -165,7 +135,7 @@ class Engine(Protocol):
         """
         ...
 
-    def resumed(self, prefix_ids: list[int], prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
+    def resumed(self, prefix_ids: list[int], prompt_ids: list[int], gen_tokens: int, config: str) -> Run:
         """Greedy generation after ``prompt_ids`` whose first ``len(prefix_ids)`` tokens come from a prompt cache
         filled by an earlier request for ``prefix_ids`` (a prefix of ``prompt_ids``).
 
@@ -174,8 +144,8 @@ class Engine(Protocol):
         """
         ...
 
-    def concurrent(self, prompts: list[list[int]], gen_tokens: int, config: str) -> list[Generation]:
-        """The prompts run at once (one batch, or concurrent requests); one Generation each, in order.
+    def concurrent(self, prompts: list[list[int]], gen_tokens: int, config: str) -> list[Run]:
+        """The prompts run at once (one batch, or concurrent requests); one Run each, in order.
 
         Raises:
             NotAvailable: the engine cannot run requests together.

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from .base import Configuration, EngineError, Generation, NotAvailable, byte_ids, check_config
+from ..run import Run
+from .base import Configuration, EngineError, NotAvailable, byte_ids, check_config
 
 ORACLE = "token-by-token"
 OPTIONS = ("device", "dtype", "steps", "configurations", "draft")
@@ -234,7 +235,7 @@ class TransformersEngine:
 
     # ---- runs
 
-    def generate(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
+    def generate(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Run:
         """Greedy ``gen_tokens`` tokens after ``prompt_ids`` under ``config``; prompt_logits [P, V] and kv (K then
         V per layer, [T, Hkv, D] each) from the loop configurations, gen_logits [G, V] fp32 from all.
 
@@ -243,9 +244,9 @@ class TransformersEngine:
         """
         return self.concurrent([prompt_ids], gen_tokens, config)[0]
 
-    def concurrent(self, prompts: list[list[int]], gen_tokens: int, config: str) -> list[Generation]:
+    def concurrent(self, prompts: list[list[int]], gen_tokens: int, config: str) -> list[Run]:
         """The prompts as one left-padded batch with an attention mask (chunks are of the padded columns); one
-        Generation each, pad positions stripped from its prompt_logits and kv.
+        Run each, pad positions stripped from its prompt_logits and kv.
 
         Raises:
             as generate.
@@ -257,7 +258,7 @@ class TransformersEngine:
             return self._guard(config, lambda: self._generate(ids, mask, gen_tokens, chunk, config, {}))
         return self._guard(config, lambda: self._loop(ids, mask, gen_tokens, chunk, config))
 
-    def drafted(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
+    def drafted(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Run:
         """Assisted generation (generate with the draft model, or prompt lookup without one), greedy, the
         configuration's prefill; tokens and gen_logits as generate returns them.
 
@@ -273,7 +274,7 @@ class TransformersEngine:
         gen.info["drafted"] = "assistant model" if self.draft is not None else "prompt lookup"
         return gen
 
-    def resumed(self, prefix_ids: list[int], prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
+    def resumed(self, prefix_ids: list[int], prompt_ids: list[int], gen_tokens: int, config: str) -> Run:
         """A DynamicCache filled with ``prefix_ids`` (chunked as the configuration chunks), deep-copied as a
         prompt cache keeps it; the copy continues with the rest of ``prompt_ids``. prompt_logits holds the
         prefix request's rows, then the resumed ones; the times count from the resumed request.
@@ -393,7 +394,7 @@ class TransformersEngine:
             rows.append(self._forward(ids[:, a:b], pos[:, a:b], m, cache).cpu())
         return torch.cat(rows, 1)
 
-    def _loop(self, ids, mask, gen_tokens, chunk, config, cache=None) -> list[Generation]:
+    def _loop(self, ids, mask, gen_tokens, chunk, config, cache=None) -> list[Run]:
         """This module's loop: prefill in chunks, then one forward per generated token (the last is not fed)."""
         cache = self._new_cache() if cache is None else cache
         prompt_mask, t0 = mask, self._now()
@@ -413,7 +414,7 @@ class TransformersEngine:
         gen, glog = torch.stack(gen, 1).cpu(), torch.stack(glog, 1)
         return self._rows(config, gen, glog, plog, cache, prompt_mask, t0, times)
 
-    def _generate(self, ids, mask, gen_tokens, chunk, config, extra) -> list[Generation]:
+    def _generate(self, ids, mask, gen_tokens, chunk, config, extra) -> list[Run]:
         """model.generate, greedy, ``gen_tokens`` new tokens, end of sequence not a stop; ``extra`` goes to it."""
         clock = _Clock()
         with _eos_off(self.model, extra.get("assistant_model")):
@@ -426,14 +427,14 @@ class TransformersEngine:
         glog = torch.stack(out.logits, 1).float().cpu() if out.logits is not None else None
         return self._rows(config, gen, glog, None, getattr(out, self._cache_kw, None), mask, t0, clock.times)
 
-    def _rows(self, config, gen, glog, plog, cache, mask, t0, times) -> list[Generation]:
-        """One Generation per batch row, left padding (the zeros of the prompt mask [B, L]) stripped from its
+    def _rows(self, config, gen, glog, plog, cache, mask, t0, times) -> list[Run]:
+        """One Run per batch row, left padding (the zeros of the prompt mask [B, L]) stripped from its
         prompt rows and KV."""
         out, B = [], gen.shape[0]
         for b in range(B):
             first = int((mask[b] == 0).sum()) if mask is not None else 0
             kv = _kv(cache, b, first) if cache is not None else None
-            out.append(Generation(
+            out.append(Run(
                 config=config, gen_ids=gen[b], prompt_logits=plog[b, first:] if plog is not None else None,
                 gen_logits=glog[b] if glog is not None else None, kv=kv,
                 ttft_s=times[0] - t0 if times else 0.0, decode_s=times[-1] - times[0] if times else 0.0,

@@ -31,8 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import Configuration, EngineError, Generation, NotAvailable, check_config
-from .llamacpp_kv import parse_seq_state  # noqa: F401  (also imported from here)
+from ..run import Run
+from .base import Configuration, EngineError, NotAvailable, check_config
+from .llamacpp_kv import parse_seq_state
 
 INSTALL = "pip install llama-cpp-python"
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml_type ids
@@ -201,14 +202,14 @@ class LlamaCppEngine:
         logits = torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, self.n_vocab)
         return torch.tensor(gen, dtype=torch.int64), logits, times
 
-    def _generation(self, config, llm, prompt_logits, gen, glog, times, info) -> Generation:
+    def _generation(self, config, llm, prompt_logits, gen, glog, times, info) -> Run:
         kv, why = self._kv(llm)
         info = {**info, **({"kv": why} if why else {})}
         ttft = times[0] if times else 0.0
-        return Generation(config=config, gen_ids=gen, prompt_logits=prompt_logits, gen_logits=glog, kv=kv,
-                          ttft_s=ttft, decode_s=(times[-1] - ttft) if times else 0.0, token_times=times, info=info)
+        return Run(config=config, gen_ids=gen, prompt_logits=prompt_logits, gen_logits=glog, kv=kv,
+                   ttft_s=ttft, decode_s=(times[-1] - ttft) if times else 0.0, token_times=times, info=info)
 
-    def generate(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
+    def generate(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Run:
         """The prompt as one batch split in n_ubatch rows, then ``gen_tokens`` greedy tokens one at a time (end of
         sequence not a stop). Returns prompt_logits [P, V] and gen_logits [G, V] fp32, gen_ids [G] int64, kv."""
         llm = self._llm(config)
@@ -234,7 +235,7 @@ class LlamaCppEngine:
                                             n_threads=self.n_threads, kv_type=self.kv_type, **select)
         return self.dumped[config]
 
-    def resumed(self, prefix_ids: list[int], prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
+    def resumed(self, prefix_ids: list[int], prompt_ids: list[int], gen_tokens: int, config: str) -> Run:
         """The prefix evaluated, llama.cpp's state saved (``Llama.save_state``: llama_state_get_data), the context
         cleared by evaluating an unrelated token, the state restored (``load_state``) and the rest of the prompt
         evaluated on top of it; then greedy decoding as generate(). prompt_logits rows of the prefix are those
@@ -257,7 +258,7 @@ class LlamaCppEngine:
         return self._generation(config, llm, plog, gen, glog, times,
                                 {"resumed": {"prefix_tokens": n, "state_bytes": int(state.llama_state_size)}})
 
-    def drafted(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
+    def drafted(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Run:
         """Greedy generation through ``Llama.generate`` (greedy sampler: temp 0, top_k 1) with llama-cpp-python's
         prompt-lookup draft model (max_ngram_size 2, 10 drafted tokens): drafts are verified in one batch and the
         cache cut back after the first rejected one. gen_logits are the rows each token was sampled from."""
@@ -286,11 +287,11 @@ class LlamaCppEngine:
         glog = torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, self.n_vocab)
         info = {"drafted": {"draft": "prompt-lookup", "max_ngram_size": 2, "num_pred_tokens": 10,
                             "cached_tokens_at_each_token": evals}}
-        return Generation(config=config, gen_ids=torch.tensor(gen, dtype=torch.int64), gen_logits=glog,
-                          ttft_s=times[0] if times else 0.0, decode_s=(times[-1] - times[0]) if times else 0.0,
-                          token_times=times, info=info)
+        return Run(config=config, gen_ids=torch.tensor(gen, dtype=torch.int64), gen_logits=glog,
+                   ttft_s=times[0] if times else 0.0, decode_s=(times[-1] - times[0]) if times else 0.0,
+                   token_times=times, info=info)
 
-    def concurrent(self, prompts: list[list[int]], gen_tokens: int, config: str) -> list[Generation]:
+    def concurrent(self, prompts: list[list[int]], gen_tokens: int, config: str) -> list[Run]:
         raise NotAvailable("llama-cpp-python's Llama runs one sequence at a time (no batched requests in process)")
 
     def seq_state(self, llm) -> bytes:

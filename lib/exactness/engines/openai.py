@@ -40,9 +40,9 @@ server and are ignored; any other key is refused.
 
 What a server exposes: the generated ids (``token_ids`` of each choice, vLLM's and SGLang's ``return_token_ids``;
 ``ignore_eos`` is sent so end-of-sequence is not a stop), the top-N log-probabilities with exact ids where the server
-names tokens ``token_id:<id>`` (``return_tokens_as_token_ids``), the prompt logprobs (Generation.prompt_logprobs,
+names tokens ``token_id:<id>`` (``return_tokens_as_token_ids``), the prompt logprobs (Run.prompt_logprobs,
 openai_checks describes the tensors), the time of each streamed chunk. Not exposed: prompt logits, gen logit rows,
-the KV cache. Greedy is checked, not assumed: where logprobs came back, Generation.greedy says whether every chosen
+the KV cache. Greedy is checked, not assumed: where logprobs came back, Run.greedy says whether every chosen
 token was the top-1 (openai_checks.greedy_check, the first offending position in ``info["greedy_check"]``). A server
 that returns text only: ``gen_ids`` holds the bytes of the tokens (chat logprobs' ``bytes``) where given, else the
 UTF-8 bytes of the text as received, ``info["gen_ids_are"]`` says which, and ``info["lost"]`` lists what the text
@@ -60,10 +60,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from .base import Chat, Configuration, EngineError, Generation, NotAvailable, check_config
+from ..run import Run
+from .base import PROFILE_OPTIONS, Chat, Configuration, EngineError, NotAvailable, check_config
 from .openai_checks import parse_echo, parse_vllm, refused_knob
 from .openai_http import Endpoint, launch, models, stop
-from .openai_options import OPTIONS, PLP_MODES, PROBE_S, choice, common_keys, endpoints, seconds
+from .openai_options import OPTIONS, PLP_MODES, PROBE_S, choice, endpoints, seconds
 from .openai_reply import Reply, complete, generation, one_line
 
 # --------------------------------------------------------------------------------------------------------- engine
@@ -103,7 +104,7 @@ class OpenAIEngine:
     @classmethod
     def build(cls, target: str, options: dict) -> "OpenAIEngine":
         """The engine of ``openai:TARGET`` with ``options``, nothing launched or asked yet. Raises ValueError."""
-        extra = set(options) - set(OPTIONS) - common_keys()
+        extra = set(options) - set(OPTIONS) - PROFILE_OPTIONS
         if extra:
             raise ValueError(f"openai engine: unknown options {sorted(extra)}; allowed: {', '.join(OPTIONS)}")
         eps = endpoints(target, options)
@@ -303,12 +304,12 @@ class OpenAIEngine:
         ep.plp, ep.plp_why = "off", "; ".join(why)
         return None
 
-    def generate(self, prompt_ids, gen_tokens: int, config: str) -> Generation:
+    def generate(self, prompt_ids, gen_tokens: int, config: str) -> Run:
         """One greedy request (every neutral knob, ignore_eos, max_tokens = gen_tokens) to ``config``'s server;
         ``prompt_ids`` token ids, or an engines.base.Chat (sent to /v1/chat/completions).
 
         Returns:
-            Generation with gen_ids [G] int64 (token ids, else bytes: see the module docstring), greedy,
+            Run with gen_ids [G] int64 (token ids, else bytes: see the module docstring), greedy,
             top_logprobs where asked and mapped, prompt_logprobs / prompt_logprob_ids where answered, ttft_s,
             decode_s and token_times (seconds since the request, one stamp per token, the stamp of the chunk that
             carried it); prompt/gen logits and KV None.
@@ -332,13 +333,13 @@ class OpenAIEngine:
                 g.prompt_logprobs, g.prompt_logprob_ids, g.info["prompt_logprobs_via"] = got
         return g
 
-    def drafted(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
+    def drafted(self, prompt_ids: list[int], gen_tokens: int, config: str) -> Run:
         """generate() on the configuration named ``drafted``. Raises NotAvailable where there is none."""
         return self._named("drafted", "drafted decoding", config).generate(prompt_ids, gen_tokens, "drafted")
 
-    def resumed(self, prefix_ids: list[int], prompt_ids: list[int], gen_tokens: int, config: str) -> Generation:
+    def resumed(self, prefix_ids: list[int], prompt_ids: list[int], gen_tokens: int, config: str) -> Run:
         """The prefix (1 token), then the prompt, both to the configuration named ``resumed``; the prompt's
-        Generation with the prefix's usage in ``info``. Raises NotAvailable where there is no such configuration."""
+        Run with the prefix's usage in ``info``. Raises NotAvailable where there is no such configuration."""
         self._named("resumed", "a prompt cache", config)
         first = self.generate(prefix_ids, 1, "resumed")
         g = self.generate(prompt_ids, gen_tokens, "resumed")
@@ -352,8 +353,8 @@ class OpenAIEngine:
                                f"request; this engine has no configuration named {name!r} that serves it")
         return self
 
-    def concurrent(self, prompts: list[list[int]], gen_tokens: int, config: str) -> list[Generation]:
-        """The prompts as simultaneous streamed requests (one thread each); Generations in prompt order."""
+    def concurrent(self, prompts: list[list[int]], gen_tokens: int, config: str) -> list[Run]:
+        """The prompts as simultaneous streamed requests (one thread each); Runs in prompt order."""
         check_config(self, config)
         with ThreadPoolExecutor(max(1, len(prompts))) as pool:
             gens = list(pool.map(lambda p: self.generate(p, gen_tokens, config), prompts))

@@ -80,8 +80,3 @@ def seconds(options: dict, key: str, default: float) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
         raise ValueError(f"openai engine: {key} must be a positive number of seconds, got {v!r}")
     return float(v)
-
-
-def common_keys() -> set:
-    from ..receipt.profiles import PROFILES
-    return {k for p in PROFILES.values() for k in p.parameters()}

@@ -18,7 +18,8 @@ import httpx
 import torch
 
 from ..exact import token_hash
-from .base import EngineError, Generation
+from ..run import Run
+from .base import EngineError
 from .openai_checks import greedy_check, lost_facts
 
 INTERRUPTED = ("interrupted; llama.cpp's Python server cuts a running stream when a new request arrives unless "
@@ -199,8 +200,8 @@ def complete(url: str, body: dict, timeout_s: float, where: str, hint=None) -> R
     return r
 
 
-def generation(config: str, r: Reply, max_tokens: int, top_n: int) -> Generation:
-    """A Reply -> Generation: gen_ids from the token ids, else the tokens' chat ``bytes``, else the UTF-8 bytes of
+def generation(config: str, r: Reply, max_tokens: int, top_n: int) -> Run:
+    """A Reply -> Run: gen_ids from the token ids, else the tokens' chat ``bytes``, else the UTF-8 bytes of
     the text as received (what it may have lost in ``info["lost"]``); ``greedy`` checked where logprobs came."""
     info = {"finish_reason": r.finish, "usage": r.usage, "system_fingerprint": r.fingerprint, "notes": r.notes}
     if r.served is not None:
@@ -226,6 +227,6 @@ def generation(config: str, r: Reply, max_tokens: int, top_n: int) -> Generation
         max_tokens if r.finish == "length" else None
     greedy, info["greedy_check"] = greedy_check(r.chosen, r.tops, top_n, known)
     times = r.times
-    return Generation(config=config, gen_ids=ids, top_logprobs=r.top if r.top else None,
-                      ttft_s=times[0] if times else 0.0, decode_s=times[-1] - times[0] if times else 0.0,
-                      token_times=times or None, info=info, greedy=greedy)
+    return Run(config=config, gen_ids=ids, top_logprobs=r.top if r.top else None,
+               ttft_s=times[0] if times else 0.0, decode_s=times[-1] - times[0] if times else 0.0,
+               token_times=times or None, info=info, greedy=greedy)

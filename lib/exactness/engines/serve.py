@@ -11,11 +11,12 @@ with continuous batching.
 
 Requests are batched continuously (serve_batch): one scheduler thread owns one KV cache of ``--max-batch`` slots
 of ``--max-model-len`` positions; a new request's prefill (``paths.prefill`` on the configured Schedule, into a free
-slot) runs between decode steps, and every decode step runs all active requests as ONE ``paths.decode_step``;
-requests beyond the free slots wait in arrival order. With the invariant kernel set a served run's tokens and
-logprobs equal ``paths.generate(w, ids, max_tokens, kernels, Schedule(path, step, deep_threshold))``'s under any
-load (while end-of-sequence is ignored: ``ignore_eos: true``; otherwise the reply stops after the EOS token,
-finish_reason ``stop``); with the fast set a request's bytes may depend on the requests batched with it.
+slot) runs between decode steps, and every decode step runs all active requests as ONE decode forward of the
+greedy loop every run kind shares (loop.Loop); requests beyond the free slots wait in arrival order. With the
+invariant kernel set a served run's tokens and logprobs equal ``paths.generate(w, ids, max_tokens, kernels,
+Schedule(path, step, deep_threshold))``'s under any load (while end-of-sequence is ignored: ``ignore_eos: true``;
+otherwise the reply stops after the EOS token, finish_reason ``stop``); with the fast set a request's bytes may
+depend on the requests batched with it.
 
 Greedy only; the accepted knobs, the logprob formats (``token_ids`` in each choice, ``token_id:<id>`` names with
 ``return_tokens_as_token_ids: true``, legacy echo, vLLM's prompt_logprobs, chat logprobs) are in serve_api.
@@ -216,7 +217,7 @@ def create_app(m: Served):
 def load_served(preset: str, checkpoint: str, kernels: str, schedule: Schedule, device: str, dtype: str,
                 name: str = "", weights: str = "bf16", kv_dtype: str = "bf16", max_batch: int = MAX_BATCH,
                 max_model_len: int | None = None) -> Served:
-    """Load the model (``analysis.hashes.load_model``: a preset's synthetic weights or a checkpoint folder, the
+    """Load the model (``checkpoint.load_model``: a preset's synthetic weights or a checkpoint folder, the
     projections quantized as ``weights`` says); the KV cache stores ``kv_dtype`` and has ``max_batch`` slots of
     ``max_model_len`` positions (Served).
 
@@ -225,7 +226,7 @@ def load_served(preset: str, checkpoint: str, kernels: str, schedule: Schedule, 
             max_model_len;
             checkpoint.CheckpointError: an unusable folder.
     """
-    from ..analysis.hashes import load_model
+    from ..checkpoint import load_model
 
     ks = get_set(kernels)
     KVFormat(kv_dtype)   # refuses an unknown name before the model loads

@@ -1,10 +1,11 @@
 """Continuous batching for ``exactness serve``: one scheduler thread owns one KV cache of ``max_batch`` slots.
 
 Between decode steps the scheduler admits waiting requests (FIFO) into free slots: each admitted prompt is
-prefilled alone by ``paths.prefill`` into its slot under the served Schedule, and its token 0 is the kernel set's
-argmax of ``schedule.role`` over the last prompt row. Then ONE decode forward (``paths.decode_step``) carries one row
-per active request (slots ascending, each row at its request's own position), and the argmax of ``"decode"`` picks
-each row's next token -- the loop of ``batch.run_streams`` with requests joining and leaving at any step. A request
+prefilled alone by ``paths.prefill`` into its slot under the served Schedule, and its token 0 is loop.first_token
+(the argmax of ``schedule.role`` over the last prompt row). Then ONE decode forward (loop.Loop.advance) carries one
+row per active request (slots ascending, each row at its request's own position), and the argmax of ``"decode"``
+picks each row's next token -- the greedy loop every run kind shares, with requests joining and leaving at any step
+(each request a loop.Stream whose callback emits its tokens). A request
 leaves when it has its tokens, stops at EOS, or its client is gone (cancelled); its slot is then free for the next
 waiting request. A freed slot is not zeroed: its stale positions lie past the new prompt's and every attention
 kernel masks keys past a row's position, so they are never read into a result.
@@ -22,7 +23,8 @@ import torch
 
 from ..cache import KVCache
 from ..kernels import KernelSet
-from ..paths import Schedule, _served, decode_step, prefill
+from ..loop import DecodeStep, Loop, Stream
+from ..paths import Schedule, prefill, served_counts
 from ..weights import Weights
 
 END = object()   # the last item a request's emit receives after its Steps
@@ -51,7 +53,7 @@ class Job:
     echo: bool = False
     prompt_logprobs: int | None = None
     template: str | None = None
-    served: dict = field(default_factory=_served)
+    served: dict = field(default_factory=served_counts)
 
 
 @dataclass
@@ -106,8 +108,7 @@ class Request:
     emit: object
     cancelled: threading.Event = field(default_factory=threading.Event)
     slot: int = -1
-    n: int = 0                       # tokens generated so far
-    last: torch.Tensor | None = None  # [1] int64, the last generated token (device)
+    stream: Stream | None = None     # its tokens in the greedy loop (after its prefill)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -129,6 +130,7 @@ class Scheduler:
                  max_len: int):
         self.w, self.ks, self.sched = w, kernels, schedule
         self.cache = KVCache(w.cfg, max_len, max_batch, w.dtype, w.device, kv_dtype)
+        self.loop = Loop(kernels, DecodeStep(w, self.cache, kernels))
         self.max_batch, self.max_len = max_batch, max_len
         self.waiting: deque[Request] = deque()
         self.active: dict[int, Request] = {}
@@ -195,33 +197,26 @@ class Scheduler:
         if job.max_tokens == 0:
             self._release(r)
             return
-        last = logits[-1:]                                                              # [1, V] fp32
-        r.last = ks.fn("argmax", self.sched.role)(last)
-        self._step(r, last)
+        r.stream = Stream(r.slot, int(job.ids.numel()), job.max_tokens, keep_rows=False,
+                          on_token=lambda _s, token, row: self._step(r, token, row))
+        self.loop.start(r.stream, logits[-1:], self.sched.role)
 
     def _decode(self, batch: list[Request]) -> None:
-        dev = self.w.device
-        tokens = torch.cat([r.last for r in batch])                                     # [B] int64
-        pos = torch.tensor([int(r.job.ids.numel()) + r.n - 1 for r in batch], device=dev)
-        slots = torch.tensor([r.slot for r in batch], device=dev)
-        logits = decode_step(self.w, self.cache, tokens, pos, slots, self.ks)           # [B, V] fp32
-        ids = self.ks.fn("argmax", "decode")(logits)                                    # [B]
-        self.decode_forwards += 1
-        self.max_rows = max(self.max_rows, len(batch))
+        self.loop.advance([r.stream for r in batch])                                     # ONE decode forward
+        self.decode_forwards, self.max_rows = self.loop.forwards, self.loop.max_rows
         self.batch_sizes.append(len(batch))
-        for i, r in enumerate(batch):
-            r.last = ids[i:i + 1]
-            self._step(r, logits[i:i + 1])
 
-    def _step(self, r: Request, row: torch.Tensor) -> None:
-        """Emit the token just picked for ``r`` from logits ``row`` [1, V]; release ``r`` when it is done."""
-        t = int(r.last.reshape(-1)[0])
-        r.n += 1
+    def _step(self, r: Request, token: torch.Tensor, row: torch.Tensor) -> bool:
+        """Emit ``token`` [1] just picked for ``r`` from logits ``row`` [1, V]; release ``r`` when it is done.
+        Returns whether ``r`` left (its stream stops)."""
+        t, n = int(token.reshape(-1)[0]), len(r.stream.ids)
         eos = not r.job.ignore_eos and t == self.w.cfg.eos_id
-        finish = "stop" if eos else ("length" if r.n == r.job.max_tokens else None)
+        finish = "stop" if eos else ("length" if n == r.job.max_tokens else None)
         r.emit(Step(t, top_of(row, r.job.logprobs, t), finish))
         if finish or r.cancelled.is_set():
             self._release(r)
+            return True
+        return False
 
     def _release(self, r: Request, error: Exception | None = None) -> None:
         """Free ``r``'s slot (the next prefill there starts at position 0) and send END or ``error``."""

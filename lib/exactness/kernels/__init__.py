@@ -8,10 +8,15 @@ function of no arguments returning one, so a set defined outside the package run
 from __future__ import annotations
 
 from . import registry
-from .registry import (KERNEL_CLASS_RECORDS, KERNEL_CLASSES, KERNEL_SETS, KERNELS, KernelClass, KernelSet,  # noqa: F401
+from .registry import (KERNEL_CLASS_RECORDS, KERNEL_CLASSES, KERNEL_SETS, KERNELS, KernelClass, KernelSet,
                        KernelSpec, class_record, register_class, register_set)
-from . import sets  # noqa: F401  (registers the built-in sets)
-from .imported import import_set, provenance, set_names  # noqa: F401
+from . import sets
+from .imported import import_set, provenance, set_names
+
+# the package's public names (sets: imported for its side effect, registering the built-in sets)
+__all__ = ["KERNEL_CLASS_RECORDS", "KERNEL_CLASSES", "KERNEL_SETS", "KERNELS", "KernelClass", "KernelSet", "KernelSpec",
+           "class_record", "get_set", "import_set", "provenance", "register_class", "register_set", "set_names",
+           "sets"]
 
 
 def get_set(name: str | KernelSet) -> KernelSet:

@@ -27,6 +27,7 @@ from . import dense as _dense
 from . import experts as _experts
 from . import head as _head
 from . import norm as _norm
+from . import quant as _quant
 from . import rope as _rope
 from . import router as _router
 
@@ -177,6 +178,44 @@ def lm_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """ids [M] int64, first maximum (head.argmax_first on every device)."""
     return _head.argmax_first(logits)
+
+def dense_invariant(x: torch.Tensor, w) -> torch.Tensor:
+    """The invariant set's dense kernel on any weights: quantized weights run quant.linear_tiles (plain torch, so
+    on CUDA too), plain tensors ``dense`` (CPU tiles or the Triton GEMM). [M, N] storage dtype."""
+    if isinstance(w, _quant.QuantWeight):
+        return _quant.linear_tiles(x, w)
+    return dense(x, w)
+
+
+def gate_up_any(x: torch.Tensor, w_gate, w_up) -> torch.Tensor:
+    """The invariant set's expert_gate_up on any weights: quantized ones run experts.gate_up_invariant (plain
+    torch, any device), plain tensors ``gate_up``. [M, I] storage dtype."""
+    if isinstance(w_gate, _quant.QuantWeight):
+        return _experts.gate_up_invariant(x, w_gate, w_up)
+    return gate_up(x, w_gate, w_up)
+
+
+def down_any(h: torch.Tensor, w_down) -> torch.Tensor:
+    """The invariant set's expert_down on any weights (as gate_up_any). [M, H] storage dtype."""
+    if isinstance(w_down, _quant.QuantWeight):
+        return _experts.down_invariant(h, w_down)
+    return down(h, w_down)
+
+
+def router_any(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool, groups: tuple[int, int] | None = None):
+    """The invariant set's router: ``router`` (CPU tiles or Triton) without groups; group-limited routing runs
+    router.router_invariant on CPU.
+
+    Raises:
+        NotImplementedError: group-limited routing (n_groups > 1) on a CUDA tensor (no Triton kernel for it).
+    """
+    if groups is None or groups[0] == 1:
+        return router(x, w, top_k, norm)
+    if x.is_cuda:
+        raise NotImplementedError(f"group-limited routing (n_groups={groups[0]}, topk_groups={groups[1]}) has no "
+                                  "CUDA kernel in the invariant set; use n_groups=1 or the CPU")
+    return _router.router_invariant(x, w, top_k, norm, groups)
+
 
 
 # --------------------------------------------------------------------------------- offline compile (no GPU needed)
@@ -343,35 +382,3 @@ def compile_report(capability: tuple[int, int] = (12, 0), dtype: torch.dtype = t
                          regs=int(reg.group(1)) if reg else None, stack=int(stack.group(1)) if stack else None,
                          mma=mma, tma="cp.async.bulk.tensor" in ptx, seconds=round(secs, 2)))
     return rows
-
-
-def device_random_weights(cfg, dtype: torch.dtype = torch.bfloat16, device="cuda", seed: int = 0):
-    """Weights with weights.synthetic_weights' distributions drawn directly on ``device`` (different values).
-
-    For GPU benchmarks and tests: synthetic_weights draws every value on the CPU (about 2.5 G values for the
-    ``small`` preset, minutes of CPU time); this draws them with a device generator in seconds. Distributions:
-    embedding N(0, 1), linear weights N(0, 1/in_features), norm weights 1 + 0.1 N(0, 1), router 4 N(0, 1/H).
-
-    Returns:
-        weights.Weights on ``device`` in ``dtype``.
-    """
-    import math
-
-    from ..weights import LayerWeights, Weights
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def lin(out_f: int, in_f: int, *lead: int, scale: float = 1.0):
-        return (torch.randn(*lead, out_f, in_f, generator=g, device=device) * (scale / math.sqrt(in_f))).to(dtype)
-
-    def nrm(n: int):
-        return (1.0 + 0.1 * torch.randn(n, generator=g, device=device)).to(dtype)
-
-    H, D, E, I, Is = cfg.hidden, cfg.head_dim, cfg.n_experts, cfg.expert_inter, cfg.shared_expert_inter
-    layers = [LayerWeights(attn_norm=nrm(H), wq=lin(cfg.n_heads * D, H), wk=lin(cfg.n_kv_heads * D, H),
-                           wv=lin(cfg.n_kv_heads * D, H), wo=lin(H, cfg.n_heads * D), q_norm=nrm(D), k_norm=nrm(D),
-                           mlp_norm=nrm(H), router=lin(E, H, scale=4.0), w_gate=lin(I, H, E), w_up=lin(I, H, E),
-                           w_down=lin(H, I, E), shared_gate=lin(Is, H) if Is else None,
-                           shared_up=lin(Is, H) if Is else None, shared_down=lin(H, Is) if Is else None)
-              for _ in range(cfg.n_layers)]
-    embed = torch.randn(cfg.vocab_size, H, generator=g, device=device).to(dtype)
-    return Weights(cfg=cfg, embed=embed, layers=layers, final_norm=nrm(H), lm_head=lin(cfg.vocab_size, H))

@@ -26,12 +26,3 @@ def tile_linear(x: torch.Tensor, w) -> torch.Tensor:
     if isinstance(w, quant.QuantWeight):
         return quant.linear_tiles(x, w)
     return per_tile(lambda t: F.linear(t, w), x)
-
-
-def dense_invariant(x: torch.Tensor, w) -> torch.Tensor:
-    """The invariant set's dense kernel on any weights: quantized weights run quant.linear_tiles (plain torch, so
-    on CUDA too), plain tensors cuda.dense (CPU tiles or the Triton GEMM). [M, N] storage dtype."""
-    if isinstance(w, quant.QuantWeight):
-        return quant.linear_tiles(x, w)
-    from . import cuda  # at call time: cuda imports this module, and a patched cuda.dense is honoured
-    return cuda.dense(x, w)

@@ -20,7 +20,6 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from . import quant
 from .dense import linear_fast, tile_linear
 from .registry import KernelSet
 from .tiles import per_tile
@@ -61,23 +60,6 @@ def combine_invariant(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tens
     if shared is not None:
         acc = acc + shared.float()
     return acc.to(y.dtype)
-
-
-def gate_up_any(x: torch.Tensor, w_gate, w_up) -> torch.Tensor:
-    """The invariant set's expert_gate_up on any weights: quantized ones run gate_up_invariant (plain torch, any
-    device), plain tensors cuda.gate_up. [M, I] storage dtype."""
-    if isinstance(w_gate, quant.QuantWeight):
-        return gate_up_invariant(x, w_gate, w_up)
-    from . import cuda  # at call time: cuda imports this module
-    return cuda.gate_up(x, w_gate, w_up)
-
-
-def down_any(h: torch.Tensor, w_down) -> torch.Tensor:
-    """The invariant set's expert_down on any weights (as gate_up_any). [M, H] storage dtype."""
-    if isinstance(w_down, quant.QuantWeight):
-        return down_invariant(h, w_down)
-    from . import cuda
-    return cuda.down(h, w_down)
 
 
 def by_expert(base: KernelSet, hot: Iterable[int], cold_gate_up: Callable, cold_down: Callable,

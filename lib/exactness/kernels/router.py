@@ -63,19 +63,3 @@ def router_invariant(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool,
     weights = per_tile(lambda t: _softmax_topk_tile(t, top_k, norm, groups)[0], logits)
     idx = per_tile(lambda t: _softmax_topk_tile(t, top_k, norm, groups)[1], logits)
     return weights.to(x.dtype), idx, logits
-
-
-def router_any(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool, groups: tuple[int, int] | None = None):
-    """The invariant set's router: cuda.router (CPU tiles or Triton) without groups; group-limited routing runs
-    router_invariant on CPU.
-
-    Raises:
-        NotImplementedError: group-limited routing (n_groups > 1) on a CUDA tensor (no Triton kernel for it).
-    """
-    if groups is None or groups[0] == 1:
-        from . import cuda  # at call time: cuda imports this module, and a patched cuda.router is honoured
-        return cuda.router(x, w, top_k, norm)
-    if x.is_cuda:
-        raise NotImplementedError(f"group-limited routing (n_groups={groups[0]}, topk_groups={groups[1]}) has no "
-                                  "CUDA kernel in the invariant set; use n_groups=1 or the CPU")
-    return router_invariant(x, w, top_k, norm, groups)

@@ -1,7 +1,9 @@
 """The registered kernel sets.
 
-``fast``: plain torch ops on whatever block of rows the path hands over (matmul, scaled_dot_product_attention, ...).
-Its prompt rows are not expected to equal decode rows; it is kept so receipts show both sets side by side.
+``fast``: the best stock PyTorch offers on the device, on whatever block of rows the path hands over: cuBLAS
+(F.linear) for dense, FlashAttention-2 for attention and grouped GEMMs (torch._grouped_mm) for the routed experts on
+CUDA (fast_cuda.py), plain torch ops on the CPU. Its prompt rows are not expected to equal decode rows; it is the
+control that says what exactness costs, kept so receipts show both sets side by side.
 
 ``invariant``: every class computes each row with the same shapes and the same accumulation order whatever the
 chunk or segment length (fixed 64-row tiles, fixed 256-key attention blocks, a RoPE table, fp32 MoE combine in slot
@@ -9,18 +11,21 @@ order, stable top-k with lower-id tie-break). Its prompt kernels claim the decod
 """
 from __future__ import annotations
 
-from . import attention, cuda, dense, experts, head, norm, rope, router
+from . import attention, cuda, dense, experts, fast_cuda, head, norm, rope, router
 from .registry import register_set
 
 FAST = register_set(
     "fast",
     decode={
-        "dense": (dense.linear_fast, "F.linear on the rows given"),
+        "dense": (dense.linear_fast, "F.linear on the rows given (CUDA: cuBLAS)"),
         "router": (router.router_fast, "F.linear, softmax, torch.topk"),
-        "expert_gate_up": (experts.gate_up_fast, "two F.linear, SiLU * up"),
-        "expert_down": (experts.down_fast, "F.linear"),
+        "expert_gate_up": (experts.gate_up_fast, "two F.linear, SiLU * up (CUDA bf16: routed experts in "
+                           "torch._grouped_mm, the set's grouped_experts option)"),
+        "expert_down": (experts.down_fast, "F.linear (CUDA bf16: routed experts in torch._grouped_mm)"),
         "moe_combine": (experts.combine_fast, "einsum over k in storage dtype"),
-        "attention": (attention.attention_fast_decode, "scaled_dot_product_attention per row (not cuDNN)"),
+        "attention": (fast_cuda.attention_decode, "CUDA bf16/fp16: FlashAttention-2 varlen "
+                      "(aten._flash_attention_forward), one launch, key counts read on the device; else "
+                      "scaled_dot_product_attention per row (not cuDNN)"),
         "rmsnorm": (norm.rmsnorm_fast, "fp32 mean of squares, rsqrt"),
         "rope": (rope.rope_fast, "cos/sin evaluated per call"),
         "residual": (norm.residual_add, "a + b"),
@@ -28,12 +33,15 @@ FAST = register_set(
         "argmax": (head.argmax_first, "torch.argmax"),
     },
     prompt={
-        "dense": (dense.linear_fast, "F.linear on the whole chunk/tile"),
+        "dense": (dense.linear_fast, "F.linear on the whole chunk (CUDA: cuBLAS; CPU deep plan: 64-row tiles)"),
         "router": (router.router_fast, "F.linear, softmax, torch.topk"),
-        "expert_gate_up": (experts.gate_up_fast, "two F.linear on the expert's rows"),
-        "expert_down": (experts.down_fast, "F.linear on the expert's rows"),
+        "expert_gate_up": (experts.gate_up_fast, "two F.linear on the expert's rows (CUDA bf16: routed experts "
+                           "in torch._grouped_mm, grouped by expert, one launch per projection)"),
+        "expert_down": (experts.down_fast, "F.linear on the expert's rows (CUDA bf16: routed experts in "
+                        "torch._grouped_mm)"),
         "moe_combine": (experts.combine_fast, "einsum over k in storage dtype"),
-        "attention": (attention.attention_fast_prompt,
+        "attention": (fast_cuda.attention_prompt, "CUDA bf16/fp16: FlashAttention-2 (aten._flash_attention_forward), "
+                      "causal bottom-right, GQA in the kernel, one launch per slot; else "
                       "scaled_dot_product_attention, causal mask, KV heads repeated (not cuDNN)"),
         "rmsnorm": (norm.rmsnorm_fast, "fp32 mean of squares, rsqrt"),
         "rope": (rope.rope_fast, "cos/sin evaluated per call"),
@@ -42,17 +50,22 @@ FAST = register_set(
         "argmax": (head.argmax_first, "torch.argmax"),
     },
     claims_exact=False,
-    description="plain torch ops; prompt rows may differ from decode rows",
+    description="stock PyTorch (cuBLAS, FlashAttention-2, grouped expert GEMMs on CUDA); prompt rows may differ "
+                "from decode rows",
+    # grouped_experts: on CUDA (bf16, sm_90/sm_100) every routed expert of a layer in three torch._grouped_mm
+    # launches (gate, up, down), no host read; elsewhere None, and the experts run one by one (F.linear).
+    # tiles_in_kernels: on CUDA the deep plan hands the kernels whole calls (no host row tiles).
+    options={"grouped_experts": fast_cuda.moe_experts, "tiles_in_kernels": fast_cuda.whole_calls},
 )
 
 _INVARIANT = {
-    "dense": (dense.dense_invariant, "CPU: F.linear on 64-row tiles; CUDA: Triton GEMM, fixed tile and split-K "
+    "dense": (cuda.dense_invariant, "CPU: F.linear on 64-row tiles; CUDA: Triton GEMM, fixed tile and split-K "
               "per (N, K) for every M, partials summed in split order; quantized weights: fp32 dequantized "
               "products, fixed pairwise sum per row (any device)"),
-    "router": (router.router_any, "64-row tiles (CUDA: fixed-tile GEMM); fp32 softmax; top-k, lower id wins ties "
+    "router": (cuda.router_any, "64-row tiles (CUDA: fixed-tile GEMM); fp32 softmax; top-k, lower id wins ties "
                "(group-limited: CPU only)"),
-    "expert_gate_up": (experts.gate_up_any, "64-row tiles for GEMMs and SiLU (CUDA: one fused fixed-tile GEMM)"),
-    "expert_down": (experts.down_any, "CPU: F.linear on fixed 64-row tiles; CUDA: fixed-tile Triton GEMM"),
+    "expert_gate_up": (cuda.gate_up_any, "64-row tiles for GEMMs and SiLU (CUDA: one fused fixed-tile GEMM)"),
+    "expert_down": (cuda.down_any, "CPU: F.linear on fixed 64-row tiles; CUDA: fixed-tile Triton GEMM"),
     "moe_combine": (cuda.combine, "fp32 sum over k in slot order"),
     "attention": (attention.reads_fp8(cuda.attention), "query-row tiles, fixed KV blocks (CPU 256, CUDA per "
                   "config; an fp8 cache: the torch kernel on any device), online softmax in order (CUDA: "

@@ -34,8 +34,11 @@ from .env import match_onednn_isa  # noqa: E402  (imports no torch)
 
 match_onednn_isa()  # an emulated lower instruction set caps oneDNN too (env.match_onednn_isa), before torch loads
 
-from .profiles import DEFAULT_PROFILE, PROFILES, get_profile  # noqa: E402
-from .sections import SECTIONS, Section, write_json  # noqa: E402
+from ..profiles import DEFAULT_PROFILE, PROFILES, get_profile  # noqa: E402
+from ..files import write_json  # noqa: E402
+from .sections import SECTIONS, Section  # noqa: E402
+
+_REFERENCE = [n for n, s in SECTIONS.items() if s.runs_on == "reference"]   # a plain receipt run's sections
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ def _receipts_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precomputed", default=None, help="folder of section JSONs computed elsewhere (hashes.json, "
                    "contract.json, fp64.json, streams.json, bench.json, optional env.json): render, don't compute")
     p.add_argument("--sections", default="", help="comma-separated sections to run (default: all of "
-                   "hashes,contract,fp64,streams,bench; with --engine: engines)")
+                   f"{','.join(_REFERENCE)}; with --engine: engines)")
     p.add_argument("--engine", nargs="+", default=None, metavar="SPEC",
                    help="engines under test (reference, transformers:/path, openai:URL, llamacpp:/path.gguf, or a "
                    "YAML engine file): runs the engines section on them (same as --param engine=[...])")
@@ -92,7 +95,7 @@ def _env(args: argparse.Namespace) -> int:
 def _profiles(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
-    from .tables import parameter_text
+    from ..tables import parameter_text
 
     params = {name: prof.parameters() for name, prof in PROFILES.items()}
     keys = list(dict.fromkeys(k for p in params.values() for k in p if k != "profile"))
@@ -155,8 +158,8 @@ def section_parameters(profile: str, overrides: list[str], extra_params, section
             engine whose model file or server fails its probe (preflight.probe_engines).
     """
     from .preflight import check_run, probe_engines
-    from .runner import (ReceiptError, check_common_values, check_override_types, check_section_values,
-                          parse_overrides)
+    from .overrides import check_common_values, check_override_types, check_section_values, parse_overrides
+    from .runfolder import ReceiptError
 
     params = get_profile(profile).parameters()
     parsed = parse_overrides(overrides)
@@ -175,7 +178,7 @@ def section_parameters(profile: str, overrides: list[str], extra_params, section
 def _sections_args(p: argparse.ArgumentParser) -> None:
     _profile_args(p)
     p.add_argument("--out", required=True, help="folder for env.json and <section>.json (created; files replaced)")
-    p.add_argument("--sections", default="hashes,contract,fp64,streams,bench",
+    p.add_argument("--sections", default=",".join(_REFERENCE),
                    help="comma-separated, run in this order (default %(default)s)")
 
 
@@ -185,9 +188,9 @@ def _sections(args: argparse.Namespace) -> int:
     import time
     import traceback
 
-    from .env import environment
-    from .runner import ReceiptError
     from ..weights import sharing_synthetic_weights
+    from .env import environment
+    from .runfolder import ReceiptError
     names = [n for n in args.sections.split(",") if n]
     bad = [n for n in names if n not in SECTIONS]
     if not names:
@@ -238,7 +241,7 @@ def _merge_args(p: argparse.ArgumentParser) -> None:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    """``merge_sections`` of the parts' analysis module (exit 2 with the reason when they do not merge)."""
+    """The parts' section merger (sections.Section.merger; exit 2 with the reason when they do not merge)."""
     parts = []
     for f in args.parts:
         try:
@@ -250,12 +253,12 @@ def _merge(args: argparse.Namespace) -> int:
     if len(names) != 1 or names[0] not in mergeable:
         raise ValueError(f"the parts hold sections {names}; merge joins parts of one section, one of "
                          f"{', '.join(mergeable)}")
-    _write_json(SECTIONS[names[0]].load().merge_sections(parts), args.out)
+    _write_json(SECTIONS[names[0]].merger()(parts), args.out)
     return 0
 
 
 def _write_json(obj, out: str | None) -> None:
-    """``obj`` as JSON to stdout, or to the file ``out`` (sections.write_json), naming it on stderr."""
+    """``obj`` as JSON to stdout, or to the file ``out`` (files.write_json), naming it on stderr."""
     if out is None:
         sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
         return
@@ -264,9 +267,9 @@ def _write_json(obj, out: str | None) -> None:
 
 
 def _diff_module():
-    from . import diff  # diff.py: the receipt diff (BASE PR [--out DIR])
+    from . import diff_cli  # the receipt diff (BASE PR [--out DIR])
 
-    return diff
+    return diff_cli
 
 
 def _comment_module():
@@ -332,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failed receipt, 2 bad input with a message on stderr)."""
-    from .runner import ReceiptError
+    from .runfolder import ReceiptError
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:   # the server has its own parser (serve.build_parser)

@@ -11,7 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .diff import DiffError, command_main, diff_receipts, load_receipt, write_text
+from .diff import DiffError, diff_receipts, load_receipt
+from .diff_cli import command_main, write_text
 from .diff_md import render as diff_markdown
 from .fit import SEP
 from .render import MD_LIMIT, git_text, render_errors, render_summary, truncate

@@ -1,6 +1,7 @@
-"""Receipt diff: what moved between two receipts, for a pull-request comment (``python -m exactness diff BASE PR``).
+"""Receipt diff: what moved between two receipts, for a pull-request comment (the ``diff`` command: diff_cli.py).
 
-BASE and PR are receipt folders (holding ``receipt.json``) or ``receipt.json`` files. Sections are read through
+BASE and PR are receipt folders (holding ``receipt.json``), ``receipt.json`` files, or folders of section JSONs
+(``python -m exactness sections --out DIR``, a receipt's ``sections/``). Sections are read through
 :func:`section` (the section object ``{"section", "rows"|"data", **extra}``, whatever the receipt's storage layout).
 Rows of both receipts are matched by their identity (the key fields below), and for each matched pair:
 
@@ -19,26 +20,20 @@ recorded) are not compared at all, a section whose own setting differs (the cont
 not compared, and rows whose engine identity or inputs (prompt text, lengths) differ are not compared; each is named
 in ``not_comparable`` with the reason, never dropped. Rows present in one receipt only are listed.
 
-Exit status of :func:`main`: 0 nothing moved (every row compared, all equal), 1 something moved, was present in one
-receipt only or could not be compared, 2 bad input (a message on stderr, nothing written). Bench figures beyond their
+``moved`` (the command's exit status 1) is set when something moved, was present in one receipt only or could not
+be compared; nothing moved means every row compared, all equal. Bench figures beyond their
 spread are listed as speed changes and do not count as moved: two receipts of one commit made at different times of
 a loaded machine differ in speed by more than one receipt's repeats do.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
-import tempfile
 from pathlib import Path
 
-from .diff_bench import diff_bench
 from .render import section_object
-from .sections import write_json
+from .sections import SECTIONS
 
-HELP = "compare two receipts (folders or receipt.json): what moved, as markdown for a pull-request comment"
-SECTION_NAMES = ("hashes", "contract", "fp64", "streams", "bench", "engines")
 FLAG_NAMES = {"equals_oracle": "tokens", "prompt_logits_equal": "prompt logits", "gen_logits_equal": "generated logits",
               "kv_equal": "KV cache", "rerun_equal": "rerun"}
 HASH_KEY = ("engine", "prompt", "config", "kernels", "path", "step", "offload")
@@ -64,14 +59,37 @@ class DiffError(ValueError):
 
 # ------------------------------------------------------------------------------------------------------ loading
 
+def load_sections(folder: Path) -> dict:
+    """A folder of section JSONs (``python -m exactness sections --out DIR``: ``<section>.json`` per section, the
+    machine's env.json) as a receipt without profile or parameters, so that two such folders compare as receipts."""
+    found = {}
+    for file in sorted(folder.glob("*.json")):
+        if file.name == "env.json":
+            continue
+        try:
+            obj = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise DiffError(f"cannot read {file}: {e}") from None
+        if isinstance(obj, dict) and isinstance(obj.get("section"), str):
+            found[obj["section"]] = obj
+    env = folder / "env.json"
+    return {"schema": 2, "profile": None, "sections": found,
+            "env": json.loads(env.read_text(encoding="utf-8")) if env.is_file() else {}}
+
+
 def load_receipt(path: str | os.PathLike) -> dict:
-    """The receipt at ``path``: a run folder holding ``receipt.json``, or the file itself.
+    """The receipt at ``path``: a run folder holding ``receipt.json``, the file itself, or a folder of section
+    JSONs (:func:`load_sections`).
 
     Raises:
-        DiffError: the path does not exist, the folder has no receipt.json, the file is not JSON, or it is not a
-            receipt (a JSON object with ``schema`` and ``profile``).
+        DiffError: the path does not exist, the folder has neither receipt.json nor a section JSON, the file is not
+            JSON, or it is not a receipt (a JSON object with ``schema`` and ``profile``).
     """
     p = Path(path)
+    if p.is_dir() and not (p / "receipt.json").is_file():
+        receipt = load_sections(p)
+        if receipt["sections"]:
+            return receipt
     file = p / "receipt.json" if p.is_dir() else p
     if not file.is_file():
         raise DiffError(f"no receipt at {str(path)!r}: expected a receipt folder holding receipt.json, or a "
@@ -214,7 +232,7 @@ def _engine_context(b_obj: dict, p_obj: dict) -> list[dict]:
             for k in ENGINE_SOFTWARE if b_id[e].get(k) != p_id[e].get(k)]
 
 
-def diff_hashes(result: dict, b: dict, p: dict, name: str = "hashes") -> None:
+def diff_hashes(result: dict, b: dict, p: dict, receipts=(), name: str = "hashes") -> None:
     """Moved token hashes and flipped oracle equalities of the ``hashes`` section, or of the ``engines`` section's
     rows (one per engine, prompt and configuration) and its stream rows."""
     def label(r):
@@ -235,7 +253,12 @@ def diff_hashes(result: dict, b: dict, p: dict, name: str = "hashes") -> None:
                                      "why": "one cold and one warm request per configuration: no run-to-run spread"})
 
 
-def diff_contract(result: dict, b: dict, p: dict) -> None:
+def diff_engines(result: dict, b: dict, p: dict, receipts=()) -> None:
+    """The engines section: as diff_hashes, per (engine, prompt, configuration), and the engines' stream rows."""
+    diff_hashes(result, b, p, receipts, "engines")
+
+
+def diff_contract(result: dict, b: dict, p: dict, receipts=()) -> None:
     """Contract pairs (resident and offloaded weights) whose mismatch count changed."""
     why = _differs(b, p, CONTRACT_SAME)
     if why:
@@ -253,7 +276,7 @@ def diff_contract(result: dict, b: dict, p: dict) -> None:
                                              cases=[rb.get("cases"), rp.get("cases")]))
 
 
-def diff_fp64(result: dict, b: dict, p: dict) -> None:
+def diff_fp64(result: dict, b: dict, p: dict, receipts=()) -> None:
     """FP64 rows whose verdict changed (with bound_use of both, for reading)."""
     def label(r):
         return f"{r.get('set')} {r.get('class')} {r.get('path')} {r.get('dtype')} {r.get('input_set')} K={r.get('K')}"
@@ -263,7 +286,7 @@ def diff_fp64(result: dict, b: dict, p: dict) -> None:
                                              kind="verdict", bound_use=[rb.get("bound_use"), rp.get("bound_use")]))
 
 
-def diff_streams(result: dict, b: dict, p: dict) -> None:
+def diff_streams(result: dict, b: dict, p: dict, receipts=()) -> None:
     """Drafted, resumed and concurrent rows whose hashes or equality flags changed."""
     bd, pd = b.get("data") or {}, p.get("data") or {}
     for part, key in STREAM_KEYS.items():
@@ -273,8 +296,27 @@ def diff_streams(result: dict, b: dict, p: dict) -> None:
             result["changes"] += row_changes("streams", what, rb, rp)
 
 
-DIFFS = {"hashes": diff_hashes, "contract": diff_contract, "fp64": diff_fp64, "streams": diff_streams,
-         "engines": lambda result, b, p: diff_hashes(result, b, p, "engines")}
+def diff_rows(result: dict, name: str, b: dict, p: dict, key: tuple[str, ...]) -> None:
+    """A section without a comparison of its own (sections.Section.diff_keys): its ``rows`` matched by ``key``,
+    hash-like fields that moved and equality flags that flipped (row_changes)."""
+    def label(r):
+        return " · ".join(f"{f}={_get(r, f)}" for f in key)
+    for what, rb, rp in match(result, name, b.get("rows"), p.get("rows"), key, label):
+        result["changes"] += row_changes(name, what, rb, rp)
+
+
+def compare_section(result: dict, name: str, b: dict, p: dict, receipts: tuple[dict, dict]) -> None:
+    """Compare two objects of section ``name`` into ``result``: the table's comparison (Section.diff), else its
+    rows by Section.diff_keys, else the section is listed as not compared."""
+    s = SECTIONS.get(name)
+    fn = s.comparison() if s else None
+    if fn is not None:
+        fn(result, b, p, receipts)
+    elif s is not None and s.diff_keys:
+        diff_rows(result, name, b, p, s.diff_keys)
+    else:
+        result["not_comparable"].append({"section": name, "what": "the whole section",
+                                         "why": "the diff has no comparison for this section"})
 
 
 # ------------------------------------------------------------------------------------------------------ receipts
@@ -308,7 +350,7 @@ def diff_receipts(base: dict, pr: dict, base_name: str = "BASE", pr_name: str = 
     why = (f"profile {base.get('profile')!r} vs {pr.get('profile')!r}" if base.get("profile") != pr.get("profile")
            else _differs(wb, wp, list(wb)) and f"weights differ: {_differs(wb, wp, list(wb))}")
     stored = [n for r in (base, pr) if isinstance(r.get("sections"), dict) for n in r["sections"]]
-    for name in dict.fromkeys([*SECTION_NAMES, *stored]):
+    for name in dict.fromkeys([*SECTIONS, *stored]):
         b, p = section(base, name), section(pr, name)
         if b is None and p is None:
             continue
@@ -316,101 +358,9 @@ def diff_receipts(base: dict, pr: dict, base_name: str = "BASE", pr_name: str = 
             result["not_comparable"].append({"section": name, "what": "the whole section", "why": why})
         elif b is None or p is None:
             result["only_pr" if b is None else "only_base"].append({"section": name, "what": "the whole section"})
-        elif name not in SECTION_NAMES:
-            result["not_comparable"].append({"section": name, "what": "the whole section",
-                                             "why": "the diff has no comparison for this section"})
-        elif name == "bench":
-            diff_bench(result, b, p, [(r.get("env") or {}).get("device") for r in (base, pr)], match)
         else:
-            DIFFS[name](result, b, p)
+            compare_section(result, name, b, p, (base, pr))
     exact = [c for c in result["changes"] if c["section"] != "bench"]
     result["speed_moved"] = len(result["changes"]) - len(exact)
     result["moved"] = bool(exact or result["only_base"] or result["only_pr"] or result["not_comparable"])
     return result
-
-
-# ------------------------------------------------------------------------------------------------ command line
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The diff's arguments: BASE, PR, ``--out`` folder."""
-    p.add_argument("base", help="the base receipt: a receipt folder or its receipt.json")
-    p.add_argument("pr", help="the pull request's receipt: a receipt folder or its receipt.json")
-    p.add_argument("--out", default=None, help="folder to write diff.md and diff.json into (created; existing "
-                   "files are never replaced); the markdown goes to stdout as well")
-
-
-def write_text(text: str, path: Path) -> None:
-    """``text`` to ``path`` atomically (a hidden temporary file beside it, renamed into place)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def check_out(out: str) -> Path:
-    """The ``--out`` folder, checked before any work.
-
-    Raises:
-        DiffError: ``out`` is a file, or already holds diff.md or diff.json (nothing is ever overwritten).
-    """
-    folder = Path(out)
-    if folder.exists() and not folder.is_dir():
-        raise DiffError(f"--out {out!r} is a file; expected a folder (created where missing)")
-    taken = [n for n in ("diff.md", "diff.json") if (folder / n).exists()]
-    if taken:
-        raise DiffError(f"--out {out!r} already holds {', '.join(taken)}; refusing to overwrite: pick a new folder")
-    return folder
-
-
-def write_outputs(result: dict, markdown: str, out: str) -> None:
-    """diff.json (sections.write_json) and diff.md into folder ``out``, created where missing.
-
-    Raises:
-        DiffError: see check_out.
-    """
-    folder = check_out(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    write_json(result, str(folder / "diff.json"))
-    write_text(markdown, folder / "diff.md")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Diff ``args.base`` against ``args.pr``; print the markdown, write ``--out``; 0 nothing moved, 1 moved.
-
-    Raises:
-        DiffError: bad input (see load_receipt, check_out)."""
-    from .diff_md import render
-
-    if args.out:
-        check_out(args.out)
-    result = diff_receipts(load_receipt(args.base), load_receipt(args.pr), str(args.base), str(args.pr))
-    markdown = render(result)
-    if args.out:
-        write_outputs(result, markdown, args.out)
-    sys.stdout.write(markdown)
-    return 1 if result["moved"] else 0
-
-
-def command_main(argv: list[str] | None, prog: str, description: str, add, run_args) -> int:
-    """A receipt-comparing command run alone: ``add(parser)`` declares its arguments, ``run_args(args)`` returns its
-    exit status; a DiffError is one ``error:`` line on stderr and status 2."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    add(parser)
-    try:
-        return run_args(parser.parse_args(argv))
-    except DiffError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m exactness.receipt.diff BASE PR [--out DIR]``; returns the exit status (0, 1, or 2 with a message)."""
-    return command_main(argv, "python -m exactness diff", HELP, add_arguments, run)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import statistics
 
+from .diff import match
+
 # part -> (key fields, the repeats of a row, the figures judged, what the repeats are)
 PARTS = {
     "plain": (("kernels", "prompt"), lambda r: (r.get("runs") or [])[1:],
@@ -65,9 +67,9 @@ def _figure(result: dict, part: str, what: str, field: str, vb: list, vp: list, 
         result["within_spread"] += 1
 
 
-def figures(result: dict, base: dict, pr: dict, match) -> None:
-    """Judge every figure of every bench row both receipts hold (``base``/``pr``: the bench sections' data);
-    ``match`` is diff.match (rows in one receipt only are listed there)."""
+def figures(result: dict, base: dict, pr: dict) -> None:
+    """Judge every figure of every bench row both receipts hold (``base``/``pr``: the bench sections' data; rows in
+    one receipt only are listed by diff.match)."""
     for part, (key, reps, fields, kind) in PARTS.items():
         rows_b, rows_p = base.get(part), pr.get(part)
         if not isinstance(rows_b, list) or not isinstance(rows_p, list):
@@ -81,10 +83,11 @@ def figures(result: dict, base: dict, pr: dict, match) -> None:
                         _values(reps(rp), field), kind)
 
 
-def diff_bench(result: dict, b: dict, p: dict, devices: list, match) -> None:
+def diff_bench(result: dict, b: dict, p: dict, receipts: tuple[dict, dict]) -> None:
     """Bench figures beyond their run-to-run spread (:func:`figures`) of two bench section objects; a section timed
-    on different devices (``devices``: each receipt's env device) or under another bench configuration
-    (CONFIG_SAME) is not compared, and says why."""
+    on different devices (each of ``receipts``' env device) or under another bench configuration (CONFIG_SAME) is
+    not compared, and says why."""
+    devices = [(r.get("env") or {}).get("device") for r in receipts]
     bc, pc = (b.get("data") or {}).get("config") or {}, (p.get("data") or {}).get("config") or {}
     why = [f"{k} {bc.get(k)!r} vs {pc.get(k)!r}" for k in CONFIG_SAME if bc.get(k) != pc.get(k)]
     if devices[0] != devices[1]:
@@ -92,4 +95,4 @@ def diff_bench(result: dict, b: dict, p: dict, devices: list, match) -> None:
     if why:
         result["not_comparable"].append({"section": "bench", "what": "every figure", "why": "; ".join(why)})
         return
-    figures(result, b.get("data") or {}, p.get("data") or {}, match)
+    figures(result, b.get("data") or {}, p.get("data") or {})

@@ -1,7 +1,9 @@
 """The receipt diff (diff.py) as GitHub markdown, under GitHub's comment limit (render.MD_LIMIT)."""
 from __future__ import annotations
 
-from .render import MD_LIMIT, compact_tables, table
+from .diff import FLAG_NAMES
+from ..tables import table
+from .render import MD_LIMIT, compact_tables
 
 FLAG_TEXT = {(True, False): "stopped equalling", (False, True): "started equalling"}
 
@@ -9,8 +11,6 @@ FLAG_TEXT = {(True, False): "stopped equalling", (False, True): "started equalli
 def _flag(field: str, base, pr) -> str:
     """"tokens: stopped equalling its oracle", "equal: started holding" and the like; "not compared → equal" where
     one side is None."""
-    from .diff import FLAG_NAMES
-
     what = FLAG_NAMES.get(field, field.replace("_", " "))
     words = FLAG_TEXT.get((base, pr))
     if words is None:

@@ -7,14 +7,15 @@ from pathlib import Path
 
 import yaml
 
-from .params import ParamError, check_common
+from ..params import ParamError, check_common
 from .preflight import check_run
 from .runfolder import ReceiptError
 from .sections import SECTIONS, section_of
 
 OUT_JSON = "out_json"  # the parameter through which the runner tells a notebook where to write its section
+PARAMS = "params"      # a section notebook's one mapping of parameters (sections.notebook_params types it)
 # Notebook parameters the runner sets itself (--profile, --precomputed, the section file), never a user's override.
-RUNNER_SET = {OUT_JSON, "precomputed_json", "profile"}
+RUNNER_SET = {OUT_JSON, "precomputed_json", "profile", PARAMS}
 
 
 def parse_overrides(items: list[str] | None) -> dict:
@@ -42,8 +43,8 @@ def declared_parameters(notebooks_dir: Path, notebooks: list[str]) -> dict[str, 
     """Parameter names each notebook's ``parameters`` cell declares (via ``papermill.inspect_notebook``).
 
     Raises:
-        ReceiptError: a notebook file is missing, cannot be inspected (no kernelspec metadata), or does not
-            declare ``out_json``.
+        ReceiptError: a notebook file is missing, cannot be inspected (no kernelspec metadata), does not
+            declare ``out_json``, or is a section's notebook without its ``params`` mapping.
     """
     import papermill
 
@@ -56,8 +57,10 @@ def declared_parameters(notebooks_dir: Path, notebooks: list[str]) -> dict[str, 
             declared[nb] = set(papermill.inspect_notebook(str(path)))
         except ValueError as e:  # e.g. no kernelspec in the notebook's metadata
             raise ReceiptError(f"notebook {nb!r} cannot be inspected: {e}") from None
-        if OUT_JSON not in declared[nb]:
-            raise ReceiptError(f"notebook {nb!r} has no {OUT_JSON!r} in its parameters cell; "
+        needed = (OUT_JSON, PARAMS) if section_of(nb) in SECTIONS else (OUT_JSON,)
+        missing = [k for k in needed if k not in declared[nb]]
+        if missing:
+            raise ReceiptError(f"notebook {nb!r} has no {missing[0]!r} in its parameters cell; "
                                f"it declares: {', '.join(sorted(declared[nb])) or '(nothing)'}")
     return declared
 
@@ -118,15 +121,32 @@ def check_section_values(params: dict, sections: list[str]) -> None:
             raise ReceiptError(f"{name}: {e}") from None
 
 
+def takes_mapping(nb: str, names: set[str]) -> bool:
+    """Whether notebook ``nb`` (declaring ``names``) is a section's notebook taking one ``params`` mapping; a
+    notebook outside the table (a test fixture) declares each parameter it reads."""
+    return section_of(nb) in SECTIONS and PARAMS in names
+
+
+def accepted_names(declared: dict[str, set[str]]) -> set[str]:
+    """The override names a run of these notebooks accepts: each section's parameter names (its params class's
+    fields) for a notebook taking ``params``, the declared names for any other."""
+    out: set[str] = set()
+    for nb, names in declared.items():
+        out |= SECTIONS[section_of(nb)].params_class.names() if takes_mapping(nb, names) else names
+    return out - RUNNER_SET
+
+
 def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) -> dict[str, dict]:
-    """Parameters per notebook: ``base`` (the profile's) updated by ``overrides``, each notebook getting only
-    the names it declares.
+    """Papermill parameters per notebook: ``base`` (the profile's) updated by ``overrides``; a section's notebook
+    gets them as its one ``params`` mapping, cut to its section's names (the notebook types them with
+    sections.notebook_params, whose params class fills the defaults, as the command line does), any other
+    notebook each name it declares.
 
     Raises:
-        ReceiptError: an override names a parameter no notebook of the run declares (the message lists the
-            allowed names), or overrides ``out_json`` (the runner sets it).
+        ReceiptError: an override names a parameter no notebook of the run takes (the message lists the allowed
+            names), or one the runner sets.
     """
-    allowed = set().union(*declared.values()) - RUNNER_SET
+    allowed = accepted_names(declared)
     for key in overrides:
         if key in RUNNER_SET or key not in allowed:
             raise ReceiptError(f"unknown parameter {key!r} for notebooks {', '.join(declared)}; "
@@ -136,26 +156,16 @@ def plan_parameters(base: dict, overrides: dict, declared: dict[str, set[str]]) 
     check_common_values(merged)
     check_section_values(merged, [section_of(nb) for nb in declared if section_of(nb) in SECTIONS])
     check_run(merged, [section_of(nb) for nb in declared])
-    return {nb: {**_section_values(nb, merged, names), **{k: v for k, v in merged.items() if k in names}}
-            for nb, names in declared.items()}
-
-
-def _section_values(nb: str, merged: dict, names: set[str]) -> dict:
-    """The section's own values (its params class's defaults and derived values, as the command line computes them)
-    of the names the notebook declares and ``merged`` lacks, so a notebook's parameters cell never decides a value:
-    the same profile runs the same work from the notebook and from ``python -m exactness <section>``."""
-    import json
-
-    if section_of(nb) not in SECTIONS:
-        return {}
-    cls = SECTIONS[section_of(nb)].params_class
-    typed = cls.from_dict({k: v for k, v in merged.items() if k in cls.names()})
     out = {}
-    for k in sorted((names & cls.names()) - set(merged) - RUNNER_SET):
-        v = getattr(typed, k)
-        v = list(v) if isinstance(v, tuple) else v
-        try:
-            out[k] = json.loads(json.dumps(v))   # only literals travel as papermill parameters
-        except (TypeError, ValueError):
-            continue
+    for nb, names in declared.items():
+        if takes_mapping(nb, names):
+            mine = SECTIONS[section_of(nb)].params_class.names()
+            out[nb] = {PARAMS: {k: _literal(v) for k, v in merged.items() if k in mine}}
+        else:
+            out[nb] = {k: v for k, v in merged.items() if k in names}
     return out
+
+
+def _literal(v):
+    """A value as papermill passes it: tuples become lists."""
+    return [_literal(x) for x in v] if isinstance(v, (list, tuple)) else v

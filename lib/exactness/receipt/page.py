@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from .render import render_header
+
 # nbconvert's lab template, less everything that loads from a CDN (require.js, MathJax, mermaid, widgets), plus
 # the receipt's layout rules: tables wrap their cells instead of running past the page, text is left-aligned.
 _TEMPLATE = """{%- extends 'index.html.j2' -%}
@@ -59,8 +61,6 @@ def merge_notebooks(receipt: dict, notebook_files: list[Path]):
         OSError, nbformat.reader.NotJSONError: a notebook file cannot be read.
     """
     import nbformat
-
-    from .render import render_header
 
     merged = nbformat.v4.new_notebook()
     merged.cells.append(nbformat.v4.new_markdown_cell(render_header(receipt), id="receipt-header"))

@@ -9,10 +9,8 @@ server answer); each check raises :class:`PreflightError` with one line naming t
 from __future__ import annotations
 
 from ..config import ModelConfig, get_preset
-
-# Sections that compute on the checkpoint they are given. The others (the kernel contract and the FP64 receipt)
-# draw their inputs from the synthetic weights of the preset, so a run that names a checkpoint must leave them out.
-CHECKPOINT_SECTIONS = ("hashes", "streams", "bench")
+from ..params import Common, ParamError
+from .sections import SECTIONS
 
 
 class PreflightError(ValueError):
@@ -46,19 +44,25 @@ def check_checkpoint_sections(params: dict, sections: list[str]) -> None:
     """
     if not params.get("checkpoint"):
         return
-    other = [s for s in sections if s not in CHECKPOINT_SECTIONS]
+    takes = [n for n, s in SECTIONS.items() if s.takes_checkpoint]
+    other = [s for s in sections if s not in takes]
     if other:
         raise PreflightError(
             f"checkpoint={params['checkpoint']!r} is given, but section(s) {', '.join(other)} compute on the "
             f"preset's synthetic weights, not on a checkpoint; run only sections that take it: "
-            f"SECTIONS={','.join(s for s in sections if s in CHECKPOINT_SECTIONS) or ','.join(CHECKPOINT_SECTIONS)}")
+            f"SECTIONS={','.join(s for s in sections if s in takes) or ','.join(takes)}")
+
+
+def _first_set(params: dict, keys: tuple[str, ...]):
+    """The value of the first of ``keys`` set (not None, not 0) in ``params``, else None."""
+    return next((params[k] for k in keys if params.get(k)), None)
 
 
 def check_lengths(params: dict, cfg: ModelConfig, tokenizer, model: str, sections: list[str]) -> None:
-    """Refuse prompt + generated tokens past ``cfg.max_positions`` for the sections that generate (hashes,
-    streams, bench; prompts cut to ``hash_max_tokens`` / ``prompt_max_tokens`` as those sections cut them; prompt
-    files included), an ids prompt holding an id outside ``cfg.vocab_size``, and bench cold-prefill lengths + its
-    generated tokens past it.
+    """Refuse prompt + generated tokens past ``cfg.max_positions`` for the sections that generate
+    (sections.Section.generated_by; prompts cut as Section.cut_by says; prompt files included), an ids prompt
+    holding an id outside ``cfg.vocab_size`` (sections that read the prompts: Section.reads_prompts), and a
+    section's own lengths (its params' ``check_lengths``: the bench's cold-prefill lengths).
 
     Raises:
         PreflightError: naming the prompt or length, the token counts, the limit and what would fit.
@@ -67,30 +71,26 @@ def check_lengths(params: dict, cfg: ModelConfig, tokenizer, model: str, section
 
     limit = cfg.max_positions
     sources = resolve(params["prompts"]) if params.get("prompts") else []   # well formed: checked with the others
+    known = [SECTIONS[s] for s in sections if s in SECTIONS]
     try:   # the engines section checks each engine's own vocabulary when it opens
-        if set(sections) & {"hashes", "streams", "bench", "fp64"}:
+        if any(s.reads_prompts for s in known):
             check_vocab(sources, cfg.vocab_size, model)
     except PromptFileError as e:
         raise PreflightError(str(e)) from None
-    gens = {"hashes": params.get("gen_tokens"), "streams": params.get("gen_tokens"),
-            "bench": params.get("bench_gen_tokens") or params.get("gen_tokens")}
-    for section in (s for s in sections if gens.get(s) is not None):
-        gen = gens[section]
-        cut = (params.get("hash_max_tokens") if section == "hashes" else None) or params.get("prompt_max_tokens")
-        sizes = {s.name: build_source(s, cut, True, tokenizer).n_tokens for s in sources}
+    for section in (s for s in known if s.generated_by):
+        gen, cut = _first_set(params, section.generated_by), _first_set(params, section.cut_by)
+        sizes = {s.name: build_source(s, cut, True, tokenizer).n_tokens for s in sources} if gen else {}
         for name, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:1]:   # the longest prompt binds
             if n + gen > limit:
                 raise PreflightError(
-                    f"{section}: prompt {name!r} has {n} tokens; with {gen} generated that is {n + gen} positions, "
-                    f"past the max_positions={limit} of {model}; at most {max(limit - n, 0)} generated tokens fit, "
-                    f"or cut the prompts with prompt_max_tokens")
-    if "bench" in sections:
-        from .params import BenchParams, ParamError
-
-        try:
-            BenchParams.from_dict(params).check_lengths(limit, model)
-        except ParamError as e:
-            raise PreflightError(str(e)) from None
+                    f"{section.name}: prompt {name!r} has {n} tokens; with {gen} generated that is {n + gen} "
+                    f"positions, past the max_positions={limit} of {model}; at most {max(limit - n, 0)} generated "
+                    f"tokens fit, or cut the prompts with prompt_max_tokens")
+        if section.params_class.check_lengths is not Common.check_lengths:   # a length of its own
+            try:
+                section.typed(params).check_lengths(limit, model)
+            except ParamError as e:
+                raise PreflightError(str(e)) from None
 
 
 def probe_engines(params: dict, sections: list[str]) -> None:

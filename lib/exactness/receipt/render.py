@@ -1,9 +1,8 @@
-"""Rendering a receipt: ``receipt.md`` (GitHub markdown tables) and ``receipt.html`` (self-contained page,
-made in page.py and re-exported here).
+"""Rendering a receipt: ``receipt.md`` (GitHub markdown tables); the header page.py opens ``receipt.html`` with.
 
 Markdown: a header (status, summary, environment, errors, parameters), then one block per section object in
-``receipt["sections"]``: a section of ``sections.SECTIONS`` is rendered by its analysis module's
-``render_md(section)``, any other by ``RENDERERS[name](section) -> str`` when registered, else by
+``receipt["sections"]``: a section of ``sections.SECTIONS`` is rendered by its entry's renderer
+(``Section.renderer()(section)``), any other by ``RENDERERS[name](section) -> str`` when registered, else by
 :func:`render_generic`. Each section block
 opens with what was compared and what its verdict means. receipt.md stays under GitHub's comment limit
 (``MD_LIMIT``) whatever the run: the header is kept and a section block over its share of the room is cut with a
@@ -14,39 +13,17 @@ from __future__ import annotations
 import html as _html
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-from tabulate import tabulate
 
 from .fit import fit_blocks, join
 from .sections import SECTIONS
-from .tables import DASH, MAX_ROWS, Code, cell_text, md_escape, parameter_text
+from ..tables import DASH, md_escape, parameter_text, table
 
 MD_LIMIT = 65_536  # GitHub's cap on a comment
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
-
-def cell(v) -> str:
-    """One table cell as text (tables.cell_text: a dash for missing values, words for booleans, integers as
-    integers), escaped (tables.md_escape: no tag, link or code span from the user's text, pipes and newlines kept
-    from breaking the GitHub table; a tables.Code value as inline code), at most 160 characters."""
-    s = v.markdown() if isinstance(v, Code) else md_escape(cell_text(v))
-    return s if len(s) <= 160 else s[:157] + "..."
-
-
-def table(rows: list[list], headers: list[str], max_rows: int = MAX_ROWS, dash: str = "not recorded") -> str:
-    """A GitHub markdown table (tabulate, cells through :func:`cell`); over ``max_rows`` rows it is cut with a
-    note; when a cell shows a dash, a footnote says what the dash means (``dash``)."""
-    note = ""
-    if len(rows) > max_rows:
-        note = f"\n\n_{len(rows) - max_rows} more rows not shown; see receipt.json._"
-        rows = rows[:max_rows]
-    body = [[cell(v) for v in r] for r in rows]
-    if any(c == DASH for r in body for c in r):
-        note += f"\n\n_{DASH} : {dash}._"
-    return tabulate(body, headers=[cell(h) for h in headers], tablefmt="github", disable_numparse=True) + note
-
 
 def compact_tables(text: str) -> str:
     """``text`` with the column padding of its markdown table lines (lines starting with ``|``) removed: runs of
@@ -182,32 +159,17 @@ def _count(rows, pred) -> str:
 
 
 def render_summary(receipt: dict) -> str:
-    """One verdict line per kernel set (by its own name in every section): runs equal to the serial-decode oracle
-    (tokens; prompt-logit and KV bytes), contract pairs without a byte mismatch (expert pairs with offloaded weights
-    included), FP64 rows outside their bound, stream equalities (drafted, resumed, concurrent and packed == alone).
-    Empty without data."""
+    """One verdict line per kernel set (by its own name in every section), one column per sections.Verdict of the
+    section table (runs equal to the serial-decode oracle, contract pairs without a byte mismatch, FP64 rows outside
+    their bound, stream equalities holding...). Empty without data."""
     objs = dict(sections(receipt))
-    rows = lambda name, key="rows": [r for r in objs.get(name, {}).get(key) or [] if isinstance(r, dict)]  # noqa
-    hashes = [r for r in rows("hashes") if r.get("path") != "decode"]
-    contract = rows("contract") + rows("contract", "offload_rows")
-    fp64 = rows("fp64")
-    streams = objs.get("streams", {}).get("data") or {}
-    st_all = [r for part in ("drafted", "resumed", "concurrent", "packed") for r in streams.get(part) or []
-              if isinstance(r, dict)]
-    sets = list(dict.fromkeys([r.get("kernels") for r in hashes] + [r.get("set") for r in contract + fp64 + st_all]))
-    rows = []
-    for ks in (s for s in sets if s):
-        h = [r for r in hashes if r.get("kernels") == ks]
-        st = [r for r in st_all if r.get("set") == ks]
-        rows.append([ks, _count(h, lambda r: r.get("equals_oracle")),
-                     _count(h, lambda r: r.get("prompt_logits_equal") and r.get("kv_equal")),
-                     _count((r for r in contract if r.get("set") == ks), lambda r: r.get("mismatches") == 0),
-                     _count((r for r in fp64 if r.get("set") == ks), lambda r: "outside" in str(r.get("verdict"))),
-                     _count(st, lambda r: r.get("equal"))])
+    columns = [(v, v.rows(objs.get(s.name, {}))) for s in SECTIONS.values() for v in s.summary]
+    sets = list(dict.fromkeys(r.get(v.set_field) for v, rows in columns for r in rows))
+    rows = [[ks, *[_count((r for r in col if r.get(v.set_field) == ks), v.holds) for v, col in columns]]
+            for ks in sets if ks]
     if not rows:
         return ""
-    head = ["kernel set", "runs with the oracle's tokens", "runs with the oracle's prompt-logit + KV bytes",
-            "contract pairs byte-exact", "FP64 rows outside bound", "stream equalities holding"]
+    head = ["kernel set", *[v.header for v, _ in columns]]
     return "\n".join(["## Summary", "", "Each kernel set's paths against its oracle (serial decode through the same "
                       "set's decode kernels) and its kernels against their decode kernels. A set is exact only where "
                       "the bytes are equal, never within a tolerance: read n/N as n of N checks holding (for FP64, n "
@@ -229,7 +191,7 @@ def render_generic(data, title: str = "") -> str:
     return "\n".join(head + [table([[data]], ["value"])])
 
 
-# Renderers of sections outside sections.SECTIONS (whose analysis modules render their own with render_md).
+# Renderers of sections outside sections.SECTIONS (whose entries name their own, Section.render).
 RENDERERS: dict[str, Callable[[object], str]] = {}
 
 
@@ -252,9 +214,9 @@ def sections(receipt: dict) -> list[tuple[str, dict]]:
 
 
 def section_md(name: str, obj: dict) -> str:
-    """One section object's receipt.md block: its analysis module's render_md, a RENDERERS entry, or generic."""
+    """One section object's receipt.md block: its table entry's renderer, a RENDERERS entry, or generic."""
     if name in SECTIONS:
-        return SECTIONS[name].load().render_md(obj)
+        return SECTIONS[name].renderer()(obj)
     if name in RENDERERS:
         return RENDERERS[name](obj)
     return render_generic({k: v for k, v in obj.items() if k != "section"}, title=name)
@@ -272,21 +234,6 @@ def render_markdown(receipt: dict, limit: int = MD_LIMIT) -> str:
         return text
     header, blocks = compact_tables(header), [(name, compact_tables(b)) for name, b in blocks]
     return truncate(fit_blocks(header, blocks, limit), limit)
-
-
-def render_extra(name: str, extra: dict) -> str:
-    """A section's extra keys: scalars as a key/value table; lists and dicts (plot data, provenance) stay in
-    receipt.json only. Empty when there are no scalars."""
-    scalars = {k: v for k, v in extra.items() if not isinstance(v, (list, dict))}
-    if not scalars:
-        return ""
-    return "\n".join([f"## {name[:-len('_extra')]}: further values", "",
-                      table([[k, v] for k, v in scalars.items()], ["key", "value"])])
-
-
-# -------------------------------------------------------------------------------------------------------- html
-
-from .page import merge_notebooks, render_html  # noqa: E402,F401  (receipt.html is assembled in page.py)
 
 
 def fallback_text(receipt: dict, html: bool = False) -> str:

@@ -25,12 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .env import (REPO_ROOT, environment, git_state,  # noqa: F401  (re-exported: receipt.environment, ...)
-                  kernel_set_records)
-from .overrides import (OUT_JSON, RUNNER_SET, check_common_values, check_override_types,  # noqa: F401
-                        check_section_values, declared_parameters, parse_overrides, plan_parameters)
+from .env import REPO_ROOT, environment, kernel_set_records
+from .overrides import OUT_JSON, PARAMS, declared_parameters, parse_overrides, plan_parameters
 from .preflight import probe_engines
-from .profiles import get_profile
+from ..profiles import get_profile
 from .runfolder import ReceiptError, remove_stale_temporaries, run_folder, sigterm_as_interrupt
 from .sections import SECTIONS, section_of
 
@@ -89,7 +87,8 @@ def _execute(nb: str, src: Path, tmp: Path, params: dict, kernel_name: str, posi
     import papermill
 
     t0 = time.perf_counter()
-    entry = {"name": nb, "file": f"{nb}.ipynb", "parameters": sorted(params)}
+    names = set(params) - {PARAMS} | set(params.get(PARAMS) or {})   # a section notebook's mapping, opened
+    entry = {"name": nb, "file": f"{nb}.ipynb", "parameters": sorted(names)}
     print(f"[receipt] {position + ' ' if position else ''}running {nb} ...", file=sys.stderr, flush=True)
     try:
         papermill.execute_notebook(str(src), str(tmp / f"{nb}.ipynb"), parameters=params, kernel_name=kernel_name,
@@ -136,7 +135,7 @@ def _collect(tmp: Path, entries: list[dict], errors: list[dict]) -> dict:
 def _write_outputs(receipt: dict, tmp: Path, notebook_files: list[Path]) -> None:
     """Write receipt.md, receipt.html and receipt.json (with ``summary``: the markdown summary lines that open
     receipt.md); a rendering failure marks the receipt failed."""
-    from . import render
+    from . import page, render
 
     try:
         receipt["summary"] = render.render_summary(receipt)
@@ -144,7 +143,7 @@ def _write_outputs(receipt: dict, tmp: Path, notebook_files: list[Path]) -> None
         receipt["errors"].append(_error_entry("summary", exc))
         receipt["status"], receipt["summary"] = "failed", ""
     for name, fn in (("receipt.md", lambda: render.render_markdown(receipt)),
-                     ("receipt.html", lambda: render.render_html(receipt, notebook_files))):
+                     ("receipt.html", lambda: page.render_html(receipt, notebook_files))):
         try:
             text = fn()
         except Exception as exc:  # noqa: BLE001 -- never lose the receipt to a renderer bug
@@ -182,29 +181,33 @@ def precomputed_parameters(folder: Path | str, per_nb: dict[str, dict], env: dic
 
 
 def _check_precomputed_matches(folder: Path, per_nb: dict[str, dict]) -> None:
-    """Refuse to render sections under a profile they were not computed with: the bench section's recorded preset
-    and device type against the profile's, and a CUDA profile against an env.json that saw no CUDA device.
+    """Refuse to render sections under a profile they were not computed with: a section that records its settings
+    (``data.config``: the bench) against the profile's preset, device type and generated tokens (its typed
+    parameters' ``gen_tokens``), and a CUDA profile against an env.json that saw no CUDA device.
 
     Raises:
         ReceiptError: naming what the folder holds and what the profile says.
     """
-    want = next((p for p in per_nb.values() if "preset" in p and "device" in p), None)
+    given = {nb: p[PARAMS] if PARAMS in p else p for nb, p in per_nb.items()}
+    want = next((p for p in given.values() if "preset" in p and "device" in p), None)
     if want is None:
         return
     dev_type = str(want["device"]).split(":")[0]
-    bench = folder / "bench.json"
-    if bench.is_file():
-        config = (json.loads(bench.read_text(encoding="utf-8")).get("data") or {}).get("config") or {}
+    for nb, params in given.items():
+        file = folder / f"{section_of(nb)}.json"
+        config = (json.loads(file.read_text(encoding="utf-8")).get("data") or {}).get("config")
+        if not isinstance(config, dict) or not config:
+            continue
         got = (config.get("preset"), str(config.get("device", "")).split(":")[0])
-        if config and got != (want["preset"], dev_type):
-            raise ReceiptError(f"{bench} was computed with preset {got[0]!r} on {got[1]!r}, but this profile has "
+        if got != (want["preset"], dev_type):
+            raise ReceiptError(f"{file} was computed with preset {got[0]!r} on {got[1]!r}, but this profile has "
                                f"preset {want['preset']!r} on {dev_type!r}; render with the profile it was "
                                f"computed with (e.g. --profile gpu)")
-        nb = per_nb.get("50_bench", {})
-        gen = nb.get("bench_gen_tokens") or nb.get("gen_tokens")
-        if config and gen is not None and config.get("gen_tokens") not in (None, gen):
-            raise ReceiptError(f"{bench} was computed with {config['gen_tokens']} generated tokens, but the "
-                               f"parameters say {gen}; add --param bench_gen_tokens={config['gen_tokens']}")
+        gen = SECTIONS[section_of(nb)].typed(params).gen_tokens if PARAMS in per_nb[nb] else params.get("gen_tokens")
+        if gen is not None and config.get("gen_tokens") not in (None, gen):
+            raise ReceiptError(f"{file} was computed with {config['gen_tokens']} generated tokens, but the "
+                               f"parameters say {gen}; pass the generated tokens it was computed with "
+                               f"(--param bench_gen_tokens={config['gen_tokens']} for the bench)")
     env_file = folder / "env.json"
     if dev_type == "cuda" and env_file.is_file():
         if json.loads(env_file.read_text(encoding="utf-8")).get("cuda_available") is False:
@@ -274,9 +277,9 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
 
 
 def run_kinds(overrides: dict) -> set[str]:
-    """What a run computes on (sections.Section.runs_on): the engines given by ``engine`` and/or the dump set given
-    by ``dumps``, else our reference engine."""
-    kinds = {k for k, key in (("engines", "engine"), ("dumps", "dumps")) if overrides.get(key)}
+    """What a run computes on (sections.Section.runs_on): the kinds whose parameter (Section.selected_by: the engines
+    given by ``engine``, the dump set given by ``dumps``) the overrides set, else our reference engine."""
+    kinds = {s.runs_on for s in SECTIONS.values() if s.selected_by and overrides.get(s.selected_by)}
     return kinds or {"reference"}
 
 

@@ -9,7 +9,11 @@ slot-0 queries and tail mates are slot-1 queries (another stream's rows in the s
 
 The *plan* lists the cases in checking order (M ascending, then KV length T, then variant). A case feeds M tested
 rows under one *variant*: a segmentation (segment lengths summing to M; every segment is one prompt-kernel call)
-with, per call, a number of lead and tail mates.
+with, per call, a number of lead and tail mates. The *decode plan* (decode_plan) feeds the decode kernel itself
+blocks of DECODE_M rows, as batched decode and concurrent streams call it.
+
+Attention's sites are KV cache formats (inputs.KV_SITES): at site ``fp8`` make_pool stores the caches as fp8 codes
+and scales (``kv_dtype``). Pools of other routed experts, and offloaded ones: contract/alternatives.py.
 """
 from __future__ import annotations
 
@@ -20,11 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ...cache import FP8_MAX, quantize as kv_quantize
 from ...config import get_preset
 from ...kernels.registry import ClassNames, class_record, resolve
 from ...weights import synthetic_weights
 from ...kernels.quant import WEIGHT_FORMATS, QuantWeight
-from .inputs import QUANT_CLASSES, SITE_WEIGHTS, RandomInputs, sites_of
+from .inputs import KV_SITES, QUANT_CLASSES, SITE_WEIGHTS, RandomInputs, sites_of
 
 FULL_M: tuple[int, ...] = tuple(range(1, 131)) + (255, 256, 257, 511, 512, 513, 1024, 4097)
 SWEEPS = ("full", "quick")
@@ -37,6 +42,14 @@ BUCKETS = ((1, 1), (2, 6), (7, 63), (64, 64), (65, 127), (128, 130), (131, 257),
            (1025, 4097))
 CAPTURE_PROMPT = "docs"
 QUICK_MAX_KV = 1026   # quick sweep, attention: largest M and KV length T
+# The quick sweep feeds the sites that repeat another site's calls with one operand changed (attention's fp8 caches,
+# routing in groups) and offloaded experts only the cases up to a bound: site -> (Case field, largest value). The
+# fp8 bound still crosses the first 256-key KV block; the full sweep feeds every case everywhere.
+QUICK_BOUNDS = {"fp8": ("kv_len", 258), "grouped": ("M", 130), "offloaded": ("M", 130)}
+# Rows of one decode-kernel call besides M = 1: batched decode holds up to batch.BATCH_LIMIT (4) streams, the serve
+# scheduler up to engines/serve.py's MAX_BATCH (8) slots (tests/test_user_faults.py checks both fit; importing
+# them here would pull the paths and the HTTP server into the contract).
+DECODE_M = tuple(range(2, 9))
 
 
 @dataclass(frozen=True)
@@ -155,6 +168,20 @@ def plan(cls: str, sweep: str) -> list[Case]:
     return cases
 
 
+def fed(case: Case, site: str, sweep: str, offload: bool = False) -> bool:
+    """Whether ``case`` is fed at ``site`` (offloaded weights with ``offload``): always in the full sweep, within
+    QUICK_BOUNDS in the quick one."""
+    keys = [site] + (["offloaded"] if offload else [])
+    bounds = [QUICK_BOUNDS[k] for k in keys if k in QUICK_BOUNDS] if sweep == "quick" else []
+    return all((getattr(case, field) or 0) <= top for field, top in bounds)
+
+
+def decode_plan(cls: str, sweep: str) -> list[Case]:
+    """Cases feeding the decode kernel blocks of M in DECODE_M rows (batched decode, concurrent streams, serve's
+    decode steps): the plan's cases of those M, in its order. Raises ValueError on an unknown sweep."""
+    return [c for c in plan(cls, sweep) if c.M in DECODE_M]
+
+
 def bucket(M: int) -> str:
     """Label of the BUCKETS range holding M (``"other"`` if none)."""
     for a, b in BUCKETS:
@@ -189,6 +216,7 @@ class Pool:
     fixed: tuple
     arrange: object
     stage: object = None   # None, or stage(route) -> the fixed args fetched per call (ring.StagedWeights.fetch)
+    note: dict = dataclasses.field(default_factory=dict)   # the alternative: expert_id, kv_dtype (first mismatch)
 
     def args(self, idx: torch.Tensor, route: str = "sync") -> tuple:
         """Kernel arguments for pool rows ``idx`` [n] int64 (on the pool's device), in that order. With ``stage``
@@ -356,32 +384,36 @@ ADAPTED = ClassNames(lambda r: r.contract_inputs is not None)   # the classes wi
 OFFLOAD_CLASSES = ("expert_gate_up", "expert_down")   # the classes whose weights offload moves
 
 
-def offloaded(pool: Pool) -> Pool:
-    """``pool`` with its fixed weights in host memory, fetched for each call as offload fetches experts: through
-    the ring (behind a decoy) for prompt calls, synchronously for decode references (ring.StagedWeights).
+def kv_pool(pool: Pool, kv_dtype: str) -> Pool:
+    """An attention pool whose two-slot caches (fixed args k, v [2, n, Hkv, D]) are stored in ``kv_dtype``
+    (cache.KVFormat): fp8 codes and scales packed as uint8 [2, n, Hkv, D + 4], one scale per cache tensor
+    (amax / 448, as cache.calibrate) for ``fp8_e4m3``, one per row for ``fp8_e4m3_block``."""
+    if kv_dtype == "bf16":
+        return pool
 
-    Raises:
-        ValueError: ``pool`` is not of an OFFLOAD_CLASSES class.
-    """
-    if pool.cls not in OFFLOAD_CLASSES:
-        raise ValueError(f"offload moves the weights of {', '.join(OFFLOAD_CLASSES)} only, not {pool.cls!r}")
-    from ...ring import StagedWeights
-    return dataclasses.replace(pool, stage=StagedWeights(pool.fixed).fetch)
+    def store(t):
+        amax = float(t.float().abs().max())
+        scale = float(torch.tensor(amax / FP8_MAX, dtype=torch.float32)) if amax > 0 else 1.0
+        return kv_quantize(t, scale if kv_dtype == "fp8_e4m3" else None)
+    return dataclasses.replace(pool, fixed=tuple(store(t) for t in pool.fixed), note={"kv_dtype": kv_dtype})
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=512)
 def make_pool(cls: str, source: str, dtype: torch.dtype, device: str, preset: str = "tiny", site: str = "",
-              weights: str = "bf16", groups: tuple[int, int] | None = None) -> Pool:
+              weights: str = "bf16", groups: tuple[int, int] | None = None, kv_dtype: str | None = None) -> Pool:
     """The row pool of ``cls`` at call site ``site`` (class_sites; "" = the class's first site) from ``source``
     ("random" or "captured") in ``dtype`` on ``device``, shapes of ``preset`` (config.PRESETS; the CPU checks use
     "tiny"), projection weights in format ``weights`` (kernels.quant.WEIGHT_FORMATS; QUANT_CLASSES only) and the
     router routing in ``groups`` = (n_groups, topk_groups) when given (default: the preset's routing).
 
     Captured rows come from a forward of the preset (on weights of that format) over the ``docs`` prompt
-    (model.tapping): the calls at the site; random rows are seeded.
+    (model.tapping): the calls at the site; random rows are seeded. Attention: the caches stored in ``kv_dtype``
+    (one of the site's KV_SITES; None: the site's first; ``note`` names it), the rows and values those of site
+    ``bf16``. Other routed experts than expert 0: contract/alternatives.py.
     Raises:
         ValueError: unknown class (no builder), source, preset, site (listing the class's sites), weights format,
-            a quantized format for a class outside QUANT_CLASSES, groups that do not fit the preset.
+            a quantized format for a class outside QUANT_CLASSES, groups that do not fit the preset, a KV format
+            not of the site or for another class than attention.
     """
     names = class_sites(cls, preset, groups)
     if source not in SOURCES:
@@ -393,6 +425,23 @@ def make_pool(cls: str, source: str, dtype: torch.dtype, device: str, preset: st
     site = site or names[0]
     if site not in names:
         raise ValueError(f"unknown call site {site!r} of kernel class {cls!r}; known: {', '.join(names)}")
+    if cls == "attention":
+        return _kv_site_pool(source, dtype, device, preset, site, weights, groups, kv_dtype)
+    if kv_dtype is not None:
+        raise ValueError(f"kv_dtype={kv_dtype!r} is not allowed for class {cls!r}; allowed: None (attention only "
+                         "reads a KV cache)")
     if source == "captured":
         return _captured_pool(cls, dtype, device, preset, site, weights, groups)
     return _random_pool(cls, dtype, device, preset, site, weights, groups)
+
+
+def _kv_site_pool(source, dtype, device, preset, site, weights, groups, kv_dtype) -> Pool:
+    kv_dtype = kv_dtype or KV_SITES[site][0]
+    if kv_dtype not in KV_SITES[site]:
+        raise ValueError(f"KV format {kv_dtype!r} is not of attention site {site!r}; allowed: "
+                         f"{', '.join(KV_SITES[site])}")
+    if site != "bf16":   # the bf16 site's rows and caches, stored in the KV format
+        return kv_pool(make_pool("attention", source, dtype, device, preset, "bf16", weights, groups), kv_dtype)
+    make = _captured_pool if source == "captured" else _random_pool
+    return dataclasses.replace(make("attention", dtype, device, preset, site, weights, groups),
+                               note={"kv_dtype": "bf16"})

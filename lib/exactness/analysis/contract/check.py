@@ -11,13 +11,19 @@ projections, query-head and kv-head rows, every norm, routed and shared experts)
 one operand shape only is caught and the site named. Router outputs (weights, indices, logits) are all compared.
 With offload the expert classes are checked once more with their weights fetched per call as expert offload fetches
 them (prompt calls through the expert ring behind a decoy, decode references by a synchronous copy:
-contract_cases.offloaded), so "offload changes no byte" is a contract claim too. Quantized weights
+contract/alternatives.py: offloaded), so "offload changes no byte" is a contract claim too. Quantized weights
 (``contract_weights``: kernels/quant.py formats int4_g128, nvfp4) check the classes whose weights a format replaces
 (contract_inputs.QUANT_CLASSES: dense, expert_gate_up, expert_down) once more per format at every site, fed the
 site's weight quantized (random pools) or tapped from a forward on quantized weights (captured pools); their rows
 carry ``weights_format``. Grouped routing (the preset's n_groups > 1, or ``contract_router_groups``): the router is
-checked at sites ``topk`` and ``grouped`` (the groups passed to the kernel). Rendering: contract/report.py;
-coverage and merging of sections: contract/combine.py (both re-exported here).
+checked at sites ``topk`` and ``grouped`` (the groups passed to the kernel). Every call the forward makes: attention
+is checked at sites ``bf16`` and ``fp8`` (the caches as fp8 codes and scales, formats fp8_e4m3 and fp8_e4m3_block
+in turn); the expert kernels of a set whose options name ``expert_id_aware`` get ``expert_id=`` and every routed
+expert's weights in turn (contract/alternatives.py), as do offloaded experts, through one ring slot that holds
+another expert from call to call; the decode kernel is fed blocks of M > 1 rows too (contract_cases.decode_plan:
+batched decode, concurrent streams, serve's decode steps). The quick sweep feeds the fp8 and grouped sites and
+offloaded experts the cases within cases.QUICK_BOUNDS only. Rendering: contract/report.py;
+coverage and merging of sections: contract/combine.py.
 
 Results: one :class:`PairResult` per pair x set x device x dtype, a coverage table listing every class of
 KERNEL_CLASSES (a class the checker cannot feed is shown as uncovered, never left out), and the first mismatch of
@@ -34,17 +40,19 @@ import torch
 from ...exact import INT_VIEW, differing_rows, first_differing_row, ulp_distance
 from ...progress import bar as progress_bar
 from ...kernels import KERNEL_CLASSES, KERNEL_SETS, KernelSpec, get_set
-from ...receipt.params import ContractParams
-from .cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SOURCES, Case, bucket,
-                             check_sweep, class_sites, make_pool, offloaded, plan, ranges)
-from .combine import MERGE_SAME, coverage, merge_sections  # noqa: F401  (merge_sections: the section table's)
+from ...params import ContractParams
+from .alternatives import alternatives, offloaded
+from .cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SOURCES, Case, bucket, check_sweep,
+                    class_sites, decode_plan, fed, plan, ranges)
+from .combine import coverage
 from .inputs import QUANT_CLASSES
-from .report import (INTRO, coverage_frame, coverage_table, mismatch_frame, mismatch_table,  # noqa: F401
-                              offload_table, plot_heatmap, render_md, summary, summary_table, verdict_md)
-from ..hashes import resolve_device, resolve_dtype
+from ...checkpoint import resolve_device, resolve_dtype
 from ...weights import sharing_synthetic_weights
 
 OUTPUT_NAMES = {"router": ("weights", "idx", "logits")}
+# (site, source) pairs left out: attention's fp8 caches are fed random rows only (the captured ones are the bf16
+# run's keys, quantized: no call the random rows do not make), which keeps the fp8 formats' cost at half the bf16's.
+RANDOM_ONLY = {("fp8", "captured")}
 
 
 def value_ulps(a: float, b: float, dtype: torch.dtype) -> int | None:
@@ -75,11 +83,15 @@ class PairResult:
             the row), ulp and ulp_format (ULPs of the storage dtype, or of the output's dtype when it is not a
             widened storage value; None for integer outputs), prompt and decode values.
         buckets: M bucket -> [cases, mismatches]; seconds: wall time of the check.
-        weights: "resident", or "offloaded" (contract_cases.offloaded: prompt calls take the weights from the
+        weights: "resident", or "offloaded" (contract/alternatives.py offloaded: prompt calls take the weights from the
             expert ring, decode references from a synchronous fetch).
         weights_format: the projection weights fed: "bf16" (plain tensors of the run's dtype) or a quantized
             format (kernels/quant.py), also named in first_mismatch.
         router_groups: [n_groups, topk_groups] the router's ``grouped`` site passed, None without groups.
+        decode_m: row counts M (ranges) at which the decode kernel itself was fed blocks of rows (cases.decode_plan:
+            batched decode, concurrent streams), each row compared with its M = 1 reference; counted in cases,
+            mismatches, buckets and by_site, and apart in decode_rows ([rows, mismatching rows]); a first mismatch
+            there has role "decode".
     """
 
     cls: str
@@ -102,6 +114,8 @@ class PairResult:
     by_site: dict = field(default_factory=dict)
     weights_format: str = "bf16"
     router_groups: list | None = None
+    decode_m: str = ""
+    decode_rows: list = field(default_factory=lambda: [0, 0])
 
     def to_row(self) -> dict:
         """JSON row of the receipt's ``contract`` list (key ``class`` for cls)."""
@@ -117,14 +131,14 @@ class DecodeRefs:
     """Decode references of a pool's rows, each computed on first use: the decode kernel ``fn`` on that row alone
     (M = 1). ``get(start, M)`` returns one tensor [M, ...] per output for pool rows start..start+M-1."""
 
-    def __init__(self, fn, pool):
-        self.fn, self.pool = fn, pool
+    def __init__(self, fn, pool, kw: dict | None = None):
+        self.fn, self.pool, self.kw = fn, pool, kw or {}
         self.done = [False] * N_REAL
         self.refs: list[torch.Tensor] | None = None
         self.idx = torch.arange(N_REAL, device=pool.rows[0].device)   # row indices made once, not per row
 
     def _compute(self, i: int) -> None:
-        outs = _outputs(self.fn(*self.pool.args(self.idx[i:i + 1])))
+        outs = _outputs(self.fn(*self.pool.args(self.idx[i:i + 1]), **self.kw))
         if self.refs is None:
             self.refs = [torch.empty((N_REAL, *o.shape[1:]), dtype=o.dtype, device=o.device) for o in outs]
         for r, o in zip(self.refs, outs):
@@ -148,14 +162,15 @@ def call_layout(case: Case, segment: int) -> tuple[list[int], list[int], list[in
     return lead, list(range(first, first + v.segments[segment])), tail
 
 
-def prompt_rows(fn, pool, case: Case) -> list[torch.Tensor]:
-    """The prompt kernel's outputs for the case's M tested rows (segment calls concatenated), one per output."""
+def prompt_rows(fn, pool, case: Case, kw: dict | None = None, route: str = "ring") -> list[torch.Tensor]:
+    """The prompt kernel's outputs (or the decode kernel's, fetching offloaded weights by ``route`` "sync") for the
+    case's M tested rows (segment calls concatenated), one per output; ``kw``: the kernel's keyword arguments."""
     dev = pool.rows[0].device
     parts = []
     for j in range(len(case.variant.segments)):
         lead, real, tail = call_layout(case, j)
         idx = torch.tensor(lead + real + tail, dtype=torch.int64).to(dev, non_blocking=True)   # no wait for the GPU
-        outs = _outputs(fn(*pool.args(idx, "ring")))
+        outs = _outputs(fn(*pool.args(idx, route), **(kw or {})))
         parts.append([o[len(lead):len(lead) + len(real)] for o in outs])
     return [torch.cat(p) for p in zip(*parts)]
 
@@ -194,10 +209,15 @@ def _ulp_format(out_dtype: torch.dtype, run_dtype: torch.dtype, a: float, b: flo
     return out_dtype
 
 
+def _kw(pool, expert_ids: bool) -> dict:
+    """The kernel's keyword arguments for ``pool``: ``expert_id`` (pool.note) for an expert-id-aware set."""
+    return {"expert_id": pool.note["expert_id"]} if expert_ids and "expert_id" in pool.note else {}
+
+
 def _check_case(res: PairResult, prompt_fn, pool, refs: DecodeRefs, case: Case, source: str, dtype,
-                site: str = "") -> None:
+                site: str = "", role: str = "prompt") -> None:
     dev = pool.rows[0].device
-    got = prompt_rows(prompt_fn, pool, case)
+    got = prompt_rows(prompt_fn, pool, case, refs.kw, "ring" if role == "prompt" else "sync")
     ref = refs.get(case.start, case.M)
     bad = torch.zeros(case.M, dtype=torch.bool, device=dev)
     for g, r in zip(got, ref):
@@ -208,12 +228,12 @@ def _check_case(res: PairResult, prompt_fn, pool, refs: DecodeRefs, case: Case, 
     b[1] += n_bad
     res.cases += case.M
     res.mismatches += n_bad
-    s = res.by_site.setdefault(site, [0, 0])
-    s[0] += case.M
-    s[1] += n_bad
+    for s in [res.by_site.setdefault(site, [0, 0])] + ([res.decode_rows] if role == "decode" else []):
+        s[0] += case.M
+        s[1] += n_bad
     if n_bad and res.first_mismatch is None:
         res.first_mismatch = _locate(case, source, got, ref, bad, res.cls, dtype, site)
-        res.first_mismatch["weights_format"] = res.weights_format
+        res.first_mismatch.update(weights_format=res.weights_format, role=role, **pool.note)
 
 
 def _set_of(spec: KernelSpec) -> str:
@@ -232,9 +252,13 @@ def _kv_summary(cases: list[Case]) -> str:
 def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "cpu", dtype: str = "bfloat16",
                sweep: str = "full", set_name: str | None = None, sources=SOURCES,
                stop_at_first: bool = False, preset: str = "tiny", offload: bool = False,
-               progress=None, weights: str = "bf16", groups=None) -> PairResult:
+               progress=None, weights: str = "bf16", groups=None, expert_ids: bool = False) -> PairResult:
     """Check one pair on every case of ``plan(cls, sweep)``, at every call site of the class (class_sites; with
-    ``offload`` the routed experts only: offload does not move the shared expert) and every input source.
+    ``offload`` the routed experts only: offload does not move the shared expert) and every input source; then
+    the decode kernel itself on the cases of ``decode_plan`` (blocks of M > 1 decode rows). Where a site has
+    alternatives (contract/alternatives.py: attention's fp8 KV formats; with ``expert_ids`` or ``offload`` every
+    routed expert, offloaded through one ring slot) a case of M rows and KV length T takes alternative
+    (M + floor(T / 2)) mod their count (T = 0 outside attention: the cases of one M share an expert).
 
     Args:
         prompt_spec, decode_spec: a prompt kernel and the decode kernel it replaces (same class).
@@ -244,10 +268,12 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
         stop_at_first: stop after the case holding the first mismatch (cases and mismatches then count only
             the cases run; m_ranges still describes the whole plan).
         preset: model preset whose shapes (and weights) the inputs use.
-        offload: fetch the weights per call as expert offload does (contract_cases.offloaded).
+        offload: fetch the weights per call as expert offload does (contract/alternatives.py: offloaded).
         progress: a tqdm bar advanced by one per case (all its input sources).
         weights: projection weights format (kernels.quant.WEIGHT_FORMATS; quantized ones for QUANT_CLASSES only).
         groups: (n_groups, topk_groups) for the router's grouped site; None = the preset's routing.
+        expert_ids: pass each expert kernel call ``expert_id=`` (the routed expert's id, -1 for the shared
+            expert), as the forward does for a set whose options name ``expert_id_aware``.
     Raises:
         ValueError: mismatched pair, a class with no input builder, unknown device/dtype/sweep/source, offload
             of a class whose weights offload does not move or of quantized weights, a weights format the class
@@ -262,7 +288,7 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
     groups = None if groups is None else (int(groups[0]), int(groups[1]))   # hashable: the pools are cached
     dev, dt = str(resolve_device(device)), resolve_dtype(dtype)
     cls = prompt_spec.cls
-    cases = plan(cls, sweep)
+    cases, dcases = plan(cls, sweep), decode_plan(cls, sweep)
     sites = class_sites(cls, preset, groups)
     sites = ("routed",) if offload and "routed" in sites else sites
     res = PairResult(cls, prompt_spec.name, decode_spec.name, set_name or _set_of(prompt_spec), dev, dtype,
@@ -270,17 +296,21 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
                      kv_lengths=_kv_summary(cases) if cls == "attention" else "",
                      inputs=",".join(sources), preset=preset, weights="offloaded" if offload else "resident",
                      sites=",".join(sites), weights_format=weights,
-                     router_groups=list(groups) if groups and "grouped" in sites else None)
+                     router_groups=list(groups) if groups and "grouped" in sites else None,
+                     decode_m=ranges(c.M for c in dcases))
     t0 = time.perf_counter()
     with torch.no_grad():
-        keys = [(site, s) for site in sites for s in sources]
-        pools = {k: make_pool(cls, k[1], dt, dev, preset, k[0], weights, groups) for k in keys}
+        keys = [(site, s) for site in sites for s in sources if (site, s) not in RANDOM_ONLY]
+        pools = {k: alternatives(cls, k[1], dt, dev, preset, k[0], weights, groups, expert_ids or offload)
+                 for k in keys}
         pools = {k: offloaded(p) for k, p in pools.items()} if offload else pools
-        refs = {k: DecodeRefs(decode_spec.fn, pools[k]) for k in keys}
-        for case in cases:
-            for k in keys:
-                _check_case(res, prompt_spec.fn, pools[k], refs[k], case, k[1], dt, k[0])
-            if progress is not None:
+        refs = {k: [DecodeRefs(decode_spec.fn, p, _kw(p, expert_ids)) for p in ps] for k, ps in pools.items()}
+        runs = [(prompt_spec.fn, "prompt", cases), (decode_spec.fn, "decode", dcases)]
+        for fn, role, case in ((fn, role, c) for fn, role, cs in runs for c in cs):
+            for k in (k for k in keys if fed(case, k[0], sweep, offload)):   # one M (and T): one alternative
+                j = (case.M + (case.kv_len or 0) // 2) % len(pools[k])
+                _check_case(res, fn, pools[k][j], refs[k][j], case, k[1], dt, k[0], role)
+            if progress is not None and role == "prompt":
                 progress.update(1)
             if stop_at_first and res.first_mismatch is not None:
                 break
@@ -330,7 +360,8 @@ def check_set(set_name: str, device: str = "cpu", dtypes=("bfloat16", "float32")
                 progress.set_postfix_str(f"{ks.name} {d} {p.cls}{what}", refresh=False)
             out.append(check_pair(p, dec, device, d, sweep, ks.name, preset=preset, offload=offload,
                                   progress=progress, weights=weights,
-                                  groups=groups if p.cls == "router" else None))   # the router's variant
+                                  groups=groups if p.cls == "router" else None,   # the router's variant
+                                  expert_ids=bool(ks.options.get("expert_id_aware"))))
     return out
 
 
@@ -346,10 +377,11 @@ def run_section(params: ContractParams | dict) -> dict:
     (default: every class), contract_offload (default True: the OFFLOAD_CLASSES checked once more with their
     weights fetched as expert offload does, into ``offload_rows``), contract_weights (weights formats, default
     ["bf16"]; each quantized one checks the QUANT_CLASSES once more on weights of that format, rows with
-    ``weights_format``), contract_router_groups ([n_groups, topk_groups]: the router also checked routing in
-    groups; default the preset's routing). Returns ``{"section": "contract", "sweep", "control_sweep", "preset",
-    "weights_formats", "router_groups", "rows": [PairResult.to_row()...], "offload_rows": [...], "coverage": [...],
-    "uncovered": [...]}``. Raises ValueError on an unknown set/device/dtype/sweep/class/weights format.
+    ``weights_format``), contract_router_groups
+    ([n_groups, topk_groups]: the router also checked routing in groups; default the preset's routing); the KV
+    formats are all checked whatever ``kv_dtype`` (attention's sites). Returns ``{"section": "contract", "sweep",
+    "control_sweep", "preset", "weights_formats", "router_groups", "rows": [PairResult.to_row()...],
+    "offload_rows": [...], "coverage": [...], "uncovered": [...]}``. Raises ValueError on an unknown set/device/dtype/sweep/class/weights format.
     """
     p = ContractParams.from_dict(params)
     sets = [get_set(s).name for s in (p.kernel_sets or list(KERNEL_SETS))]   # references resolved to set names

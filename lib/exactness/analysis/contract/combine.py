@@ -1,9 +1,9 @@
 """Coverage of contract rows (every kernel class x set x dtype, and the quantized-weights classes per format) and
-the merge of contract sections computed in separate calls. Re-exported by contract/check.py."""
+the merge of contract sections computed in separate calls."""
 from __future__ import annotations
 
 from ...kernels import KERNEL_CLASSES, KERNEL_SETS
-from ...receipt.sections import join_provenance
+from ..merge import join_provenance
 from .cases import ADAPTED
 from .inputs import QUANT_CLASSES
 

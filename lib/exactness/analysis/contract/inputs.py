@@ -16,7 +16,8 @@ pass it); a site without a weight (RoPE) is picked by its order among the class'
 classes whose weights weights.quantize_weights replaces) feed the site's weight quantized (kernels/quant.py:
 ``quantize`` of the weight rounded to the pool dtype), as a QuantWeight. *Grouped routing.* With ``inp.cfg``
 routing in groups (ModelConfig.router_groups) the router has two sites: ``topk`` (plain top-k) and ``grouped``
-(the groups passed as the kernel's fifth argument).
+(the groups passed as the kernel's fifth argument). *KV formats.* Attention's sites are the cache formats
+(:data:`KV_SITES`): ``bf16`` (the storage dtype) and ``fp8`` (codes and scales, cache.KVFormat).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ import torch
 from ...kernels.quant import quantize
 
 QUANT_CLASSES = ("dense", "expert_gate_up", "expert_down")   # classes whose weights a weights format replaces
+# attention's call sites: the KV cache formats (cache.KV_DTYPES) fed, plain rows or fp8 codes and scales
+KV_SITES = {"bf16": ("bf16",), "fp8": ("fp8_e4m3", "fp8_e4m3_block")}
 
 @dataclass(frozen=True)
 class RandomInputs:
@@ -149,8 +152,10 @@ def moe_combine(inp: RandomInputs):
     return inp.cast(inp.randn(n, k, H), wts, inp.randn(n, H)), ()
 
 
+@sites(tuple(KV_SITES))
 def attention(inp: RandomInputs):
-    """q rows [n, Hq, D], slot and position per row; fixed two-slot caches (contract_cases module docstring)."""
+    """q rows [n, Hq, D], slot and position per row; fixed two-slot caches (contract_cases module docstring) in the
+    storage dtype (site ``bf16``; cases.kv_pool stores them in an fp8 format for site ``fp8``)."""
     cfg, n, g = inp.cfg, inp.n, inp.gen
     kc, vc = inp.randn(2, n, cfg.n_kv_heads, cfg.head_dim), inp.randn(2, n, cfg.n_kv_heads, cfg.head_dim)
     pos = torch.cat([torch.arange(inp.n_real), torch.randint(0, n, (2 * inp.n_mates,), generator=g)])

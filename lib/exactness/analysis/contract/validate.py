@@ -1,6 +1,7 @@
 """A kernel set called once per kernel on tiny inputs before a run uses it: every class's decode and prompt kernel
-on the contract's random row builders (cases.make_pool, preset ``tiny``, bfloat16, two rows), so a wrong signature or
-a kernel that raises is one line naming the set, class and role, not a traceback at the first forward."""
+on the contract's random row builders (cases.make_pool, preset ``tiny``, bfloat16, two rows; attention on a bf16 and
+an fp8 KV cache, as the contract calls it), so a wrong signature or a kernel that raises is one line naming the set,
+class and role, not a traceback at the first forward."""
 from __future__ import annotations
 
 import torch
@@ -29,13 +30,15 @@ def validate_set(ks: KernelSet, device: str | None = None, where: str = "") -> N
     for cls in KERNEL_CLASSES:
         if resolve(KERNEL_CLASS_RECORDS[cls].contract_inputs) is None:
             continue
-        pool = make_pool(cls, "random", torch.bfloat16, dev)
         kw = {"expert_id": 0} if ks.options.get("expert_id_aware") and cls.startswith("expert_") else {}
-        for role in ("decode", "prompt"):
-            try:
-                ks.fn(cls, role)(*pool.args(torch.arange(2, device=dev)), **kw)
-            except Exception as e:  # noqa: BLE001  (the reason, in one line)
-                raise ValueError(f"kernel set {ks.name!r}" + (f" ({where})" if where else "") + f", class {cls!r}, "
-                                 f"{role} kernel fails on tiny inputs (preset tiny, 2 rows, {dev}): {one_line(e)}"
-                                 ) from None
+        for site, kv in ((("bf16", "bf16"), ("fp8", "fp8_e4m3")) if cls == "attention" else (("", None),)):
+            pool = make_pool(cls, "random", torch.bfloat16, dev, site=site, kv_dtype=kv)
+            what = f", {kv} KV cache" if kv else ""
+            for role in ("decode", "prompt"):
+                try:
+                    ks.fn(cls, role)(*pool.args(torch.arange(2, device=dev)), **kw)
+                except Exception as e:  # noqa: BLE001  (the reason, in one line)
+                    raise ValueError(f"kernel set {ks.name!r}" + (f" ({where})" if where else "") + f", class "
+                                     f"{cls!r}, {role} kernel fails on tiny inputs (preset tiny, 2 rows{what}, "
+                                     f"{dev}): {one_line(e)}") from None
     _VALIDATED.add((ks.name, dev))

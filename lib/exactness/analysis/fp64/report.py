@@ -4,11 +4,14 @@ Two tables (tables.Table, the notebook displays them and ``render_md`` prints th
 columns a reviewer needs (every statistic stays in receipt.json): captured activations, one line per (class, kernel
 set, K) with the paths side by side; synthetic input sets, one line per (class, input set, dtype, K) with the kernel
 sets side by side. Plots (matplotlib, for notebooks/30_fp64_per_class.ipynb): ULP histograms per class, eta against
-the reduction length K with the gamma_K line (log-log), and max error per layer.
+the reduction length K with the gamma_K line (log-log), and max error per layer. ``render_calls_md``: the FP64 of
+recorded calls (calls.py).
 """
 from __future__ import annotations
 
-from ...receipt.tables import Table, md_escape
+from tabulate import tabulate
+
+from ...tables import DASH, Table, md_escape
 
 GEMM_CLASSES = ("dense", "router", "expert_down", "lm_head")
 VERDICT_WORD = {"exact": "exact", "within bound": "within", "outside bound": "OUTSIDE", "uncertified": "UNCERTIFIED"}
@@ -200,6 +203,23 @@ def render_md(section: dict) -> str:
     if notes:
         out += ["", "#### Rows outside bound", ""] + notes
     return "\n".join(out) + "\n"
+
+
+def render_calls_md(obj: dict) -> str:
+    """Markdown of an FP64 of recorded calls (calls.fp64_of_calls): one row per class (errors, bound use, worst
+    element) and the skipped classes with their reasons."""
+    hdr = ["class", "rows", "elements", "eta max (u)", "bound use", "over bound", "ULP max vs RN", "worst at"]
+    body = [[r["class"], r["rows"], r["elements"], f"{r['eta_max_u']:.4g}", f"{r['bound_use']:.3g}",
+             r["over_bound"], r["ulp_max"], f"call {r['worst']['call']} ({r['worst']['role']} {r['worst']['site']}, "
+             f"pos {r['worst']['pos']}, element {r['worst']['element']})"] for r in obj["rows"]]
+    out = [f"## Dump FP64 errors: {obj['engine']['name']}", "",
+           "Per class, the dumped outputs against an FP64 reference on the call's own inputs (analysis/fp64/ref.py): "
+           "eta = |yhat - y| / A in units of u = 2^-24; bound use = the smallest pre-rounding error over the class "
+           "bound (<= 1: within bound; the bound models this suite's documented kernel semantics).", "",
+           tabulate(body, headers=hdr, tablefmt="github", disable_numparse=True)]
+    if obj["skipped"]:
+        out += ["", "Not evaluated: " + "; ".join(f"{s['class']} ({s['reason']})" for s in obj["skipped"])]
+    return "\n".join(out) if obj["rows"] or obj["skipped"] else f"_{DASH} no class with an FP64 evaluator._"
 
 
 # ---------------------------------------------------------------------------------------------------- plots

@@ -43,23 +43,21 @@ from ...config import get_preset
 from ...exact import as_int, ulp_distance
 from ...kernels import get_set, set_names
 from ...kernels.registry import ClassNames
-from ...model import tapping
-from ...receipt.params import Fp64Params
-from ...paths import PATHS, Schedule, generate
+from ...engines.reference import ReferenceEngine
+from ...params import Fp64Params
 from ...progress import bar as progress_bar
 from ...prompt_files import build_prompts, prompt_record
 from ...weights import synthetic_weights
 from . import synth
 from .cert import certify
 from .ref import CERT_MAX_ULPS, evaluate, gamma
-from .report import (INTRO, LEGEND, captured_table, meta_md, notes_md, render_md,  # noqa: F401  (views)
-                          synthetic_table, verdict_md)
-from ..hashes import resolve_device
+from ...checkpoint import resolve_device
 from ..taps import TapRecorder
 from ..ulp import U_ACC, distance_to_rounding_interval, round_to, unit_roundoff
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CLASSES = ClassNames(lambda r: r.fp64 is not None)   # the classes with an FP64 evaluator, in class order
+PATHS = ReferenceEngine.PATHS
 HIST_EDGES = (0, 1, 2, 3, 4, 8, 16, 64)  # ULP histogram bins [e_i, e_{i+1}), the last open
 
 
@@ -200,17 +198,19 @@ def capture_plan(p: Fp64Params, extra_positions=()) -> dict:
             "positions": positions, "extra": extra}
 
 
-def capture(w, plan: dict, kernel_sets, deep_threshold: int) -> tuple[TapRecorder, dict]:
-    """Run every path of every kernel set on the plan's prompt (one generated token) under the tap recorder.
+def capture(w, plan: dict, kernel_sets, deep_threshold: int, kv_dtype: str = "bf16") -> tuple[TapRecorder, dict]:
+    """Run every path of every kernel set on the plan's prompt (one generated token, our engine on ``w`` with a
+    ``kv_dtype`` KV cache) under the tap recorder.
 
     Returns the recorder and path -> seconds of the tapped run.
     """
     rec, secs = TapRecorder(plan["positions"], w), {}
     for ks in kernel_sets:
+        engine = ReferenceEngine(w, None, ks, deep_threshold=deep_threshold, kv_dtype=kv_dtype)
         for path in PATHS:
             t0 = time.perf_counter()
-            with rec.run(path), tapping(rec):
-                generate(w, plan["ids"], 1, ks, Schedule(path, plan["step"], deep_threshold))
+            with rec.run(path), engine.tapping(rec):
+                engine.run(plan["ids"], 1, engine.configuration(path, plan["step"]))
             secs[f"{ks}/{path}"] = time.perf_counter() - t0
     return rec, secs
 

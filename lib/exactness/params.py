@@ -7,8 +7,9 @@ line, the receipt runner (both build it from the merged parameters) or a noteboo
 through :meth:`Common.from_dict`).
 
 The section table (sections.SECTIONS) names each section's class; the parameter names a section accepts anywhere
-are its class's fields. The engines section's class is in params_engines.py. This module imports no analysis (the analyses import it); the checks that need a model
-module import it when they run, so that importing this module stays cheap.
+are its class's fields. The engines section's class is in params_engines.py. This module imports no analysis (the
+analyses import it); the checks that need a model module import it when they run, so that importing this module
+stays cheap.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import os
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar
+
+from .profiles import PROFILES
 
 
 class ParamError(ValueError):
@@ -55,16 +58,16 @@ def check_common(values: dict) -> None:
     Raises:
         ParamError: ``parameter <name>=<value> is not allowed; allowed: <what is>``.
     """
-    from ..cache import KV_DTYPES
-    from ..config import PRESETS
-    from ..kernels import KERNEL_SETS
-    from ..kernels.quant import WEIGHT_FORMATS
-    from ..prompts import PROMPTS
+    from .cache import KV_DTYPES
+    from .config import PRESETS
+    from .kernels import KERNEL_SETS
+    from .kernels.quant import WEIGHT_FORMATS
+    from .prompts import PROMPTS
 
     def bad(key, allowed):
         raise ParamError(f"parameter {key}={values[key]!r} is not allowed; allowed: {allowed}")
     if values.get("preset") is not None and not values.get("checkpoint") and values["preset"] not in PRESETS:
-        bad("preset", ", ".join(sorted(PRESETS)))
+        _check_user_preset(values["preset"], PRESETS, bad)
     if values.get("dtype") is not None and values["dtype"] not in ("bfloat16", "float32"):
         bad("dtype", "bfloat16, float32")
     if values.get("device") is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(values["device"])):
@@ -85,6 +88,19 @@ def check_common(values: dict) -> None:
         bad("weights", ", ".join(WEIGHT_FORMATS))
     if values.get("kv_dtype") is not None and values["kv_dtype"] not in KV_DTYPES:
         bad("kv_dtype", ", ".join(KV_DTYPES))
+
+
+def _check_user_preset(ref, known, bad) -> None:
+    """A preset that is not a built-in name: a ``package.module:ATTR`` reference that resolves (config.import_preset
+    imports it and registers it under its name)."""
+    from .config import PRESET_REFERENCE, import_preset
+
+    if not isinstance(ref, str) or ":" not in ref:
+        bad("preset", f"{', '.join(sorted(known))}, or {PRESET_REFERENCE}")
+    try:
+        import_preset(ref)
+    except ValueError as e:
+        raise ParamError(f"parameter preset={ref!r} is not allowed: {e}") from None
 
 
 def _absolute_engines(values: dict) -> None:
@@ -109,7 +125,7 @@ def _check_prompts(values: dict, known, bad) -> None:
     """prompts: a non-empty list of built-in names and .txt/.jsonl prompt files, every file readable and well formed
     and every name unique (prompt_files.resolve). File paths are made absolute in ``values`` (notebooks run in
     their own folder)."""
-    from ..prompt_files import PromptFileError, absolute_entries, resolve
+    from .prompt_files import PromptFileError, absolute_entries, resolve
 
     entries = values["prompts"]
     if not isinstance(entries, (list, tuple)) or not entries or not all(isinstance(v, str) for v in entries):
@@ -132,8 +148,8 @@ def _check_kernel_sets(values: dict, known, bad) -> None:
                "or a function returning one")
     if not isinstance(sets, (list, tuple)) or not sets or not all(isinstance(v, str) for v in sets):
         bad("kernel_sets", allowed)
-    from ..analysis.contract.validate import validate_set
-    from ..kernels import import_set, set_names
+    from .analysis.contract.validate import validate_set
+    from .kernels import import_set, set_names
     device = "cpu" if values.get("device") == "cpu" else None   # validated where the run computes (None: CUDA if any)
     for v in (v for v in sets if ":" in v):
         try:
@@ -146,6 +162,9 @@ def _check_kernel_sets(values: dict, known, bad) -> None:
         set_names(sets)
     except ValueError as e:
         raise ParamError(f"parameter kernel_sets: {e}") from None
+
+
+PARAMS_CLASSES: list[type] = []   # every section's parameters class (Common's subclasses), in definition order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,12 +189,24 @@ class Common:
     weights: str = "bf16"
     kv_dtype: str = "bf16"
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        PARAMS_CLASSES.append(cls)
+
     def __post_init__(self) -> None:
         missing = [k for k in self.NEEDS if getattr(self, k) is None]
         if missing:
             raise ParamError(f"{self.SECTION} section parameter(s) {', '.join(map(repr, missing))} missing; profile "
                              "fields are required")
         check_common({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    def check_lengths(self, max_positions: int, model: str = "the model") -> None:
+        """Refuse a length of the section's own that passes ``max_positions`` (none here; the bench's cold
+        prefills have one). Raises ParamError."""
+
+    def values(self) -> dict:
+        """Every field and its value (the run's parameters as the section reads them)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def own_names(cls) -> tuple[str, ...]:
@@ -221,7 +252,7 @@ def check_offload_paths(paths) -> list[str]:
     Raises:
         ValueError: anything else (names the bad value and the allowed ones).
     """
-    from ..paths import PATHS
+    from .paths import PATHS
 
     if (not isinstance(paths, (list, tuple)) or not paths or any(p not in PATHS for p in paths)):
         raise ParamError(f"hash_offload_paths must be a non-empty list drawn from {list(PATHS)}, got {paths!r}")
@@ -263,7 +294,7 @@ class HashesParams(Common):
                 positive_int(s) for s in self.hash_sweep_steps):
             raise ParamError(f"hash_sweep_steps must be a list of positive ints (tokens), got {self.hash_sweep_steps!r}")
         at_least("hash_sweep_tokens", self.hash_sweep_tokens, 2)
-        from ..prompts import PROMPTS
+        from .prompts import PROMPTS
         if self.hash_sweep_prompt not in PROMPTS:
             raise ParamError(f"hash_sweep_prompt {self.hash_sweep_prompt!r} is not a prompt; allowed: "
                              f"{', '.join(PROMPTS)}")
@@ -295,7 +326,7 @@ class ContractParams(Common):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from ..kernels.quant import WEIGHT_FORMATS
+        from .kernels.quant import WEIGHT_FORMATS
 
         w = self.contract_weights
         if (not isinstance(w, (list, tuple)) or not w or any(f not in WEIGHT_FORMATS for f in w)
@@ -308,7 +339,7 @@ class ContractParams(Common):
         if not isinstance(g, (list, tuple)) or len(g) != 2 or not all(positive_int(v) for v in g):
             raise ParamError(f"contract_router_groups={g!r} is not allowed; allowed: null (the preset's routing) "
                              "or [n_groups, topk_groups], two positive ints")
-        from ..config import get_preset
+        from .config import get_preset
         try:
             get_preset(self.preset).replace(n_groups=g[0], topk_groups=g[1])
         except ValueError as e:
@@ -339,7 +370,7 @@ class Fp64Params(Common):
         super().__post_init__()
         if int(self.fp64_rows) < 1 or int(self.fp64_cert) < 1:
             raise ParamError(f"fp64_rows and fp64_cert must be >= 1, got {self.fp64_rows}, {self.fp64_cert}")
-        from ..kernels.quant import WEIGHT_FORMATS
+        from .kernels.quant import WEIGHT_FORMATS
 
         w = self.fp64_weights
         if w is not None and (not isinstance(w, (list, tuple)) or not w or len(set(w)) != len(w)
@@ -372,9 +403,9 @@ class StreamsParams(Common):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from ..batch import BATCH_LIMIT, check_streams
-        from ..mtp import check_k
-        from ..prompt_cache import PromptCache
+        from .batch import BATCH_LIMIT, check_streams
+        from .mtp import check_k
+        from .prompt_cache import PromptCache
 
         check_k(self.mtp_k)
         for n in self.stream_counts:
@@ -409,7 +440,7 @@ class BenchParams(Common):
     allow_unpinned: bool = False
 
     def __post_init__(self) -> None:
-        from ..paths import PATHS
+        from .paths import PATHS
 
         if self.bench_gen_tokens is not None:
             object.__setattr__(self, "gen_tokens", self.bench_gen_tokens)
@@ -445,8 +476,9 @@ class BenchParams(Common):
 
 @dataclass(frozen=True, kw_only=True)
 class DumpsParams(Common):
-    """Tensor dumps of an engine (dumps/section.py): ``dumps`` is the dump set's folder (docs/dumps.md; "" = none
-    given, which the section refuses when it runs), ``dumps_fp64`` adds the FP64 per-class error to the contract."""
+    """Tensor dumps of an engine (analysis/dumps_section.py): ``dumps`` is the dump set's folder (docs/dumps.md;
+    "" = none given, which the section refuses when it runs), ``dumps_fp64`` adds the FP64 per-class error to the
+    contract."""
 
     SECTION: ClassVar[str] = "dumps"
     NEEDS: ClassVar[tuple[str, ...]] = ()
@@ -466,6 +498,7 @@ class DumpsParams(Common):
 
 
 def known_names() -> set[str]:
-    """Every parameter name some section takes."""
-    from .sections import SECTIONS  # the table names each section's class (sections.py imports this module)
-    return {f.name for s in SECTIONS.values() for f in dataclasses.fields(s.params_class)}
+    """Every parameter name some section takes: the fields of every parameters class defined (sections.py imports
+    each section's class) and every name a profile sets (a profile's dict holds every section's values)."""
+    return ({f.name for cls in PARAMS_CLASSES for f in dataclasses.fields(cls)}
+            | {k for prof in PROFILES.values() for k in prof.parameters()})

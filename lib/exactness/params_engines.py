@@ -48,7 +48,7 @@ class EnginesParams(Common):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from ..engines import parse_spec
+        from .engines import parse_spec
 
         if isinstance(self.engine, str):
             object.__setattr__(self, "engine", self.engine.split())
@@ -74,7 +74,7 @@ class EnginesParams(Common):
     def _check_repeat(self) -> None:
         """The repeat test's parameters (analysis/repeat.py): N >= 0, levels and tokens positive, a prompt of the
         run, configuration names as strings, only local servers loaded."""
-        from ..prompts import PROMPTS
+        from .prompts import PROMPTS
         at_least("engine_repeat", self.engine_repeat, 0)
         at_least("engine_repeat_tokens", self.engine_repeat_tokens)
         check_bool("engine_repeat_only", self.engine_repeat_only)
@@ -117,7 +117,7 @@ def check_local(url: str, where: str) -> None:
 
 def _local_servers(specs: list[str]) -> None:
     """check_local on every openai spec's target or configured base_url (launched servers are local)."""
-    from ..engines import parse_spec
+    from .engines import parse_spec
     for spec in specs:
         kind, target, options = parse_spec(spec)
         confs = options.get("configurations")

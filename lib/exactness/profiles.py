@@ -69,7 +69,7 @@ class Profile:
 # Step sizes on both sides of the 64-row tile and of 128: a fault that shows only at some call sizes shows here.
 SWEEP = (63, 64, 65, 127, 128, 129)
 # The engine features in the kernel contract and the FP64 section (standard and full; the ci profile keeps its
-# contract and FP64 at bf16 weights and the preset's routing, and runs the features in the hash matrix only).
+# contract and FP64 at bf16 weights and runs the features in the hash matrix only; grouped routing is a control).
 FEATURES = (("contract_weights", ("bf16", "int4_g128", "nvfp4")), ("contract_router_groups", (4, 1)),
             ("fp64_weights", ("bf16", "int4_g128", "nvfp4")))
 # The engines section's repeat test on the CPU profiles: one prompt 24 times, alone and 8 in flight, 16 tokens each.
@@ -83,7 +83,8 @@ PROFILES: dict[str, Profile] = {
                          ("stream_counts", (1, 2, 4)),
                          ("bench_step", 128), ("bench_reps", 2), ("bench_itl_reps", 2),
                          ("bench_cold_lengths", (128, 256)), ("hash_sweep_steps", SWEEP),
-                         ("hash_fp32_control", True), ("hash_features", True)) + REPEAT_SMALL),
+                         ("hash_fp32_control", True), ("hash_features", True), ("contract_router_groups", (4, 1))
+                         ) + REPEAT_SMALL),
     "standard": Profile(name="standard", preset="tiny", device="cpu", dtype="bfloat16",
                         prompts=("short", "code", "docs"), prompt_max_tokens=1024, steps=(256, 200), gen_tokens=64,
                         deep_threshold=128, kernel_sets=("fast", "invariant"),

@@ -1,25 +1,25 @@
-"""FP64 reference error of a dump set's outputs, per kernel class, with the suite's evaluators
-(analysis/fp64/ref.py): every dumped row becomes a taps.Sample built from the call's own inputs, weights and
-outputs, so the error is the kernel's on exactly the inputs it was given.
+"""FP64 reference error of recorded calls (a source of kernel calls, analysis/calls.py: a dump set of any engine, ours
+included), per kernel class, with the suite's evaluators (ref.py): every recorded row becomes a taps.Sample built from
+the call's own inputs, weights and outputs, so the error is the kernel's on exactly the inputs it was given.
 
 Per class: elements evaluated, eta_max_u (max |yhat - y| / A in units of 2^-24), bound_use (max over elements of
 the distance from y to the reals rounding to yhat, divided by the class bound beta: <= 1 is within bound), the
 number of elements over their bound, the ULP distance to the correctly rounded reference (max), and the worst
 element's location (call, role, site, position, element). The tensor names the evaluators need are the ones
 docs/dumps.md recommends per class; a class whose calls lack them is listed under ``skipped`` with the reason.
+report.render_calls_md renders the result.
 """
 from __future__ import annotations
 
 import torch
-from tabulate import tabulate
 
-from ..analysis.fp64.section import error_stats
-from ..analysis.fp64.ref import FP64_CLASSES, evaluate
-from ..analysis.taps import Sample
-from ..exact import bytes_equal
-from ..progress import bar as progress_bar
-from ..receipt.tables import DASH
-from .reader import Call, DumpSet, read_dump
+from ...dumps.reader import Call, DumpSet
+from ...exact import bytes_equal
+from ...progress import bar as progress_bar
+from ..calls import open_calls
+from ..taps import Sample
+from .ref import FP64_CLASSES, evaluate
+from .section import error_stats
 
 # class -> (sample data name <- dump tensor name, from part); weights: sample tag suffix <- weight argument
 NEEDS = {
@@ -53,18 +53,16 @@ def _missing(c: Call) -> str | None:
     return ", ".join(lack) or None
 
 
-_WEIGHTS: dict = {}   # weight name -> tensor, for one dump_fp64 call (cleared at its start and end)
-
-
-def _samples(ds: DumpSet, c: Call, params: dict, kv: dict) -> list[Sample]:
-    """The call's dumped rows as Samples of layer = call id (so that each call is its own group)."""
+def _samples(ds: DumpSet, c: Call, params: dict, kv: dict, loaded: dict) -> list[Sample]:
+    """The call's dumped rows as Samples of layer = call id (so that each call is its own group); ``loaded``: weight
+    name -> tensor, read once per source."""
     data, wts = NEEDS[c.cls]
     t = {p: ds.tensors(c, p) for p in ("inputs", "outputs", "fixed")}
     for suffix, arg in wts.items():
         name = next(iter(c.weights.values())) if c.cls in SINGLE_WEIGHT else c.weights[arg]
-        if name not in _WEIGHTS:
-            _WEIGHTS[name] = ds.weight(name)
-        params[(c.id, "t" + suffix)] = _WEIGHTS[name]
+        if name not in loaded:
+            loaded[name] = ds.weight(name)
+        params[(c.id, "t" + suffix)] = loaded[name]
     if c.cls == "attention":
         kv[c.id] = (t["fixed"]["k_cache"], t["fixed"]["v_cache"])
     out = []
@@ -78,10 +76,10 @@ def _samples(ds: DumpSet, c: Call, params: dict, kv: dict) -> list[Sample]:
     return out
 
 
-def _class_row(cls: str, calls: list[Call], ds: DumpSet) -> dict:
+def _class_row(cls: str, calls: list[Call], ds: DumpSet, loaded: dict) -> dict:
     params, kv, samples, where = {}, {}, [], []
     for c in calls:
-        s = _samples(ds, c, params, kv)
+        s = _samples(ds, c, params, kv, loaded)
         samples += s
         where += [(c, k) for k in range(len(s))]
     ev = evaluate(cls, samples, params, kv)
@@ -96,19 +94,19 @@ def _class_row(cls: str, calls: list[Call], ds: DumpSet) -> dict:
                       "element": int(ev.j[i])}}
 
 
-def dump_fp64(folder, progress: bool = True) -> dict:
-    """FP64 reference error per class of the dumped outputs (see the module docstring).
+def fp64_of_calls(source, progress: bool = True) -> dict:
+    """FP64 reference error per class of the recorded outputs of ``source`` (a dump folder or a DumpSet:
+    calls.open_calls; see the module docstring).
 
     Returns:
         {"section": "dump_fp64", "folder", "engine", "rows": per class with an evaluator and the names it needs
         {class, calls, rows, elements, eta_max_u, bound_use, over_bound, ulp_max, ulp0_pct, worst: {call, role,
         site, pos, row, element}}, "skipped": [{class, reason}]}.
     Raises:
-        DumpError: an invalid dump set.
+        DumpError: an invalid dump set. TypeError: not a source of kernel calls.
     """
-    ds = read_dump(folder)
-    rows, skipped = [], []
-    _WEIGHTS.clear()
+    ds = open_calls(source)
+    rows, skipped, loaded = [], [], {}
     classes = [c for c in FP64_CLASSES if any(k.cls == c for k in ds.calls)]
     bar = progress_bar(len(classes), "dump fp64", "class") if progress else None
     for cls in classes:
@@ -117,28 +115,10 @@ def dump_fp64(folder, progress: bool = True) -> dict:
         if why:
             skipped.append({"class": cls, "reason": why})
         else:
-            rows.append(_class_row(cls, calls, ds))
+            rows.append(_class_row(cls, calls, ds, loaded))
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    _WEIGHTS.clear()
     return {"section": "dump_fp64", "folder": ds.folder, "engine": ds.engine, "rows": rows, "skipped": skipped}
 
-
-
-def render_fp64_md(obj: dict) -> str:
-    """Markdown of a dump_fp64 object: one row per class (errors, bound use, worst element) and the skipped
-    classes with their reasons."""
-    hdr = ["class", "rows", "elements", "eta max (u)", "bound use", "over bound", "ULP max vs RN", "worst at"]
-    body = [[r["class"], r["rows"], r["elements"], f"{r['eta_max_u']:.4g}", f"{r['bound_use']:.3g}",
-             r["over_bound"], r["ulp_max"], f"call {r['worst']['call']} ({r['worst']['role']} {r['worst']['site']}, "
-             f"pos {r['worst']['pos']}, element {r['worst']['element']})"] for r in obj["rows"]]
-    out = [f"## Dump FP64 errors: {obj['engine']['name']}", "",
-           "Per class, the dumped outputs against an FP64 reference on the call's own inputs (analysis/fp64/ref.py): "
-           "eta = |yhat - y| / A in units of u = 2^-24; bound use = the smallest pre-rounding error over the class "
-           "bound (<= 1: within bound; the bound models this suite's documented kernel semantics).", "",
-           tabulate(body, headers=hdr, tablefmt="github", disable_numparse=True)]
-    if obj["skipped"]:
-        out += ["", "Not evaluated: " + "; ".join(f"{s['class']} ({s['reason']})" for s in obj["skipped"])]
-    return "\n".join(out) if obj["rows"] or obj["skipped"] else f"_{DASH} no class with an FP64 evaluator._"

@@ -237,3 +237,35 @@ def parameters_line(params: dict, precomputed: str = "") -> str:
     items = "; ".join(f"`{k}` = {md_escape(parameter_text(k, v))}" for k, v in params.items())
     source = f"rendered from `{precomputed}` (computed elsewhere)" if precomputed else "computed here"
     return f"**Parameters:** {items}. **Section:** {source}."
+
+
+def cell(v) -> str:
+    """One table cell as text (tables.cell_text: a dash for missing values, words for booleans, integers as
+    integers), escaped (tables.md_escape: no tag, link or code span from the user's text, pipes and newlines kept
+    from breaking the GitHub table; a tables.Code value as inline code), at most 160 characters."""
+    s = v.markdown() if isinstance(v, Code) else md_escape(cell_text(v))
+    return s if len(s) <= 160 else s[:157] + "..."
+
+
+def table(rows: list[list], headers: list[str], max_rows: int = MAX_ROWS, dash: str = "not recorded") -> str:
+    """A GitHub markdown table (tabulate, cells through :func:`cell`); over ``max_rows`` rows it is cut with a
+    note; when a cell shows a dash, a footnote says what the dash means (``dash``)."""
+    from tabulate import tabulate
+    note = ""
+    if len(rows) > max_rows:
+        note = f"\n\n_{len(rows) - max_rows} more rows not shown; see receipt.json._"
+        rows = rows[:max_rows]
+    body = [[cell(v) for v in r] for r in rows]
+    if any(c == DASH for r in body for c in r):
+        note += f"\n\n_{DASH} : {dash}._"
+    return tabulate(body, headers=[cell(h) for h in headers], tablefmt="github", disable_numparse=True) + note
+
+
+def render_extra(name: str, extra: dict) -> str:
+    """A section's extra keys: scalars as a key/value table; lists and dicts (plot data, provenance) stay in
+    receipt.json only. Empty when there are no scalars."""
+    scalars = {k: v for k, v in extra.items() if not isinstance(v, (list, dict))}
+    if not scalars:
+        return ""
+    return "\n".join([f"## {name[:-len('_extra')]}: further values", "",
+                      table([[k, v] for k, v in scalars.items()], ["key", "value"])])

@@ -1,19 +1,21 @@
 """The ``dumps`` receipt section: the kernel contract and the FP64 per-class error of an engine's tensor dumps
 (docs/dumps.md), for engines whose kernels the suite cannot call (C++, Zig, CUDA, other Python frameworks).
 
+Both halves take the dump set as their source of kernel calls (contract/calls.py, fp64/calls.py).
 ``make receipts DUMPS=DIR`` (or ``--param dumps=DIR``) runs it; ``python -m exactness contract --dumps DIR`` and
 ``python -m exactness fp64 --dumps DIR`` compute each half alone.
 """
 from __future__ import annotations
 
-from ..receipt.params import DumpsParams, ParamError
-from .contract import dump_contract
-from .fp64 import dump_fp64, render_fp64_md
-from .render import render_md as contract_md
+from ..params import DumpsParams, ParamError
+from .contract.calls import contract_of_calls
+from .contract.report import render_calls_md as contract_md
+from .fp64.calls import fp64_of_calls
+from .fp64.report import render_calls_md as fp64_md
 
 
 def run_section(params: DumpsParams | dict) -> dict:
-    """{"section": "dumps", "folder", "contract": dump_contract(folder), "fp64": dump_fp64(folder) or None}.
+    """{"section": "dumps", "folder", "contract": contract_of_calls(folder), "fp64": fp64_of_calls(folder) or None}.
 
     Raises:
         ParamError: no dump folder, or one without manifest.json; DumpError: an invalid dump set (one line).
@@ -22,13 +24,13 @@ def run_section(params: DumpsParams | dict) -> dict:
     if not p.dumps:
         raise ParamError("dumps: no dump set given; allowed: dumps=DIR, a folder holding manifest.json "
                          "(docs/dumps.md)")
-    return {"section": "dumps", "folder": p.dumps, "contract": dump_contract(p.dumps),
-            "fp64": dump_fp64(p.dumps) if p.dumps_fp64 else None}
+    return {"section": "dumps", "folder": p.dumps, "contract": contract_of_calls(p.dumps),
+            "fp64": fp64_of_calls(p.dumps) if p.dumps_fp64 else None}
 
 
 def render_md(section: dict) -> str:
     """receipt.md's block: the dump contract's tables, then the FP64 table."""
     parts = ["## Tensor dumps", "", f"Dump set: `{section.get('folder')}`.", "", contract_md(section["contract"])]
     if section.get("fp64"):
-        parts += ["", render_fp64_md(section["fp64"])]
+        parts += ["", fp64_md(section["fp64"])]
     return "\n".join(parts)

@@ -1,5 +1,5 @@
-"""The kernel contract read from a dump set: does every prompt-role row carry the bytes of the decode-role row of
-the same (sequence, position)?
+"""The kernel contract on recorded calls (a source of kernel calls, analysis/calls.py: a dump set of any engine, ours
+included): does every prompt-role row carry the bytes of the decode-role row of the same (sequence, position)?
 
 Rows pair by (class, call site, sequence, position): a prompt-role row of class C at site S is compared with the
 decode-role row of C at S for the same sequence and position. All outputs the two calls share are compared as bytes
@@ -10,17 +10,18 @@ and of a ``by_position`` fixed input the entries 0..pos): a mismatch with equal 
 The calls are visited in the prompt role's call order (the engine's order), so the first mismatch is the earliest
 place where the two roles part.
 
-Output: :func:`dump_contract` returns a JSON-ready section-like dict; :func:`render_md` renders it.
+Output: :func:`contract_of_calls` returns a JSON-ready section-like dict; report.render_calls_md renders it. The
+synthetic-case contract of our kernel sets (check.py) is the other source of the same claim.
 """
 from __future__ import annotations
 
-from ..analysis.contract.cases import ranges
-from ..exact import INT_VIEW, bytes_equal, differing_rows, first_differing_row, ulp_distance
-from ..kernels.registry import KERNEL_CLASSES
-from ..progress import bar as progress_bar
-from .format import comparable
-from .reader import Call, DumpSet, read_dump
-from .render import render_md  # noqa: F401  (re-exported)
+from ...dumps.format import comparable
+from ...dumps.reader import Call, DumpSet
+from ...exact import INT_VIEW, bytes_equal, differing_rows, first_differing_row, ulp_distance
+from ...kernels.registry import KERNEL_CLASSES
+from ...progress import bar as progress_bar
+from ..calls import open_calls
+from .cases import ranges
 
 CACHE_CALLS = 256  # decode-role calls whose tensors are kept loaded (a decode call pairs with nearby prompt rows)
 
@@ -175,8 +176,9 @@ def _check_call(ld: _Loader, p: Call, index: dict, used: set, tally: _Tally) -> 
         tally.pair(p, d, differ, same_in, pos, lambda: _locate(p, k, d, j, po, do, same_in))
 
 
-def dump_contract(folder, progress: bool = True) -> dict:
-    """Check the kernel contract on the dump set in ``folder`` (see the module docstring).
+def contract_of_calls(source, progress: bool = True) -> dict:
+    """Check the kernel contract on the calls of ``source`` (a dump folder or a DumpSet: calls.open_calls; see the
+    module docstring).
 
     Returns:
         {"section": "dump_contract", "folder", "engine", "version", "classes": one entry per class of
@@ -190,9 +192,9 @@ def dump_contract(folder, progress: bool = True) -> dict:
         pos, token, output, element (flat index in the row), ulp (exact.ulp_distance; None for integer or fp8
         outputs), the prompt and decode values, and whether the inputs were equal.
     Raises:
-        DumpError: an invalid dump set (reader.read_dump).
+        DumpError: an invalid dump set (dumps.reader.read_dump). TypeError: not a source of kernel calls.
     """
-    ds = read_dump(folder)
+    ds = open_calls(source)
     ld, index, used, tally = _Loader(ds), _decode_index(ds), set(), _Tally()
     for c in ds.calls:
         tally.add_class(c.cls)
