@@ -195,7 +195,9 @@ def _cli(tmp_path, *args) -> tuple[subprocess.CompletedProcess, float]:
     """The real command line in a subprocess with a clean environment; (process, seconds)."""
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    env = {"PATH": os.defpath, "HOME": str(home), "LANG": "C.UTF-8"}
+    # lib and what PYTHONPATH held (a Python whose packages sit in a folder on it: make test PY=... WHEELS=...)
+    path = os.pathsep.join(p for p in (str(ROOT / "lib"), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PATH": os.defpath, "HOME": str(home), "LANG": "C.UTF-8", "PYTHONPATH": path}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "exactness", "receipts", "--profile", "ci", "--sections", "engines",
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

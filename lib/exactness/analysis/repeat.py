@@ -4,7 +4,7 @@ as counts. Markdown and the notebook's plot: analysis/repeat_md.py.
 Repeat test (:func:`repeat_engine`): ONE prompt sent N times greedily at each concurrency level c (at most c
 requests in flight). A server (the ``openai`` engine) gets N streamed requests through the adapter's ``generate``
 (so its greedy knobs and checks apply) from c threads, and only where it listens on this machine (the hosts of
-receipt.params_engines.LOCAL_HOSTS): the loop is bounded and never loads a remote host. An in-process engine runs the N
+params_engines.LOCAL_HOSTS): the loop is bounded and never loads a remote host. An in-process engine runs the N
 requests in batches of c through ``Engine.concurrent`` (one batch each; c = 1 runs ``generate`` alone).
 Completions are told apart by their exact token ids, or by the exact UTF-8 bytes of the text where a server returns
 text only (``compared_as`` says which). Per level: N, the requests that failed (an error of the test, never a

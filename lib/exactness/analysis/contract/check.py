@@ -266,7 +266,7 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
         set_name: reported set (default: the registered set holding ``prompt_spec``).
         sources: input sources, checked in this order within each case and site.
         stop_at_first: stop after the case holding the first mismatch (cases and mismatches then count only
-            the cases run; m_ranges still describes the whole plan).
+            the cases run; m_ranges still describes every case of the plan some site is fed).
         preset: model preset whose shapes (and weights) the inputs use.
         offload: fetch the weights per call as expert offload does (contract/alternatives.py: offloaded).
         progress: a tqdm bar advanced by one per case (all its input sources).
@@ -291,9 +291,10 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
     cases, dcases = plan(cls, sweep), decode_plan(cls, sweep)
     sites = class_sites(cls, preset, groups)
     sites = ("routed",) if offload and "routed" in sites else sites
+    shown = [c for c in cases if any(fed(c, site, sweep, offload) for site in sites)]   # the sizes some site sees
     res = PairResult(cls, prompt_spec.name, decode_spec.name, set_name or _set_of(prompt_spec), dev, dtype,
-                     m_ranges=ranges(c.M for c in cases),
-                     kv_lengths=_kv_summary(cases) if cls == "attention" else "",
+                     m_ranges=ranges(c.M for c in shown),
+                     kv_lengths=_kv_summary(shown) if cls == "attention" else "",
                      inputs=",".join(sources), preset=preset, weights="offloaded" if offload else "resident",
                      sites=",".join(sites), weights_format=weights,
                      router_groups=list(groups) if groups and "grouped" in sites else None,
