@@ -20,6 +20,7 @@ from exactness.analysis.repeat import prompt_counts, repeat_engine
 from exactness.config import get_preset
 from exactness.engines.reference import ReferenceEngine
 from exactness.receipt import comment, fit, render
+from exactness.receipt.cli import main as cli
 from exactness.weights import synthetic_weights
 
 GPU = Path(__file__).resolve().parents[1] / "receipts" / "gpu"
@@ -125,11 +126,11 @@ def test_the_pr_comment_fits_and_says_what_moved(largest, tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "receipt.json").write_text(json.dumps(obj), encoding="utf-8")
     out = tmp_path / "comment.md"
-    assert comment.main([str(tmp_path / "base"), str(tmp_path / "pr"), "--out", str(out)]) == 0
+    assert cli(["comment", str(tmp_path / "base"), str(tmp_path / "pr"), "--out", str(out)]) == 0
     assert out.read_text(encoding="utf-8") == comment.comment_text(largest, moved, str(tmp_path / "base"),
                                                                    str(tmp_path / "pr"))
-    assert comment.main([str(tmp_path / "base"), str(tmp_path / "pr"), "--out", str(out)]) == 2   # never overwritten
-    assert comment.main([str(tmp_path / "base"), str(tmp_path / "nope")]) == 2
+    assert cli(["comment", str(tmp_path / "base"), str(tmp_path / "pr"), "--out", str(out)]) == 2   # not overwritten
+    assert cli(["comment", str(tmp_path / "base"), str(tmp_path / "nope")]) == 2
 
 
 def test_a_failed_pr_says_so_first(largest):

@@ -135,6 +135,35 @@ def test_gpu_attention_prompt_rows_equal_decode_rows(dtype):
 
 @GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("per_row", [True, False])
+def test_gpu_attention_fp8_cache_prompt_rows_equal_decode_rows(per_row):
+    """The invariant set's attention over an fp8 cache (per-row or per-tensor scales): prompt calls of any size,
+    one-row decode calls and multi-row decode calls give every row the same bytes, those of the fp32 Triton kernel
+    over the cache dequantized to fp32, rounded once to bf16 (control: another chunk merge is caught)."""
+    from exactness.cache import kv_rows, quantize
+    from exactness.kernels import triton_attention as ta
+    from exactness.kernels.registry import get_set
+    P = 1300
+    q, kc, vc, slots, pos = _attn_inputs(P, 2, torch.bfloat16, 7)
+    kq, vq = (quantize(c, None if per_row else 0.01) for c in (kc, vc))                   # uint8 [2, P, 4, 132]
+    ks = get_set("invariant")
+    prompt, decode = ks.fn("attention", "prompt"), ks.fn("attention", "decode")
+    full = prompt(q, kq, vq, slots, pos)                                                    # [2P, 32, 128]
+    rows = list(range(0, 2 * P, 29)) + [255, 256, 511, 512, 1299, 1300, 2599]
+    dec = [decode(q[m:m + 1], kq, vq, slots[m:m + 1], pos[m:m + 1]) for m in rows]
+    assert row_mismatches(full[rows], dec) == 0
+    r4 = torch.tensor(rows[:4 * (len(rows) // 4)], device="cuda").view(-1, 4)              # decode at M = 4
+    assert row_mismatches(full[r4.flatten()], [decode(q[r], kq, vq, slots[r], pos[r]) for r in r4]) == 0
+    segs = ((0, 1), (1, 63), (64, 300), (364, 1000), (1364, 1236))
+    assert row_mismatches(full, [prompt(q[a:a + n], kq, vq, slots[a:a + n], pos[a:a + n]) for a, n in segs]) == 0
+    q32, kd, vd = q.float(), kv_rows(kq, torch.float32), kv_rows(vq, torch.float32)
+    assert row_mismatches(full, [ta.attention(q32, kd, vd, slots, pos).bfloat16()]) == 0
+    fine = ta.AttnConfig(**{**ta.config_for(128, torch.float32, (9, 0)).__dict__, "chunk": 256})
+    assert row_mismatches(ta.attention(q32, kd, vd, slots, pos, fine).bfloat16()[rows], dec) > 0
+
+
+@GPU
+@pytest.mark.gpu
 def test_gpu_fast_prompt_attention_memory_and_error():
     """The fast set's prompt attention on 8,192 rows of one slot (small preset heads): its peak device memory stays
     below the fp32 scores [Hq, m, T] that the math backend would allocate (8.6 GB), and its error against the

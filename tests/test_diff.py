@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from faults import row0_rmsnorm_perturbed
 
-from exactness.receipt import diff, diff_cli
+from exactness.receipt import diff
 from exactness.receipt.diff_md import render
 from exactness.kernels import KERNEL_SETS
 
@@ -216,7 +216,7 @@ def test_exit_status_outputs_and_bad_input(receipt, tmp_path, capsys):
     assert cli(["diff", str(base), str(pr), "--out", str(out)]) == 1
     md = (out / "diff.md").read_text()
     assert md in capsys.readouterr().out and json.loads((out / "diff.json").read_text())["moved"] is True
-    assert diff_cli.main([str(base), str(pr), "--out", str(out)]) == 2
+    assert cli(["diff", str(base), str(pr), "--out", str(out)]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err and (out / "diff.md").read_text() == md
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "list.json").write_text("[]")

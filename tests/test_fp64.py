@@ -17,9 +17,10 @@ from exactness.analysis.fp64 import report as fp64_report
 from exactness.analysis.fp64 import synth
 from exactness.analysis.taps import TapRecorder
 from exactness.analysis.ulp import round_to, step
+from exactness.cache import dequantize
 from exactness.config import get_preset
 from exactness.exact import bytes_equal
-from exactness.kernels import get_set
+from exactness.kernels import KERNEL_SETS, KernelSet, get_set
 from exactness.model import tapping
 from exactness.paths import Schedule, generate
 from exactness.profiles import get_profile
@@ -309,3 +310,94 @@ def test_cuda_asked_for_without_cuda_is_a_clear_error():
     from exactness.profiles import get_profile
     with pytest.raises(ValueError, match="sees no CUDA device; allowed here: 'cpu'"):
         fp64.run_section({**get_profile("ci").parameters(), "device": "cuda"})
+
+
+# ------------------------------------------------------------------------------------------------ fp8 KV cache
+
+FP8_FAULT = "fp8_attention_ulp_fault"
+FP8_RUN = dict(prompts=["short"], fp64_tokens=24, steps=[16], deep_threshold=16, fp64_rows=4, fp64_cert=3,
+               fp64_synth_rows=16, fp64_synth_classes=["attention"], fp64_fp32_sweep=False)
+
+
+def _fp8_attention_bumped() -> KernelSet:
+    """The invariant set with every attention output one ULP up when the kernel reads an fp8 (uint8) cache, decode
+    and prompt kernels alike; a bf16 cache gives the invariant bytes. Not registered."""
+    ks = get_set("invariant")
+
+    def wrap(fn):
+        def attention(q, k_cache, v_cache, slots, positions):
+            out = fn(q, k_cache, v_cache, slots, positions)
+            return step(out, 1) if k_cache.dtype == torch.uint8 else out
+        return attention
+    tab = {r: {c: dataclasses.replace(s, fn=wrap(s.fn)) if c == "attention" else s
+               for c, s in getattr(ks, r).items()} for r in ("decode", "prompt")}
+    return KernelSet(FP8_FAULT, tab["decode"], tab["prompt"], False, "test-only: fp8-cache attention 1 ULP up")
+
+
+@pytest.fixture(scope="module")
+def fp8_runs():
+    """kv_dtype -> (section, the recorder of its captured runs): fp8_e4m3_block on the invariant set and the fault
+    set, bf16 on the fault set."""
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(KERNEL_SETS, FP8_FAULT, _fp8_attention_bumped())
+        recs, capture = [], fp64.capture
+        mp.setattr(fp64, "capture", lambda *a, **k: recs.append(capture(*a, **k)) or recs[-1])
+        for kv, sets in (("fp8_e4m3_block", ["invariant", FP8_FAULT]), ("bf16", [FP8_FAULT])):
+            p = {**get_profile("ci").parameters(), **FP8_RUN, "kernel_sets": sets, "kv_dtype": kv}
+            out[kv] = (fp64.run_section(p), recs[-1][0])
+    return out
+
+
+def _attention_rows(section, ks, captured=True):
+    return [r for r in section["rows"] if r["class"] == "attention" and r["set"] == ks
+            and (r["input_set"] == "captured") == captured]
+
+
+def test_fp8_attention_rows_read_the_fp8_cache_and_are_within_bound(fp8_runs):
+    """kv_dtype fp8_e4m3_block: the captured attention calls were fed a uint8 cache (codes and scales, D + 4 bytes a
+    row), the invariant set's attention rows (captured and synthetic) are within bound against that cache's values
+    and name the format; the markdown says it."""
+    section, rec = fp8_runs["fp8_e4m3_block"]
+    fed = {k: tuple(t.dtype for t in v) + (v[0].shape[-1],) for k, v in rec.kv.items()}
+    assert fed and set(fed.values()) == {(torch.uint8, torch.uint8, CFG.head_dim + 4)}, fed
+    assert {k[:2] for k in fed} == {(ks, p) for ks in ("invariant", FP8_FAULT) for p in fp64.PATHS}
+    for captured in (True, False):
+        rows = _attention_rows(section, "invariant", captured)
+        assert rows and all(r["kv_dtype"] == "fp8_e4m3_block" and r["ref_certified"] for r in rows)
+        assert all(r["bound_use"] <= 1 and r["verdict"] in ("within bound", "exact") for r in rows), \
+            [(r["path"], r["input_set"], r["verdict"], r["bound_use"]) for r in rows]
+    assert not any("kv_dtype" in r for r in section["rows"] if r["class"] != "attention")
+    md = fp64_report.render_md(section)
+    assert "attention (fp8_e4m3_block KV cache)" in md and "KV cache: fp8_e4m3_block" in md
+
+
+def test_fp8_only_attention_fault_is_flagged_with_an_fp8_cache_only(fp8_runs):
+    """Negative control: attention one ULP up only when it reads an fp8 cache is outside bound on every path under
+    kv_dtype fp8 (captured and synthetic rows), and clean under kv_dtype bf16, whose rows carry no KV format."""
+    fp8, bf16 = fp8_runs["fp8_e4m3_block"][0], fp8_runs["bf16"][0]
+    for captured in (True, False):
+        bad = _attention_rows(fp8, FP8_FAULT, captured)
+        assert bad and all(r["bound_use"] > 1 for r in bad), [(r["path"], r["bound_use"]) for r in bad]
+        assert all(r["verdict"] == "outside bound" for r in bad if r["path"] == "decode")
+        ok = _attention_rows(bf16, FP8_FAULT, captured)
+        assert ok and all(r["bound_use"] <= 1 and r["verdict"] in ("within bound", "exact") for r in ok), \
+            [(r["path"], r["verdict"], r["bound_use"]) for r in ok]
+    assert not any("kv_dtype" in r for r in bf16["rows"]) and "kv_dtype" not in bf16["meta"]
+    assert "fp8_e4m3_block KV cache" in "".join(fp64_report.notes_md(fp8))
+
+
+def test_fp8_reference_reads_the_stored_values_not_the_unquantized_ones():
+    """The reference over a packed fp8 cache is the one over its dequantized fp32 values (bitwise); judged
+    against the unquantized draws instead, the invariant kernel's output would carry the quantization error."""
+    fp8 = synth.make_case("attention", "normal", CFG, torch.bfloat16, "cpu", M=8, seed=3, kv_dtype="fp8_e4m3_block")
+    raw = synth.make_case("attention", "normal", CFG, torch.bfloat16, "cpu", M=8, seed=3)
+    assert fp8.args[1].dtype == torch.uint8 and bytes_equal(fp8.args[0], raw.args[0])
+    samples = synth.case_samples(fp8, synth.run_case(fp8, "invariant", "batched"), "batched")
+    ev = fp64_ref.evaluate("attention", samples, {}, fp8.kv)
+    deq = fp64_ref.evaluate("attention", samples, {}, {0: tuple(dequantize(t) for t in fp8.kv[0])})
+    assert bytes_equal(ev.y, deq.y)
+    assert fp64.error_stats(ev)["bound_use"] <= 1
+    assert fp64.error_stats(fp64_ref.evaluate("attention", samples, {}, raw.kv))["bound_use"] > 1
+    with pytest.raises(ValueError, match="kv_dtype 'fp8_e4m3' not allowed for synthetic class 'dense'"):
+        synth.make_case("dense", "normal", CFG, torch.bfloat16, "cpu", kv_dtype="fp8_e4m3")

@@ -13,6 +13,11 @@ from exactness.analysis.contract import check as contract
 from exactness.analysis.fp64 import section as fp64
 from exactness.kernels import KERNEL_SETS, get_set, imported, provenance
 from exactness.params import ParamError, check_common
+from exactness.profiles import get_profile
+from exactness.receipt.cli import section_parameters
+from exactness.receipt.overrides import plan_parameters
+from exactness.receipt.preflight import PreflightError, check_run
+from exactness.receipt.sections import SECTIONS
 from exactness.receipt.render import render_header, render_summary
 
 MODULE = "user_kernels_h9"
@@ -110,12 +115,42 @@ def test_user_set_is_named_labelled_and_its_provenance_recorded(user_module):
     ("NOPE", r"module '\w+' has no attribute 'NOPE'"),
 ])
 def test_a_bad_set_is_refused_on_import_in_one_line(user_module, attr, words):
-    with pytest.raises(ParamError) as e:
-        check_common({"kernel_sets": [f"{MODULE}:{attr}"], "device": "cpu"})
+    """What a run checks before it starts: the parameters (params.check_common: the set's tables), then the
+    preflight (preflight.check_run: every kernel on tiny inputs), as the receipt runner and the command line do."""
+    values = {"kernel_sets": [f"{MODULE}:{attr}"], "device": "cpu"}
+    with pytest.raises(ValueError) as e:
+        check_common(values)
+        check_run(values, ["contract"])
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"parameter kernel_sets: '{MODULE}:{attr}' is not allowed: ")
     assert re.search(words, msg), msg
-    check_common({"kernel_sets": [f"{MODULE}:SET"], "device": "cpu"})   # the control: a good set passes
+    good = {"kernel_sets": [f"{MODULE}:SET"], "device": "cpu"}   # the control: a good set passes
+    check_common(good)
+    check_run(good, ["contract"])
+
+
+BADSIG_WORDS = (rf"^parameter kernel_sets: '{MODULE}:BADSIG' is not allowed: kernel set 'mine_badsig' "
+                rf"\({MODULE}:BADSIG\), class 'rmsnorm', decode kernel fails on tiny inputs [^\n]*TypeError")
+
+
+def test_a_set_failing_on_tiny_inputs_is_refused_by_the_command_line_before_it_runs(user_module):
+    """The parameters only import the set and check its tables; the preflight calls its kernels: the per-section
+    command line's (section_parameters, before run_section) and the receipt runner's (plan_parameters, before the
+    run folder is made)."""
+    check_common({"kernel_sets": [f"{MODULE}:BADSIG"], "device": "cpu"})
+    with pytest.raises(PreflightError, match=BADSIG_WORDS):
+        section_parameters("ci", [f"kernel_sets=[{MODULE}:BADSIG]", "device=cpu"], [], ["contract"])
+    declared = {SECTIONS["contract"].notebook: {"params"}}
+    with pytest.raises(PreflightError, match=BADSIG_WORDS):
+        plan_parameters(get_profile("ci").parameters(), {"kernel_sets": [f"{MODULE}:BADSIG"]}, declared)
+    plan_parameters(get_profile("ci").parameters(), {"kernel_sets": [f"{MODULE}:SET"]}, declared)   # the control
+
+
+@pytest.mark.parametrize("section", [hashes, contract, streams])
+def test_a_set_failing_on_tiny_inputs_is_refused_by_run_section(user_module, section):
+    """A section's run_section called directly refuses the set before it computes anything."""
+    with pytest.raises(ParamError, match=BADSIG_WORDS):
+        section.run_section({**BASE, "kernel_sets": [f"{MODULE}:BADSIG"]})
 
 
 @pytest.mark.parametrize("sets", [["invariant", "invariant"], [f"{MODULE}:SET", "mine"],

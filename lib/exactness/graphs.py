@@ -14,7 +14,7 @@ one-row and catch-up forwards.
 Two parts of a forward cannot always be recorded as they are, and are handled so that the bytes stay the eager ones:
 
     attention  a kernel whose launch depends on the position (the per-row SDPA fallback over keys 0..p) or that
-               reads positions on the host (an fp8 cache's torch kernel, a multi-slot cache's slot grouping) runs
+               reads positions on the host (over an fp8 cache, or a multi-slot cache's slot grouping) runs
                eagerly between graph pieces, writing a static buffer the next piece reads. A kernel that reads
                slots and positions on the device with a fixed launch is captured: the invariant set's Triton
                kernel on a one-slot model-dtype cache, and a kernel whose ``captures(cache)`` says so (the fast
@@ -87,19 +87,19 @@ def why_not(w: Weights, kernels: KernelSet | str, batch: int = 1, experts: Exper
         return f"experts come from {type(experts).__name__}, which stages them on the host per call"
     if not all(torch.is_tensor(lw.w_gate) for lw in (w.layers if layers is None else layers)):
         return "quantized expert weights: the experts run a per-expert loop chosen on the host"
-    if ks.options.get("expert_id_aware"):
+    if ks.options.expert_id_aware:
         return f"set {ks.name!r} picks expert kernels by expert id on the host"
-    if ks.options.get("grouped_experts") is None and batch * rows > 1:
+    if ks.options.grouped_experts is None and batch * rows > 1:
         many = f"{batch} streams" if batch > 1 else f"{rows} rows of one stream (a drafted verify or MTP catch-up)"
         return (f"set {ks.name!r} runs one kernel chain per routed expert over its member rows; with {many} the "
                 "member counts (GEMM shapes) depend on the routing")
     return None
 
 
-def _gathered_experts(ks: KernelSet):
-    """A grouped_experts option for a one-row forward of a set without one: y [1, k, H] from the set's decode
-    expert kernels on the row h [1, H], with each expert's weights gathered by the device-side ids idx [1, k]."""
-    gate_up, down = ks.fn("expert_gate_up", "decode"), ks.fn("expert_down", "decode")
+def _gathered_experts(ks: KernelSet, role: str):
+    """A grouped_experts option for a one-row forward of a set without one: y [1, k, H] from the set's expert
+    kernels of ``role`` on the row h [1, H], with each expert's weights gathered by the device-side ids idx [1, k]."""
+    gate_up, down = ks.fn("expert_gate_up", role), ks.fn("expert_down", role)
 
     def grouped(h, idx, w_gate, w_up, w_down):
         e = idx[0]                                                                   # [k] int64, device
@@ -189,8 +189,8 @@ class GraphForward:
             self.hidden = None if head is None else torch.zeros(n, w.cfg.hidden, dtype=w.dtype, device=dev)
             self.host_positions, self.host_slots = torch.zeros(n, dtype=i64), torch.zeros(n, dtype=i64)
             opts = self.ks.options
-            if opts.get("grouped_experts") is None:
-                opts = {**opts, "grouped_experts": _gathered_experts(self.ks)}
+            if opts.grouped_experts is None:
+                opts = dataclasses.replace(opts, grouped_experts=_gathered_experts(self.ks, plan.role))
             self._set = dataclasses.replace(self.ks, options=opts)
             self._attn = attn = self.ks.fn("attention", plan.role)
             captures = getattr(attn, "captures", None)   # a kernel that says which caches it reads on the device

@@ -160,12 +160,12 @@ class Ops:
 
     def expert(self, x: torch.Tensor, wg, wu, wd, expert_id: int = -1) -> torch.Tensor:
         """One expert's SwiGLU on its member rows x [n, H] -> [n, H]; deep plan: ``expert_tile``-member tiles."""
-        kw = {"expert_id": expert_id} if self.k.options.get("expert_id_aware") else {}   # -1: the shared expert
+        kw = {"expert_id": expert_id} if self.k.options.expert_id_aware else {}   # -1: the shared expert
         f = lambda t, *w: self.expert_down(self.expert_gate_up(t, w[0], w[1], **kw), w[2], **kw)  # noqa: E731
         return self._tiled(f, self.plan.expert_tile, x, wg, wu, wd)
 
     def _tiled(self, fn, tile: int, x: torch.Tensor, *w) -> torch.Tensor:
-        whole = self.k.options.get("tiles_in_kernels")       # a bool, or a predicate of the call's rows x
+        whole = self.k.options.tiles_in_kernels       # a bool, or a predicate of the call's rows x
         if callable(whole):
             whole = whole(x)
         if self.plan.kind != "deep" or x.shape[0] <= tile or (whole and not _TAPS):
@@ -221,7 +221,7 @@ def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer
     groups = () if cfg.router_groups is None else (cfg.router_groups,)               # group-limited routing
     weights, idx, _ = ops.router(h, lw.router, k, cfg.norm_topk_prob, *groups)      # [M, k], [M, k]
     y = None
-    grouped = ops.k.options.get("grouped_experts")     # the set's per-expert kernels' bytes, all experts at once
+    grouped = ops.k.options.grouped_experts     # the set's per-expert kernels' bytes, all experts at once
     stacked = getattr(experts, "stacked", None) if grouped is not None and not _TAPS else None
     serves = getattr(grouped, "serves", None)          # asked before a provider stages a layer for it
     accept = None if serves is None else (lambda *ws: serves(h, *ws))

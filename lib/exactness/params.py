@@ -140,7 +140,9 @@ def _check_prompts(values: dict, known, bad) -> None:
 
 def _check_kernel_sets(values: dict, known, bad) -> None:
     """kernel_sets: a non-empty list of registered set names or ``package.module:ATTR`` references that resolve
-    (kernels.import_set imports and validates them: a KernelSet or a function returning one), each set once."""
+    (kernels.import_set imports them and checks their tables: a KernelSet or a function returning one, a decode and
+    a prompt kernel per class), each set once. Calling each kernel on tiny inputs is the run's check, made where
+    runs start (analysis.contract.validate.validate_sets)."""
     sets = values.get("kernel_sets")
     if sets is None:
         return
@@ -148,12 +150,10 @@ def _check_kernel_sets(values: dict, known, bad) -> None:
                "or a function returning one")
     if not isinstance(sets, (list, tuple)) or not sets or not all(isinstance(v, str) for v in sets):
         bad("kernel_sets", allowed)
-    from .analysis.contract.validate import validate_set
     from .kernels import import_set, set_names
-    device = "cpu" if values.get("device") == "cpu" else None   # validated where the run computes (None: CUDA if any)
     for v in (v for v in sets if ":" in v):
         try:
-            validate_set(import_set(v), device, v)
+            import_set(v)
         except ValueError as e:
             raise ParamError(f"parameter kernel_sets: {v!r} is not allowed: {e}") from None
     if any(v not in known and ":" not in v for v in sets):

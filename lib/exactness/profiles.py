@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .lookup import lookup
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -130,7 +132,4 @@ def get_profile(name: str) -> Profile:
     Raises:
         ValueError: unknown name; the message lists the known profiles.
     """
-    try:
-        return PROFILES[name]
-    except KeyError:
-        raise ValueError(f"unknown profile {name!r}; known profiles: {', '.join(sorted(PROFILES))}") from None
+    return lookup(PROFILES, name, "profile", known_as="known profiles")

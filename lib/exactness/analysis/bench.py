@@ -37,7 +37,7 @@ import torch
 
 from ..config import get_preset
 from ..engines.reference import ReferenceEngine
-from ..kernels import get_set
+from .contract.validate import validate_sets
 from ..offload import ExpertStore
 from ..params import BenchParams
 from ..progress import bar as progress_bar
@@ -231,8 +231,7 @@ def run_section(params: BenchParams | dict) -> dict:
     p = BenchParams.from_dict(params)
     if not p.checkpoint:   # a preset's length limit is known before the model loads
         p.check_lengths(get_preset(p.preset).max_positions)
-    for ks in p.kernel_sets:
-        get_set(ks)
+    validate_sets(p)   # an unknown set, or one failing on tiny inputs, before the model loads
     w, store, tok = _load(p)
     p.check_lengths(w.cfg.max_positions)
     prompts = build_prompts(p.prompts, p.prompt_max_tokens, p.allow_unpinned, tok, w.cfg.vocab_size)

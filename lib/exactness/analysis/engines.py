@@ -22,6 +22,7 @@ from ..exact import NOT_EXPOSED, Verdict, compare as exact_compare, token_hash
 from ..params_engines import EnginesParams
 from ..progress import bar as progress_bar
 from ..run import Run
+from .contract.validate import validate_sets
 from .engines_dumps import run_engine_dumps
 from .repeat import many_prompts, prompt_counts, run_repeat
 
@@ -220,6 +221,7 @@ def run_section(params: EnginesParams | dict) -> dict:
         ParamError / ValueError: bad parameters or engine specs, before any engine runs.
     """
     p = EnginesParams.from_dict(params)
+    validate_sets(p)
     common = dict(device=p.device, dtype=p.dtype, steps=list(p.steps), kernel_sets=list(p.kernel_sets or []),
                   preset=p.preset, deep_threshold=p.deep_threshold)
     section = {"section": "engines", "engines": [], "rows": [], "streams": {}, "errors": [],

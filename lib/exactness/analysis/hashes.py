@@ -25,6 +25,7 @@ from ..engines.reference import ReferenceEngine
 from ..exact import compare as exact_compare, token_hash
 from ..progress import bar as progress_bar
 from ..kernels import get_set
+from .contract.validate import validate_sets
 from ..params import HashesParams, check_offload_paths, offload_modes
 from ..prompt_files import build_prompts, prompt_record
 from ..prompts import build_prompt
@@ -273,8 +274,7 @@ def run_section(params: HashesParams | dict) -> dict:
         ValueError: bad preset/device/dtype/steps/kernel set/prompt name; PromptPinError: prompt text unpinned.
     """
     p = HashesParams.from_dict(params)   # refuses bad values before any work
-    for ks in p.kernel_sets:
-        get_set(ks)  # fail before any work on an unknown set
+    validate_sets(p)   # and a set that is unknown or fails on tiny inputs
     off_paths = (list(ReferenceEngine.PATHS) if p.hash_offload_paths is None
                  else check_offload_paths(p.hash_offload_paths))
     max_tokens = p.max_tokens

@@ -42,6 +42,7 @@ from ..params import StreamsParams
 from ..progress import bar as progress_bar
 from ..prompt_files import build_prompts, prompt_record
 from ..weights import sharing_synthetic_weights
+from .contract.validate import validate_sets
 from .streams_compare import QUANTITIES, CacheTap, kv_position, outcome, quantities, same_run
 
 REPS = 2
@@ -335,6 +336,7 @@ def run_section(params: StreamsParams | dict) -> dict:
         ValueError: see section_params; unknown kernel set, preset, dtype or device.
     """
     p = section_params(params)   # rows name each set by its own name (a module:ATTR reference resolved)
+    validate_sets(p)
     p = dataclasses.replace(p, kernel_sets=set_names(p.kernel_sets))
     w, tok = load_model(p.preset, p.device, p.dtype, p.checkpoint, p.weights)
     prompts = build_prompts(p.prompts, p.prompt_max_tokens, p.allow_unpinned, tok, w.cfg.vocab_size)

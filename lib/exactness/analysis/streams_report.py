@@ -88,40 +88,51 @@ def _divs(v) -> str | None:
     return None if v is None else ", ".join("none" if d is None else str(d) for d in v)
 
 
+def _vs_alone(rows: list[dict], unit: str, order: str, cells, heads: dict[str, str], **table) -> Table:
+    """N ``unit``s run in one call against each run alone (the concurrent and packed parts): the columns named in
+    ``order`` (space-separated keys); the cells and headers both parts have (set, N, equal to alone, all equal,
+    differs in, reruns equal) here, the part's own from ``cells(row) -> dict`` and ``heads`` (key -> header);
+    ``table``: Table's dash and notes."""
+    shared = {"set": "set", "streams": f"{unit}s N", "alone": f"{unit}s equal to alone ({unit}s × reps)",
+              "equal": "all equal", "failed_text": "differs in", "reruns_text": "reruns equal", **heads}
+    recs = [{**r, "alone": _count(r["equal_to_alone"]), "reruns_text": _reruns(r), "failed_text": _failed(r),
+             **cells(r)} for r in rows]
+    return Table(recs, {k: shared[k] for k in order.split()}, **table)
+
+
 def concurrent_table(rows: list[dict]) -> Table:
     """The concurrent rows: N streams decoded in one batch against each stream alone and against serial decode."""
-    recs = [{**r, "prompts": _streams_text(r), "alone": _count(r["equal_to_alone"]),
-             "serial": _count(r["equal_to_serial"]), "div_alone": _divs(r["first_divergence_alone"]),
-             "div_serial": _divs(r["first_divergence_serial"]), "reruns_text": _reruns(r),
-             "failed_text": _failed(r), "kv_alone": _divs(r.get("first_kv_diff_alone"))} for r in rows]
-    return Table(recs, {"set": "set", "streams": "streams N", "prompts": "stream prompts (prompt:tokens@join step)",
-                        "alone": "streams equal to alone (streams × reps)",
-                        "serial": "streams equal to serial decode (streams × reps)", "equal": "all equal",
-                        "failed_text": "differs in", "kv_alone": "first differing KV position vs alone, per stream",
-                        "div_alone": "first differing token vs alone, per stream",
-                        "div_serial": "first differing token vs serial, per stream", "reruns_text": "reruns equal"},
-                 dash="no run to compare (every repetition failed)",
-                 notes=["A stream counts as equal only when its tokens, its logits bytes (prompt and generated "
-                        "rows) and its KV bytes are equal. \"none\" under first differing token means the stream's "
-                        "tokens are equal; a stream can keep its tokens while its logits or KV bytes differ, and then "
-                        "it does not count as equal."])
+    def cells(r):
+        return {"prompts": _streams_text(r), "serial": _count(r["equal_to_serial"]),
+                "div_alone": _divs(r["first_divergence_alone"]), "div_serial": _divs(r["first_divergence_serial"]),
+                "kv_alone": _divs(r.get("first_kv_diff_alone"))}
+    return _vs_alone(
+        rows, "stream", "set streams prompts alone serial equal failed_text kv_alone div_alone div_serial reruns_text",
+        cells, {"prompts": "stream prompts (prompt:tokens@join step)",
+                "serial": "streams equal to serial decode (streams × reps)",
+                "kv_alone": "first differing KV position vs alone, per stream",
+                "div_alone": "first differing token vs alone, per stream",
+                "div_serial": "first differing token vs serial, per stream"},
+        dash="no run to compare (every repetition failed)",
+        notes=["A stream counts as equal only when its tokens, its logits bytes (prompt and generated rows) and its "
+               "KV bytes are equal. \"none\" under first differing token means the stream's tokens are equal; a "
+               "stream can keep its tokens while its logits or KV bytes differ, and then it does not count as equal."])
 
 
 def packed_table(rows: list[dict]) -> Table:
     """The packed rows: N prompts prefilled in one forward against each prompt's prefill alone."""
-    recs = [{**r, "prompts": ", ".join(f"{s['prompt']}:{s['tokens']}" for s in r["stream_prompts"]),
-             "alone": _count(r["equal_to_alone"]), "div": _divs(r["first_divergence_alone"]),
-             "row": _divs(r["first_prompt_row_diff_alone"]), "kv": _divs(r["first_kv_diff_alone"]),
-             "reruns_text": _reruns(r), "failed_text": _failed(r)} for r in rows]
-    return Table(recs, {"set": "set", "streams": "prompts N", "plan": "plan", "prompts": "prompts (prompt:tokens)",
-                        "alone": "prompts equal to alone (prompts × reps)", "equal": "all equal",
-                        "failed_text": "differs in", "div": "first differing token, per prompt",
-                        "row": "first differing prompt-logit row, per prompt",
-                        "kv": "first differing KV position, per prompt", "reruns_text": "reruns equal"},
-                 dash="no packed configuration (stream counts below 2)",
-                 notes=["A packed prompt counts as equal only when its tokens, its logits bytes (prompt and "
-                        "generated rows) and the KV bytes of its cache slot equal its prefill alone; \"none\": "
-                        "nothing of that kind differs for that prompt."])
+    def cells(r):
+        return {"prompts": ", ".join(f"{s['prompt']}:{s['tokens']}" for s in r["stream_prompts"]),
+                "div": _divs(r["first_divergence_alone"]), "row": _divs(r["first_prompt_row_diff_alone"]),
+                "kv": _divs(r["first_kv_diff_alone"])}
+    return _vs_alone(
+        rows, "prompt", "set streams plan prompts alone equal failed_text div row kv reruns_text", cells,
+        {"plan": "plan", "prompts": "prompts (prompt:tokens)", "div": "first differing token, per prompt",
+         "row": "first differing prompt-logit row, per prompt", "kv": "first differing KV position, per prompt"},
+        dash="no packed configuration (stream counts below 2)",
+        notes=["A packed prompt counts as equal only when its tokens, its logits bytes (prompt and generated rows) "
+               "and the KV bytes of its cache slot equal its prefill alone; \"none\": nothing of that kind differs "
+               "for that prompt."])
 
 
 def summary_rows(data: dict) -> list[dict]:

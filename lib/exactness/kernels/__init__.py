@@ -8,13 +8,14 @@ function of no arguments returning one, so a set defined outside the package run
 from __future__ import annotations
 
 from . import registry
-from .registry import (KERNEL_CLASS_RECORDS, KERNEL_CLASSES, KERNEL_SETS, KERNELS, KernelClass, KernelSet,
-                       KernelSpec, class_record, register_class, register_set)
+from .registry import (KERNEL_CLASS_RECORDS, KERNEL_CLASSES, KERNEL_SETS, KERNELS, KernelClass, KernelOptions,
+                       KernelSet, KernelSpec, class_record, register_class, register_set)
 from . import sets
 from .imported import import_set, provenance, set_names
 
 # the package's public names (sets: imported for its side effect, registering the built-in sets)
-__all__ = ["KERNEL_CLASS_RECORDS", "KERNEL_CLASSES", "KERNEL_SETS", "KERNELS", "KernelClass", "KernelSet", "KernelSpec",
+__all__ = ["KERNEL_CLASS_RECORDS", "KERNEL_CLASSES", "KERNEL_SETS", "KERNELS", "KernelClass", "KernelOptions",
+           "KernelSet", "KernelSpec",
            "class_record", "get_set", "import_set", "provenance", "register_class", "register_set", "set_names",
            "sets"]
 

@@ -123,12 +123,17 @@ def attention_invariant(q, k_cache, v_cache, slots, positions):
 
 
 def reads_fp8(fn):
-    """``fn`` (an attention kernel) for caches in the model dtype; an fp8 cache goes to attention_invariant, the
-    torch implementation (on any device), since the Triton attention reads the model dtype only."""
+    """``fn`` (an attention kernel for caches in the model dtype) that also reads an fp8 cache, dequantized to fp32
+    as every kernel here reads it (cache.kv_rows). On CUDA ``fn`` runs in fp32 on the whole cache dequantized (an
+    elementwise map, so every call sees the same key and value bytes whatever its rows; no host sync, so it can be
+    recorded in a graph) and its output is rounded once to q's dtype; elsewhere attention_invariant runs."""
     def attention(q, k_cache, v_cache, slots, positions):
-        if k_cache.dtype == torch.uint8:
-            return attention_invariant(q, k_cache, v_cache, slots, positions)
-        return fn(q, k_cache, v_cache, slots, positions)
+        if k_cache.dtype != torch.uint8:
+            return fn(q, k_cache, v_cache, slots, positions)
+        if q.device.type == "cuda":
+            f32 = torch.float32
+            return fn(q.to(f32), kv_rows(k_cache, f32), kv_rows(v_cache, f32), slots, positions).to(q.dtype)
+        return attention_invariant(q, k_cache, v_cache, slots, positions)
     attention.__doc__ = fn.__doc__
     attention.__name__ = getattr(fn, "__name__", "attention")
     return attention

@@ -84,5 +84,5 @@ def by_expert(base: KernelSet, hot: Iterable[int], cold_gate_up: Callable, cold_
            for r in ("decode", "prompt")}
     return KernelSet(name or f"{base.name}+cold", tab["decode"], tab["prompt"], base.claims_exact,
                      f"{base.description}; experts outside {sorted(hot)} served by other kernels",
-                     {**{k: v for k, v in base.options.items() if k not in ("grouped_experts", "tiles_in_kernels")},
-                      "expert_id_aware": True})   # the cold kernels may depend on the call's rows
+                     replace(base.options.without("grouped_experts", "tiles_in_kernels"),
+                             expert_id_aware=True))   # the cold kernels may depend on the call's rows

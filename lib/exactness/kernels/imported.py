@@ -3,8 +3,10 @@
 ATTR is a KernelSet or a function of no arguments returning one. :func:`import_set` imports it once per process,
 labels its kernels with the set's name (a set built with ``dataclasses.replace`` from ``invariant`` keeps names
 such as ``invariant.dense.prompt``: they become ``<set>.dense.prompt``), checks its tables (:func:`check_tables`) and
-adds it to KERNEL_SETS under its own name, so every section and row names it by that one name. :func:`provenance`
-records where it came from (module file, SHA-256, package version) for the receipt.
+adds it to KERNEL_SETS under its own name, so every section and row names it by that one name. An option kept from
+a built-in set that would compute rows with that set's kernels instead of the user's (``grouped_experts``) is dropped
+(:func:`drop_bypassing_options`). :func:`provenance` records where it came from (module file, SHA-256, package
+version) and the options dropped, for the receipt.
 
 Every failure is one ValueError line naming the reference (and the class and role where one kernel fails).
 """
@@ -21,6 +23,10 @@ from .registry import KERNEL_CLASSES, KERNEL_SETS, KERNELS, KernelSet, KernelSpe
 
 _IMPORTED: dict[str, KernelSet] = {}   # reference -> its set, resolved once (a function is called once)
 _REFS: dict[str, str] = {}             # set name -> the reference it was imported from
+_DROPPED: dict[str, dict[str, str]] = {}  # set name -> option dropped on import -> why (one line)
+# Options that compute some classes' rows instead of the set's kernels of those classes (model.moe_block): option ->
+# the classes whose kernels (decode and prompt) it stands in for.
+_STANDS_IN = {"grouped_experts": ("expert_gate_up", "expert_down")}
 
 
 def one_line(e: BaseException) -> str:
@@ -79,9 +85,10 @@ def check_tables(ks: KernelSet, where: str) -> None:
 
 def import_set(ref: str) -> KernelSet:
     """The kernel set named by ``ref`` = ``"package.module:ATTR"``, imported, relabelled and checked once (every
-    class has a decode and a prompt KernelSpec: :func:`check_tables`) and added to KERNEL_SETS under its own name.
+    class has a decode and a prompt KernelSpec: :func:`check_tables`), stripped of options that would bypass its
+    kernels (:func:`drop_bypassing_options`) and added to KERNEL_SETS under its own name.
     Calling each kernel on tiny inputs is analysis.contract.validate.validate_set (the contract's input builders),
-    which a run's parameter check does.
+    which the preflight of a run (receipt/preflight.py) and each section's run_section do.
 
     Raises:
         ValueError: one line naming ``ref``: not of that form, the module cannot be imported (or raises), no ATTR,
@@ -95,10 +102,43 @@ def import_set(ref: str) -> KernelSet:
         raise ValueError(f"kernel set reference {ref!r} gives a set named {ks.name!r}, a name another registered "
                          "set has")
     check_tables(ks, ref)   # before relabelling, which needs KernelSpecs
+    ks, dropped = drop_bypassing_options(ks)
     ks = relabel(ks)
+    _DROPPED[ks.name] = dropped
     KERNEL_SETS[ks.name] = ks
     _IMPORTED[ref], _REFS[ks.name] = ks, ref
     return ks
+
+
+def _same_kernels(a: KernelSet, b: KernelSet, classes) -> bool:
+    """Whether ``a`` and ``b`` have the very same callables (identity) for ``classes``, decode and prompt."""
+    return all(c in t and c in u and t[c].fn is u[c].fn
+               for t, u in ((a.decode, b.decode), (a.prompt, b.prompt)) for c in classes)
+
+
+def drop_bypassing_options(ks: KernelSet) -> tuple[KernelSet, dict[str, str]]:
+    """``ks`` without the options that would compute rows with a built-in set's kernel instead of its own: an
+    option of _STANDS_IN whose value is the very callable a built-in (not imported) set names for it, while ``ks``
+    has other callables than that set for the classes the option stands in for (a copy made with
+    ``dataclasses.replace`` keeps ``invariant``'s grouped MoE kernel after its expert kernels were replaced). A
+    callable of the user's own is kept, as is a built-in one over that set's own kernels.
+
+    Returns:
+        (the set, maybe with fewer options; option -> one line on why it was dropped). Raises nothing.
+    """
+    dropped = {}
+    for opt, classes in _STANDS_IN.items():
+        value = getattr(ks.options, opt)
+        if value is None:
+            continue
+        owners = [b for n, b in KERNEL_SETS.items() if n not in _REFS and getattr(b.options, opt) is value]
+        if owners and not any(_same_kernels(ks, b, classes) for b in owners):
+            fn = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
+            dropped[opt] = (f"{fn} gives the bytes of the {' and '.join(classes)} kernels of built-in set "
+                            f"{owners[0].name!r}, not of this set's own, which run instead")
+    if not dropped:
+        return ks, {}
+    return dataclasses.replace(ks, options=ks.options.without(*dropped)), dropped
 
 
 def _builtin_fns() -> dict:
@@ -116,7 +156,8 @@ def provenance(name_or_ref: str) -> dict:
     Returns:
         {"reference", "name", "description", "claims_exact", "options" (names), "module", "file", "sha256",
         "package", "package_version", "kernels_own" (its kernels whose callable is no built-in kernel's),
-        "kernels_builtin" (kernel -> the built-in kernel it calls)}; a built-in set gives its name, description,
+        "kernels_builtin" (kernel -> the built-in kernel it calls), "options_dropped" (option -> why it was
+        dropped on import: :func:`drop_bypassing_options`)}; a built-in set gives its name, description,
         claims_exact and options, with "module" "exactness.kernels.sets".
     Raises:
         ValueError: an unknown set or a reference that does not resolve (kernels.get_set).
@@ -139,7 +180,8 @@ def provenance(name_or_ref: str) -> dict:
                   "package": dists[0] if dists else None,
                   "package_version": importlib.metadata.version(dists[0]) if dists else None,
                   "kernels_own": [k for k, b in own.items() if b is None],
-                  "kernels_builtin": {k: b for k, b in own.items() if b is not None}}
+                  "kernels_builtin": {k: b for k, b in own.items() if b is not None},
+                  "options_dropped": dict(_DROPPED.get(ks.name, {}))}
 
 
 def set_names(refs) -> list[str]:

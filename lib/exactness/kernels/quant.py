@@ -37,6 +37,7 @@ _CHUNK_ELEMS = 1 << 22                           # fp32 products held at once by
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of the e2m1 codes 0..7
 _E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E4M3_MAX, _E2M1_MAX = 448.0, 6.0
+_OF_CODES = ("shape", "device", "dtype", "data_ptr")   # the tensor attributes a QuantWeight answers from its codes
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,10 @@ class QuantWeight:
         scales: [..., N, ceil(K / group)], bf16 (int4_g128) or float8_e4m3fn (nvfp4).
         gscale: fp32 [...] per-matrix scale (nvfp4), None for int4_g128.
 
-    Indexing the leading dim (``qw[e]``) gives expert ``e`` as a QuantWeight; ``to`` moves it. Other tensor
-    attributes are refused with NotImplementedError naming the format, so a kernel that only knows plain tensors
-    (e.g. a CUDA GEMM) fails clearly instead of reading codes as weights.
+    Indexing the leading dim (``qw[e]``) gives expert ``e`` as a QuantWeight; ``to`` moves it; ``shape``,
+    ``device``, ``dtype`` (int8: the dequantized values are fp32) and ``data_ptr()`` (identifies the weight) are the
+    codes'. Other tensor attributes are refused with NotImplementedError naming the format, so a kernel that only
+    knows plain tensors (e.g. a CUDA GEMM) fails clearly instead of reading codes as weights.
     """
 
     fmt: str
@@ -62,26 +64,11 @@ class QuantWeight:
     def __getattr__(self, name: str):
         if name.startswith("__") or name in ("fmt", "codes", "scales", "gscale"):
             raise AttributeError(name)
+        if name in _OF_CODES:
+            return getattr(self.codes, name)
         raise NotImplementedError(f"weights={self.fmt!r}: a kernel used the quantized weight as a plain tensor "
                                   f"(attribute {name!r}); only the torch kernels of the fast and invariant sets "
                                   "(kernels/quant.py) read quantized weights")
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The codes' dtype (int8); the dequantized values are fp32."""
-        return self.codes.dtype
-
-    def data_ptr(self) -> int:
-        """The codes' address: identifies the weight (as a tensor's data_ptr does)."""
-        return self.codes.data_ptr()
 
     @property
     def nbytes(self) -> int:

@@ -15,9 +15,11 @@ reference, ``package.module:ATTR`` (imported.py: labelled with its name, validat
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
+
+from ..lookup import lookup
 
 _PACKAGE = __package__.rsplit(".", 1)[0]   # "exactness": record references are relative to it
 
@@ -137,10 +139,7 @@ def class_record(name: str) -> KernelClass:
     Raises:
         ValueError: unknown class; the message lists the known ones.
     """
-    try:
-        return KERNEL_CLASS_RECORDS[name]
-    except KeyError:
-        raise ValueError(f"unknown kernel class {name!r}; known: {', '.join(KERNEL_CLASSES)}") from None
+    return lookup(KERNEL_CLASS_RECORDS, name, "kernel class", KERNEL_CLASSES)
 
 
 def resolve(ref: Callable | str | None) -> Callable | None:
@@ -180,6 +179,64 @@ class KernelSpec:
 
 
 @dataclass(frozen=True)
+class KernelOptions(Mapping):
+    """How the engine calls a set's kernels beyond one call per class and row block (model.py, graphs.py).
+
+    Attributes:
+        grouped_experts: None, or ``fn(h [M, H], idx [M, k] int64, w_gate [E, I, H], w_up [E, I, H],
+            w_down [E, H, I]) -> y [M, k, H] | None`` computing every routed expert of a layer at once with the
+            bytes of the set's own expert kernels (None from it: not served, the experts run one by one); an
+            optional attribute ``serves(h, w_gate, w_up, w_down) -> bool`` is asked before an offloaded layer is
+            staged whole for it. Dropped on import from a set whose expert kernels are not the ones it stands in
+            for (imported.drop_bypassing_options).
+        tiles_in_kernels: True, or a predicate of the call's rows ``x -> bool``: on the deep plan the dense and
+            expert kernels get whole calls, no host row tiles (their tiles are fixed inside). False: host tiles.
+        expert_id_aware: the expert kernels take ``expert_id=`` (-1: the shared expert); graphs do not serve it.
+
+    A Mapping of the options that are set (not their defaults), so a set can be built from another's:
+    ``KernelOptions.of({**base.options, "expert_id_aware": True})``.
+    """
+
+    grouped_experts: Callable | None = None
+    tiles_in_kernels: bool | Callable = False
+    expert_id_aware: bool = False
+
+    @classmethod
+    def of(cls, options: "KernelOptions | Mapping | None") -> "KernelOptions":
+        """KernelOptions from a mapping of option names (or None: the defaults; a KernelOptions passes through).
+
+        Raises:
+            ValueError: an unknown option name (the message lists the known ones).
+        """
+        if isinstance(options, KernelOptions):
+            return options
+        options = dict(options or {})
+        known = [f.name for f in fields(cls)]
+        bad = sorted(set(options) - set(known))
+        if bad:
+            raise ValueError(f"unknown kernel set options {bad}; known: {', '.join(known)}")
+        return cls(**options)
+
+    def without(self, *names: str) -> "KernelOptions":
+        """These options back at their defaults."""
+        return replace(self, **{n: next(f.default for f in fields(self) if f.name == n) for n in names})
+
+    def _set(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not f.default]
+
+    def __getitem__(self, name: str):
+        if name not in self._set():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self):
+        return iter(self._set())
+
+    def __len__(self) -> int:
+        return len(self._set())
+
+
+@dataclass(frozen=True)
 class KernelSet:
     """A named pair of kernels (decode, prompt) per kernel class.
 
@@ -189,6 +246,7 @@ class KernelSet:
         claims_exact: True when every prompt kernel claims its decode kernel's bytes for every row (the invariant
             set); False for sets kept for comparison (the fast set), whose pairs are still checked and reported.
         description: one line for receipts.
+        options: KernelOptions (a mapping of option names is converted; an unknown name is a ValueError).
     """
 
     name: str
@@ -196,7 +254,10 @@ class KernelSet:
     prompt: dict[str, KernelSpec]
     claims_exact: bool
     description: str = ""
-    options: dict = field(default_factory=dict)
+    options: KernelOptions = field(default_factory=KernelOptions)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", KernelOptions.of(self.options))
 
     def fn(self, cls: str, role: str) -> Callable:
         """The callable of class ``cls`` for ``role`` (``"decode"`` or ``"prompt"``)."""
@@ -236,7 +297,8 @@ def register_kernel(spec: KernelSpec) -> KernelSpec:
 
 
 def register_set(name: str, decode: dict[str, tuple[Callable, str]], prompt: dict[str, tuple[Callable, str]],
-                 claims_exact: bool, description: str = "", options: dict | None = None) -> KernelSet:
+                 claims_exact: bool, description: str = "", options: KernelOptions | dict | None = None
+                 ) -> KernelSet:
     """Register the kernels of one set and the set itself.
 
     Args:
@@ -244,10 +306,11 @@ def register_set(name: str, decode: dict[str, tuple[Callable, str]], prompt: dic
             ``"<set>.<class>.<role>"`` and each prompt kernel replaces the set's decode kernel of its class.
 
     Raises:
-        ValueError: a duplicate set name, or a class missing from ``decode`` or ``prompt``.
+        ValueError: a duplicate set name, a class missing from ``decode`` or ``prompt``, an unknown option.
     """
     if name in KERNEL_SETS:
         raise ValueError(f"kernel set {name!r} is registered twice")
+    options = KernelOptions.of(options)
     for role, table in (("decode", decode), ("prompt", prompt)):
         missing = [c for c in KERNEL_CLASSES if c not in table]
         if missing:
@@ -256,7 +319,7 @@ def register_set(name: str, decode: dict[str, tuple[Callable, str]], prompt: dic
            for c, (fn, doc) in decode.items()}
     pro = {c: register_kernel(KernelSpec(c, f"{name}.{c}.prompt", "prompt", fn, dec[c].name, doc))
            for c, (fn, doc) in prompt.items()}
-    ks = KernelSet(name, dec, pro, claims_exact, description, dict(options or {}))
+    ks = KernelSet(name, dec, pro, claims_exact, description, options)
     KERNEL_SETS[name] = ks
     return ks
 
@@ -267,9 +330,4 @@ def get_set(name: str | KernelSet) -> KernelSet:
     Raises:
         ValueError: unknown set; the message lists the known ones.
     """
-    if isinstance(name, KernelSet):
-        return name
-    try:
-        return KERNEL_SETS[name]
-    except KeyError:
-        raise ValueError(f"unknown kernel set {name!r}; known sets: {', '.join(sorted(KERNEL_SETS))}") from None
+    return name if isinstance(name, KernelSet) else lookup(KERNEL_SETS, name, "kernel set", known_as="known sets")

@@ -12,43 +12,47 @@ order, stable top-k with lower-id tie-break). Its prompt kernels claim the decod
 from __future__ import annotations
 
 from . import attention, cuda, dense, experts, fast_cuda, head, norm, rope, router
-from .registry import register_set
+from .registry import KERNEL_CLASSES, register_set
+
+# The fast set's classes whose kernel is the same for both roles; dense, experts and attention differ by role.
+_FAST_BOTH = {
+    "router": (router.router_fast, "F.linear, softmax, torch.topk"),
+    "moe_combine": (experts.combine_fast, "einsum over k in storage dtype"),
+    "rmsnorm": (norm.rmsnorm_fast, "fp32 mean of squares, rsqrt"),
+    "rope": (rope.rope_fast, "cos/sin evaluated per call"),
+    "residual": (norm.residual_add, "a + b"),
+    "lm_head": (head.lm_head_fast, "F.linear"),
+    "argmax": (head.argmax_first, "torch.argmax"),
+}
+
+
+def _fast(by_role: dict) -> dict:
+    """The fast set's table for one role: ``by_role``'s kernels, the others from _FAST_BOTH, in class order."""
+    both = {**_FAST_BOTH, **by_role}
+    return {c: both[c] for c in KERNEL_CLASSES if c in both}
+
 
 FAST = register_set(
     "fast",
-    decode={
+    decode=_fast({
         "dense": (dense.linear_fast, "F.linear on the rows given (CUDA: cuBLAS)"),
-        "router": (router.router_fast, "F.linear, softmax, torch.topk"),
         "expert_gate_up": (experts.gate_up_fast, "two F.linear, SiLU * up (CUDA bf16: routed experts in "
                            "torch._grouped_mm, the set's grouped_experts option)"),
         "expert_down": (experts.down_fast, "F.linear (CUDA bf16: routed experts in torch._grouped_mm)"),
-        "moe_combine": (experts.combine_fast, "einsum over k in storage dtype"),
         "attention": (fast_cuda.attention_decode, "CUDA bf16/fp16: FlashAttention-2 varlen "
                       "(aten._flash_attention_forward), one launch, key counts read on the device; else "
                       "scaled_dot_product_attention per row (not cuDNN)"),
-        "rmsnorm": (norm.rmsnorm_fast, "fp32 mean of squares, rsqrt"),
-        "rope": (rope.rope_fast, "cos/sin evaluated per call"),
-        "residual": (norm.residual_add, "a + b"),
-        "lm_head": (head.lm_head_fast, "F.linear"),
-        "argmax": (head.argmax_first, "torch.argmax"),
-    },
-    prompt={
+    }),
+    prompt=_fast({
         "dense": (dense.linear_fast, "F.linear on the whole chunk (CUDA: cuBLAS; CPU deep plan: 64-row tiles)"),
-        "router": (router.router_fast, "F.linear, softmax, torch.topk"),
         "expert_gate_up": (experts.gate_up_fast, "two F.linear on the expert's rows (CUDA bf16: routed experts "
                            "in torch._grouped_mm, grouped by expert, one launch per projection)"),
         "expert_down": (experts.down_fast, "F.linear on the expert's rows (CUDA bf16: routed experts in "
                         "torch._grouped_mm)"),
-        "moe_combine": (experts.combine_fast, "einsum over k in storage dtype"),
         "attention": (fast_cuda.attention_prompt, "CUDA bf16/fp16: FlashAttention-2 (aten._flash_attention_forward), "
                       "causal bottom-right, GQA in the kernel, one launch per slot; else "
                       "scaled_dot_product_attention, causal mask, KV heads repeated (not cuDNN)"),
-        "rmsnorm": (norm.rmsnorm_fast, "fp32 mean of squares, rsqrt"),
-        "rope": (rope.rope_fast, "cos/sin evaluated per call"),
-        "residual": (norm.residual_add, "a + b"),
-        "lm_head": (head.lm_head_fast, "F.linear"),
-        "argmax": (head.argmax_first, "torch.argmax"),
-    },
+    }),
     claims_exact=False,
     description="stock PyTorch (cuBLAS, FlashAttention-2, grouped expert GEMMs on CUDA); prompt rows may differ "
                 "from decode rows",
@@ -68,8 +72,9 @@ _INVARIANT = {
     "expert_down": (cuda.down_any, "CPU: F.linear on fixed 64-row tiles; CUDA: fixed-tile Triton GEMM"),
     "moe_combine": (cuda.combine, "fp32 sum over k in slot order"),
     "attention": (attention.reads_fp8(cuda.attention), "query-row tiles, fixed KV blocks (CPU 256, CUDA per "
-                  "config; an fp8 cache: the torch kernel on any device), online softmax in order (CUDA: "
-                  "softmax weights rounded to the storage dtype for P·V, as FlashAttention-2)"),
+                  "config), online softmax in order (CUDA: softmax weights rounded to the storage dtype for P·V, "
+                  "as FlashAttention-2); an fp8 cache dequantized to fp32 (CUDA: the whole cache, then the fp32 "
+                  "kernel)"),
     "rmsnorm": (cuda.rmsnorm, "64-row tiles (CUDA: one fixed row block per width)"),
     "rope": (cuda.rope, "cos/sin gathered from a table"),
     "residual": (cuda.residual, "a + b"),

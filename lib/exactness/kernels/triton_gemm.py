@@ -92,24 +92,23 @@ class GemmConfig:
 # Per (kind, N, K, dtype, arch) tile configs. Keys never contain M (that would break invariance). "sm90" = H100/
 # H200, "sm120" = RTX 50xx class (99 KB shared memory per block, mma.sync), "other" = everything else (pointer
 # loads, no TMA). Entries for the `small` preset's shapes were chosen on an H200 by benchmarks/bench_gpu_kernels.py.
-_DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
-    ("linear", "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, persistent=True),
-    ("gate_up", "16bit", "sm90"): GemmConfig(128, 64, 64, 4, 8, persistent=True),
-    ("linear", "16bit", "sm120"): GemmConfig(128, 128, 32, 3, 8),
-    ("gate_up", "16bit", "sm120"): GemmConfig(128, 64, 32, 3, 8),
-    ("linear", "16bit", "other"): GemmConfig(128, 128, 32, 3, 8, tma=False),
-    ("gate_up", "16bit", "other"): GemmConfig(128, 64, 32, 3, 8, tma=False),
-    ("linear", "fp32", "sm90"): GemmConfig(64, 64, 32, 3, 4),
-    ("gate_up", "fp32", "sm90"): GemmConfig(64, 32, 32, 3, 4),
-    ("linear", "fp32", "sm120"): GemmConfig(64, 64, 32, 2, 4),
-    ("gate_up", "fp32", "sm120"): GemmConfig(64, 32, 32, 2, 4),
-    ("linear", "fp32", "other"): GemmConfig(64, 64, 32, 2, 4, tma=False),
-    ("gate_up", "fp32", "other"): GemmConfig(64, 32, 32, 2, 4, tma=False),
+_LINEAR_DEFAULTS: dict[tuple[str, str], GemmConfig] = {
+    ("16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, persistent=True),
+    ("16bit", "sm120"): GemmConfig(128, 128, 32, 3, 8),
+    ("16bit", "other"): GemmConfig(128, 128, 32, 3, 8, tma=False),
+    ("fp32", "sm90"): GemmConfig(64, 64, 32, 3, 4),
+    ("fp32", "sm120"): GemmConfig(64, 64, 32, 2, 4),
+    ("fp32", "other"): GemmConfig(64, 64, 32, 2, 4, tma=False),
     # CPU interpreter (tests): small tiles keep the interpreted programs cheap.
-    ("linear", "16bit", "interp"): GemmConfig(32, 32, 16, 1, 4),
-    ("gate_up", "16bit", "interp"): GemmConfig(32, 32, 16, 1, 4),
-    ("linear", "fp32", "interp"): GemmConfig(32, 32, 16, 1, 4),
-    ("gate_up", "fp32", "interp"): GemmConfig(32, 32, 16, 1, 4),
+    ("16bit", "interp"): GemmConfig(32, 32, 16, 1, 4),
+    ("fp32", "interp"): GemmConfig(32, 32, 16, 1, 4),
+}
+# The fused gate/up kernel loads two B tiles per stage: on the GPUs it takes the linear tile with half the block_n,
+# the same shared memory (GemmConfig.smem_bytes); the interpreter's tiles are small already.
+_DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
+    **{("linear", *k): c for k, c in _LINEAR_DEFAULTS.items()},
+    **{("gate_up", *k): c if k[1] == "interp" else replace(c, block_n=c.block_n // 2)
+       for k, c in _LINEAR_DEFAULTS.items()},
 }
 # Chosen on an H200: the tiles by benchmarks/bench_gpu_kernels.py --tune (per shape, the candidate with the best
 # GEMM/cuBLAS ratio at M = 4096 and 16384; its candidates have no split), split_k per shape by the decode-step time

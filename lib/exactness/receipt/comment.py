@@ -3,7 +3,8 @@
 One markdown text under GitHub's comment limit (render.MD_LIMIT): PR's status and commit, its summary (one verdict
 line per kernel set, and per engine for an engines run), its errors when it failed, then what moved against BASE as
 ``exactness diff`` computes it (diff.diff_receipts, diff_md.render: cut with a note when long, diff.json holding every
-row). BASE and PR are receipt folders or receipt.json files. Exit status: 0 written, 2 bad input (a message on stderr, nothing written).
+row). BASE and PR are receipt folders or receipt.json files. Exit status (cli.main runs :func:`run`): 0 written, 2 bad
+input (a message on stderr, nothing written).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .diff import DiffError, diff_receipts, load_receipt
-from .diff_cli import command_main, write_text
+from .diff_cli import write_text
 from .diff_md import render as diff_markdown
 from .fit import SEP
 from .render import MD_LIMIT, git_text, render_errors, render_summary, truncate
@@ -80,12 +81,3 @@ def run(args: argparse.Namespace) -> int:
         write_text(text, out)
         print(f"wrote {out} ({len(text):,} characters)", file=sys.stderr)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m exactness.receipt.comment BASE PR [--out FILE]``: the exit status (0, or 2 with a message)."""
-    return command_main(argv, "python -m exactness comment", HELP, add_arguments, run)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """The ``exactness diff`` command: two receipts in, what moved out (diff.py computes it, diff_md.py writes the
-markdown), and the pieces the ``comment`` command shares with it (:func:`command_main`, :func:`write_text`).
+markdown), and :func:`write_text`, which the ``comment`` command shares with it.
 
-Exit status of :func:`main`: 0 nothing moved, 1 something moved (or could not be compared), 2 bad input (a message on
-stderr, nothing written).
+Exit status (cli.main runs :func:`run`; a DiffError is one ``error:`` line on stderr): 0 nothing moved, 1 something
+moved (or could not be compared), 2 bad input (a message on stderr, nothing written).
 """
 from __future__ import annotations
 
@@ -82,24 +82,3 @@ def run(args: argparse.Namespace) -> int:
         write_outputs(result, markdown, args.out)
     sys.stdout.write(markdown)
     return 1 if result["moved"] else 0
-
-
-def command_main(argv: list[str] | None, prog: str, description: str, add, run_args) -> int:
-    """A receipt-comparing command run alone: ``add(parser)`` declares its arguments, ``run_args(args)`` returns its
-    exit status; a DiffError is one ``error:`` line on stderr and status 2."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    add(parser)
-    try:
-        return run_args(parser.parse_args(argv))
-    except DiffError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m exactness diff BASE PR [--out DIR]`` alone; returns the exit status (0, 1, or 2 with a message)."""
-    return command_main(argv, "python -m exactness diff", HELP, add_arguments, run)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

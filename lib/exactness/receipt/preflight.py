@@ -1,6 +1,7 @@
 """Checks that a run can run, made before anything runs: the checkpoint folder (it exists and its config.json
-parses), that every section of the run takes the checkpoint it is given, and that prompt + generated tokens and the
-bench's cold-prefill lengths fit the model's ``max_positions``; and that the engines under test can be opened.
+parses), that every section of the run takes the checkpoint it is given, that prompt + generated tokens and the
+bench's cold-prefill lengths fit the model's ``max_positions``, and that each kernel set named by reference runs on
+tiny inputs; and that the engines under test can be opened.
 
 The receipt runner (``receipt.plan_parameters``) and the per-section command line (``cli.section_parameters``)
 call :func:`check_run`, and :func:`probe_engines` where engines will run (each engine's model file header or
@@ -93,6 +94,22 @@ def check_lengths(params: dict, cfg: ModelConfig, tokenizer, model: str, section
                 raise PreflightError(str(e)) from None
 
 
+def check_kernel_sets(params: dict) -> None:
+    """Every kernel set of ``params["kernel_sets"]`` named by reference called once per kernel on tiny inputs on the
+    run's device (analysis.contract.validate.validate_sets).
+
+    Raises:
+        PreflightError: ``parameter kernel_sets: 'REF' is not allowed: kernel set ..., class ..., <role> kernel
+            ...``, one line.
+    """
+    from ..analysis.contract.validate import validate_sets
+
+    try:
+        validate_sets(params)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
+
+
 def probe_engines(params: dict, sections: list[str]) -> None:
     """For a run of the engines section: every engine spec of ``params["engine"]`` probed (engines.probe: a GGUF
     header, a model folder's config and weight headers, each given server's /v1/models and one greedy token).
@@ -126,3 +143,4 @@ def check_run(params: dict, sections: list[str]) -> None:
         check_lengths(params, cfg, tokenizer, model, sections)
     else:
         check_checkpoint_sections(params, sections)
+    check_kernel_sets(params)

@@ -384,18 +384,22 @@ ADAPTED = ClassNames(lambda r: r.contract_inputs is not None)   # the classes wi
 OFFLOAD_CLASSES = ("expert_gate_up", "expert_down")   # the classes whose weights offload moves
 
 
+def kv_store(t: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """Cache rows t [..., D] stored in fp8 format ``kv_dtype`` (cache.KVFormat): codes and scales packed as uint8
+    [..., D + 4], one scale for the whole tensor (amax / 448, as cache.calibrate) for ``fp8_e4m3``, one per row for
+    ``fp8_e4m3_block``."""
+    amax = float(t.float().abs().max())
+    scale = float(torch.tensor(amax / FP8_MAX, dtype=torch.float32)) if amax > 0 else 1.0
+    return kv_quantize(t, scale if kv_dtype == "fp8_e4m3" else None)
+
+
 def kv_pool(pool: Pool, kv_dtype: str) -> Pool:
     """An attention pool whose two-slot caches (fixed args k, v [2, n, Hkv, D]) are stored in ``kv_dtype``
-    (cache.KVFormat): fp8 codes and scales packed as uint8 [2, n, Hkv, D + 4], one scale per cache tensor
-    (amax / 448, as cache.calibrate) for ``fp8_e4m3``, one per row for ``fp8_e4m3_block``."""
+    (kv_store; ``bf16``: the pool itself)."""
     if kv_dtype == "bf16":
         return pool
-
-    def store(t):
-        amax = float(t.float().abs().max())
-        scale = float(torch.tensor(amax / FP8_MAX, dtype=torch.float32)) if amax > 0 else 1.0
-        return kv_quantize(t, scale if kv_dtype == "fp8_e4m3" else None)
-    return dataclasses.replace(pool, fixed=tuple(store(t) for t in pool.fixed), note={"kv_dtype": kv_dtype})
+    return dataclasses.replace(pool, fixed=tuple(kv_store(t, kv_dtype) for t in pool.fixed),
+                               note={"kv_dtype": kv_dtype})
 
 
 @functools.lru_cache(maxsize=512)

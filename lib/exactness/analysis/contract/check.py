@@ -46,6 +46,7 @@ from .cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SO
                     class_sites, decode_plan, fed, plan, ranges)
 from .combine import coverage
 from .inputs import QUANT_CLASSES
+from .validate import validate_sets
 from ...checkpoint import resolve_device, resolve_dtype
 from ...weights import sharing_synthetic_weights
 
@@ -362,7 +363,7 @@ def check_set(set_name: str, device: str = "cpu", dtypes=("bfloat16", "float32")
             out.append(check_pair(p, dec, device, d, sweep, ks.name, preset=preset, offload=offload,
                                   progress=progress, weights=weights,
                                   groups=groups if p.cls == "router" else None,   # the router's variant
-                                  expert_ids=bool(ks.options.get("expert_id_aware"))))
+                                  expert_ids=ks.options.expert_id_aware))
     return out
 
 
@@ -385,6 +386,7 @@ def run_section(params: ContractParams | dict) -> dict:
     "offload_rows": [...], "coverage": [...], "uncovered": [...]}``. Raises ValueError on an unknown set/device/dtype/sweep/class/weights format.
     """
     p = ContractParams.from_dict(params)
+    validate_sets(p)
     sets = [get_set(s).name for s in (p.kernel_sets or list(KERNEL_SETS))]   # references resolved to set names
     device = p.device
     base = p.dtype

@@ -8,8 +8,9 @@ rounded to fp64, is ``math.fsum`` of the products (Python docs: fsum tracks exac
 
 Transcendental classes (expert_gate_up: SiLU; attention: exp; rmsnorm: rsqrt; rope: cos/sin): the output is
 evaluated in mpmath at 320 and at 640 bits from the exact inputs (each inner sum of exact products enters as its
-exact float expansion, :func:`expansion`); the two values must agree to MP_AGREE·A = 2^-100·A, far below any
-output ULP; the 640-bit value is taken as exact.
+exact float expansion, :func:`expansion`; an fp8 KV cache's keys and values enter as their dequantized fp32 values,
+fp64/ref.py kv64); the two values must agree to MP_AGREE·A = 2^-100·A, far below any output ULP; the 640-bit value
+is taken as exact.
 
 The disagreement of the fp64 reference is reported in fp64 ULPs of the normaliser: |y_ref - exact| / (2^-52·A).
 The reference is certified when every picked element is below CERT_MAX_ULPS and every cross-check agreed.
@@ -24,7 +25,7 @@ import torch
 from mpmath import mp, mpf
 
 from ...kernels.registry import ClassNames
-from .ref import CERT_MAX_ULPS, CERT_PRECS, MP_AGREE, Eval, rope_angles, weight_key, weight_row
+from .ref import CERT_MAX_ULPS, CERT_PRECS, MP_AGREE, Eval, kv64, rope_angles, weight_key, weight_row
 
 # The groups come from the class records' ``fp64_cert``; the terms (sum_terms) and values (mp_value) are per class.
 SUM_CLASSES = ClassNames(lambda r: r.fp64_cert == "sum")
@@ -126,7 +127,10 @@ def _mp_attention(s, j, kv, cache) -> mpf:
     q = s.data["q"]
     Hq, D = q.shape
     h, d = divmod(j, D)
-    kc, vc = kv[s.layer]
+    rows = (id(s), "kv")
+    if rows not in cache:   # the cache's values (fp8: dequantized), once per sample
+        cache[rows] = tuple(kv64(t[:s.pos + 1]) for t in kv[s.layer])
+    kc, vc = cache[rows]
     g = Hq // kc.shape[1]
     key = (id(s), h, mp.prec)
     if key not in cache:

@@ -36,6 +36,13 @@ dequantized weights to the storage dtype before its GEMM (the fast set's recipe 
 adds a relative error up to u_s per weight, which this bound does not charge: such rows are judged against the
 format's weights and show that extra error.
 
+KV cache formats (cache.py: an fp8 cache is uint8 [..., D + 4], codes then an fp32 scale per row). The keys and
+values are the cache's ``dequantize()`` fp32 values, fp8 code times scale, converted to fp64 exactly (:func:`kv64`).
+The format's one fp32 rounding of that product is part of its definition (as for nvfp4 weights) and is what every
+kernel gets from cache.kv_rows; so the reference starts from the rows as stored, and the error measured is the
+kernel's, not the quantization's. A kernel that rounds the dequantized rows further (to the storage dtype) is
+judged against the cache's values and shows that rounding.
+
 Certification (:func:`certify`): on picked output elements, the exact value is recomputed independently: sums of
 exact fp64 products with ``math.fsum`` and with ``mpmath.fsum`` at 320 bits (they must agree); classes with exp,
 rsqrt, SiLU, cos or sin in mpmath at 320 and 640 bits, which must agree to 2^-100·A. ``ref_cert_ulps`` is the worst
@@ -50,6 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...cache import kv_rows
 from ...kernels.quant import QuantWeight
 from ...kernels.registry import ClassNames, class_record, resolve
 from ..taps import Sample
@@ -144,6 +152,12 @@ def weight_row(w, j: int) -> torch.Tensor:
     """Row ``j`` [K] of a weight [N, K] in its own values: a tensor's row, or a QuantWeight's dequantized fp32 row
     (only that row is dequantized)."""
     return w.dequantize(slice(j, j + 1))[0] if isinstance(w, QuantWeight) else w[j]
+
+
+def kv64(t: torch.Tensor) -> torch.Tensor:
+    """Cache rows as fp64 values: a packed fp8 cache (uint8 [..., D + 4]) its dequantized fp32 values, any other
+    cache [..., D] its own values (both converted exactly)."""
+    return kv_rows(t, torch.float32).to(F64)
 
 
 def _gemm(x: torch.Tensor, w):
@@ -259,8 +273,8 @@ def _attention(samples, params, kv):
         p = s.pos
         q = s.data["q"].to(F64)                                                    # [Hq, D]
         Hq, D = q.shape
-        k = kc[:p + 1].to(F64).repeat_interleave(Hq // kc.shape[1], dim=1)         # [T, Hq, D]
-        v = vc[:p + 1].to(F64).repeat_interleave(Hq // vc.shape[1], dim=1)
+        k = kv64(kc[:p + 1]).repeat_interleave(Hq // kc.shape[1], dim=1)           # [T, Hq, D]
+        v = kv64(vc[:p + 1]).repeat_interleave(Hq // vc.shape[1], dim=1)
         sc = torch.einsum("hd,thd->ht", q, k) / math.sqrt(D)                       # [Hq, T]
         S = torch.einsum("hd,thd->ht", q.abs(), k.abs()) / math.sqrt(D)
         pr = torch.softmax(sc, dim=-1)
@@ -346,7 +360,8 @@ def evaluate(cls: str, samples: list[Sample], params: dict, kv: dict) -> Eval:
     """The :class:`Eval` of ``samples`` (all of class ``cls``).
 
     Args:
-        params: (layer, tag) -> weight tensor (taps.TapRecorder.params); kv: layer -> (k [T, Hkv, D], v) of the run.
+        params: (layer, tag) -> weight tensor (taps.TapRecorder.params); kv: layer -> (k [T, Hkv, D], v) of the run,
+            as the cache stores them (an fp8 cache: uint8 [T, Hkv, D + 4], read through kv64).
     The evaluator is the class record's ``fp64`` (kernels/registry.py).
     Raises:
         ValueError: a class with no FP64 evaluator (lists the known ones) or no samples.

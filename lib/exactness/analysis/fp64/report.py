@@ -68,11 +68,18 @@ def _uncertified(rs) -> str:
     return "" if all(r["ref_certified"] for r in rs) else " (reference NOT certified)"
 
 
+def _label(r: dict) -> str:
+    """The class with its quantized formats named: ``dense (nvfp4 weights)``, an attention row judged over an fp8
+    cache ``attention (fp8_e4m3_block KV cache)``; the class alone for bf16 weights and KV cache."""
+    fmts = [f"{r['weights']} weights"] if r.get("weights", "bf16") != "bf16" else []
+    fmts += [f"{r['kv_dtype']} KV cache"] if r.get("kv_dtype", "bf16") != "bf16" else []
+    return f"{r['class']} ({', '.join(fmts)})" if fmts else r["class"]
+
+
 def _labelled(rows: list[dict]) -> list[dict]:
-    """Rows with their weights format named in the class label when quantized (``dense (nvfp4 weights)``), so
-    that the tables keep rows of different weights on separate lines."""
-    return [r if r.get("weights", "bf16") == "bf16" else {**r, "class": f"{r['class']} ({r['weights']} weights)"}
-            for r in rows]
+    """Rows with their quantized formats named in the class label (_label), so that the tables keep rows of
+    different weights or KV formats on separate lines."""
+    return [r if _label(r) == r["class"] else {**r, "class": _label(r)} for r in rows]
 
 
 def captured_table(rows: list[dict]) -> Table:
@@ -134,11 +141,14 @@ def verdict_md(rows: list[dict]) -> str:
 
 
 def meta_md(meta: dict) -> str:
-    """One line: which prompt the activations were captured from, how many positions and outputs were sampled."""
+    """One line: which prompt the activations were captured from, how many positions and outputs were sampled, and
+    the KV format when it is not bf16."""
+    kv = meta.get("kv_dtype", "bf16")
     return (f"Captured from prompt {md_escape(str(meta.get('prompt')))}, {meta.get('tokens')} tokens, prefill step "
             f"{meta.get('step')}: {meta.get('positions')} sampled positions per class; {meta.get('cert_per_row')} "
             f"outputs per row certified against exact arithmetic (failing above {_g(meta.get('cert_max_ulps'))} FP64 "
-            f"ulps of the normaliser).")
+            f"ulps of the normaliser)."
+            + (f" KV cache: {kv} (attention judged on the values it stores)." if kv != "bf16" else ""))
 
 
 def _by_case(rows) -> dict:
@@ -149,9 +159,25 @@ def _by_case(rows) -> dict:
     return {k: sorted(v, key=lambda r: (r["set"], order[r["path"]])) for k, v in out.items()}
 
 
+def _attention_note(rs: list[dict]) -> str:
+    """What attention rows outside bound say: the bound with stored softmax weights; over an fp8 KV cache, which
+    values the reference read."""
+    note = ""
+    if all(r.get("bound_use_p_stored") is not None for r in rs):
+        worst = max(r["bound_use_p_stored"] for r in rs)
+        note += (f" Charging one storage rounding (u_s) of each unnormalised softmax weight, the same rows use "
+                 f"at most {worst:.3g} of the bound: consistent with the kernel storing the softmax weights in "
+                 f"the storage dtype before the P·V product, a rounding the class's fp32-softmax semantics "
+                 f"(kernels/attention.py) do not include.")
+    if any(r.get("kv_dtype", "bf16") != "bf16" for r in rs):
+        note += (" Over an fp8 KV cache the reference reads the cache's dequantized fp32 values (code·scale): a "
+                 "kernel that reads them rounded to the storage dtype shows that rounding here too.")
+    return note
+
+
 def notes_md(section) -> list[str]:
-    """One markdown line per class (and weights format) with rows outside bound or uncertified: where, and what
-    the excess says about the kernel."""
+    """One markdown line per class (and weights or KV format) with rows outside bound or uncertified: where, and
+    what the excess says about the kernel."""
     rows = section.get("rows", [])
     notes = []
     bad = [r for r in rows if r["verdict"] in ("outside bound", "uncertified")]
@@ -161,12 +187,8 @@ def notes_md(section) -> list[str]:
         where = sorted({f"{r['set']}/{r['path']}/{r['input_set']}" for r in rs})
         line = f"- **{label}** outside bound or uncertified in {len(rs)} rows ({', '.join(where[:6])}" + \
             (", ..." if len(where) > 6 else "") + ")."
-        if cls == "attention" and all(r.get("bound_use_p_stored") is not None for r in rs):
-            worst = max(r["bound_use_p_stored"] for r in rs)
-            line += (f" Charging one storage rounding (u_s) of each unnormalised softmax weight, the same rows use "
-                     f"at most {worst:.3g} of the bound: consistent with the kernel storing the softmax weights in "
-                     f"the storage dtype before the P·V product, a rounding the class's fp32-softmax semantics "
-                     f"(kernels/attention.py) do not include.")
+        if cls == "attention":
+            line += _attention_note(rs)
         elif cls in GEMM_CLASSES:
             worst = max(r["eta_over_gamma"] for r in rs)
             line += (f" pre/γ_K reaches {worst:.3g}: no fp32 round-to-nearest accumulation, in any order, gives "

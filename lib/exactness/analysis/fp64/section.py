@@ -27,9 +27,12 @@ output (for GEMMs: |z - y| <= gamma_K·sum|x·w| for the fp32 value z before sto
 Weights formats (``fp64_weights``, default the profile's ``weights``): each format runs the captured paths on the
 preset's synthetic weights quantized to it (weights.synthetic_weights) and the synthetic cases of the classes whose
 weights it replaces; every row names its ``weights``, and a quantized GEMM is judged against its dequantized
-weights (fp64/ref.py). A captured row's verdict speaks of the prompt positions it sampled only: ``sampled.position_list`` lists them (the
-evenly spaced ones plus any ``extra_positions``, e.g. the rows the kernel contract flagged), and the verdict
-markdown names them.
+weights (fp64/ref.py). KV format (``kv_dtype``, the profile's): the captured runs store their KV cache in it and
+the synthetic attention cases store their drawn caches in it; attention rows over an fp8 cache name it
+(``kv_dtype``; rows over a bf16 cache carry no such field) and are judged against the cache's values as stored
+(dequantized, fp64/ref.py kv64). A captured row's verdict speaks of the prompt positions it sampled only:
+``sampled.position_list`` lists them (the evenly spaced ones plus any ``extra_positions``, e.g. the rows the kernel
+contract flagged), and the verdict markdown names them.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ import time
 
 import torch
 
+from ...cache import KVFormat
 from ...config import get_preset
 from ...exact import as_int, ulp_distance
 from ...kernels import get_set, set_names
@@ -52,6 +56,7 @@ from . import synth
 from .cert import certify
 from .ref import CERT_MAX_ULPS, evaluate, gamma
 from ...checkpoint import resolve_device
+from ..contract.validate import validate_sets
 from ..taps import TapRecorder
 from ..ulp import U_ACC, distance_to_rounding_interval, round_to, unit_roundoff
 
@@ -225,18 +230,37 @@ def _captured_rows(rec, p, plan, out, memo, weights: str = "bf16"):
                 if not samples:
                     continue
                 kv = {k[2]: v for k, v in rec.kv.items() if k[0] == ks and k[1] == path}
+                if cls == "attention":
+                    _check_kv(kv, p.kv_dtype)
                 ev = evaluate(cls, samples, rec.params, kv)
                 evs[path] = ev
                 st = error_stats(ev)
                 cert = certify(ev, pick_elements(ev, p.fp64_cert, 0, st["eta"]), rec.params, kv, memo)
                 plans = {pl: n for (k0, p0, c0, pl), n in rec.calls.items() if (k0, p0, c0) == (ks, path, cls)}
                 meta = {"class": cls, "path": path, "set": ks, "dtype": dtype, "input_set": "captured",
-                        "weights": weights, **_kernel_meta(ks, cls, path),
+                        "weights": weights, **_kv_meta(cls, p.kv_dtype), **_kernel_meta(ks, cls, path),
                         "sampled": {"prompt": plan["prompt"], "positions": len(plan["positions"]),
                                     "position_list": list(plan["positions"]), "extra_positions": plan["extra"],
                                     "samples": len(samples), "outputs": int(ev.y.numel()), "certified": cert["n"],
                                     "plans": plans}}
                 _emit(out, ev, evs.get("decode"), cert, meta, st)
+
+
+def _check_kv(kv: dict, kv_dtype: str) -> None:
+    """Refuse captured caches (layer -> (k, v)) not stored in ``kv_dtype``: uint8 for an fp8 format, else not.
+
+    Raises:
+        RuntimeError: naming the storage read and the kv_dtype asked for.
+    """
+    fp8 = KVFormat.of(kv_dtype).quantized
+    bad = [t.dtype for pair in kv.values() for t in pair if (t.dtype == torch.uint8) != fp8]
+    if bad:
+        raise RuntimeError(f"the captured attention calls read a {bad[0]} KV cache, not one of kv_dtype {kv_dtype!r}")
+
+
+def _kv_meta(cls: str, kv_dtype: str) -> dict:
+    """The KV format an attention row over an fp8 cache was judged on; {} for other rows and bf16 caches."""
+    return {"kv_dtype": kv_dtype} if cls == "attention" and kv_dtype != "bf16" else {}
 
 
 def _kernel_meta(ks: str, cls: str, path: str) -> dict:
@@ -287,7 +311,7 @@ def _synthetic_rows(p, cfg, dev, out, memo, weights: str = "bf16"):
     for cls, iset, K, dname in synthetic_cases(p, cfg, weights):
         n = full.index((cls, iset, K, dname))            # the bf16 case's seed: the same draws in every format
         case = synth.make_case(cls, iset, cfg, DTYPES[dname], dev, M=int(p.fp64_synth_rows), K=K, seed=n,
-                               weights=weights)
+                               weights=weights, kv_dtype=p.kv_dtype if cls == "attention" else "bf16")
         evs = {}
         for ks in p.kernel_sets:
             for path in PATHS:
@@ -302,7 +326,7 @@ def _synthetic_rows(p, cfg, dev, out, memo, weights: str = "bf16"):
         for (ks, path), ev in evs.items():
             cert = certify(ev, picks, case.params, case.kv, memo)
             meta = {"class": cls, "path": path, "set": ks, "dtype": dname, "input_set": iset,
-                    "weights": weights, **_kernel_meta(ks, cls, path),
+                    "weights": weights, **_kv_meta(cls, case.kv_dtype), **_kernel_meta(ks, cls, path),
                     "sampled": {"rows": int(case.args[0].shape[0]), "outputs": int(ev.y.numel()),
                                 "certified": cert["n"]}}
             _emit(out, ev, evs.get((ks, "decode")), cert, meta, sts[(ks, path)])
@@ -317,15 +341,19 @@ def run_section(params: Fp64Params | dict, extra_positions=()) -> dict:
             prompt; see capture_plan), fp64_synthetic (run the synthetic input sets, True), fp64_k_max (largest
             synthetic K, 16384), fp64_synth_rows (rows per synthetic case, 128), fp64_fp32_sweep (dense K sweep
             also in float32 storage, True), fp64_synth_classes (restrict the synthetic classes; None = all),
-            fp64_weights (weights formats to judge, captured and synthetic; None = the profile's ``weights``).
+            fp64_weights (weights formats to judge, captured and synthetic; None = the profile's ``weights``);
+            kv_dtype (the profile's: the KV format of the captured runs and the synthetic attention caches).
         extra_positions: prompt positions to judge besides the evenly spaced ones (capture_plan), e.g. the rows
             the kernel contract flagged; every captured row's verdict then covers them.
     Returns:
         {"section": "fp64", "rows": [...], "hist": {...}, "by_k": [...], "per_layer": [...], "meta": {...}}.
     Raises:
         ValueError: a missing profile field or a bad value (named), an extra position outside the prompt.
+        RuntimeError: the captured attention calls read a cache not stored in kv_dtype.
+        ParamError: a set given by reference whose kernels fail on tiny inputs (contract.validate.validate_sets).
     """
     p = Fp64Params.from_dict(params)   # rows and taps name each set by its own name (a reference resolved)
+    validate_sets(p)
     p = dataclasses.replace(p, kernel_sets=set_names(p.kernel_sets))
     dtype, dev = DTYPES[p.dtype], resolve_device(p.device)   # a clear error where CUDA is asked for but absent
     cfg = get_preset(p.preset)
@@ -339,7 +367,7 @@ def run_section(params: Fp64Params | dict, extra_positions=()) -> dict:
             w = synthetic_weights(cfg, dtype, dev, weights=fmt)
             bar.set_postfix_str(f"tapped runs ({fmt})")
             t0 = time.perf_counter()
-            rec, runs = capture(w, plan, p.kernel_sets, int(p.deep_threshold))
+            rec, runs = capture(w, plan, p.kernel_sets, int(p.deep_threshold), p.kv_dtype)
             bar.update(1)
             bar.set_postfix_str(f"captured inputs vs FP64 ({fmt})")
             t1 = time.perf_counter()
@@ -358,7 +386,7 @@ def run_section(params: Fp64Params | dict, extra_positions=()) -> dict:
                    "positions": len(plan["positions"]), "position_list": list(plan["positions"]),
                    "extra_positions": plan["extra"], "cert_per_row": int(p.fp64_cert),
                    "cert_max_ulps": CERT_MAX_ULPS, "hist_edges": list(HIST_EDGES), "weights": formats,
-                   "seconds": secs}
+                   "seconds": secs, **({"kv_dtype": p.kv_dtype} if p.kv_dtype != "bf16" else {})}
     return out
 
 

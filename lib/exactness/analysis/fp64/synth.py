@@ -9,7 +9,9 @@ its prompt kernel on the whole [M, ...] block; ``deep`` = the prompt kernel on c
 the classes the deep plan tiles (dense, expert_gate_up, expert_down; model.Ops). Weight matrices are drawn from the
 same set and scaled by 1/sqrt(K) so that SiLU and softmax see O(1) arguments. With ``weights`` a quantized format
 (kernels/quant.py; the ``fp64_weights`` parameter) the weight matrices of QUANT_CLASSES are quantized after the
-draw (the draws do not change), and the references use their dequantized values (fp64/ref.py).
+draw (the draws do not change), and the references use their dequantized values (fp64/ref.py). With ``kv_dtype``
+an fp8 format (cache.KV_DTYPES) attention's drawn caches are stored in it as the kernel contract stores them
+(contract/cases.kv_store: uint8 codes and scales), and the reference reads their dequantized values (fp64/ref.py).
 """
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ...cache import KVFormat
 from ...config import ModelConfig
 from ...kernels import get_set
 from ...kernels.quant import WEIGHT_FORMATS, quantize
 from ...kernels.registry import ClassNames, class_record
+from ..contract.cases import kv_store
 from ..taps import Sample
 
 INPUT_SETS = ("normal", "outliers", "same_sign")
@@ -43,6 +47,7 @@ class Case:
     kv: dict
     positions: list
     weights: str = "bf16"
+    kv_dtype: str = "bf16"
 
 
 def draw(gen: torch.Generator, shape, input_set: str, dtype, device, scale: float = 1.0) -> torch.Tensor:
@@ -62,23 +67,31 @@ def draw(gen: torch.Generator, shape, input_set: str, dtype, device, scale: floa
 
 
 def make_case(cls: str, input_set: str, cfg: ModelConfig, dtype, device, M: int = 128, K: int | None = None,
-              T: int = 320, seed: int = 0, weights: str = "bf16") -> Case:
+              T: int = 320, seed: int = 0, weights: str = "bf16", kv_dtype: str = "bf16") -> Case:
     """Inputs for one synthetic case; K (dense only) overrides the reduction length (default cfg.hidden);
-    ``weights`` quantizes the weight matrices of QUANT_CLASSES (``"bf16"``: none).
+    ``weights`` quantizes the weight matrices of QUANT_CLASSES (``"bf16"``: none); ``kv_dtype`` stores attention's
+    caches in that KV format (uint8 [1, T, Hkv, D + 4] for fp8; the draws do not change).
 
     Shapes follow ``cfg``: H, I, k, Hq, Hkv, D; attention reads T cached keys, queries at positions T-M..T-1
     (M <= T); rope uses random positions below 16384.
     Raises:
-        ValueError: unknown class, input set or weights format, a quantized format for a class outside
-            QUANT_CLASSES, or M > T for attention.
+        ValueError: unknown class, input set, weights format or kv_dtype, a quantized format for a class outside
+            QUANT_CLASSES, an fp8 kv_dtype for another class than attention, or M > T for attention.
     """
     if weights not in WEIGHT_FORMATS or (weights != "bf16" and cls not in QUANT_CLASSES):
         raise ValueError(f"weights {weights!r} not allowed for synthetic class {cls!r}; allowed: "
                          + (", ".join(WEIGHT_FORMATS) if cls in QUANT_CLASSES else "bf16"))
+    if KVFormat.of(kv_dtype).quantized and cls != "attention":
+        raise ValueError(f"kv_dtype {kv_dtype!r} not allowed for synthetic class {cls!r}; allowed: bf16 (only "
+                         "attention reads a KV cache)")
     case = _draw_case(cls, input_set, cfg, dtype, device, M, K, T, seed)
     if weights != "bf16":
         case.params = {k: quantize(w, weights) for k, w in case.params.items()}
         case.weights = weights
+    if kv_dtype != "bf16":
+        q, kc, vc, slots, pos = case.args
+        kc, vc = kv_store(kc, kv_dtype), kv_store(vc, kv_dtype)
+        case.args, case.kv, case.kv_dtype = (q, kc, vc, slots, pos), {0: (kc[0].cpu(), vc[0].cpu())}, kv_dtype
     return case
 
 
