@@ -196,8 +196,11 @@ def _cli(tmp_path, *args) -> tuple[subprocess.CompletedProcess, float]:
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
     # lib and what PYTHONPATH held (a Python whose packages sit in a folder on it: make test PY=... WHEELS=...)
+    # and JUPYTER_PATH, where such a Python's Jupyter kernel is registered (make puts .deps/share/jupyter on it)
     path = os.pathsep.join(p for p in (str(ROOT / "lib"), os.environ.get("PYTHONPATH", "")) if p)
     env = {"PATH": os.defpath, "HOME": str(home), "LANG": "C.UTF-8", "PYTHONPATH": path}
+    if os.environ.get("JUPYTER_PATH"):
+        env["JUPYTER_PATH"] = os.environ["JUPYTER_PATH"]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "exactness", "receipts", "--profile", "ci", "--sections", "engines",
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -30,11 +30,6 @@ from ..paths import Schedule, prefill
 from .writer import DumpWriter, Fixed
 
 ENGINE = "exactness"
-ARGS = {"dense": ("x", "w"), "router": ("x", "w", "top_k", "norm"), "expert_gate_up": ("x", "w_gate", "w_up"),
-        "expert_down": ("x", "w_down"), "moe_combine": ("y", "g", "shared"),
-        "attention": ("q", "k_cache", "v_cache", "slots", "positions"), "rmsnorm": ("x", "w", "eps"),
-        "rope": ("x", "positions", "theta"), "residual": ("a", "b"), "lm_head": ("x", "w"), "argmax": ("logits",)}
-OUTS = {"router": ("weights", "idx", "logits")}
 NORM_TO_ROPE = {"q_norm": "rope_q", "k_norm": "rope_k"}
 
 
@@ -134,7 +129,7 @@ class EngineDumper:
     def _write(self, cls, role, site, args, outs, rows) -> None:
         spec = (self.ks.prompt if role == "prompt" else self.ks.decode)[cls]
         rec = class_record(cls)
-        names = ARGS.get(cls) or tuple(f"arg{i}" for i in range(len(args)))   # a class registered later
+        names = rec.args or tuple(f"arg{i}" for i in range(len(args)))
         inputs, weights, fixed, meta = {}, {}, {}, {}
         for i, (name, a) in enumerate(zip(names, args)):
             if a is None:
@@ -150,7 +145,7 @@ class EngineDumper:
         if cls == "attention":
             fixed = self._kv(fixed, args[3], rows)
         self.dw.add_call(cls, role, spec.name, rows, outs[0].shape[0], inputs=inputs, weights=weights,
-                         outputs=dict(zip(OUTS.get(cls, ("y",)), outs)), replaces=spec.replaces, site=site,
+                         outputs=dict(zip(rec.outs, outs)), replaces=spec.replaces, site=site,
                          fixed=fixed, meta=meta)
 
     def _weight(self, t: torch.Tensor) -> str:

@@ -41,6 +41,8 @@ class KernelClass:
         fp64_cert: how fp64/cert.py certifies its reference: ``"sum"`` (exact fp64 products, fsum) or
             ``"mpmath"`` (two precisions); None = not certified.
         deep_tiles: the deep plan calls it on fixed row tiles (model.Ops), so it has a ``deep`` synthetic path.
+        args, outs: the names of the call's positional arguments and of its outputs, as a tensor dump names them
+            (dumps/format.py); () = ``arg0``, ``arg1``, ...
     """
 
     name: str
@@ -51,6 +53,8 @@ class KernelClass:
     fp64: Callable | str | None = None
     fp64_cert: str | None = None
     deep_tiles: bool = False
+    args: tuple[str, ...] = ()
+    outs: tuple[str, ...] = ("y",)
 
     def arrange(self, rows: tuple, fixed: tuple) -> tuple:
         """The call's positional arguments from its per-row arguments (``row_args`` order) and the fixed ones."""
@@ -67,25 +71,28 @@ def _class(name, doc, row_args=(0,), reduction="", fp64: str | None = None, **kw
 # Registration order is the class order everywhere (pairs, contract rows and seeds, FP64 rows): keep it stable.
 KERNEL_CLASS_RECORDS: dict[str, KernelClass] = {r.name: r for r in (
     _class("dense", "q/k/v/o projections and the shared expert: y[M,N] = x[M,K] @ w[N,K]^T",
-           reduction="K: in features", fp64="eval_dense", fp64_cert="sum", deep_tiles=True),
+           reduction="K: in features", fp64="eval_dense", fp64_cert="sum", deep_tiles=True, args=("x", "w")),
     _class("router", "router logits + softmax + top-k selection + renormalised weights", reduction="H: hidden",
-           fp64="eval_router", fp64_cert="sum"),
+           fp64="eval_router", fp64_cert="sum", args=("x", "w", "top_k", "norm"), outs=("weights", "idx", "logits")),
     _class("expert_gate_up", "SiLU(x @ w_gate^T) * (x @ w_up^T) for one expert's rows", reduction="H: hidden",
-           fp64="eval_expert_gate_up", fp64_cert="mpmath", deep_tiles=True),
+           fp64="eval_expert_gate_up", fp64_cert="mpmath", deep_tiles=True, args=("x", "w_gate", "w_up")),
     _class("expert_down", "h @ w_down^T for one expert's rows", reduction="I: expert intermediate",
-           fp64="eval_expert_down", fp64_cert="sum", deep_tiles=True),
+           fp64="eval_expert_down", fp64_cert="sum", deep_tiles=True, args=("x", "w_down")),
     _class("moe_combine", "sum over the k selected experts (and the shared expert) with the routing weights",
-           (0, 1, 2), "k + 1: routed slots and the shared expert", fp64="eval_moe_combine", fp64_cert="sum"),
+           (0, 1, 2), "k + 1: routed slots and the shared expert", fp64="eval_moe_combine", fp64_cert="sum",
+           args=("y", "g", "shared")),
     _class("attention", "scores and values: softmax(q k^T / sqrt(D)) v over the cached keys, causal by position",
-           (0, 3, 4), "T: cached keys (and D in each score)", fp64="eval_attention", fp64_cert="mpmath"),
+           (0, 3, 4), "T: cached keys (and D in each score)", fp64="eval_attention", fp64_cert="mpmath",
+           args=("q", "k_cache", "v_cache", "slots", "positions")),
     _class("rmsnorm", "RMSNorm (hidden and per-head q/k norms)", reduction="last dim: H or D",
-           fp64="eval_rmsnorm", fp64_cert="mpmath"),
+           fp64="eval_rmsnorm", fp64_cert="mpmath", args=("x", "w", "eps")),
     _class("rope", "rotary position embedding", (0, 1), "none (2 products per element)", fp64="eval_rope",
-           fp64_cert="mpmath"),
-    _class("residual", "residual add", (0, 1), "none (a + b)", fp64="eval_residual", fp64_cert="sum"),
+           fp64_cert="mpmath", args=("x", "positions", "theta")),
+    _class("residual", "residual add", (0, 1), "none (a + b)", fp64="eval_residual", fp64_cert="sum",
+           args=("a", "b")),
     _class("lm_head", "final projection to vocabulary logits", reduction="H: hidden", fp64="eval_lm_head",
-           fp64_cert="sum"),
-    _class("argmax", "greedy sampling", reduction="V: vocabulary (first maximum)"),
+           fp64_cert="sum", args=("x", "w")),
+    _class("argmax", "greedy sampling", reduction="V: vocabulary (first maximum)", args=("logits",)),
 )}
 
 
