@@ -19,7 +19,7 @@ from ...progress import bar as progress_bar
 from ..calls import open_calls
 from ..taps import Sample
 from .ref import FP64_CLASSES, evaluate
-from .section import error_stats
+from .stats import error_stats
 
 # class -> (sample data name <- dump tensor name, from part); weights: sample tag suffix <- weight argument
 NEEDS = {
