@@ -24,3 +24,29 @@ def test_dirty_counts_code_changes_not_user_files(tmp_path):
     (tmp_path / "lib" / "b.py").unlink()
     (tmp_path / "lib" / "a.py").write_text("x = 2\n")                          # changed code: dirty
     assert git_state(tmp_path)["dirty"] is True
+
+
+def test_notebook_kernels_import_what_the_caller_imports(tmp_path, monkeypatch):
+    """A kernel set module found through the caller's working folder or a relative PYTHONPATH entry is importable
+    by a process started elsewhere (a notebook kernel starts in notebooks/) while callers_import_path holds; the
+    control: the same process started with the caller's own environment cannot import it."""
+    import os
+    import sys
+    from exactness.receipt.env import callers_import_path
+    for pkg in ("here_pkg", "rel/rel_pkg"):
+        (tmp_path / pkg).mkdir(parents=True)
+        (tmp_path / pkg / "__init__.py").write_text("X = 1\n")
+    elsewhere = tmp_path / "notebooks"
+    elsewhere.mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "rel")
+    probe = [sys.executable, "-c", "import here_pkg, rel_pkg"]
+
+    def imports() -> bool:
+        return subprocess.run(probe, cwd=elsewhere, env=dict(os.environ), capture_output=True).returncode == 0
+
+    assert not imports()                                                    # the control
+    with callers_import_path():
+        assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "rel"), str(tmp_path)]
+        assert imports()
+    assert os.environ["PYTHONPATH"] == "rel"

@@ -66,6 +66,8 @@ def raises():
 
 MISSING = dataclasses.replace(_inv, name="mine_missing", decode={k: v for k, v in _inv.decode.items() if k != "rope"})
 BADSIG = _copy("mine_badsig", "rmsnorm", lambda f: (lambda x: x), "decode")
+SHORT = _copy("mine_short", "lm_head", lambda f: (lambda x, w: f(x, w)[:, :-1]))   # one logit short, no error
+HALF = _copy("mine_half", "rmsnorm", lambda f: (lambda x, w, eps: f(x, w, eps).half()), "decode")
 NOT_A_SET = 42
 NOT_SPEC = dataclasses.replace(_inv, name="mine_notspec", prompt={**_inv.prompt, "rope": _inv.prompt["rope"].fn})
 '''
@@ -110,6 +112,10 @@ def test_user_set_is_named_labelled_and_its_provenance_recorded(user_module):
     ("MISSING", r"kernel set 'mine_missing' \(\w+:MISSING\) has no decode kernel for classes \['rope'\]"),
     ("BADSIG", r"kernel set 'mine_badsig' \(\w+:BADSIG\), class 'rmsnorm', decode kernel fails on tiny inputs .*"
                r"TypeError: .*takes 1 positional argument"),
+    ("SHORT", r"kernel set 'mine_short' \(\w+:SHORT\), class 'lm_head', prompt kernel returns \[2, \d+\] float32 on "
+              r"tiny inputs .*; the class's kernels return \[2, \d+\] float32$"),
+    ("HALF", r"class 'rmsnorm', decode kernel returns \[2[, \d]*\] float16 on tiny .*kernels return "
+             r"\[2[, \d]*\] bfloat16$"),
     ("NOT_A_SET", r"gives a int, not a KernelSet"),
     ("NOT_SPEC", r"kernel set 'mine_notspec' \(\w+:NOT_SPEC\), class 'rope', prompt: not a KernelSpec"),
     ("NOPE", r"module '\w+' has no attribute 'NOPE'"),

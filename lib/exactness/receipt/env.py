@@ -1,5 +1,6 @@
 """The environment record every receipt embeds: git commit and dirty flag, Python/torch/CUDA/Triton versions, the
-device and its compute capability, and the numerics flags (TF32, deterministic algorithms, matmul precision).
+device and its compute capability, and the numerics flags (TF32, deterministic algorithms, matmul precision); and
+the import path the notebooks' kernels start with (callers_import_path).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import platform
 import re
 import socket
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]   # lib/exactness/receipt/env.py -> the repository
@@ -130,3 +132,20 @@ def environment() -> dict:
         "hostname": socket.gethostname(),
         "time_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+
+
+@contextmanager
+def callers_import_path():
+    """PYTHONPATH, while the notebooks' kernels start, such that they import what this process imports: its
+    entries made absolute and this process's working folder appended (``python -m`` puts it on sys.path, so a
+    ``package.module:ATTR`` kernel set or preset found here would be missing in a kernel started in notebooks/)."""
+    old = os.environ.get("PYTHONPATH")
+    parts = [os.path.abspath(p) for p in (old or "").split(os.pathsep) if p] + [os.getcwd()]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .env import REPO_ROOT, environment, kernel_set_records
+from .env import REPO_ROOT, callers_import_path, environment, kernel_set_records
 from .overrides import OUT_JSON, PARAMS, declared_parameters, parse_overrides, plan_parameters
 from .preflight import probe_engines
 from ..profiles import get_profile
@@ -385,7 +385,8 @@ def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: d
            "kernel_set_records": kernel_set_records(params.get("kernel_sets")) if "reference" in ran else None,
            "engines": params.get("engine") if "engines" in ran else None,
            "dumps": params.get("dumps") if "dumps" in ran else None}
-    entries = _execute_all(tmp, nb_dir, per_nb, kernel_name, prof.side_by_side)
+    with callers_import_path():
+        entries = _execute_all(tmp, nb_dir, per_nb, kernel_name, prof.side_by_side)
     errors = [e.pop("error") for e in entries if "error" in e]
     sections = _collect(tmp, entries, errors)
     errors += section_failures(sections)
