@@ -103,8 +103,10 @@ def test_user_set_is_named_labelled_and_its_provenance_recorded(user_module):
     assert rec["claims_exact"] is True and rec["description"] == "mine: a copy of invariant"
     made = provenance(f"{MODULE}:factory")
     assert made["name"] == "mine_made" and made["kernels_own"] == []  # an unwrapped copy: nothing of its own
-    header = render_header({"status": "ok", "profile": "ci", "env": {"kernel_set_records": [rec]}})
+    header = render_header({"status": "ok", "profile": "ci",
+                            "env": {"kernel_sets": ["invariant", f"{MODULE}:SET"], "kernel_set_records": [rec]}})
     assert "## Kernel sets" in header and rec["sha256"] in header and "mine.lm_head.prompt" in header
+    assert f"| invariant, mine ({MODULE}:SET)" in header.replace("  ", " ")   # the environment row names it
 
 
 @pytest.mark.parametrize("attr, words", [

@@ -83,9 +83,17 @@ def _env_rows(receipt: dict) -> list[list]:
             ["torch", f"{said('torch')} (CUDA {cuda}, triton {env.get('triton') or 'none'})"],
             ["device", env.get("device")],
             ["compute capability", env.get("compute_capability") or "none (no CUDA device)"],
-            ["kernel sets", ", ".join(env.get("kernel_sets") or []) or None],
+            ["kernel sets", _set_names(env)],
             *[[f"numerics: {k}", v] for k, v in num.items()],   # one row each: a joined row was cut in the table
             ["host, time (UTC)", f"{said('hostname')}, {said('time_utc')}"]]
+
+
+def _set_names(env: dict) -> str | None:
+    """The run's kernel sets as given, each one given by reference shown under its own name: ``mine
+    (mypkg.kernels:SET)``."""
+    names = {r.get("reference"): r.get("name") for r in env.get("kernel_set_records") or []}
+    given = env.get("kernel_sets") or []
+    return ", ".join(f"{names[s]} ({s})" if names.get(s) not in (None, s) else s for s in given) or None
 
 
 def _provenance_rows(receipt: dict) -> list[list]:
