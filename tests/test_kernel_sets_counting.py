@@ -15,8 +15,9 @@ from exactness.analysis.contract import cases
 from exactness.analysis.contract import check as contract
 from exactness.analysis.contract import validate
 from exactness.analysis.fp64 import section as fp64
-from exactness.kernels import KERNEL_CLASSES, KERNEL_SETS, cuda, fast_cuda, get_set, imported, provenance
+from exactness.kernels import KERNEL_CLASSES, KERNEL_SETS, cuda, fast_cuda, get_set, provenance
 from exactness.kernels.registry import ROLES
+from user_modules import user_module
 
 MODULE = "user_counting_kit"
 SOURCE = '''
@@ -100,20 +101,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
     """The module above imported from a folder on sys.path; every set it gave is unregistered afterwards."""
-    folder = tmp_path_factory.mktemp("countkit")
-    (folder / f"{MODULE}.py").write_text(SOURCE)
-    sys.path.insert(0, str(folder))
-    before = dict(KERNEL_SETS)
-    __import__(MODULE)
-    yield sys.modules[MODULE]
-    sys.path.remove(str(folder))
-    sys.modules.pop(MODULE, None)
-    for k in [k for k in KERNEL_SETS if k not in before]:
-        KERNEL_SETS.pop(k)
-        imported._DROPPED.pop(k, None)
-        validate._VALIDATED.difference_update({v for v in validate._VALIDATED if v[0] == k})
-    for k in [k for k in imported._IMPORTED if k.startswith(MODULE)]:
-        imported._REFS.pop(imported._IMPORTED.pop(k).name, None)
+    with user_module(tmp_path_factory.mktemp("countkit"), MODULE, SOURCE):
+        __import__(MODULE)
+        yield sys.modules[MODULE]
 
 
 @pytest.fixture

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-import sys
 
 import pytest
 
 from exactness.analysis import hashes, streams
 from exactness.analysis.contract import check as contract
 from exactness.analysis.fp64 import section as fp64
-from exactness.kernels import KERNEL_SETS, get_set, imported, provenance
+from exactness.kernels import KERNEL_SETS, get_set, provenance
 from exactness.params import ParamError, check_common
 from exactness.profiles import get_profile
 from exactness.receipt.cli import section_parameters
@@ -19,6 +18,7 @@ from exactness.receipt.overrides import plan_parameters
 from exactness.receipt.preflight import PreflightError, check_run
 from exactness.receipt.sections import SECTIONS
 from exactness.receipt.render import render_header, render_summary
+from user_modules import user_module
 
 MODULE = "user_kernels_h9"
 SOURCE = '''
@@ -73,20 +73,11 @@ NOT_SPEC = dataclasses.replace(_inv, name="mine_notspec", prompt={**_inv.prompt,
 '''
 
 
-@pytest.fixture(scope="module")
-def user_module(tmp_path_factory):
+@pytest.fixture(scope="module", name="user_module")
+def user_module_fixture(tmp_path_factory):
     """The module above on sys.path; every set it gave is unregistered afterwards."""
-    folder = tmp_path_factory.mktemp("userkit")
-    (folder / f"{MODULE}.py").write_text(SOURCE)
-    sys.path.insert(0, str(folder))
-    before = dict(KERNEL_SETS)
-    yield folder / f"{MODULE}.py"
-    sys.path.remove(str(folder))
-    sys.modules.pop(MODULE, None)
-    for k in [k for k in KERNEL_SETS if k not in before]:
-        KERNEL_SETS.pop(k)
-    for k in [k for k in imported._IMPORTED if k.startswith(MODULE)]:
-        imported._REFS.pop(imported._IMPORTED.pop(k).name, None)
+    with user_module(tmp_path_factory.mktemp("userkit"), MODULE, SOURCE) as path:
+        yield path
 
 
 def test_user_set_is_named_labelled_and_its_provenance_recorded(user_module):

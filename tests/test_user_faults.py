@@ -4,20 +4,19 @@ the same set stays clean there. The sections run directly (their run_section), o
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 
-from exactness import config
 from exactness.analysis import streams
 from exactness.analysis.contract import cases
 from exactness.analysis.contract import check as contract
 from exactness.checkpoint import load_model
-from exactness.kernels import KERNEL_SETS, imported, set_names
+from exactness.kernels import set_names
 from exactness.params import ParamError, check_common
 from exactness.profiles import PROFILES
 from exactness.prompt_files import build_prompts
 from exactness.weights import sharing_synthetic_weights
+from user_modules import user_module
 
 MODULE = "user_faults_kit"
 SOURCE = '''
@@ -155,21 +154,8 @@ SLOT_FAULT = _set("u_slot_fault", prompt={"expert_down": _spec("expert_down", "p
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
     """The module above importable; the sets and presets it gave unregistered afterwards."""
-    folder = tmp_path_factory.mktemp("faultkit")
-    (folder / f"{MODULE}.py").write_text(SOURCE)
-    sys.path.insert(0, str(folder))
-    before, presets = dict(KERNEL_SETS), dict(config.PRESETS)
-    yield MODULE
-    sys.path.remove(str(folder))
-    sys.modules.pop(MODULE, None)
-    for k in [k for k in KERNEL_SETS if k not in before]:
-        KERNEL_SETS.pop(k)
-    for k in [k for k in config.PRESETS if k not in presets]:
-        config.PRESETS.pop(k)
-    for k in [k for k in config._IMPORTED if k.startswith(MODULE)]:
-        config._IMPORTED.pop(k)
-    for k in [k for k in imported._IMPORTED if k.startswith(MODULE)]:
-        imported._REFS.pop(imported._IMPORTED.pop(k).name, None)
+    with user_module(tmp_path_factory.mktemp("faultkit"), MODULE, SOURCE):
+        yield MODULE
 
 
 def ci(**changes) -> dict:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from ..params import ParamError, check_common
+from ..params_check import ParamError, check_common
 from .preflight import check_run
 from .runfolder import ReceiptError
 from .sections import SECTIONS, section_of

@@ -13,7 +13,7 @@ import torch
 from ...kernels import KERNEL_CLASSES, KernelSet, get_set
 from ...kernels.imported import check_tables, one_line
 from ...kernels.registry import KERNEL_CLASS_RECORDS, resolve
-from ...params import ParamError
+from ...params_check import ParamError
 from .cases import make_pool
 
 _VALIDATED: set[tuple[str, str]] = set()   # (set name, device) already called on tiny inputs in this process
