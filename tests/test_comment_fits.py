@@ -1,7 +1,8 @@
 """receipt.md and the PR comment stay under GitHub's comment limit whatever the run (receipt/fit.py, comment.py).
 
 The largest receipt.md the profiles make: the committed full-length GPU receipt (receipts/gpu/receipt.json)
-re-rendered with an engines section of 4 engines x 200 prompts, each with the repeat test and stream rows (rows
+re-rendered with its hash matrix run on 4 engines x 200 prompts (more than any one run makes: our engine's matrix
+and the engines' are one section, whichever the run computes), each with the repeat test and stream rows (rows
 cloned from one real run of the tiny reference engine, prompt names and hashes made distinct). Without the fit it
 is over the limit and a cut at the end loses whole sections (the control); with it, it fits, the summary comes
 first and every section keeps its heading and verdict."""
@@ -46,7 +47,7 @@ def engines_section() -> dict:
         repeat[e] = copy.deepcopy(rep)
         streams[e] = {"drafted": [{"check": "drafted", "prompt": f"prompt-{i:03d}", "config": "batched",
                                    "first_divergence": None, "verdict": "equal"} for i in range(PROMPTS)]}
-    return {"section": "engines", "engines": [{"spec": e, "kind": e.split(":")[0], "oracle": eng.oracle,
+    return {"section": "hashes", "engines": [{"spec": e, "kind": e.split(":")[0], "oracle": eng.oracle,
                                                "configurations": [c.name for c in eng.configurations()]}
                                               for e in ENGINES],
             "rows": rows, "prompt_counts": prompt_counts(rows), "prompts": prompts, "repeat": repeat,
@@ -56,7 +57,7 @@ def engines_section() -> dict:
 @pytest.fixture(scope="module")
 def largest(engines_section) -> dict:
     receipt = json.loads((GPU / "receipt.json").read_text(encoding="utf-8"))
-    receipt["sections"]["engines"] = engines_section
+    receipt["sections"]["hashes"] = engines_section
     receipt["runs_on"] = ["reference", *ENGINES[1:]]
     return receipt
 
@@ -70,7 +71,7 @@ def _headings(receipt: dict) -> list[str]:
 def test_the_largest_receipt_md_fits_with_every_section(largest, engines_first):
     if engines_first:   # the largest block first: a cut at the end would drop whole sections after it
         secs = largest["sections"]
-        largest = {**largest, "sections": {"engines": secs["engines"], **secs}}
+        largest = {**largest, "sections": {"hashes": secs["hashes"], **secs}}
     heads = _headings(largest)
     whole = fit.join(render.render_header(largest), [(n, render.section_md(n, o))
                                                      for n, o in render.sections(largest)])
@@ -81,7 +82,7 @@ def test_the_largest_receipt_md_fits_with_every_section(largest, engines_first):
     assert len(md) < LIMIT, len(md)
     assert md.index("## Summary") < md.index("## Environment") < md.index(heads[0])
     assert all(h in md for h in heads), [h for h in heads if h not in md]
-    verdicts = engines_md.verdict_md(largest["sections"]["engines"]).split("\n")
+    verdicts = engines_md.verdict_md(largest["sections"]["hashes"]).split("\n")
     assert len(verdicts) == len(ENGINES) and all(v in md for v in verdicts)   # each engine's verdict line kept
     assert "receipt.md under GitHub's comment limit; the whole section is in receipt.html and receipt.json" in md
     assert md.count("```") % 2 == 0 and md.count("<details") == md.count("</details>")
@@ -117,7 +118,7 @@ def test_a_cut_block_closes_its_fence_and_details_and_names_the_section():
 
 def test_the_pr_comment_fits_and_says_what_moved(largest, tmp_path):
     moved = copy.deepcopy(largest)
-    for r in moved["sections"]["engines"]["rows"]:
+    for r in moved["sections"]["hashes"]["rows"]:
         r["hash"] = "f" + r["hash"][1:]                   # every engine run's token hash moved
     text = comment.comment_text(largest, moved, "base", "pr")
     assert len(text) < LIMIT, len(text)
@@ -136,7 +137,7 @@ def test_the_pr_comment_fits_and_says_what_moved(largest, tmp_path):
 
 
 def test_a_failed_pr_says_so_first(largest):
-    failed = {**largest, "status": "failed", "errors": [{"notebook": "60_engines", "cell": 3, "ename": "RuntimeError",
+    failed = {**largest, "status": "failed", "errors": [{"notebook": "10_output_hashes", "cell": 3, "ename": "RuntimeError",
                                                          "evalue": "the server went away"}]}
     text = comment.comment_text(largest, failed)
     assert text.startswith("# Exactness: gpu — FAILED") and "the server went away" in text and len(text) < LIMIT
@@ -155,7 +156,7 @@ def test_make_comment_runs_the_comment_command(tmp_path):
 
 
 def test_an_engines_receipt_comment_carries_each_engines_verdict_line(engines_section):
-    only = {"status": "ok", "profile": "ci", "env": {}, "sections": {"engines": engines_section}}
+    only = {"status": "ok", "profile": "ci", "env": {}, "sections": {"hashes": engines_section}}
     text = comment.comment_text(only, only)
     lines = [line for line in text.splitlines() if "runs equal their oracle" in line]
     assert len(lines) == len(ENGINES) and all(f"**{render.md_escape(e)}**" in "\n".join(lines) for e in ENGINES)

@@ -142,7 +142,7 @@ def test_figures_without_a_spread_are_named_not_judged(receipt):
     assert _reported(result) == []
     nj = [c for c in result["not_judged"] if c["what"].startswith("plain · ") and c["field"] == "ttft_s"]
     assert nj and all("BASE has 1, PR has 1 warm repeats" in c["why"] for c in nj)
-    assert "## Bench figures not judged" in render(result)
+    assert "## Not judged" in render(result)
 
 
 @pytest.mark.parametrize("edit,why", [
@@ -237,8 +237,9 @@ def _one_section_receipt(section: dict, params: dict) -> dict:
 
 
 def _labelled_rows(section: dict) -> dict[str, dict]:
-    """label the diff gives -> row, for the rows of a hashes or an engines section (its stream rows included)."""
-    if section["section"] == "hashes":
+    """label the diff gives -> row, for the rows of a hashes section, of our engine or run on engines (its stream rows
+    included)."""
+    if "engines" not in section:
         return {f"reference · {r['prompt']} · {r['kernels']} {r['path']}" + (f"@{r['step']}" if r["step"] else ""): r
                 for r in section["rows"]}
     out = {f"{r['engine']} · {r['prompt']} · {r['config']}": r for r in section["rows"]}
@@ -247,17 +248,17 @@ def _labelled_rows(section: dict) -> dict[str, dict]:
     return out
 
 
-@pytest.mark.parametrize("name", ["hashes", "engines"])
+@pytest.mark.parametrize("name", ["ours", "engines"])
 def test_a_planted_fault_kernel_set_moves_exactly_what_it_changed(monkeypatch, name):
     """Two sections computed here, the second with the invariant set's RMSNorm one ulp off on row 0 of every
     multi-row call (registered under the same name): the diff names exactly the fields that differ, and the fault
     is seen (prompt logits of a multi-row prefill stop equalling the oracle's)."""
     from exactness.receipt.sections import SECTIONS as TABLE
 
-    run_section = TABLE[name].load().run_section
+    run_section = TABLE["hashes"].load().run_section
     params = {"preset": "tiny", "device": "cpu", "dtype": "bfloat16", "prompts": ["short"], "prompt_max_tokens": 12,
               "steps": [5], "gen_tokens": 4, "deep_threshold": 4, "kernel_sets": ["invariant"]}
-    params.update({"hash_rerun": False} if name == "hashes" else {"engine": ["reference"]})
+    params.update({"hash_rerun": False} if name == "ours" else {"engine": ["reference"]})
     base = run_section(params)
     with monkeypatch.context() as m:
         m.setitem(KERNEL_SETS, "invariant", replace(row0_rmsnorm_perturbed(), name="invariant"))
@@ -287,3 +288,14 @@ def test_folders_of_section_jsons_compare_like_receipts(receipt, tmp_path):
     assert not diff.diff_receipts(base, base)["moved"]
     result = diff.diff_receipts(base, pr)
     assert result["moved"] and [c["pr"] for c in result["changes"] if c["kind"] == "hash"] == ["0123456789ab"]
+
+
+def test_a_check_only_pr_records_is_not_a_move_and_one_pr_drops_is(receipt):
+    """A flag PR's rows add (BASE made no such check) is listed as not judged, nothing moved; a flag PR's rows drop
+    is a change."""
+    result = _edited(receipt, lambda pr: [r.update(new_equal=True) for r in _secs(pr)["hashes"]["rows"]])
+    assert result["moved"] is False and result["changes"] == []
+    assert [(c["field"], c["what"]) for c in result["not_judged"] if c["section"] == "hashes"] == \
+        [("new_equal", f"{len(_secs(receipt)['hashes']['rows'])} rows")]
+    result = _edited(receipt, lambda pr: _secs(pr)["hashes"]["rows"][1].pop("kv_equal"))
+    assert result["moved"] is True and [c["field"] for c in result["changes"]] == ["kv_equal"]

@@ -31,7 +31,7 @@ def test_sigterm_stops_the_launched_servers(tmp_path):
     engine.write_text('kind: openai\nprompt_logprobs: "off"\nconfigurations:\n'
                       '  - {name: a, launch: "{python} -m exactness serve --kernels invariant --port {port}"}\n')
     # many requests, so the run is still going when the signal comes
-    cmd = [sys.executable, "-m", "exactness", "engines", "--profile", "ci", "--param", f"engine=[{engine}]",
+    cmd = [sys.executable, "-m", "exactness", "hashes", "--profile", "ci", "--param", f"engine=[{engine}]",
            "--param", "engine_repeat_only=true", "--param", "engine_repeat=100000", "--param",
            "engine_repeat_concurrency=[1]", "--out", str(tmp_path / "out.json")]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": lib_env()["PYTHONPATH"],

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from exactness.analysis import engines as E
+from exactness.analysis import hashes as H
 from exactness.analysis import engines_md
 from exactness.analysis import engines_dumps as ED
 from exactness.params import ParamError
-from exactness.params_engines import EnginesParams
+from exactness.params import HashesParams
 
 P = 12
 
@@ -48,7 +49,7 @@ def _script():
 
 
 def _section(gguf, tokens, mode, **kw):
-    return E.run_section(dict(engine=[f"llamacpp:{gguf}"], device="cpu", dtype="bfloat16", prompts=["code"],
+    return H.run_section(dict(engine=[f"llamacpp:{gguf}"], device="cpu", dtype="bfloat16", prompts=["code"],
                               prompt_max_tokens=tokens, steps=[512], gen_tokens=2, engine_streams=False,
                               engine_dumps=mode, **kw))
 
@@ -169,7 +170,7 @@ def test_bad_value_is_one_line(bad, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sometimes.txt").write_text("a file")
     with pytest.raises(ParamError, match="engine_dumps=") as e:
-        EnginesParams.from_dict(dict(engine=["reference"], device="cpu", dtype="bfloat16", prompts=["short"],
+        HashesParams.from_dict(dict(engine=["reference"], device="cpu", dtype="bfloat16", prompts=["short"],
                                      steps=[16], gen_tokens=4, engine_dumps=bad))
     assert "\n" not in str(e.value)
 
@@ -184,7 +185,7 @@ def test_transformers_one_forward_is_dumped_and_the_others_say_why(tmp_path):
     from exactness.prompts import build_prompt
     folder = save_tiny_qwen3_moe(tmp_path / "tiny", dtype="bfloat16")
     spec = f"transformers:{folder}"
-    sec = E.run_section(dict(engine=[spec], device="cpu", dtype="bfloat16", prompts=["code"], prompt_max_tokens=P,
+    sec = H.run_section(dict(engine=[spec], device="cpu", dtype="bfloat16", prompts=["code"], prompt_max_tokens=P,
                              steps=[4], gen_tokens=2, engine_streams=False, engine_dumps="always"))
     assert sec["errors"] == []
     rec = sec["engine_dumps"][spec]

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from exactness.analysis import engines as E
+from exactness.analysis import hashes as H
 from exactness.engines import probe
 from exactness.engines.probes import check_model_folder, read_gguf_index
 from exactness.receipt import runner
@@ -71,7 +72,7 @@ def _refused(tmp_path, capsys, monkeypatch, spec: str) -> str:
     monkeypatch.setattr(runner, "_execute", lambda *a, **k: pytest.fail("a notebook ran"))
     out = tmp_path / "receipts" / "run"
     t0 = time.perf_counter()
-    code = main(["receipts", "--profile", "ci", "--sections", "engines", "--engine", spec, "--out", str(out)])
+    code = main(["receipts", "--profile", "ci", "--sections", "hashes", "--engine", spec, "--out", str(out)])
     elapsed = time.perf_counter() - t0
     err = capsys.readouterr().err.strip()
     assert code == 2, err
@@ -114,13 +115,13 @@ def test_a_healthy_server_passes_the_probe_and_is_judged(servers, tmp_path):
     probe(str(spec))
     common = dict(device="cpu", dtype="bfloat16", prompts=["short"], prompt_max_tokens=16, steps=[8], gen_tokens=4,
                   kernel_sets=["invariant"], preset="tiny", deep_threshold=8, engine_streams=False)
-    two = E.run_section(dict(engine=[str(spec)], **common))
-    assert two["errors"] == [] and section_failures({"engines": two}) == []
+    two = H.run_section(dict(engine=[str(spec)], **common))
+    assert two["errors"] == [] and section_failures({"hashes": two}) == []
     assert [r["verdict"].split(" ")[0] for r in two["rows"]] == ["equal", "equal"]
-    one = E.run_section(dict(engine=[f"openai:{good}"], **common))
-    assert [f["ename"] for f in section_failures({"engines": one})] == ["NothingCompared"]
-    streams = E.run_section(dict(engine=[f"openai:{good}"], **{**common, "engine_streams": True}))
-    assert streams["streams"][f"openai:{good}"]["concurrent"] and section_failures({"engines": streams}) == []
+    one = H.run_section(dict(engine=[f"openai:{good}"], **common))
+    assert [f["ename"] for f in section_failures({"hashes": one})] == ["NothingCompared"]
+    streams = H.run_section(dict(engine=[f"openai:{good}"], **{**common, "engine_streams": True}))
+    assert streams["streams"][f"openai:{good}"]["concurrent"] and section_failures({"hashes": streams}) == []
 
 
 @pytest.mark.parametrize("case", ["gguf junk", "no weights"])
@@ -177,16 +178,16 @@ def test_model_folder_weights_are_checked_by_their_headers(tmp_path):
         check_model_folder(folder)
 
 
-def test_the_engines_section_command_probes_and_fails_too(model_files, servers, tmp_path, capsys):
-    """`python -m exactness engines`: a junk GGUF refused up front (exit 2); a server failing mid-run gives the
+def test_the_hashes_command_on_engines_probes_and_fails_too(model_files, servers, tmp_path, capsys):
+    """`python -m exactness hashes --param engine=[...]`: a junk GGUF refused up front (exit 2); a server failing mid-run gives the
     section JSON with its failure, exit 1 and one stderr line naming engine and configuration."""
     spec = model_files["gguf junk"]
-    assert main(["engines", "--profile", "ci", "--param", f"engine=[{spec}]"]) == 2
+    assert main(["hashes", "--profile", "ci", "--param", f"engine=[{spec}]"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: engine {spec!r}: ") and "GGUF version" in err and "\n" not in err, err
     spec, out = f"openai:{servers[0]}/flaky/v1", tmp_path / "engines.json"
-    assert main(["engines", "--profile", "ci", "--param", f"engine=[{spec}]", "--out", str(out)]) == 1
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[engines] failed:")]
+    assert main(["hashes", "--profile", "ci", "--param", f"engine=[{spec}]", "--out", str(out)]) == 1
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[hashes] failed:")]
     assert len(lines) == 1 and spec in lines[0] and "configuration 'server'" in lines[0], lines
     assert [f["ename"] for f in json.loads(out.read_text())["failures"]] == ["EngineError"]
 
@@ -202,7 +203,7 @@ def _cli(tmp_path, *args) -> tuple[subprocess.CompletedProcess, float]:
     if os.environ.get("JUPYTER_PATH"):
         env["JUPYTER_PATH"] = os.environ["JUPYTER_PATH"]
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "exactness", "receipts", "--profile", "ci", "--sections", "engines",
+    proc = subprocess.run([sys.executable, "-m", "exactness", "receipts", "--profile", "ci", "--sections", "hashes",
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     return proc, time.perf_counter() - t0
 

@@ -1,6 +1,7 @@
-"""The engines section (analysis/engines.py) over our reference engine's adapter (engines/reference.py): each run
+"""The hash matrix on engines (analysis/engines.py) over our reference engine's adapter (engines/reference.py): each run
 judged on tokens, prompt-logit, generated-logit and KV bytes against the engine's oracle; what an engine lacks named,
-never counted as equal; planted faults caught; the receipt runner's ENGINE route."""
+never counted as equal; planted faults caught; the receipt runner's ENGINE route; one section, one comparison for
+our engine's matrix and the engines'."""
 from __future__ import annotations
 
 import json
@@ -9,12 +10,12 @@ import pytest
 import torch
 
 from exactness.analysis import engines as E
+from exactness.analysis import hashes as H
 from exactness.engines import open_engine, parse_spec
 from exactness.engines.base import EngineError, NotAvailable
 from exactness.run import Run
 from exactness.engines.reference import ReferenceEngine
-from exactness.params import ParamError
-from exactness.params_engines import EnginesParams
+from exactness.params import HashesParams, ParamError
 from exactness.weights import synthetic_weights
 from exactness.config import get_preset
 from faults import row0_rmsnorm_perturbed
@@ -123,7 +124,7 @@ def test_engine_specs_are_checked_before_anything_runs(tmp_path):
         with pytest.raises(ValueError, match=msg):
             parse_spec(bad)
     with pytest.raises(ParamError, match="unknown engine kind"):
-        EnginesParams.from_dict(dict(engine=["nope:x"], device="cpu", dtype="bfloat16", prompts=["short"],
+        HashesParams.from_dict(dict(engine=["nope:x"], device="cpu", dtype="bfloat16", prompts=["short"],
                                      steps=[8], gen_tokens=4))
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: reference\nbogus: 1\n")
@@ -141,9 +142,9 @@ def test_receipt_runs_the_engines_section_only(tmp_path):
     res = run_receipts("ci", tmp_path / "r", {"engine": ["reference"], "prompts": ["short"], "gen_tokens": 4,
                                               "kernel_sets": ["invariant"]})
     data = json.loads((res.folder / "receipt.json").read_text())
-    assert res.status == "ok" and list(data["sections"]) == ["engines"]
+    assert res.status == "ok" and list(data["sections"]) == ["hashes"]
     assert data["env"]["engines"] == ["reference"] and data["env"]["kernel_sets"] is None
-    sec = data["sections"]["engines"]
+    sec = data["sections"]["hashes"]
     assert {r["verdict"] for r in sec["rows"]} == {"equal"} and sec["not_available"]["contract"]
     assert "## Engines under test" in (res.folder / "receipt.md").read_text()
 
@@ -185,7 +186,7 @@ def test_openai_engine_on_exactness_serve_receives_the_in_process_hashes(tmp_pat
     spec.write_text(f"kind: openai\noracle: decode\nconfigurations:\n"
                     f"  - {{name: decode, launch: '{serve} --path decode'}}\n"
                     f"  - {{name: batched-16, launch: '{serve} --path batched --step 16'}}\n")
-    sec = E.run_section(dict(engine=["reference", str(spec)], device="cpu", dtype="bfloat16", prompts=["short"],
+    sec = H.run_section(dict(engine=["reference", str(spec)], device="cpu", dtype="bfloat16", prompts=["short"],
                              prompt_max_tokens=40, steps=[16], gen_tokens=GEN, kernel_sets=["invariant"],
                              preset="tiny", deep_threshold=8, engine_streams=False))
     assert sec["errors"] == []
@@ -228,8 +229,35 @@ def test_engine_targets_are_checked_before_anything_runs(tmp_path, tiny_folder):
                       ("openai:localhost:8000", "is not a base URL")):
         with pytest.raises(ValueError, match=msg):
             parse_spec(spec)
-    sec = E.run_section(dict(engine=[f"reference:{tiny_folder}"], device="cpu", dtype="bfloat16", prompts=["short"],
+    sec = H.run_section(dict(engine=[f"reference:{tiny_folder}"], device="cpu", dtype="bfloat16", prompts=["short"],
                              prompt_max_tokens=24, steps=[8], gen_tokens=2, kernel_sets=["fast", "invariant"],
                              preset="tiny", deep_threshold=8, engine_streams=False))
     assert [e["spec"] for e in sec["engines"]] == [f"reference:{tiny_folder}:fast", f"reference:{tiny_folder}:invariant"]
     assert {r["verdict"] for r in sec["rows"] if r["engine"].endswith(":invariant")} == {"equal"}
+
+
+def test_one_section_one_comparison_for_our_matrix_and_the_engines():
+    """hashes.run_section without ``engine`` is our engine's matrix, with it the engines'; both rows name engine,
+    prompt and configuration and carry every field of the one comparison (engines.compare), render through the one
+    table entry, and a planted fault shows in both as prompt rows differing."""
+    from exactness.kernels import KERNEL_SETS
+    from exactness.receipt.sections import SECTIONS
+
+    params = dict(preset="tiny", device="cpu", dtype="bfloat16", prompts=["short"], prompt_max_tokens=12, steps=[5],
+                  gen_tokens=4, deep_threshold=4, kernel_sets=["faulty"], hash_rerun=False, engine_streams=False)
+    fields = set(E.compare(Run("a", torch.tensor([1])), Run("b", torch.tensor([1]))))
+    KERNEL_SETS["faulty"] = row0_rmsnorm_perturbed()
+    try:
+        ours, theirs = H.run_section(params), H.run_section({**params, "engine": ["reference"]})
+    finally:
+        del KERNEL_SETS["faulty"]
+    assert ours["section"] == theirs["section"] == "hashes" and "engines" not in ours
+    assert {r["engine"] for r in ours["rows"]} == {"reference"} and theirs["engines"][0]["spec"] == "reference:faulty"
+    for rows in (ours["rows"], theirs["rows"]):
+        assert all(fields <= set(r) and r["prompt"] == "short" for r in rows)
+        runs = [r for r in rows if r.get("config", r.get("path")) != "decode"]
+        assert runs and all(r["prompt_logits_equal"] is False and r["gen_logits_equal"] is not None for r in runs)
+    assert {r["config"] for r in theirs["rows"]} == {"decode", "batched", "batched-5", "deep-5"}
+    assert {(r["path"], r["step"]) for r in ours["rows"]} == {("decode", None), ("batched", 5), ("deep", 5)}
+    render = SECTIONS["hashes"].renderer()
+    assert "## Engines under test" in render(theirs) and "## Engines under test" not in render(ours)

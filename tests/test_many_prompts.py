@@ -44,7 +44,7 @@ def section(tmp_path_factory):
     records = []
     prompts = E.build_prompts(eng, [str(path)], None, False, records)
     rows = [{**r, "engine": "reference:faulty"} for r in E.hash_rows(eng, prompts, GEN)]
-    sec = {"section": "engines", "engines": [{"spec": "reference:faulty", "oracle": "decode"}], "rows": rows,
+    sec = {"section": "hashes", "engines": [{"spec": "reference:faulty", "oracle": "decode"}], "rows": rows,
            "streams": {}, "errors": [], "cross": []}
     if many_prompts(rows):
         sec["prompt_counts"] = prompt_counts(rows)

@@ -304,7 +304,7 @@ def four_engines(tmp_path_factory):
 def test_ci_receipt_runs_a_prompt_file_through_four_engines(four_engines):
     code, out, engines, _ = four_engines
     assert code == 0
-    section = json.loads((out / "receipt.json").read_text())["sections"]["engines"]
+    section = json.loads((out / "receipt.json").read_text())["sections"]["hashes"]
     assert section["errors"] == []
     objs = _lines(ENGINES_FILE)
     labels = [e["spec"] for e in section["engines"]]
@@ -332,7 +332,7 @@ def test_the_ids_prompt_shows_the_tiny_gguf_flipping_tokens(four_engines):
     if gguf is None:
         pytest.skip("llama-cpp-python is not installed: pip install llama-cpp-python")
     assert code == 0
-    section = json.loads((out / "receipt.json").read_text())["sections"]["engines"]
+    section = json.loads((out / "receipt.json").read_text())["sections"]["hashes"]
     ids = next(o["ids"] for o in _lines(ENGINES_FILE) if o["name"] == "ids-flips")
     rows = {r["config"]: r for r in section["rows"]
             if r["engine"] == f"llamacpp:{gguf}" and r["prompt"] == "ids-flips"}

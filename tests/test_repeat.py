@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from exactness.analysis import engines as E
+from exactness.analysis import hashes as H
 from exactness.analysis import engines_md
 from exactness.analysis.repeat import distinct, parting, repeat_engine, repeat_errors, repeat_level
 from exactness.analysis.repeat_md import repeat_block
@@ -26,7 +27,7 @@ from exactness.engines.openai import OpenAIEngine
 from exactness.engines.reference import ReferenceEngine
 from exactness.paths import Schedule, generate
 from exactness.params import ParamError
-from exactness.params_engines import EnginesParams
+from exactness.params import HashesParams
 from exactness.weights import synthetic_weights
 from faults import row0_perturbed
 from http_servers import ThreadServer
@@ -100,7 +101,7 @@ def test_an_engine_that_cannot_batch_gives_its_reason_not_a_count():
 
 
 def test_section_runs_the_repeat_test_alone_and_renders_it(w):
-    sec = E.run_section(dict(engine=["reference"], device="cpu", dtype="bfloat16", prompts=["short", "code"],
+    sec = H.run_section(dict(engine=["reference"], device="cpu", dtype="bfloat16", prompts=["short", "code"],
                              prompt_max_tokens=24, steps=[16], gen_tokens=4, kernel_sets=["invariant"], preset="tiny",
                              deep_threshold=8, engine_repeat=4, engine_repeat_concurrency=[2],
                              engine_repeat_tokens=TOKENS, engine_repeat_prompt="code", engine_repeat_only=True))
@@ -116,17 +117,17 @@ def test_repeat_parameters_are_refused_up_front():
     base = dict(engine=["reference"], prompts=["short"], engine_repeat=4, device="cpu", dtype="bfloat16", steps=[16],
                 gen_tokens=4)
     with pytest.raises(ParamError, match="10.1.2.3.*only to servers on this machine"):
-        EnginesParams.from_dict({**base, "engine": ["openai:http://10.1.2.3:8000/v1"]})
-    EnginesParams.from_dict({**base, "engine": ["openai:http://localhost:8000/v1"]})   # local: accepted
+        HashesParams.from_dict({**base, "engine": ["openai:http://10.1.2.3:8000/v1"]})
+    HashesParams.from_dict({**base, "engine": ["openai:http://localhost:8000/v1"]})   # local: accepted
     for key, bad, words in (("engine_repeat_concurrency", [0], "engine_repeat_concurrency"),
                             ("engine_repeat_concurrency", [], "non-empty list"),
                             ("engine_repeat", -1, "engine_repeat must be an int >= 0"),
                             ("engine_repeat_prompt", "docs", "not a prompt of this run"),
                             ("engine_repeat_tokens", 0, "engine_repeat_tokens")):
         with pytest.raises(ParamError, match=words):
-            EnginesParams.from_dict({**base, key: bad})
+            HashesParams.from_dict({**base, key: bad})
     with pytest.raises(ParamError, match="engine_repeat_only=true needs engine_repeat"):
-        EnginesParams.from_dict({**base, "engine_repeat": 0, "engine_repeat_only": True})
+        HashesParams.from_dict({**base, "engine_repeat": 0, "engine_repeat_only": True})
 
 
 # ------------------------------------------------------------------------------------------------- over HTTP

@@ -7,8 +7,8 @@ line, the receipt runner (both build it from the merged parameters) or a noteboo
 through :meth:`Common.from_dict`).
 
 The section table (sections.SECTIONS) names each section's class; the parameter names a section accepts anywhere
-are its class's fields. The engines section's class is in params_engines.py; the checks every section shares
-(check_common, ParamError) in params_check.py. This module imports no analysis (the analyses import it); the checks
+are its class's fields. The checks of the hash matrix's engine fields are in params_engines.py; the checks every
+section shares (check_common, ParamError) in params_check.py. This module imports no analysis (the analyses import it); the checks
 that need a model module import it when they run, so that importing this module stays cheap.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from .params_engines import check_engine_fields
 from .params_check import ParamError, at_least, check_bool, check_common, offload_weights, positive_int
 from .profiles import PROFILES
 
@@ -49,8 +50,12 @@ class Common:
         super().__init_subclass__(**kwargs)
         PARAMS_CLASSES.append(cls)
 
+    def needs(self) -> tuple[str, ...]:
+        """The fields it refuses as None: NEEDS."""
+        return self.NEEDS
+
     def __post_init__(self) -> None:
-        missing = [k for k in self.NEEDS if getattr(self, k) is None]
+        missing = [k for k in self.needs() if getattr(self, k) is None]
         if missing:
             raise ParamError(f"{self.SECTION} section parameter(s) {', '.join(map(repr, missing))} missing; profile "
                              "fields are required")
@@ -117,7 +122,8 @@ def check_offload_paths(paths) -> list[str]:
 
 @dataclass(frozen=True, kw_only=True)
 class HashesParams(Common):
-    """The hash matrix (analysis/hashes.py documents each parameter)."""
+    """The hash matrix (analysis/hashes.py documents each parameter): our engine's, or with ``engine`` (engine
+    specs: engines/__init__.py) the matrix, stream equalities, bench, repeat test and dumps of the engines named."""
 
     SECTION: ClassVar[str] = "hashes"
 
@@ -133,9 +139,27 @@ class HashesParams(Common):
     hash_fp32_control: bool = False
     hash_features: bool = False
     hash_graphs: bool = True
+    engine: list[str] = field(default_factory=list)
+    engine_streams: bool = True
+    engine_bench: bool = False
+    engine_cold_lengths: list[int] = field(default_factory=lambda: [256, 1024])
+    engine_repeat: int = 0
+    engine_repeat_concurrency: list[int] = field(default_factory=lambda: [1, 8])
+    engine_repeat_prompt: str | None = None
+    engine_repeat_tokens: int = 32
+    engine_repeat_configs: list[str] = field(default_factory=list)
+    engine_repeat_only: bool = False
+    engine_dumps: str = "off"
+
+    def needs(self) -> tuple[str, ...]:
+        """Engines under test need fewer fields: they bring their own model and kernels."""
+        return ("device", "dtype", "prompts", "steps", "gen_tokens") if self.engine else self.NEEDS
 
     def __post_init__(self) -> None:
+        if isinstance(self.engine, str):
+            object.__setattr__(self, "engine", self.engine.split())
         super().__post_init__()
+        check_engine_fields(self)
         offload_weights("hash_offload", True in offload_modes(self.hash_offload), self.weights)
         if self.hash_offload_paths is not None:
             check_offload_paths(self.hash_offload_paths)

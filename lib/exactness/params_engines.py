@@ -1,12 +1,9 @@
-"""Typed parameters of the ``engines`` section (params.py holds the common fields and the other sections'): the
-engine specs, the stream equalities and bench of each engine, the repeat test (the same request N times under load,
-sent only to this machine's servers) and the first op that broke (engine_dumps)."""
+"""The checks of the hash matrix's engine parameters (params.HashesParams holds the fields): the engine specs, the
+stream equalities and bench of each engine, the repeat test (the same request N times under load, sent only to this
+machine's servers) and the first op that broke (engine_dumps)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
-
-from .params import Common, ParamError, at_least, check_bool, positive_int
+from .params_check import ParamError, at_least, check_bool, positive_int
 
 ENGINE_DUMPS_MODES = ("off", "on-differ", "always")   # engine_dumps, or a folder (analysis/engines_dumps.py)
 
@@ -23,84 +20,60 @@ def _check_engine_dumps(value) -> None:
                          "folder (a path with '/': on-differ, writing there)")
 
 
-@dataclass(frozen=True, kw_only=True)
-class EnginesParams(Common):
-    """Engines under test (analysis/engines.py documents each parameter). ``engine`` lists engine specs
-    (engines/__init__.py: ``reference``, ``transformers:/path``, ``openai:URL``, ``llamacpp:/path.gguf`` or a YAML
-    engine file); the steps are each adapter's chunk sizes."""
-
-    SECTION: ClassVar[str] = "engines"
-    NEEDS: ClassVar[tuple[str, ...]] = ("device", "dtype", "prompts", "steps", "gen_tokens")
-
-    engine: list[str] = field(default_factory=lambda: ["reference"])
-    engine_max_tokens: int | None = None
-    engine_streams: bool = True
-    engine_bench: bool = False
-    engine_cold_lengths: list[int] = field(default_factory=lambda: [256, 1024])
-    engine_repeat: int = 0
-    engine_repeat_concurrency: list[int] = field(default_factory=lambda: [1, 8])
-    engine_repeat_prompt: str | None = None
-    engine_repeat_tokens: int = 32
-    engine_repeat_configs: list[str] = field(default_factory=list)
-    engine_repeat_only: bool = False
-    engine_dumps: str = "off"
-    allow_unpinned: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        from .engines import parse_spec
-
-        if isinstance(self.engine, str):
-            object.__setattr__(self, "engine", self.engine.split())
-        if not isinstance(self.engine, (list, tuple)) or not self.engine:
-            raise ParamError(f"engine must be a non-empty list of engine specs, got {self.engine!r}; e.g. "
-                             "[reference, 'transformers:/path/to/model', 'openai:http://127.0.0.1:8000/v1']")
-        for spec in self.engine:
-            try:
-                parse_spec(spec)
-            except ValueError as e:
-                raise ParamError(str(e)) from None
-        if self.engine_max_tokens is not None:
-            at_least("engine_max_tokens", self.engine_max_tokens)
-        check_bool("engine_streams", self.engine_streams)
-        check_bool("engine_bench", self.engine_bench)
-        _check_engine_dumps(self.engine_dumps)
-        if not isinstance(self.engine_cold_lengths, (list, tuple)):
-            raise ParamError(f"engine_cold_lengths must be a list of ints (tokens), got {self.engine_cold_lengths!r}")
-        for n in self.engine_cold_lengths:
-            at_least("every engine_cold_lengths entry", n, 2)
-        self._check_repeat()
-
-    def _check_repeat(self) -> None:
-        """The repeat test's parameters (analysis/repeat.py): N >= 0, levels and tokens positive, a prompt of the
-        run, configuration names as strings, only local servers loaded."""
-        from .prompts import PROMPTS
-        at_least("engine_repeat", self.engine_repeat, 0)
-        at_least("engine_repeat_tokens", self.engine_repeat_tokens)
-        check_bool("engine_repeat_only", self.engine_repeat_only)
-        levels, configs = self.engine_repeat_concurrency, self.engine_repeat_configs
-        if not isinstance(levels, (list, tuple)) or not levels or not all(positive_int(c) for c in levels):
-            raise ParamError(f"engine_repeat_concurrency must be a non-empty list of ints >= 1 (requests in flight), "
-                             f"got {levels!r}")
-        if not isinstance(configs, (list, tuple)) or not all(isinstance(c, str) and c for c in configs):
-            raise ParamError(f"engine_repeat_configs must be a list of configuration names, got {configs!r}")
-        name, names = self.engine_repeat_prompt, list(self.prompts or [])
-        if name is not None and (not isinstance(name, str) or (all(n in PROMPTS for n in names)
-                                                             and name not in names)):
-            raise ParamError(f"engine_repeat_prompt {name!r} is not a prompt of this run; allowed: "
-                             f"{', '.join(map(str, names))} (default: the first)")
-        if self.engine_repeat_only and not self.engine_repeat:
-            raise ParamError("engine_repeat_only=true needs engine_repeat >= 1 (the number of requests); got 0")
-        if self.engine_repeat:
-            _local_servers(list(self.engine))
-
-    @property
-    def max_tokens(self) -> int | None:
-        """This section's prompt cut: engine_max_tokens, else prompt_max_tokens."""
-        return self.engine_max_tokens or self.prompt_max_tokens
+ENGINE_FIELDS = ("engine", "engine_streams", "engine_bench", "engine_cold_lengths", "engine_repeat",
+                 "engine_repeat_concurrency", "engine_repeat_prompt", "engine_repeat_tokens", "engine_repeat_configs",
+                 "engine_repeat_only", "engine_dumps")
 
 
+def check_engine_fields(p) -> None:
+    """Refuse bad engine fields of the hash matrix's parameters ``p`` (params.HashesParams): each spec of
+    ``engine`` parses (engines/__init__.py; a string is split on whitespace: the caller stores the list), the stream,
+    bench, dumps and repeat settings have the types and ranges analysis/hashes.py documents.
 
+    Raises:
+        ParamError: naming the bad value and what is allowed.
+    """
+    from .engines import parse_spec
+
+    if not isinstance(p.engine, (list, tuple)):
+        raise ParamError(f"engine must be a list of engine specs, got {p.engine!r}; e.g. "
+                         "[reference, 'transformers:/path/to/model', 'openai:http://127.0.0.1:8000/v1']")
+    for spec in p.engine:
+        try:
+            parse_spec(spec)
+        except ValueError as e:
+            raise ParamError(str(e)) from None
+    check_bool("engine_streams", p.engine_streams)
+    check_bool("engine_bench", p.engine_bench)
+    _check_engine_dumps(p.engine_dumps)
+    if not isinstance(p.engine_cold_lengths, (list, tuple)):
+        raise ParamError(f"engine_cold_lengths must be a list of ints (tokens), got {p.engine_cold_lengths!r}")
+    for n in p.engine_cold_lengths:
+        at_least("every engine_cold_lengths entry", n, 2)
+    _check_repeat(p)
+
+
+def _check_repeat(p) -> None:
+    """The repeat test's parameters (analysis/repeat.py): N >= 0, levels and tokens positive, a prompt of the run,
+    configuration names as strings, only local servers loaded."""
+    from .prompts import PROMPTS
+    at_least("engine_repeat", p.engine_repeat, 0)
+    at_least("engine_repeat_tokens", p.engine_repeat_tokens)
+    check_bool("engine_repeat_only", p.engine_repeat_only)
+    levels, configs = p.engine_repeat_concurrency, p.engine_repeat_configs
+    if not isinstance(levels, (list, tuple)) or not levels or not all(positive_int(c) for c in levels):
+        raise ParamError(f"engine_repeat_concurrency must be a non-empty list of ints >= 1 (requests in flight), "
+                         f"got {levels!r}")
+    if not isinstance(configs, (list, tuple)) or not all(isinstance(c, str) and c for c in configs):
+        raise ParamError(f"engine_repeat_configs must be a list of configuration names, got {configs!r}")
+    name, names = p.engine_repeat_prompt, list(p.prompts or [])
+    if name is not None and (not isinstance(name, str) or (all(n in PROMPTS for n in names) and name not in names)):
+        raise ParamError(f"engine_repeat_prompt {name!r} is not a prompt of this run; allowed: "
+                         f"{', '.join(map(str, names))} (default: the first)")
+    if p.engine_repeat_only and not p.engine_repeat:
+        raise ParamError("engine_repeat_only=true needs engine_repeat >= 1 (the number of requests); got 0")
+    if p.engine_repeat:
+        _local_servers(list(p.engine))
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")   # the only hosts the repeat test sends load to

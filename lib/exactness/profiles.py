@@ -74,7 +74,7 @@ SWEEP = (63, 64, 65, 127, 128, 129)
 # contract and FP64 at bf16 weights and runs the features in the hash matrix only; grouped routing is a control).
 FEATURES = (("contract_weights", ("bf16", "int4_g128", "nvfp4")), ("contract_router_groups", (4, 1)),
             ("fp64_weights", ("bf16", "int4_g128", "nvfp4")))
-# The engines section's repeat test on the CPU profiles: one prompt 24 times, alone and 8 in flight, 16 tokens each.
+# The hash matrix's repeat test of engines under test on the CPU profiles: one prompt 24 times, alone and 8 in flight, 16 tokens each.
 REPEAT_SMALL = (("engine_repeat", 24), ("engine_repeat_concurrency", (1, 8)), ("engine_repeat_tokens", 16))
 
 PROFILES: dict[str, Profile] = {

@@ -1,5 +1,6 @@
-"""The ``engines`` section: the hash matrix and stream equalities of engines under test (engines/: our reference
-engine, transformers, OpenAI-compatible servers, llama.cpp), and a cross-engine view when several run.
+"""The ``hashes`` section given engines (``engine``): the hash matrix and stream equalities of engines under test
+(engines/: our reference engine, transformers, OpenAI-compatible servers, llama.cpp), and a cross-engine view when
+several run; and the one comparison of a run with its reference every hash row and stream row is made with.
 
 For each engine and prompt, every configuration runs greedily and is compared with the engine's oracle
 configuration: generated tokens (always), and where the engine exposes them, the bytes of every prompt logit row
@@ -19,10 +20,9 @@ import torch
 from ..engines import open_engine, parse_spec
 from ..engines.base import Engine, EngineError, NotAvailable
 from ..exact import NOT_EXPOSED, Verdict, compare as exact_compare, token_hash
-from ..params_engines import EnginesParams
+from ..params import HashesParams
 from ..progress import bar as progress_bar
 from ..run import Run
-from .contract.validate import validate_sets
 from .engines_dumps import run_engine_dumps
 from .repeat import many_prompts, prompt_counts, run_repeat
 
@@ -55,24 +55,51 @@ def _not_greedy(run: Run, ref: Run) -> str | None:
     return None
 
 
-def compare(run: Run, ref: Run) -> dict:
-    """Row fields comparing a run with its reference (exact.compare: tokens, prompt-logit rows, prompt logprobs
-    (servers), generated-logit rows, KV bytes); a run or reference not greedy, or tokens that are lossy text, is
-    never counted as equal (equals_oracle None where the tokens agree)."""
+DIFF_BINS = 256  # the logit-difference curve keeps at most this many points per run
+
+
+def _binned_max(diff: torch.Tensor) -> list[float]:
+    """Per-position values [P] -> at most DIFF_BINS maxima over equal-width position bins."""
+    P = diff.numel()
+    width = max(1, -(-P // DIFF_BINS))
+    pad = (-P) % width
+    d = torch.cat([diff, diff.new_zeros(pad)]) if pad else diff
+    return [float(v) for v in d.view(-1, width).amax(dim=1)]
+
+
+def _logit_diff(run: Run, ref: Run, curve: bool) -> dict:
+    """The prompt rows' largest |logit difference| and, with ``curve``, its binned curve (``_curve``: None for the
+    reference itself), where both runs carry the same prompt rows; else {}."""
+    a, b = run.prompt_logits, ref.prompt_logits
+    if a is None or b is None or a.shape != b.shape:
+        return {}
+    row_diff = (a - b).abs().amax(dim=1)                                            # [P] fp32
+    out = {"max_prompt_logit_diff": float(row_diff.max()) if row_diff.numel() else 0.0}
+    return {**out, "_curve": None if run is ref else _binned_max(row_diff)} if curve else out
+
+
+def compare(run: Run, ref: Run, curve: bool = False) -> dict:
+    """Row fields comparing a run with its reference, for every engine (exact.compare: tokens, prompt-logit rows,
+    prompt logprobs (servers), generated-logit rows, KV bytes; the first difference of each and the reference's
+    margin there); a run or reference not greedy, or tokens that are lossy text, is never counted as equal
+    (equals_oracle None where the tokens agree). Where both carry prompt logits: the largest |difference| and, with
+    ``curve``, its per-position curve (``_curve``, for the section's plot)."""
     v = exact_compare(run, ref)
     ng = _not_greedy(run, ref)
     ref_lost = [] if ref is run else [f"reference {ref.config}: {x}" for x in ref.info.get("lost") or []]
     lossy = (run.info.get("lost") or []) + ref_lost or None
-    p, lp, g = v.prompt_rows, v.prompt_logprobs or NOT_EXPOSED, v.gen_rows
+    p, lp, g, kv = v.prompt_rows, v.prompt_logprobs or NOT_EXPOSED, v.gen_rows, v.kv.first or {}
     return {"equals_oracle": False if not v.tokens.equal else (None if ng or lossy else True),
             "first_divergence": v.tokens.first, "oracle_margin": v.oracle_margin,
             "prompt_logits_equal": p.equal, "prompt_rows_differing": p.count, "first_differing_prompt_row": p.first,
             "prompt_logprobs_equal": lp.equal,
             "prompt_logprob_rows_differing": None if lp.equal is None else lp.count,
             "first_differing_prompt_logprob_row": lp.first,
-            "gen_logits_equal": g.equal, "first_differing_gen_row": g.first, "kv_equal": v.kv.equal,
-            "kv_first_tensor": v.kv.first["tensor"] if v.kv.first else None,
-            "greedy": run.greedy, "lossy": lossy, "verdict": verdict(v, ng, lossy)}
+            "gen_logits_equal": g.equal, "first_differing_gen_row": g.first,
+            "kv_equal": v.kv.equal,   # None: a run kept no cache, KV not compared
+            "kv_first_position": kv.get("position"), "kv_first_layer": kv.get("layer"),
+            "kv_first_tensor": kv.get("tensor"),
+            "greedy": run.greedy, "lossy": lossy, "verdict": verdict(v, ng, lossy), **_logit_diff(run, ref, curve)}
 
 
 def _prompt_tokens(ids, run: Run) -> int | None:
@@ -195,12 +222,12 @@ def id_prompts(prompts: dict) -> dict:
     return {name: ids for name, ids in prompts.items() if isinstance(ids, list)}
 
 
-def run_section(params: EnginesParams | dict) -> dict:
-    """The ``engines`` section.
+def run_engines(p: HashesParams) -> dict:
+    """The hash matrix of the engines ``p.engine`` names (the ``hashes`` section when engines are given).
 
-    params: EnginesParams (or a dict of its fields): engine (list of engine specs, engines/__init__.py), prompts,
-    prompt_max_tokens / engine_max_tokens (prompt cut, tokens), gen_tokens, steps (each adapter's chunk or batch
-    sizes), device, dtype, kernel_sets (the reference engine runs once per set), engine_streams (run the stream
+    p: the section's parameters (analysis/hashes.py documents each): engine (engine specs, engines/__init__.py),
+    prompts, hash_max_tokens / prompt_max_tokens (prompt cut, tokens), gen_tokens, steps (each adapter's chunk or
+    batch sizes), device, dtype, kernel_sets (our engine runs once per set), engine_streams (run the stream
     equalities), engine_bench (the bench tables of every configuration, analysis/engines_bench.py),
     engine_cold_lengths (the bench's cold-prefill prompt lengths, tokens), allow_unpinned; the repeat test
     (analysis/repeat.py): engine_repeat (N requests of one prompt, 0 = off), engine_repeat_concurrency (requests in
@@ -208,7 +235,7 @@ def run_section(params: EnginesParams | dict) -> dict:
     (default: every server configuration, an in-process engine's streams configuration), engine_repeat_only (skip
     the hash matrix and stream equalities); engine_dumps (off, on-differ, always or a folder: engines_dumps.py).
     Returns:
-        {"section": "engines", "engines": [identity...], "prompts": {label: [build_prompts' records]},
+        {"section": "hashes", "engines": [identity...], "prompts": {label: [build_prompts' records]},
         "rows": [...] (with prompt_kind, prompt_sha256, template), "streams": {label: {...}},
         "bench": {label: {...}} (with engine_bench), "repeat": {label: repeat.repeat_engine's} (with
         engine_repeat), "engine_dumps": {label: engines_dumps.engine_dumps'} (with engine_dumps), "prompt_counts":
@@ -218,13 +245,11 @@ def run_section(params: EnginesParams | dict) -> dict:
         failed) and the others still run; ``failures`` ({ename, evalue}: each error, or that no run was compared
         with an oracle) make the receipt failed (receipt/runner.py).
     Raises:
-        ParamError / ValueError: bad parameters or engine specs, before any engine runs.
+        ValueError: bad engine specs, before any engine runs.
     """
-    p = EnginesParams.from_dict(params)
-    validate_sets(p)
     common = dict(device=p.device, dtype=p.dtype, steps=list(p.steps), kernel_sets=list(p.kernel_sets or []),
                   preset=p.preset, deep_threshold=p.deep_threshold)
-    section = {"section": "engines", "engines": [], "rows": [], "streams": {}, "errors": [],
+    section = {"section": "hashes", "engines": [], "rows": [], "streams": {}, "errors": [],
                "not_available": {s: not_kernel_level(s) for s in ("contract", "fp64")}}
     with progress_bar(None, "engines", "run") as bar:
         for spec in p.engine:
@@ -254,7 +279,7 @@ def _failures(section: dict) -> list[dict]:
     return out
 
 
-def _run_engine(spec: str, common: dict, p: EnginesParams, section: dict, bar) -> None:
+def _run_engine(spec: str, common: dict, p: HashesParams, section: dict, bar) -> None:
     label = f"{spec}:{common['kernels']}" if common.get("kernels") else spec
     engine = None
     try:   # an engine that fails to start (a launched server that never answers) is an error of that engine

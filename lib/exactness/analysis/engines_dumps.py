@@ -11,7 +11,7 @@ role stands for the oracle: 0 differing rows when the oracle runs token by token
 first op that broke).
 
 Bounds: prompts of at most MAX_TOKENS tokens are dumped (a longer one is refused in one line: cut the prompts with
-``engine_max_tokens``); every layer and position of it is written. Engines without a ``dump`` method (OpenAI-
+``hash_max_tokens``); every layer and position of it is written. Engines without a ``dump`` method (OpenAI-
 compatible servers, our reference engine) are recorded as not able to dump, with the reason.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _targets(engine, rows: list[dict], prompts: dict, always: bool) -> dict[str,
 
 
 def compact(contract: dict) -> dict:
-    """The parts of a recorded-calls contract (contract.calls.contract_of_calls) the engines section keeps."""
+    """The parts of a recorded-calls contract (contract.calls.contract_of_calls) the hash matrix run on engines keeps."""
     pick = (lambda f: None if f is None else {k: f.get(k) for k in FIELDS})
     return {"totals": contract["totals"], "first_mismatch": pick(contract.get("first_mismatch")),
             "first_origin": pick(contract.get("first_origin"))}
@@ -64,7 +64,7 @@ def _dump_one(engine, config: str, prompt: str, ids, folder: Path) -> dict:
         return {**rec, "folder": None, "status": "not available", "reason": why}
     if len(ids) > MAX_TOKENS:
         return {**rec, "status": "refused", "reason": f"prompt {prompt!r} has {len(ids)} tokens; engine_dumps dumps "
-                f"at most {MAX_TOKENS} (cut the prompts: engine_max_tokens={MAX_TOKENS})"}
+                f"at most {MAX_TOKENS} (cut the prompts: hash_max_tokens={MAX_TOKENS})"}
     try:
         engine.dump(list(ids), config, folder)
         return {**rec, "status": "dumped", **compact(contract_of_calls(folder, progress=False))}

@@ -1,6 +1,6 @@
-"""The ``engines`` section as GitHub markdown: the engines and their configurations, each engine's hash matrix
-against its oracle (with many prompts, counts per configuration: repeat_md.py), the repeat test, the stream
-equalities, the cross-engine view and what the engines could not give."""
+"""The ``hashes`` section run on engines, as GitHub markdown: the engines and their configurations, each engine's
+hash matrix against its oracle (with many prompts, counts per configuration: repeat_md.py), the repeat test, the
+stream equalities, the cross-engine view and what the engines could not give."""
 from __future__ import annotations
 
 from ..tables import table
@@ -139,7 +139,7 @@ def verdict_md(section: dict) -> str:
 
 
 def render_md(section: dict) -> str:
-    """receipt.md's block of an ``engines`` section object."""
+    """receipt.md's block of a ``hashes`` section run on engines (analysis/engines.py)."""
     matrix = (counts_block(section) if section.get("prompt_counts") else hash_table(section["rows"])
               if section.get("rows") or not section.get("repeat") else "_Not run (engine_repeat_only)._")
     parts = ["## Engines under test", "", INTRO, "", verdict_md(section), "", engines_table(section), "",

@@ -1,24 +1,29 @@
-"""Token hashes and the hash matrix: every prompt x path x step size x kernel set, each run against its oracle.
+"""The ``hashes`` section: the hash matrix, one row per engine x configuration x prompt, each run against its
+engine's oracle through one comparison (engines.compare: tokens, prompt-logit rows, generated-logit rows, KV bytes).
 
-The oracle of a kernel set is its serial ``decode`` path. For each other run the section records whether the
-generated tokens equal the oracle's (token hash), the first divergent generated index with the oracle's top-1/top-2
-logit margin there, whether every prompt row's logits and the KV cache are byte-identical, and per-position
-max |logit difference| of prompt rows (binned) for the plot. Rows record the model's weights setting, KV-cache dtype
+Without ``engine`` the matrix is our engine's, in full (below); with ``engine`` (engine specs: our ``reference``,
+transformers, OpenAI-compatible servers, llama.cpp) it is each named engine's configurations, with their stream
+equalities, bench, repeat test and the first op that broke (analysis/engines.py, markdown engines_md.py).
+
+Our engine's matrix: every prompt x path x step size x kernel set (rows: engine ``reference``; the configuration
+is kernels, path, step and offload). The oracle of a kernel set is its serial ``decode`` path. For each other run
+the section records whether the generated tokens equal the oracle's (token hash), the first divergent generated
+index with the oracle's top-1/top-2 logit margin there, whether every prompt row's logits, every generated row's
+logits and the KV cache are byte-identical, and per-position max |logit difference| of prompt rows (binned) for the
+plot. Rows record the model's weights setting, KV-cache dtype
 and routing groups. Control runs (control_runs) repeat the matrix on a cut prompt: a step sweep, an fp32 control
 and, with ``hash_features``, each engine feature (FEATURES: quantized weights, fp8 KV caches, grouped routing)
 against that feature's own decode oracle; packed rows (packed_rows) prefill the prompts together in one forward.
 With ``hash_graphs`` on a CUDA device the runs replay their decode steps from CUDA graphs (the oracle its prompt
 rows too: graphs.GraphDecoder, the eager steps' bytes) and each row's ``graphs`` says whether a graph served and,
 if not, why; ``graphs`` is None where graphs were not tried (hash_graphs off, a CPU device, the packed rows).
-Tables and the plot: analysis/hashes_report.py; the markdown: analysis/hashes_md.py.
+Tables and the plot: analysis/hashes_report.py; the markdown of both kinds: analysis/hashes_md.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 from typing import NamedTuple
-
-import torch
 
 from ..checkpoint import load_model
 from ..engines.reference import ReferenceEngine
@@ -31,45 +36,7 @@ from ..prompt_files import build_prompts, prompt_record
 from ..prompts import build_prompt
 from ..run import Run
 from ..weights import weights_format
-from .engines import oracle_runs
-
-DIFF_BINS = 256  # the logit-difference curve keeps at most this many points per run
-
-
-def _binned_max(diff: torch.Tensor) -> list[float]:
-    """Per-position values [P] -> at most DIFF_BINS maxima over equal-width position bins."""
-    P = diff.numel()
-    width = max(1, -(-P // DIFF_BINS))
-    pad = (-P) % width
-    d = torch.cat([diff, diff.new_zeros(pad)]) if pad else diff
-    return [float(v) for v in d.view(-1, width).amax(dim=1)]
-
-
-def compare(run: Run, oracle: Run) -> dict:
-    """Row fields comparing ``run`` with ``oracle`` (exact.compare: tokens, prompt-logit bytes, KV bytes, the
-    oracle's margin) and the per-position max |logit difference| of the prompt rows."""
-    v = exact_compare(run, oracle)
-    row_diff = (run.prompt_logits - oracle.prompt_logits).abs().amax(dim=1)          # [P] fp32
-    kv = v.kv.first
-    return {
-        "equals_oracle": v.tokens.equal,
-        "first_divergence": v.tokens.first,
-        "oracle_margin": v.oracle_margin,
-        "prompt_logits_equal": v.prompt_rows.equal,
-        "prompt_rows_differing": v.prompt_rows.count,
-        "first_differing_prompt_row": v.prompt_rows.first,
-        "max_prompt_logit_diff": float(row_diff.max()),
-        "kv_equal": v.kv.equal,   # None: a run kept no cache, KV not compared
-        "kv_first_position": kv["position"] if kv else None, "kv_first_layer": kv["layer"] if kv else None,
-        "_curve": _binned_max(row_diff),
-    }
-
-
-# The oracle's own row: equal to itself in every part, no curve.
-ORACLE_ROW = dict(equals_oracle=True, first_divergence=None, oracle_margin=None, prompt_logits_equal=True,
-                  prompt_rows_differing=0, first_differing_prompt_row=None, max_prompt_logit_diff=0.0, kv_equal=True,
-                  kv_first_position=None, kv_first_layer=None, _curve=None)
-
+from .engines import DIFF_BINS, compare, oracle_runs, run_engines
 
 def run_configs(steps, kernel_sets) -> list[tuple[str, str, int | None]]:
     """(kernel set, path, step) of one prompt's runs, each set's oracle first.
@@ -89,7 +56,7 @@ def run_configs(steps, kernel_sets) -> list[tuple[str, str, int | None]]:
 
 def _row(prompt, run: Run, seconds: float, w) -> dict:
     return {
-        "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "prompt_sha256": prompt.sha256,
+        "engine": "reference", "prompt": prompt.name, "prompt_tokens": prompt.n_tokens, "prompt_sha256": prompt.sha256,
         "prompt_pin_ok": prompt.pin_ok, "path": run.path, "step": run.step, "kernels": run.kernels,
         "weights": weights_format(w), "kv_dtype": run.kv_dtype, "routing_groups": w.cfg.router_groups,
         "deep_threshold": run.deep_threshold if run.path == "deep" else None,
@@ -103,7 +70,7 @@ def run_prompt(w, prompt, kernel_sets, steps, gen_tokens, deep_threshold, progre
                store=None, offload_paths=("decode", "batched", "deep"), rerun: bool = False, *,
                kv_dtype: str = "bf16", oracles: dict | None = None, graphs: bool = False) -> list[dict]:
     """All runs of one prompt on our engine (one per kernel set, resident and offloaded), walked configuration by
-    configuration against the oracle as the engines section walks any engine's (engines.oracle_runs); rows as
+    configuration against the oracle as any engine's are walked (engines.oracle_runs); rows as
     documented in the module docstring (``_curve`` holds the plot data).
 
     With an offload ``store`` (offload.ExpertStore) the runs of ``offload_paths`` are repeated with the experts in
@@ -153,13 +120,12 @@ def _run_modes(engines, w, prompt, kernel_sets, steps, gen_tokens, progress, off
             for _, run, ref, seconds in oracle_runs(engine, prompt.ids, gen_tokens, configs, run=keep_kv,
                                                      oracle=oracle.get(name) if off else None):
                 row = {**_row(prompt, run, seconds, w), "offload": off}
+                row.update(compare(run, ref, curve=True))
                 if run is ref:
                     oracle[name] = run
                     if oracles is not None:
                         oracles[(prompt.name, name)] = run
-                    row.update(ORACLE_ROW)
                 else:
-                    row.update(compare(run, ref))
                     run.kv = run.cache = None  # the oracle keeps its KV for the later runs' KV comparison
                     if run.path == "batched" and not off:
                         first.setdefault(name, (row, run))
@@ -186,7 +152,7 @@ def packed_rows(w, prompts: list, kernel_sets, gen_tokens: int, oracles: dict, k
             for pr, run in zip(group, runs):
                 row = {**_row(pr, run, secs, w), "offload": False, "control": "packed",
                        "packed_prompts": [q.name for q in group]}
-                rows.append({**row, **compare(run, oracles[(pr.name, run.kernels)])})
+                rows.append({**row, **compare(run, oracles[(pr.name, run.kernels)], curve=True)})
     return rows
 
 
@@ -248,7 +214,8 @@ def control_model(p: HashesParams, c: Control, w):
 
 
 def run_section(params: HashesParams | dict) -> dict:
-    """The ``hashes`` section from profile/notebook parameters.
+    """The ``hashes`` section from profile/notebook parameters: with ``engine``, the engines' matrix
+    (engines.run_engines documents it and its parameters); else our engine's, below.
 
     params: HashesParams, or a dict of its fields (built with HashesParams.from_dict): preset, device, dtype,
     prompts, prompt_max_tokens (int|None), steps, gen_tokens, deep_threshold, kernel_sets, optional checkpoint
@@ -275,6 +242,8 @@ def run_section(params: HashesParams | dict) -> dict:
     """
     p = HashesParams.from_dict(params)   # refuses bad values before any work
     validate_sets(p)   # and a set that is unknown or fails on tiny inputs
+    if p.engine:
+        return run_engines(p)
     off_paths = (list(ReferenceEngine.PATHS) if p.hash_offload_paths is None
                  else check_offload_paths(p.hash_offload_paths))
     max_tokens = p.max_tokens

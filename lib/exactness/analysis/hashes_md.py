@@ -1,4 +1,4 @@
-"""The ``hashes`` section as GitHub markdown: the hash matrix (one row per prompt and kernel set, one column per
+"""The ``hashes`` section as GitHub markdown (run on engines: engines_md.py): the hash matrix (one row per prompt and kernel set, one column per
 path@step, ``✗`` where a hash differs from that kernel set's decode oracle), the runs that differ from the oracle,
 the rerun control and what each path actually served.
 """
@@ -12,7 +12,11 @@ DIFF_MARK = "✗"
 
 def render_md(section: dict) -> str:
     """receipt.md's block of a ``hashes`` section object (``{"section": "hashes", "rows": [...], ...}``): the
-    tables of :func:`render_hashes`, then the section's further scalar values (plot data stays in receipt.json)."""
+    engines' tables (engines_md.render_md) where it ran on engines; else the tables of :func:`render_hashes`, then
+    the section's further scalar values (plot data stays in receipt.json)."""
+    if isinstance(section.get("engines"), list):
+        from .engines_md import render_md as engines_md
+        return engines_md(section)
     extra = {k: v for k, v in section.items() if k not in ("section", "rows")}
     return "\n\n".join(p for p in (render_hashes(section.get("rows") or []), render_extra("hashes_extra", extra)) if p)
 

@@ -1,5 +1,5 @@
-"""The engines section's counts: the same request N times under load (distinct completions), and many prompts read
-as counts. Markdown and the notebook's plot: analysis/repeat_md.py.
+"""The counts of the hash matrix run on engines: the same request N times under load (distinct completions), and
+many prompts read as counts. Markdown and the notebook's plot: analysis/repeat_md.py.
 
 Repeat test (:func:`repeat_engine`): ONE prompt sent N times greedily at each concurrency level c (at most c
 requests in flight). A server (the ``openai`` engine) gets N streamed requests through the adapter's ``generate``
@@ -29,7 +29,7 @@ from ..exact import first_differing_row, token_hash
 from ..progress import bar as progress_bar
 from ..params_engines import check_local
 
-MANY_PROMPTS = 20    # more prompts than this: the engines section shows counts, not one row per run
+MANY_PROMPTS = 20    # more prompts than this: the engines' matrix shows counts, not one row per run
 KEEP_ERRORS = 3      # failure messages kept per level
 KEEP_GROUPS = 100    # distinct completions kept per level (each with its ids); the count is always whole
 
@@ -174,7 +174,7 @@ def repeat_engine(engine: Engine, prompt: str, ids: list[int], requests: int, le
 
 
 def run_repeat(engine: Engine, label: str, prompts: dict, p, section: dict) -> None:
-    """The repeat test of ``engine`` (named ``label``) as the engines section runs it with EnginesParams ``p``:
+    """The repeat test of ``engine`` (named ``label``) as the hash matrix runs it with HashesParams ``p``:
     on engine_repeat_prompt (default the first prompt); the result goes to ``section["repeat"][label]``, failed
     levels to ``section["errors"]``.
 

@@ -1,5 +1,5 @@
-"""The engines section's counts as GitHub markdown and a notebook plot (analysis/repeat.py computes them): the
-repeat test's table (level, N, distinct completions, largest share, where they part) and, with many prompts, one
+"""The counts of the hash matrix run on engines, as GitHub markdown and a notebook plot (analysis/repeat.py computes
+them): the repeat test's table (level, N, distinct completions, largest share, where they part) and, with many prompts, one
 row per engine and configuration (prompts with the oracle's tokens, a text histogram of first-divergence positions,
 the smallest oracle margin at a flip) instead of one row per prompt and configuration."""
 from __future__ import annotations

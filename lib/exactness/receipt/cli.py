@@ -38,7 +38,7 @@ from ..profiles import DEFAULT_PROFILE, PROFILES, get_profile  # noqa: E402
 from ..files import write_json  # noqa: E402
 from .sections import SECTIONS, Section  # noqa: E402
 
-_REFERENCE = [n for n, s in SECTIONS.items() if s.runs_on == "reference"]   # a plain receipt run's sections
+_REFERENCE = [n for n, s in SECTIONS.items() if "reference" in s.runs_on]   # a plain receipt run's sections
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,10 @@ def _receipts_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precomputed", default=None, help="folder of section JSONs computed elsewhere (hashes.json, "
                    "contract.json, fp64.json, streams.json, bench.json, optional env.json): render, don't compute")
     p.add_argument("--sections", default="", help="comma-separated sections to run (default: all of "
-                   f"{','.join(_REFERENCE)}; with --engine: engines)")
+                   f"{','.join(_REFERENCE)}; with --engine: hashes)")
     p.add_argument("--engine", nargs="+", default=None, metavar="SPEC",
                    help="engines under test (reference, transformers:/path, openai:URL, llamacpp:/path.gguf, or a "
-                   "YAML engine file): runs the engines section on them (same as --param engine=[...])")
+                   "YAML engine file): runs the hash matrix on them (same as --param engine=[...])")
     p.add_argument("--dumps", default=None, metavar="DIR", help="an engine's tensor dumps (docs/dumps.md): runs the "
                    "dumps section (kernel contract and FP64 from the dumps; same as --param dumps=DIR)")
 

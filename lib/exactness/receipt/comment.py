@@ -35,9 +35,9 @@ def summary_md(pr: dict, pr_name: str) -> str:
              f"Receipt `{pr_name}` at {git_text(git)}; its receipt.md and receipt.html hold every section.", ""]
     if failed:
         parts += ["**This run FAILED: the receipt is incomplete.**", ""]
-    summary, engines = render_summary(pr), (pr.get("sections") or {}).get("engines")
+    summary, engines = render_summary(pr), (pr.get("sections") or {}).get("hashes")
     if isinstance(engines, dict) and engines.get("engines"):
-        from ..analysis.engines_md import verdict_md   # the engines section's own verdict lines
+        from ..analysis.engines_md import verdict_md   # one verdict line per engine under test
         summary = "\n\n".join(x for x in (summary, verdict_md(engines)) if x)
     parts += [summary if summary else "_No summary: the run holds none of the summarized sections._"]
     if failed:

@@ -6,14 +6,13 @@ BASE and PR are receipt folders (holding ``receipt.json``), ``receipt.json`` fil
 Rows of both receipts are matched by their identity (the key fields below), and for each matched pair:
 
     hashes     token hashes that moved, per (engine, prompt, configuration: kernels/path/step/offload for our
-               engine); the equality flags (tokens ``equals_oracle``, ``prompt_logits_equal``, ``kv_equal``,
-               ``rerun_equal``) that flipped
+               engine's matrix); the equality flags (tokens ``equals_oracle``, ``prompt_logits_equal``,
+               ``gen_logits_equal``, ``kv_equal``, ``rerun_equal``) that flipped; the engines' stream rows; engines
+               whose identity differs beyond their software versions (ENGINE_SOFTWARE) are not compared
     contract   (class, set, dtype, device, weights) pairs whose mismatch count changed
     fp64       (set, class, path, dtype, input set, kernel, K) rows whose verdict changed
     streams    drafted / resumed / concurrent rows whose hashes or equality flags changed
     bench      figures whose median moved by more than their run-to-run spread (diff_bench.py)
-    engines    as hashes, per (engine, prompt, configuration), and the engines' stream rows; engines whose identity
-               differs beyond their software versions (ENGINE_SOFTWARE) are not compared
 
 Only like is compared with like: receipts of different profiles or weights (preset, checkpoint, its SHA-256 where
 recorded) are not compared at all, a section whose own setting differs (the contract's sweep, the bench's device) is
@@ -165,6 +164,7 @@ def match(result: dict, name: str, base_rows: list, pr_rows: list, key, label, s
         else:
             pairs.append((label(b[k]), b[k], p[k]))
     result["compared"][name] = result["compared"].get(name, 0) + len(pairs)
+    result["not_judged"] += _added_checks(name, pairs)
     return pairs
 
 
@@ -183,13 +183,26 @@ def _hash_fields(row: dict) -> list[str]:
 
 def row_changes(name: str, what: str, b: dict, p: dict, key: dict | None = None) -> list[dict]:
     """Changes between two matched rows: each hash-like field (``hash``, ``*_hash``) that moved (kind "hash") and
-    each equality flag (``equals_oracle``, ``equal``, ``*_equal``; True, False or None) that flipped (kind "flag")."""
+    each equality flag (``equals_oracle``, ``equal``, ``*_equal``; True, False or None) that flipped (kind "flag").
+    A field BASE's row does not record is a check PR added, not a change (match lists it under ``not_judged``); one
+    PR's row drops is a change."""
     extra = {"key": key} if key else {}
     out = [_change(name, what, f, b.get(f), p.get(f), kind="hash", **extra)
-           for f in dict.fromkeys(_hash_fields(b) + _hash_fields(p)) if b.get(f) != p.get(f)]
+           for f in dict.fromkeys(_hash_fields(b) + _hash_fields(p)) if f in b and b.get(f) != p.get(f)]
     out += [_change(name, what, f, b.get(f), p.get(f), kind="flag", **extra)
-            for f in dict.fromkeys(_flag_fields(b) + _flag_fields(p)) if b.get(f) != p.get(f)]
+            for f in dict.fromkeys(_flag_fields(b) + _flag_fields(p)) if f in b and b.get(f) != p.get(f)]
     return out
+
+
+def _added_checks(name: str, pairs: list) -> list[dict]:
+    """``not_judged`` entries for the hash and flag fields PR's rows record and BASE's matched rows do not."""
+    added: dict[str, int] = {}
+    for _, b, p in pairs:
+        for f in dict.fromkeys(_hash_fields(p) + _flag_fields(p)):
+            if f not in b:
+                added[f] = added.get(f, 0) + 1
+    return [{"section": name, "what": f"{n} rows", "field": f, "why": "recorded by PR only: a check BASE did not "
+             "make, nothing to compare it with"} for f, n in added.items()]
 
 
 # ----------------------------------------------------------------------------------------------------- sections
@@ -233,8 +246,8 @@ def _engine_context(b_obj: dict, p_obj: dict) -> list[dict]:
 
 
 def diff_hashes(result: dict, b: dict, p: dict, receipts=(), name: str = "hashes") -> None:
-    """Moved token hashes and flipped oracle equalities of the ``hashes`` section, or of the ``engines`` section's
-    rows (one per engine, prompt and configuration) and its stream rows."""
+    """Moved token hashes and flipped oracle equalities of the ``hashes`` section's rows (one per engine, prompt and
+    configuration) and of the engines' stream rows."""
     def label(r):
         return f"{_get(r, 'engine')} · {r.get('prompt')} · {configuration(r)}"
     for what, rb, rp in match(result, name, b.get("rows"), p.get("rows"), HASH_KEY, label, HASH_SAME,
@@ -243,7 +256,7 @@ def diff_hashes(result: dict, b: dict, p: dict, receipts=(), name: str = "hashes
         result["changes"] += row_changes(name, what, rb, rp, key)
     result["context"] += _engine_context(b, p)
     bs, ps = b.get("streams") or {}, p.get("streams") or {}
-    for e in (e for e in bs if e in ps and isinstance(bs[e], dict)):   # the engines section: label -> checks
+    for e in (e for e in bs if e in ps and isinstance(bs[e], dict)):   # run on engines: label -> checks
         rows = lambda s: [r for part in ("drafted", "resumed", "concurrent") for r in s.get(part) or []]  # noqa
         for what, rb, rp in match(result, name, rows(bs[e]), rows(ps[e]), ENGINE_STREAM_KEY,
                                   lambda r, e=e: f"{e} · {r.get('check')} · {r.get('prompt')} · {r.get('config')}"):
@@ -251,11 +264,6 @@ def diff_hashes(result: dict, b: dict, p: dict, receipts=(), name: str = "hashes
     if b.get("bench") and p.get("bench"):
         result["not_judged"].append({"section": name, "what": "engine bench", "field": "every figure",
                                      "why": "one cold and one warm request per configuration: no run-to-run spread"})
-
-
-def diff_engines(result: dict, b: dict, p: dict, receipts=()) -> None:
-    """The engines section: as diff_hashes, per (engine, prompt, configuration), and the engines' stream rows."""
-    diff_hashes(result, b, p, receipts, "engines")
 
 
 def diff_contract(result: dict, b: dict, p: dict, receipts=()) -> None:

@@ -29,7 +29,7 @@ def hashes_md(changes: list[dict]) -> list[str]:
     """Moved token hashes, one row per (engine, configuration, prompt): "docs: 1882ea29ebf6 → e6834625432c"."""
     rows = [[(c.get("key") or {}).get("engine"), (c.get("key") or {}).get("configuration"),
              f"{(c.get('key') or {}).get('prompt')}: {c['base']} → {c['pr']}"]
-            for c in changes if c["section"] in ("hashes", "engines") and c["kind"] == "hash" and c.get("key")]
+            for c in changes if c["section"] == "hashes" and c["kind"] == "hash" and c.get("key")]
     if not rows:
         return []
     return ["## Token hashes that moved", "", table(rows, ["engine", "configuration", "prompt: BASE → PR"])]
@@ -39,7 +39,7 @@ def flags_md(changes: list[dict]) -> list[str]:
     """Runs that stopped or started equalling their oracle (tokens, prompt logits, KV separately), and streams'
     equalities and hashes that changed."""
     out = []
-    for names, title in ((("hashes", "engines"), "Runs whose equality with their oracle changed"),
+    for names, title in ((("hashes",), "Runs whose equality with their oracle changed"),
                          (("streams",), "Stream rows whose equalities or hashes changed")):
         cs = [c for c in changes if c["section"] in names and (c["kind"] == "flag" or not c.get("key"))]
         if cs:
@@ -84,7 +84,7 @@ def rest_md(result: dict) -> list[str]:
     if one:
         out += ["", "## In one receipt only", "", table(one, ["section", "row", "only in"])]
     if result["not_judged"]:
-        out += ["", "## Bench figures not judged", "", table(not_judged_rows(result["not_judged"]),
+        out += ["", "## Not judged", "", table(not_judged_rows(result["not_judged"]),
                                                             ["part", "figures", "rows", "why not judged"])]
     if result["context"]:
         rows = [[c["what"], c["base"], c["pr"]] for c in result["context"]]
@@ -93,7 +93,7 @@ def rest_md(result: dict) -> list[str]:
 
 
 def not_judged_rows(items: list[dict]) -> list[list]:
-    """Figures not judged, one row per (bench part, reason): the figures and how many rows (diff.json lists each)."""
+    """Fields not judged, one row per (part, reason): the fields and how many rows (diff.json lists each)."""
     groups: dict[tuple, tuple[dict, set]] = {}
     for c in items:
         fields, rows = groups.setdefault((c["what"].split(" · ")[0], c["why"]), ({}, set()))

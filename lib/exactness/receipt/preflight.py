@@ -72,8 +72,8 @@ def check_lengths(params: dict, cfg: ModelConfig, tokenizer, model: str, section
 
     limit = cfg.max_positions
     sources = resolve(params["prompts"]) if params.get("prompts") else []   # well formed: checked with the others
-    known = [SECTIONS[s] for s in sections if s in SECTIONS]
-    try:   # the engines section checks each engine's own vocabulary when it opens
+    known = [SECTIONS[s] for s in sections if s in SECTIONS and SECTIONS[s].on_reference(params)]
+    try:   # a section run on engines checks each engine's own vocabulary when it opens
         if any(s.reads_prompts for s in known):
             check_vocab(sources, cfg.vocab_size, model)
     except PromptFileError as e:
@@ -111,14 +111,14 @@ def check_kernel_sets(params: dict) -> None:
 
 
 def probe_engines(params: dict, sections: list[str]) -> None:
-    """For a run of the engines section: every engine spec of ``params["engine"]`` probed (engines.probe: a GGUF
-    header, a model folder's config and weight headers, each given server's /v1/models and one greedy token).
+    """For a run of the hash matrix given ``engine``: every engine spec of ``params["engine"]`` probed (engines.probe:
+    a GGUF header, a model folder's config and weight headers, each given server's /v1/models and one greedy token).
     Not part of :func:`check_run`: a receipt rendered from precomputed sections runs no engine.
 
     Raises:
         PreflightError: ``engine 'SPEC': what failed``, one line.
     """
-    if "engines" not in sections:
+    if not any(s in SECTIONS and SECTIONS[s].selected_by == "engine" for s in sections):
         return
     from ..engines import probe
 

@@ -279,14 +279,14 @@ def run_receipts(profile: str, out: Path | str | None = None, overrides: dict | 
 def run_kinds(overrides: dict) -> set[str]:
     """What a run computes on (sections.Section.runs_on): the kinds whose parameter (Section.selected_by: the engines
     given by ``engine``, the dump set given by ``dumps``) the overrides set, else our reference engine."""
-    kinds = {s.runs_on for s in SECTIONS.values() if s.selected_by and overrides.get(s.selected_by)}
+    kinds = {s.selected_kind for s in SECTIONS.values() if s.selected_by and overrides.get(s.selected_by)}
     return kinds or {"reference"}
 
 
 def run_notebooks(profile: str, kinds: set[str] = frozenset({"reference"})) -> list[str]:
     """The notebooks a profile runs, in table order: the sections that run on ``kinds`` (run_kinds)."""
     get_profile(profile)
-    return [s.notebook for s in SECTIONS.values() if s.runs_on in kinds]
+    return [s.notebook for s in SECTIONS.values() if set(s.runs_on) & set(kinds)]
 
 
 def _notebooks(profile: str, kinds: set[str], sections: list[str] | None) -> list[str]:
@@ -380,7 +380,8 @@ def _run_in(tmp: Path, prof, overrides: dict, env: dict, nb_dir: Path, per_nb: d
             kernel_name: str) -> dict:
     """Execute the notebooks into ``tmp``, assemble the receipt and write its files; returns the receipt."""
     params = {**prof.parameters(), **overrides}
-    ran = {SECTIONS[section_of(nb)].runs_on for nb in per_nb if section_of(nb) in SECTIONS}
+    kinds = run_kinds(overrides)
+    ran = {k for nb in per_nb if section_of(nb) in SECTIONS for k in SECTIONS[section_of(nb)].runs_on if k in kinds}
     env = {**env, "kernel_sets": params.get("kernel_sets") if "reference" in ran else None,
            "kernel_set_records": kernel_set_records(params.get("kernel_sets")) if "reference" in ran else None,
            "engines": params.get("engine") if "engines" in ran else None,

@@ -21,7 +21,6 @@ from types import ModuleType
 from ..files import write_json
 from ..params import (BenchParams, Common, ContractParams, DumpsParams, Fp64Params, HashesParams, ParamError,
                      StreamsParams)
-from ..params_engines import EnginesParams
 
 
 def _rows(obj: dict, *keys: str) -> list[dict]:
@@ -63,11 +62,11 @@ class Section:
         mergeable: parts computed in separate calls (one kernel set each) join with :attr:`merge`.
         merge: ``module:function`` joining those parts, ``(parts: list[dict]) -> dict``; "" is the analysis
             module's ``merge_sections``.
-        runs_on: what the section computes on: ``reference`` (our engine's kernels: a plain receipt run),
-            ``engines`` or ``dumps``; a receipt run given the parameter ``selected_by`` names runs the sections of
-            that kind only.
-        selected_by: the parameter whose value makes a receipt run compute this kind of section ("" for
-            ``reference``, the default kind).
+        runs_on: the kinds of run that compute it: ``reference`` (our engine's kernels: a plain receipt run),
+            ``engines`` or ``dumps``; a receipt run given the parameter ``selected_by`` names is of the other kind
+            (:attr:`selected_kind`) and runs the sections of that kind only.
+        selected_by: the parameter whose value makes a receipt run of :attr:`selected_kind` ("" for a section that
+            runs on ``reference`` only).
         from_dumps: ``module:function`` computing this section's check from a dump folder (the subcommand's
             ``--dumps DIR``), or "".
         timed: it reports speed, so a receipt run gives it the machine alone (profiles.Profile.side_by_side lets
@@ -94,7 +93,7 @@ class Section:
     render: str = ""
     mergeable: bool = False
     merge: str = ""
-    runs_on: str = "reference"
+    runs_on: tuple[str, ...] = ("reference",)
     selected_by: str = ""
     from_dumps: str = ""
     timed: bool = False
@@ -105,6 +104,16 @@ class Section:
     summary: tuple[Verdict, ...] = ()
     diff: str = ""
     diff_keys: tuple[str, ...] = ()
+
+    @property
+    def selected_kind(self) -> str:
+        """The kind of run its :attr:`selected_by` parameter makes ("" for none)."""
+        return next((k for k in self.runs_on if k != "reference"), "") if self.selected_by else ""
+
+    def on_reference(self, params: dict) -> bool:
+        """Whether it computes on our engine with ``params``: it runs on ``reference`` and ``params`` leave its
+        :attr:`selected_by` parameter unset."""
+        return "reference" in self.runs_on and not (self.selected_by and params.get(self.selected_by))
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -150,8 +159,10 @@ _HASH_RUNS = lambda o: [r for r in _rows(o, "rows") if r.get("path") != "decode"
 _STREAM_ROWS = lambda o: _rows(o, "drafted", "resumed", "concurrent", "packed")  # noqa: E731
 
 SECTIONS: dict[str, Section] = {s.name: s for s in (
-    Section("hashes", "exactness.analysis.hashes", "10_output_hashes", "token hashes of every path -> section JSON",
-            HashesParams, render="exactness.analysis.hashes_md:render_md", takes_checkpoint=True,
+    Section("hashes", "exactness.analysis.hashes", "10_output_hashes",
+            "hash matrix: every engine x configuration x prompt against its oracle (--param engine=[...]: the "
+            "engines named) -> section JSON", HashesParams, render="exactness.analysis.hashes_md:render_md",
+            runs_on=("reference", "engines"), selected_by="engine", takes_checkpoint=True,
             generated_by=("gen_tokens",),
             cut_by=("hash_max_tokens", "prompt_max_tokens"), reads_prompts=True,
             summary=(Verdict("runs with the oracle's tokens", _HASH_RUNS, lambda r: r.get("equals_oracle"), "kernels"),
@@ -185,14 +196,9 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
             render="exactness.analysis.bench_tables:render_md", mergeable=True,
             timed=True, takes_checkpoint=True, generated_by=("bench_gen_tokens", "gen_tokens"), reads_prompts=True,
             diff="exactness.receipt.diff_bench:diff_bench"),
-    Section("engines", "exactness.analysis.engines", "60_engines",
-            "engines under test (--param engine=[...]): hash matrix, stream equalities -> section JSON",
-            EnginesParams, render="exactness.analysis.engines_md:render_md", runs_on="engines", selected_by="engine",
-            timed=True,
-            diff="exactness.receipt.diff:diff_engines"),
     Section("dumps", "exactness.analysis.dumps_section", "70_dumps",
             "kernel contract and FP64 of an engine's tensor dumps (--param dumps=DIR) -> section JSON", DumpsParams,
-            runs_on="dumps", selected_by="dumps"),
+            runs_on=("dumps",), selected_by="dumps"),
 )}
 
 
