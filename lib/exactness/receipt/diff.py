@@ -195,14 +195,10 @@ def row_changes(name: str, what: str, b: dict, p: dict, key: dict | None = None)
 
 
 def _added_checks(name: str, pairs: list) -> list[dict]:
-    """``not_judged`` entries for the hash and flag fields PR's rows record and BASE's matched rows do not."""
-    added: dict[str, int] = {}
-    for _, b, p in pairs:
-        for f in dict.fromkeys(_hash_fields(p) + _flag_fields(p)):
-            if f not in b:
-                added[f] = added.get(f, 0) + 1
-    return [{"section": name, "what": f"{n} rows", "field": f, "why": "recorded by PR only: a check BASE did not "
-             "make, nothing to compare it with"} for f, n in added.items()]
+    """``not_judged`` entries, one per row and field, for the hash and flag fields a PR row records and its BASE row
+    does not."""
+    return [{"section": name, "what": what, "field": f, "why": "recorded by PR only: a check BASE did not make"}
+            for what, b, p in pairs for f in dict.fromkeys(_hash_fields(p) + _flag_fields(p)) if f not in b]
 
 
 # ----------------------------------------------------------------------------------------------------- sections

@@ -85,7 +85,7 @@ def rest_md(result: dict) -> list[str]:
         out += ["", "## In one receipt only", "", table(one, ["section", "row", "only in"])]
     if result["not_judged"]:
         out += ["", "## Not judged", "", table(not_judged_rows(result["not_judged"]),
-                                                            ["part", "figures", "rows", "why not judged"])]
+                                                            ["part", "fields", "rows", "why not judged"])]
     if result["context"]:
         rows = [[c["what"], c["base"], c["pr"]] for c in result["context"]]
         out += ["", "## What else differs (for reading; not a verdict)", "", table(rows, ["field", "BASE", "PR"])]
