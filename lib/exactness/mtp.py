@@ -35,7 +35,7 @@ round's verified rows are appended to the same loop.Stream.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -370,9 +370,3 @@ def _round(state: _Drafting) -> None:
     stats.proposed, stats.accepted, stats.rounds = stats.proposed + kk, stats.accepted + a, stats.rounds + 1
     s.add(new, logits, state.loop.stamp(logits.device))
     state.drafter.feed(hidden, new, L)
-
-
-def mtp_nbytes(m: MTPWeights) -> int:
-    """Bytes of the MTP tensors."""
-    layers = sum(getattr(lw, f.name).nbytes for lw in m.blocks for f in fields(lw) if getattr(lw, f.name) is not None)
-    return layers + m.emb_norm.nbytes + m.hidden_norm.nbytes + m.proj.nbytes + m.final_norm.nbytes

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from contextlib import contextmanager
 
 import torch
 
@@ -33,28 +32,10 @@ from . import router as _router
 
 
 _MODULES: dict = {}
-_STATE = {"cpu_triton": False}
 
 
 def _gpu(t: torch.Tensor) -> bool:
-    return t.is_cuda or _STATE["cpu_triton"]
-
-
-@contextmanager
-def triton_on_cpu():
-    """Within the block, CPU tensors also take the Triton path (tests under TRITON_INTERPRET=1 only).
-
-    Raises:
-        RuntimeError: TRITON_INTERPRET=1 is not set (compiled Triton kernels cannot read CPU tensors).
-    """
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise RuntimeError("triton_on_cpu() needs TRITON_INTERPRET=1 set before Triton is imported")
-    old = _STATE["cpu_triton"]
-    _STATE["cpu_triton"] = True
-    try:
-        yield
-    finally:
-        _STATE["cpu_triton"] = old
+    return t.is_cuda
 
 
 def _tk(name: str):

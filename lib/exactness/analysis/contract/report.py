@@ -255,34 +255,6 @@ def offload_table(section: dict) -> Table:
 
 # ------------------------------------------------------------------------------------------- notebook views
 
-def coverage_frame(section: dict):
-    """pandas DataFrame of the coverage table (class x set x dtype x device: kernels, M ranges, cases, status)."""
-    import pandas as pd
-
-    return pd.DataFrame(section["coverage"])
-
-
-def mismatch_frame(section: dict):
-    """pandas DataFrame, one row per pair: set, dtype, class, cases, mismatches and the first mismatch's fields."""
-    import pandas as pd
-
-    keep = ("site", "M", "kv_len", "segmentation", "call_rows", "row", "source", "output", "element", "ulp",
-            "prompt", "decode")
-    rows = []
-    for r in section["rows"]:
-        fm = r["first_mismatch"] or {}
-        vals = {k: fm.get(k) for k in keep}
-        for k in ("prompt", "decode"):   # 9 significant digits tell fp32 neighbours apart
-            vals[k] = None if vals[k] is None else format(vals[k], ".9g")
-        rows.append({"set": r["set"], "device": r["device"], "dtype": r["dtype"], "weights_format": _fmt(r),
-                     "class": r["class"],
-                     "cases": r["cases"], "mismatches": r["mismatches"], **vals})
-    df = pd.DataFrame(rows)
-    for k in ("M", "kv_len", "call_rows", "row", "element", "ulp"):
-        df[k] = df[k].astype("Int64")     # nullable ints: pairs without a mismatch show <NA>, not NaN floats
-    return df
-
-
 def plot_heatmap(section: dict, set_name: str = "fast"):
     """Heatmap per dtype: share of mismatching rows, class (y) x M bucket (x), for ``set_name``; returns the figure.
 
