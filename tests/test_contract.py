@@ -244,26 +244,32 @@ def test_coverage_lists_every_class_and_marks_missing_ones_uncovered(invariant_r
     assert [c["status"] for c in cov if c["class"] == "rope"] == ["uncovered", "uncovered"]
 
 
+def md_part(md: str, title: str) -> str:
+    """The text under the ``### title`` heading of ``md``, up to the next heading."""
+    return md.split(f"### {title}\n", 1)[1].split("\n#", 1)[0]
+
+
 def test_render_md_shows_summary_matrix_and_mismatches(invariant_rows):
     fast = C.check_pair(*get_set("fast").pairs()[0], "cpu", "float32", "quick", stop_at_first=True).to_row()
     rows = invariant_rows + [fast]
     cov, unc = combine.coverage(rows, ["invariant", "fast"], "cpu", ["bfloat16", "float32"])
     md = contract_report.render_md({"section": "contract", "sweep": "quick", "rows": rows, "coverage": cov, "uncovered": unc})
-    lines = md.splitlines()
-    summary = [ln.replace(" ", "") for ln in lines if ln.startswith("| invariant") or ln.startswith("| fast ")]
-    assert "|fast|cpu|float32|1|" in summary[0] and summary[1].startswith("|invariant|cpu|bfloat16|11|")
+    summary = [ln.replace(" ", "") for ln in md_part(md, "Summary per set").splitlines()
+               if ln.startswith("| invariant") or ln.startswith("| fast ")]
+    assert "|fast|cpu|float32|bf16|1|" in summary[0] and summary[1].startswith("|invariant|cpu|bfloat16|bf16|11|")
     assert summary[1].endswith("|0|0|") and summary[2].endswith("|0|0|")
-    matrix = {ln.split("|")[1].strip(): ln for ln in lines if ln.startswith("| ") and ln.split("|")[1].strip()
-              in KERNEL_CLASSES}
+    matrix = {ln.split("|")[1].strip(): ln for ln in md_part(md, "Mismatches per class").splitlines()
+              if ln.startswith("| ") and ln.split("|")[1].strip() in KERNEL_CLASSES}
     assert set(matrix) == set(KERNEL_CLASSES) and "uncovered" in matrix["router"]  # fast: only dense was checked
     assert "router (fast bfloat16, fast float32: not checked in this run)" in md
     fm = fast["first_mismatch"]
-    mismatch = [ln.replace(" ", "") for ln in lines if ln.startswith("| fast ") and "| dense " in ln]
-    assert mismatch == [f"|fast|float32|dense|{fm['site']}|{fm['M']}|–|{fm['segmentation'].replace(' ', '')}|"
-                        f"{fm['call_rows']}|{fm['row']}|out|{fm['element']}|{fm['ulp']}|{fm['prompt']:.9g}|"
-                        f"{fm['decode']:.9g}|"]
+    mismatch = [ln.replace(" ", "") for ln in md_part(md, "First mismatch of each pair").splitlines()
+                if ln.startswith("| fast ") and "| dense " in ln]
+    assert mismatch == [f"|fast|float32|bf16|dense|{fm['site']}|{fast['mismatches']:,}of{fast['cases']:,}|"
+                        f"{fm['M']}|–|{fm['segmentation'].replace(' ', '')}|{fm['call_rows']}|{fm['row']}|out|"
+                        f"{fm['element']}|{fm['ulp']}|{fm['prompt']:.9g}|{fm['decode']:.9g}|"]
     assert re.search(r"\| site +\|", md) and re.search(r"\| call rows +\|", md)
-    assert len(md) < 10_000
+    assert len(md) < 14_000   # the section's share of receipt.md (GitHub's 65,536-character comment)
 
 
 def test_check_set_rejects_unknown_set_and_class():
@@ -466,7 +472,9 @@ def test_section_carries_offload_rows_and_renders_them(monkeypatch):
                          "contract_dtypes": ["float32"]})
     assert [r["weights"] for r in sec["rows"]] == ["resident"] and len(sec["offload_rows"]) == 1
     md = re.sub(" +", " ", contract_report.render_md(sec))
-    assert "Expert weights offloaded" in md and "| invariant | float32 | expert_down | 1/3 |" in md
+    assert "| invariant | float32 | expert_down | 1 of 3 |" in md_part(md, "Expert weights offloaded")
     off = C.run_section({"preset": "tiny", "device": "cpu", "dtype": "float32", "kernel_sets": ["invariant"],
                          "contract_dtypes": ["float32"], "contract_offload": False})
-    assert off["offload_rows"] == [] and "Expert weights offloaded" not in contract_report.render_md(off)
+    off_md = re.sub(" +", " ", contract_report.render_md(off))
+    assert off["offload_rows"] == [] and "1 of 3" not in off_md
+    assert md_part(off_md, "Expert weights offloaded").strip() == "_Not checked in this run (contract_offload is off)._"

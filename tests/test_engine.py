@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from exactness import prompts as P
-from exactness.analysis.hashes_report import hash_matrix
+from exactness.analysis.hashes_report import hash_table
 from exactness.checkpoint import resolve_device, resolve_dtype
 from exactness.config import ModelConfig, get_preset
 from exactness.kernels import KERNEL_SETS
@@ -129,13 +129,12 @@ def test_taps_see_every_class_and_are_off_by_default(tiny_weights, code_prompt):
 
 
 def test_hash_matrix_marks_runs_that_differ_from_their_oracle():
-    rows = [dict(prompt="p", kernels="fast", path="decode", step=None, hash="aaa", equals_oracle=True),
-            dict(prompt="p", kernels="fast", path="batched", step=8, hash="bbb", equals_oracle=False),
-            dict(prompt="p", kernels="invariant", path="decode", step=None, hash="aaa", equals_oracle=True),
-            dict(prompt="p", kernels="invariant", path="batched", step=8, hash="aaa", equals_oracle=True)]
-    m = hash_matrix(rows)
-    assert m.loc[("p", "fast"), "batched@8"] == "bbb ≠"
-    assert m.loc[("p", "invariant"), "batched@8"] == "aaa"
+    rows = [dict(prompt="p", kernels=ks, path=path, step=step, hash=h, equals_oracle=eq, prompt_tokens=3)
+            for ks, path, step, h, eq in (("fast", "decode", None, "aaa", True), ("fast", "batched", 8, "bbb", False),
+                                          ("invariant", "decode", None, "aaa", True),
+                                          ("invariant", "batched", 8, "aaa", True))]
+    m = {r["kernels"]: r for r in hash_table(rows).rows}
+    assert m["fast"]["batched@8"] == "bbb ≠" and m["invariant"]["batched@8"] == "aaa"
 
 
 def test_hash_matrix_with_offload_equals_the_resident_oracle():

@@ -16,6 +16,7 @@ from exactness.analysis.fp64 import ref as fp64_ref
 from exactness.analysis.fp64 import report as fp64_report
 from exactness.analysis.fp64 import synth
 from exactness.analysis.taps import TapRecorder
+from exactness.blocks import to_markdown
 from exactness.analysis.ulp import round_to, step
 from exactness.cache import dequantize
 from exactness.config import get_preset
@@ -267,9 +268,30 @@ def test_section_rows_cover_every_class_and_path(section):
 
 def test_render_md_is_compact(section):
     md = fp64_report.render_md(section)
-    assert "| class" in md and "#### Captured activations" in md and len(md) < 20_000
+    assert "| class" in md and "### Captured activations" in md and len(md) < 20_000
     with pytest.raises(ValueError, match="no rows"):
         fp64_report.render_md({"rows": []})
+
+
+def test_render_md_is_the_notebook_view(section):
+    """receipt.md is the blocks the notebook shows: its tables, plot captions and certification line; the
+    receipt's list of rows gives the same view without plots."""
+    view = fp64_report.blocks(section)
+    md = fp64_report.render_md(section)
+    assert md == to_markdown(view) + "\n"
+    assert sum(b.plot is not None for b in view) >= 3 and md.count("_Plot: ") == sum(b.plot is not None for b in view)
+    assert f"All {len(section['rows'])} rows have a certified reference." in md
+    rows_only = fp64_report.render_md(section["rows"])
+    assert "_Plot: " not in rows_only and "### Captured activations" in rows_only
+
+
+def test_certification_line_names_an_uncertified_reference(section):
+    """Negative control: one planted uncertified row turns the certification line into a failure."""
+    rows = [dict(r) for r in section["rows"]]
+    rows[3].update(ref_certified=False, verdict="uncertified", cert_failures=["element 0: planted"])
+    md = fp64_report.render_md({**section, "rows": rows})
+    assert f"1 of {len(rows)} rows have an uncertified reference: the receipt fails." in md
+    assert "rows have a certified reference" not in md
 
 
 def test_bad_parameters():
@@ -292,6 +314,7 @@ def test_notebook_renders_a_precomputed_section(section, tmp_path):
     assert json.loads(out.read_text())["rows"] == section["rows"]
     text = json.dumps([c.get("outputs", []) for c in nb.cells])
     assert "verdict (decode / batched / deep)" in text and "image/png" in text  # the captured table, the plots
+    assert "rows have a certified reference" in text and "_Plot: " not in text  # one view: plots drawn, not named
     assert math.isfinite(section["rows"][0]["eta_max_u"])
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from exactness.analysis import hashes, hashes_md
+from exactness.analysis import hashes, hashes_report
 from exactness.analysis.hashes_report import graphs_summary, summary_table
 from exactness.engines import reference
 from exactness.prompts import build_prompt
@@ -45,7 +45,7 @@ def test_on_the_cpu_hash_graphs_tries_nothing_and_changes_nothing(calls):
     assert len(calls) == 6 and not any(calls)
     assert all(r["graphs"] is None for r in on["rows"] + off["rows"])
     assert same_rows(on["rows"], off["rows"]) and on["curves"] == off["curves"]
-    assert "CUDA graphs" not in hashes_md.render_md(on) and graphs_summary(on["rows"]) is None
+    assert "CUDA graphs" not in hashes_report.render_md(on) and graphs_summary(on["rows"]) is None
     assert "graphs" not in summary_table(on["rows"]).columns
     planted = [dict(r) for r in on["rows"]]             # negative control: one row's hash changed
     planted[1]["hash"] = "0" * 12
@@ -70,7 +70,7 @@ def test_a_cpu_run_that_asks_for_graphs_records_why_none_served(tiny_weights, ca
     assert all(r["equals_oracle"] and r["prompt_logits_equal"] and r["kv_equal"] for r in rows)
     summary = graphs_summary(rows)
     assert summary.startswith("replayed in 0 of 3 runs; not in 3: CUDA graphs need a CUDA device")
-    assert hashes_md._graphs_line(rows) == ("CUDA graphs (decode steps, the oracle's prompt rows included): "
+    assert hashes_report.graphs_line(rows) == ("CUDA graphs (decode steps, the oracle's prompt rows included): "
                                             f"invariant: {summary}")
     assert summary_table(rows).columns["graphs"]
 
@@ -88,5 +88,5 @@ def test_the_graphs_summary_counts_replayed_runs_and_each_reason():
     one_row = {"served": True, "reason": None, "prompt": "eager: a one-row prompt: its row captured the graph"}
     assert graphs_summary([{"kernels": "fast", "graphs": one_row}]) == (
         "replayed in 1 of 1 runs; oracle prompt rows eager: a one-row prompt: its row captured the graph (1 runs)")
-    line = hashes_md._graphs_line(rows)
+    line = hashes_report.graphs_line(rows)
     assert line.count(" | ") == 1 and "fast: replayed in 1 of 3 runs" in line

@@ -82,7 +82,7 @@ def test_markdown(ok_run):
     assert len(md) < 65_536
     assert md.startswith("# Exactness receipt: ci — ok")
     assert "| prompt " in md and "batched@100" in md and "deep@128" in md
-    assert "`bbbbbbbbbbbb` ✗" in md and "`aaaaaaaaaaaa` |" in md
+    assert "bbbbbbbbbbbb ≠" in md and "aaaaaaaaaaaa " in md
     assert "Runs that differ from the oracle" in md and "deep path served nothing" in md
     assert "data:" not in md and "<img" not in md
 

@@ -1,5 +1,5 @@
 """A new section is its analysis module, its notebook and one table entry: a toy section written here into tmp_path
-(a module with its params class, ``run_section`` and ``render_md``, and a notebook) and registered with one
+(a module with its params class, ``run_section`` and its view ``blocks``, and a notebook) and registered with one
 ``Section`` is run by the receipt runner, stored as computed, summarised, rendered, compared by the diff, offered as
 a subcommand, and has its parameters checked by every entry point."""
 from __future__ import annotations
@@ -45,8 +45,9 @@ def run_section(params) -> dict:
                                         "tokens": p.gen_tokens} for i in range(p.toy_rows)]}
 
 
-def render_md(section: dict) -> str:
-    return f"## Toy section\\n\\n{len(section['rows'])} toy rows."
+def blocks(section: dict) -> list:
+    from exactness.blocks import heading, text
+    return [heading("Toy section"), text(f"{len(section['rows'])} toy rows.")]
 '''
 
 NOTEBOOK_CODE = '''import toy_section

@@ -47,7 +47,7 @@ def test_the_table_drives_the_runner_the_cli_and_the_renderer():
         mod = s.load()
         assert callable(mod.run_section) and callable(s.renderer())
         assert callable(s.merger()) == s.mergeable
-        for ref, fn in ((s.render, s.renderer()), (s.merge, s.merger())):
+        for ref, fn in ((s.blocks, s.view()), (s.merge, s.merger())):
             assert not ref or fn.__module__ == ref.partition(":")[0], f"{s.name}: {ref} names a re-export"
         assert (NOTEBOOKS / f"{s.notebook}.ipynb").is_file()
     assert not render.RENDERERS.keys() & SECTIONS.keys()

@@ -80,7 +80,7 @@ def test_dense_fault_on_the_k_projection_shape_is_caught_and_the_site_named():
     md = contract_report.render_md({"section": "contract", "sweep": "quick", "rows": [row], "coverage": [], "uncovered": []})
     line = [ln for ln in md.splitlines() if ln.startswith("| verdict_dense_kv_shape")][-1]   # the mismatch table
     cells = [c.strip() for c in line.split("|")[1:-1]]
-    assert cells[2:5] == ["dense", "k", "2"] and cells[7] == str(fm["call_rows"]), cells
+    assert cells[3:5] == ["dense", "k"] and cells[6] == "2" and cells[9] == str(fm["call_rows"]), cells
     n = res.by_site["q"][0]
     assert (f"dense (verdict_dense_kv_shape float32): q 0/{n}, k {res.by_site['k'][1]}/{n}, "
             f"v {res.by_site['v'][1]}/{n}, o 0/{n}") in md
@@ -205,36 +205,36 @@ def differ_section(md: str) -> str:
 
 
 def test_runs_with_equal_tokens_but_other_prompt_logits_are_listed(tiny_weights):
-    from exactness.analysis import hashes_md as HM
+    from exactness.analysis import hashes_report as HR
 
     rows = hash_rows(tiny_weights, variant_set("verdict_lm_head_min", "lm_head", lm_head_lower_min))
     batched = next(r for r in rows if r["path"] == "batched")
     assert batched["equals_oracle"] is True and batched["prompt_logits_equal"] is False   # the planted fault
     assert batched["first_differing_prompt_row"] == 0 and batched["kv_equal"] is True
-    part = differ_section(HM.render_hashes(rows))
+    part = differ_section(HR.render_md({"rows": rows}))
     line = next(ln for ln in part.splitlines() if "| batched@16 " in ln)
     assert "| prompt logits " in line and "prompt row 0" in line and "token" not in line, line
 
 
 def test_runs_whose_kv_bytes_differ_are_listed_with_position_and_layer_when_recorded(tiny_weights):
-    from exactness.analysis import hashes_md as HM
+    from exactness.analysis import hashes_report as HR
 
     rows = hash_rows(tiny_weights, variant_set("verdict_rope_kv", "rope", rope_kv_rows_fault))
     batched = next(r for r in rows if r["path"] == "batched")
     assert batched["kv_equal"] is False
-    line = next(ln for ln in differ_section(HM.render_hashes(rows)).splitlines() if "| batched@16 " in ln)
+    line = next(ln for ln in differ_section(HR.render_md({"rows": rows})).splitlines() if "| batched@16 " in ln)
     assert "KV" in line, line
     # hashes.py records no KV position or layer yet: they are rendered when a row carries them
     rows = [dict(r, kv_first_position=0, kv_first_layer=1) if r is batched else r for r in rows]
-    line = next(ln for ln in differ_section(HM.render_hashes(rows)).splitlines() if "| batched@16 " in ln)
+    line = next(ln for ln in differ_section(HR.render_md({"rows": rows})).splitlines() if "| batched@16 " in ln)
     assert "KV position 0 layer 1" in line, line
 
 
 def test_hashes_identical_copy_lists_no_run(tiny_weights):
-    from exactness.analysis import hashes_md as HM
+    from exactness.analysis import hashes_report as HR
 
     rows = hash_rows(tiny_weights, variant_set("verdict_copy"))
-    assert "_Every run equals its oracle._" in differ_section(HM.render_hashes(rows))
+    assert "_Every run equals its oracle._" in differ_section(HR.render_md({"rows": rows}))
 
 
 # ---------------------------------------------------------------------------------------------------- fp64

@@ -1,16 +1,18 @@
-"""Tables of the ``bench`` section (analysis/bench.py): one per measure, one row per kernel set and prompt.
+"""Views of the ``bench`` section (analysis/bench.py): one table per measure, one row per kernel set and prompt, as
+display blocks (blocks.py: the notebook shows them, ``render_md`` prints them as GitHub markdown).
 
 Every table function takes the section's ``data`` and returns a pandas DataFrame of display strings (numbers
-formatted here: seconds to 2 decimals, tok/s to 1 (decode tok/s 2), milliseconds to 2, memory in MiB); the notebook
-displays them and ``render_md`` prints them as GitHub markdown. "cold" = rep 0, "warm" = the median of reps 1.. .
+formatted here: seconds to 2 decimals, tok/s to 1 (decode tok/s 2), milliseconds to 2, memory in MiB).
+"cold" = rep 0, "warm" = the median of reps 1.. .
 """
 from __future__ import annotations
 
 import statistics
 
 import pandas as pd
-from tabulate import tabulate
 
+from ..blocks import Block, heading, text, to_markdown
+from ..blocks import table as table_block
 from ..tables import Table
 
 MIB = 2 ** 20
@@ -163,6 +165,20 @@ TABLES = (("Plain decode (no drafts)", lambda d: decode_table(d, "plain")),
           ("Cold-cache prefill, exact token-id prompts", cold_table),
           ("Concurrent streams", streams_table),
           ("Memory", memory_table))
+# The not_run key (bench._not_run) whose reason replaces a table that was not run.
+NOT_RUN_KEY = {"Drafted decode (MTP head, drafts enabled)": "drafted", "drafted == plain": "drafted",
+               "Concurrent streams": "streams"}
+METRICS = ("Prompts short / code / docs, `gen_tokens` new tokens, temperature 0, end-of-sequence ignored. **Cold** = "
+           "the first request of that prompt since the model was loaded, **warm** = the identical repeat, prefilled "
+           "again from scratch (the engine holds no prompt cache). TTFT = time to the first generated token; prefill "
+           "tok/s = prompt tokens / TTFT; decode tok/s = (generated − 1) / (last token time − first token time); mean "
+           "ITL = that span / (generated − 1); ITL p50/p95 over the gaps between tokens. Prefill runs on `bench_path` "
+           "at `bench_step`; the *prefill served* column says which plan actually served the rows (a deep run that "
+           "fell back to the batched pass shows it). Cold-cache prefill runs exact token-id prompts and refuses a run "
+           "whose prefill did not serve every row.")
+STORE_INTRO = ("Where the routed experts' weights lived during the bench. With offload: the rings' reserved bytes, the "
+               "bytes kept off the device, the fallback reason (if the ring could not be reserved) and the fetch "
+               "counters summed over the whole bench.")
 
 
 def tables(data: dict) -> dict[str, pd.DataFrame]:
@@ -170,19 +186,20 @@ def tables(data: dict) -> dict[str, pd.DataFrame]:
     return {title: fn(data) for title, fn in TABLES}
 
 
-def table(df: pd.DataFrame) -> Table:
+def _receipt_table(df: pd.DataFrame) -> Table:
     """One of :func:`tables`' frames as a receipt table (its cells are already display strings)."""
     return Table(df, dash="not measured or not applicable: a rate needs two generated tokens, device memory a CUDA "
                           "device, experts off the device offload, and a refused run has no timings")
 
 
-def expert_store_md(data: dict) -> str:
-    """Markdown: where the routed experts lived during the bench; with offload, the store's record as a table."""
+def expert_store_blocks(data: dict) -> list[Block]:
+    """Where the routed experts lived during the bench; with offload, the store's record as a table."""
     off = data.get("offload")
     if not off:
-        return "Expert store: resident on the device (no offload): every expert's weights stay in device memory."
-    return "Expert store: offloaded to host memory.\n\n" + Table([{"field": k, "value": v} for k, v in off.items()],
-                                                                   dash="not recorded").to_markdown()
+        return [text(STORE_INTRO, "Expert store: resident on the device (no offload): every expert's weights stay "
+                                  "in device memory.")]
+    return [text(STORE_INTRO, "Expert store: offloaded to host memory."),
+            table_block(Table([{"field": k, "value": v} for k, v in off.items()], dash="not recorded"))]
 
 
 def config_line(data: dict) -> str:
@@ -204,22 +221,26 @@ def config_line(data: dict) -> str:
                "`decode_graphs` says whether they served and, per shape, why not)" if c.get("decode_graphs") else ""))
 
 
-def render_md(section: dict) -> str:
-    """GitHub markdown of the bench section (the full section or its ``data``): the config line, then each
-    table (tabulate github, numbers already formatted), a table that was not run replaced by its reason."""
-    data = section.get("data", section) if "section" in section else section
-    parts = ["## Bench", INTRO, config_line(data)]
+def table_blocks(data: dict) -> list[Block]:
+    """Each table under its heading; a table that was not run shows the reason, an empty one says so."""
     not_run = data.get("not_run", {})
-    skip = {"Drafted decode (MTP head, drafts enabled)": "drafted", "drafted == plain": "drafted",
-            "Concurrent streams": "streams"}
+    out = []
     for title, df in tables(data).items():
-        parts.append(f"### {title}")
-        reason = not_run.get(skip.get(title, ""))
-        if reason:
-            parts.append(f"_{reason}_")
-        elif df.empty:
-            parts.append("_no rows_")
-        else:
-            parts.append(tabulate(df.values.tolist(), headers=list(df.columns), tablefmt="github",
-                                  disable_numparse=True, floatfmt=".4g"))
-    return "\n\n".join(parts) + "\n"
+        reason = not_run.get(NOT_RUN_KEY.get(title, ""))
+        out.append(heading(title, 3))
+        out.append(text(f"_{reason}_") if reason else text("_no rows_") if df.empty else
+                   table_block(_receipt_table(df)))
+    return out
+
+
+def blocks(section: dict) -> list[Block]:
+    """The section's view (blocks.py; accepts the section object or its ``data``): intro, the config line and the
+    metrics' definitions, each table, and the expert store."""
+    data = section.get("data", section)
+    return ([heading("Bench"), text(INTRO, config_line(data), METRICS)] + table_blocks(data)
+            + [heading("Expert store", 3)] + expert_store_blocks(data))
+
+
+def render_md(section: dict) -> str:
+    """receipt.md's block of the section: its :func:`blocks` as markdown."""
+    return to_markdown(blocks(section)) + "\n"

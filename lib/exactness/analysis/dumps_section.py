@@ -7,11 +7,16 @@ Both halves take the dump set as their source of kernel calls (contract/calls.py
 """
 from __future__ import annotations
 
+from ..blocks import Block, heading, text, to_markdown
 from ..params import DumpsParams, ParamError
 from .contract.calls import contract_of_calls
 from .contract.report import render_calls_md as contract_md
 from .fp64.calls import fp64_of_calls
 from .fp64.report import render_calls_md as fp64_md
+
+INTRO = ("The kernel contract (every prompt-role row against the decode-role row of the same sequence and position, "
+         "as bytes) and the FP64 per-class error, computed from an engine's tensor dumps (`docs/dumps.md`). "
+         "`make receipts DUMPS=DIR` runs this section.")
 
 
 def run_section(params: DumpsParams | dict) -> dict:
@@ -28,9 +33,15 @@ def run_section(params: DumpsParams | dict) -> dict:
             "fp64": fp64_of_calls(p.dumps) if p.dumps_fp64 else None}
 
 
-def render_md(section: dict) -> str:
-    """receipt.md's block: the dump contract's tables, then the FP64 table."""
-    parts = ["## Tensor dumps", "", f"Dump set: `{section.get('folder')}`.", "", contract_md(section["contract"])]
+def blocks(section: dict) -> list[Block]:
+    """The section's view (blocks.py): intro and the dump set, the dump contract's tables, then the FP64 table."""
+    out = [heading("Tensor dumps"), text(INTRO, f"Dump set: `{section.get('folder')}`."),
+           text(contract_md(section["contract"]))]
     if section.get("fp64"):
-        parts += ["", fp64_md(section["fp64"])]
-    return "\n".join(parts)
+        out.append(text(fp64_md(section["fp64"])))
+    return out
+
+
+def render_md(section: dict) -> str:
+    """receipt.md's block of the section: its :func:`blocks` as markdown."""
+    return to_markdown(blocks(section)) + "\n"

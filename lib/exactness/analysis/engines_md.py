@@ -1,11 +1,11 @@
-"""The ``hashes`` section run on engines, as GitHub markdown: the engines and their configurations, each engine's
+"""The view of the ``hashes`` section run on engines (display blocks, blocks.py): the engines and their configurations, each engine's
 hash matrix against its oracle (with many prompts, counts per configuration: repeat_md.py), the repeat test, the
 stream equalities, the cross-engine view and what the engines could not give."""
 from __future__ import annotations
 
-from ..tables import table
-from ..tables import md_escape
-from .repeat_md import counts_block, repeat_block
+from ..blocks import Block, heading, plot, text, to_markdown
+from ..tables import md_escape, table
+from .repeat_md import counts_block, plot_divergence, repeat_block
 
 INTRO = ("Each engine runs every prompt greedily under each of its configurations; each run is compared with the "
          "engine's oracle configuration: the generated tokens always, and the bytes of every prompt logit row, every "
@@ -138,30 +138,36 @@ def verdict_md(section: dict) -> str:
     return "\n".join(lines)
 
 
-def render_md(section: dict) -> str:
-    """receipt.md's block of a ``hashes`` section run on engines (analysis/engines.py)."""
-    matrix = (counts_block(section) if section.get("prompt_counts") else hash_table(section["rows"])
+def blocks(section: dict) -> list[Block]:
+    """The view of a ``hashes`` section run on engines (blocks.py): verdict lines, the engines, the hash matrix (with
+    many prompts, counts per configuration and the divergence plot), prompts, repeat test, stream equalities, the
+    first op that broke, the table across engines, the bench, what the engines could not give and their errors."""
+    many = bool(section.get("prompt_counts"))
+    matrix = (counts_block(section) if many else hash_table(section["rows"])
               if section.get("rows") or not section.get("repeat") else "_Not run (engine_repeat_only)._")
-    parts = ["## Engines under test", "", INTRO, "", verdict_md(section), "", engines_table(section), "",
-             "### Hash matrix against each engine's oracle", "", matrix]
-    if section.get("prompts"):
-        parts += ["", "### Prompts", "", prompts_table(section)]
-    if section.get("repeat"):
-        parts += ["", repeat_block(section["repeat"])]
-    if section.get("streams"):
-        parts += ["", streams_block(section["streams"])]
+    out = [heading("Engines under test"), text(INTRO, verdict_md(section)), text(engines_table(section)),
+           heading("Hash matrix against each engine's oracle", 3), text(matrix)]
+    out += [plot(lambda: plot_divergence(section), "where the runs part from their oracle, per configuration")
+            ] if many else []
+    out += [heading("Prompts", 3), text(prompts_table(section))] if section.get("prompts") else []
+    out += [text(repeat_block(section["repeat"]))] if section.get("repeat") else []
+    out += [text(streams_block(section["streams"]))] if section.get("streams") else []
     if section.get("engine_dumps"):
         from .engines_dumps import render_md as dumps_md
-        parts += ["", dumps_md(section["engine_dumps"])]
+        out.append(text(dumps_md(section["engine_dumps"])))
     if section.get("cross"):
-        parts += ["", "### Across engines", "", "Every engine's runs against the first engine's oracle tokens.", "",
-                  cross_table(section["cross"])]
-    if section.get("bench"):
-        parts += ["", bench_block(section["bench"])]
+        out += [heading("Across engines", 3), text("Every engine's runs against the first engine's oracle tokens.",
+                                                   cross_table(section["cross"]))]
+    out += [text(bench_block(section["bench"]))] if section.get("bench") else []
     na = section.get("not_available") or {}
-    if na:
-        parts += ["", "### Not available from these engines", ""] + [f"- **{k}**: {v}" for k, v in na.items()]
+    out += [heading("Not available from these engines", 3), text("\n".join(f"- **{k}**: {v}" for k, v in na.items()))
+            ] if na else []
     if section.get("errors"):
-        parts += ["", "### Engine errors", "", table([[e["engine"], e["error"]] for e in section["errors"]],
-                                                    ["engine", "error"])]
-    return "\n".join(parts)
+        out += [heading("Engine errors", 3), text(table([[x["engine"], x["error"]] for x in section["errors"]],
+                                                        ["engine", "error"]))]
+    return out
+
+
+def render_md(section: dict) -> str:
+    """receipt.md's block of a ``hashes`` section run on engines: its :func:`blocks` as markdown."""
+    return to_markdown(blocks(section))

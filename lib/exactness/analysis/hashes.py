@@ -17,7 +17,7 @@ against that feature's own decode oracle; packed rows (packed_rows) prefill the 
 With ``hash_graphs`` on a CUDA device the runs replay their decode steps from CUDA graphs (the oracle its prompt
 rows too: graphs.GraphDecoder, the eager steps' bytes) and each row's ``graphs`` says whether a graph served and,
 if not, why; ``graphs`` is None where graphs were not tried (hash_graphs off, a CPU device, the packed rows).
-Tables and the plot: analysis/hashes_report.py; the markdown of both kinds: analysis/hashes_md.py.
+Tables, the plot and the view of both kinds: analysis/hashes_report.py (engines: engines_md.py).
 """
 from __future__ import annotations
 

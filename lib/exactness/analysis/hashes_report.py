@@ -1,5 +1,6 @@
-"""Views of the ``hashes`` section (analysis/hashes.py computes it): the intro and verdict, the notebook's tables
-(tables.Table) and the plot of prompt-logit differences.
+"""Views of the ``hashes`` section (analysis/hashes.py computes it): the intro and verdict, its tables
+(tables.Table), the plot of prompt-logit differences, and the display blocks the notebook and receipt.md both show
+(:func:`blocks`; a section run on engines: engines_md.py).
 """
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from collections import Counter
 
 import numpy as np
 
-from ..tables import Table
+from ..blocks import Block, heading, plot, table, text, to_markdown
+from ..tables import Table, md_escape, render_extra
 
 INTRO = ("Each prompt runs through every path (batched and deep prefill at each step size, and with offloaded "
          "experts where asked) and is compared with the serial-decode oracle of the same kernel set: the generated "
@@ -76,17 +78,6 @@ def prompts_table(rows: list[dict]) -> Table:
                  dash="not recorded")
 
 
-def hash_matrix(rows: list[dict]):
-    """DataFrame: one row per (prompt, kernels), one column per path@step; a cell is the token hash, marked
-    with a trailing ' ≠' when it differs from that set's oracle (the decode column)."""
-    import pandas as pd
-    df = pd.DataFrame([{"prompt": r["prompt"], "kernels": r["kernels"],
-                        "run": _col(r["path"], r["step"], r.get("offload", False)),
-                        "cell": r["hash"] + ("" if r["equals_oracle"] else " ≠")} for r in rows])
-    order = list(dict.fromkeys(df["run"]))
-    return df.pivot(index=["prompt", "kernels"], columns="run", values="cell")[order]
-
-
 def control_groups(rows: list[dict]) -> dict[tuple, list[dict]]:
     """Rows of the control runs (those with a ``control`` label: step sweep, fp32 control, engine features) by
     (control, prompt, kernel set), in run order."""
@@ -144,22 +135,22 @@ def _served(served: dict) -> str:
                      for k, v in served.items() if v.get("rows"))
 
 
-def oracle_table(rows: list[dict]) -> Table:
-    """Every run against its oracle: tokens, prompt-logit bytes and KV bytes, the first divergent generated token
-    and the oracle's top-1/top-2 margin there, and the rows each plan served."""
+def differ_table(rows: list[dict]) -> Table:
+    """The runs that differ from their oracle in tokens, prompt-logit bytes or KV bytes (a run that keeps the
+    oracle's tokens but not its bytes included): what differs, the first difference, the oracle's top-1/top-2 margin
+    at the first differing token and the rows each plan served."""
     recs = [{**r, "run": _col(r["path"], r["step"], r.get("offload", False)),
-             "rows_differing": f"{r['prompt_rows_differing']} of {r['prompt_tokens']}",
-             "first_text": first_difference(r) or "nothing differs",
-             "served_text": _served(r.get("served") or {})} for r in _runs(rows)]
-    return Table(recs, {"prompt": "prompt", "kernels": "kernel set", "run": "run", "equals_oracle": "tokens",
-                        "first_divergence": "first differing token (index)",
+             "what": ", ".join(differs_in(r) or ["tokens"]), "first_text": first_difference(r),
+             "rows_differing": None if r.get("prompt_rows_differing") is None
+             else f"{r['prompt_rows_differing']} of {r.get('prompt_tokens')}",
+             "served_text": _served(r.get("served") or {})} for r in _runs(rows)
+            if differs_in(r) or not r.get("equals_oracle", True)]
+    return Table(recs, {"prompt": "prompt", "kernels": "kernel set", "run": "run", "what": "differs in",
                         "first_text": "first difference: token / prompt row / KV position (layer)",
-                        "oracle_margin": "oracle margin (logit)",
-                        "rows_differing": "prompt rows with differing logits",
-                        "max_prompt_logit_diff": "max |Δlogit|", "kv_equal": "KV cache bytes",
-                        "served_text": "served"},
-                 words={"equals_oracle": _EQUAL, "kv_equal": _EQUAL}, formats={"max_prompt_logit_diff": ".3g"},
-                 dash="no divergence: the tokens equal the oracle's, so there is no position or margin to give")
+                        "oracle_margin": "oracle margin (logit)", "rows_differing": "prompt rows with differing logits",
+                        "max_prompt_logit_diff": "max |Δlogit|", "served_text": "served"},
+                 formats={"max_prompt_logit_diff": ".3g"},
+                 dash="not recorded (or no token differs: no margin)")
 
 
 def graphs_summary(rows: list[dict]) -> str | None:
@@ -195,6 +186,77 @@ def summary_table(rows: list[dict]) -> Table:
     if graphs_summary(rows):
         cols["graphs"] = "CUDA graphs (decode steps, the oracle's prompt rows included)"
     return Table(recs, cols, words={"rerun": ("yes", "NO")}, dash="no rerun control for this set")
+
+
+# ------------------------------------------------------------------------------------------------------ lines
+
+def graphs_line(rows: list[dict]) -> str:
+    """One line: per kernel set, how its runs' decode steps (the oracle's prompt rows too) ran with CUDA graphs, and
+    why a graph did not serve; "" when no run tried graphs."""
+    sets: dict = {}
+    for r in rows:
+        sets.setdefault(r.get("kernels"), []).append(r)
+    parts = [f"{ks}: {text}" for ks, rs in sets.items() if (text := graphs_summary(rs))]
+    return "CUDA graphs (decode steps, the oracle's prompt rows included): " + " | ".join(parts) if parts else ""
+
+
+def deep_unserved_line(rows: list[dict]) -> str:
+    """A warning naming the deep runs whose deep plan served no row (every segment under the threshold), or ""."""
+    idle = [f"{md_escape(str(r.get('prompt')))} {r.get('kernels')} {_col(r['path'], r['step'], r.get('offload'))}"
+            for r in rows if r.get("path") == "deep" and isinstance(r.get("served"), dict)
+            and not (r["served"].get("deep") or {}).get("rows")]
+    if not idle:
+        return ""
+    return (f"⚠ deep path served nothing in {len(idle)} deep run(s) (every segment shorter than deep_threshold: "
+            f"they ran the batched plan): " + "; ".join(idle[:12]) + (" ..." if len(idle) > 12 else ""))
+
+
+def rerun_line(rows: list[dict]) -> str:
+    """The rerun control in one line (each set's first batched run repeated identically), or ""."""
+    reruns = [r for r in rows if "rerun_equal" in r]
+    if not reruns:
+        return ""
+    return ("Rerun control (each set's first batched run repeated identically; tokens and every prompt-logit byte "
+            "compared): " + "; ".join(f"{md_escape(str(r.get('prompt')))} {r.get('kernels')} "
+                                      f"{'identical' if r['rerun_equal'] else 'NOT identical'}" for r in reruns)
+            + ". A set whose reruns differ is not run-to-run deterministic: its other differences (offload "
+              "included) cannot be told from noise.")
+
+
+# ------------------------------------------------------------------------------------------------------ view
+
+def blocks(section: dict) -> list[Block]:
+    """The section's view (blocks.py): the engines' (engines_md.blocks) where it ran on engines; else our engine's
+    verdict, summary, prompts, hash matrix, the runs that differ, the control runs, the reruns and CUDA graphs, and
+    the plot of prompt-logit differences."""
+    if isinstance(section.get("engines"), list):
+        from .engines_md import blocks as engine_blocks
+        return engine_blocks(section)
+    rows = section.get("rows") or []
+    if not rows:
+        return [heading("Token hashes"), text("_No hash rows._")]
+    differ, controls = differ_table(rows), control_table(rows)
+    return [heading("Token hashes"), text(INTRO, verdict_md(rows)), table(summary_table(rows)),
+            table(prompts_table(rows)), heading("Hash matrix", 3),
+            text("One row per prompt, kernel set and expert placement, one column per path and step size."),
+            table(hash_table(rows)), heading("Runs that differ from the oracle", 3),
+            text("Tokens, prompt-logit bytes or KV-cache bytes: a run that keeps the oracle's tokens but not its "
+                 "bytes is listed too. Where the tokens differ, the oracle's top-1/top-2 logit margin there (a small "
+                 "margin is a near-tie that a rounding difference can flip)."),
+            table(differ) if differ.rows else text("_Every run equals its oracle._"),
+            *([heading("Control runs", 3), text("A step sweep at tile and block boundaries, an fp32 control and the "
+                                                "engine features, each on a cut prompt against its own decode "
+                                                "oracle."), table(controls)] if controls.rows else []),
+            text(rerun_line(rows), graphs_line(rows), deep_unserved_line(rows)),
+            plot(lambda: plot_curves(section), "per prompt, the largest |logit − oracle logit| per bin of prompt "
+                 "positions (log scale), one panel per distinct curve"),
+            text(f"_Every run's row ({len(rows)}: timings, plans served, byte verdicts) is in receipt.json._",
+                 render_extra("hashes_extra", {k: v for k, v in section.items() if k not in ("section", "rows")}))]
+
+
+def render_md(section: dict) -> str:
+    """receipt.md's block of a ``hashes`` section object: its :func:`blocks` as markdown."""
+    return to_markdown(blocks(section))
 
 
 # ------------------------------------------------------------------------------------------------------- plot

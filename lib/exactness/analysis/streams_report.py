@@ -1,8 +1,9 @@
-"""Views of the ``streams`` section (analysis/streams.py computes it): intro and verdict, and its five tables
-(tables.Table: the notebook displays them, ``render_md`` prints them as GitHub markdown).
+"""Views of the ``streams`` section (analysis/streams.py computes it): intro and verdict, and its five tables, as
+display blocks (blocks.py: the notebook shows them, ``render_md`` prints them as GitHub markdown).
 """
 from __future__ import annotations
 
+from ..blocks import Block, heading, table, text, to_markdown
 from ..tables import Table
 
 INTRO = ("Four serving paths, each against the path it must reproduce, per kernel set: drafted (MTP) decode "
@@ -179,27 +180,42 @@ def settings_md(data: dict) -> str:
             f"{st.get('weights', 'bf16')}, KV cache {st.get('kv_dtype', 'bf16')}.")
 
 
-def render_md(section: dict) -> str:
-    """Markdown of the section (accepts the section object or its ``data``): intro, verdict, settings and the
-    five tables."""
+def blocks(section: dict) -> list[Block]:
+    """The section's view (blocks.py; accepts the section object or its ``data``): intro, verdict, settings, the
+    four equalities' tables and the summary."""
     data = section.get("data", section)
     st = data.get("settings", {})
-    parts = ["## Drafted decode, prompt-cache resume, concurrent streams", "", INTRO, "", verdict_md(data), "",
-             settings_md(data), "",
-             "### drafted == plain", "", "Compared: tokens, logits bytes of every verified row (the rows the tokens "
-             "were chosen from) and KV bytes; for sets that claim no exactness the verdict rests on tokens, the "
-             "others shown beside.", "",
-             drafted_table(data.get("drafted", [])).to_markdown(), "",
-             "### resumed == fresh", "", f"Prompt cache {st.get('prompt_cache_gib')} GiB, {st.get('eviction')}; "
-             f"compared: tokens, logits bytes of the tail and generated rows, KV bytes; no rows when the budget is 0.",
-             "", resumed_table(data.get("resumed", [])).to_markdown(), "",
-             "### concurrent streams", "", f"Stream j joins after j·{st.get('stream_offset')} steps; prompts cut to "
-             f"{st.get('stream_prompt_tokens')} − 5·j tokens; compared: tokens, logits bytes and KV bytes of the "
-             f"stream's cache slot.", "",
-             concurrent_table(data.get("concurrent", [])).to_markdown(), "",
-             "### packed == alone", "", f"The stream prompts prefilled packed into one {st.get('packed_plan')} "
-             "forward (each prompt in its own cache slot), then decoded together; compared with each prompt's "
-             "prefill alone: tokens, logits bytes of prompt and generated rows, KV bytes of its slot.", "",
-             packed_table(data.get("packed", [])).to_markdown(), "", "### summary", "",
-             summary_table(data).to_markdown()]
-    return "\n".join(parts) + "\n"
+    return [
+        heading("Drafted decode, prompt-cache resume, concurrent streams"), text(INTRO, verdict_md(data),
+                                                                                settings_md(data)),
+        heading("drafted == plain", 3),
+        text("A multi-token-prediction (MTP) head proposes k draft tokens; one verify forward runs the k+1 rows "
+             "through the model (prompt kernels) and greedy acceptance keeps the longest agreeing prefix plus the "
+             "model's own token. Without a checkpoint's MTP weights the head is derived from the model's own layers "
+             "(one position ahead). Compared: tokens, logits bytes of every verified row (the rows the tokens were "
+             "chosen from) and KV bytes; for sets that claim no exactness the verdict rests on tokens, the others "
+             "shown beside."),
+        table(drafted_table(data.get("drafted", []))),
+        heading("resumed == fresh", 3),
+        text(f"A request whose prompt extends a cached prefix restores its KV state and prefills only the tail, on "
+             f"the step grid (`grid`) and off it (`any`). Prompt cache {st.get('prompt_cache_gib')} GiB, "
+             f"{st.get('eviction')}; compared: tokens, logits bytes of the tail and generated rows, KV bytes; no "
+             "rows when the budget is 0."),
+        table(resumed_table(data.get("resumed", []))),
+        heading("concurrent streams", 3),
+        text(f"N streams (prompts of different lengths) decoded in one batch; stream j joins after "
+             f"j·{st.get('stream_offset')} steps; prompts cut to {st.get('stream_prompt_tokens')} − 5·j tokens; "
+             "compared per stream with its run alone and with serial decode: tokens, logits bytes and KV bytes of "
+             "the stream's cache slot."),
+        table(concurrent_table(data.get("concurrent", []))),
+        heading("packed == alone", 3),
+        text(f"The stream prompts prefilled packed into one {st.get('packed_plan')} forward (each prompt in its own "
+             "cache slot), then decoded together; compared with each prompt's prefill alone: tokens, logits bytes "
+             "of prompt and generated rows, KV bytes of its slot."),
+        table(packed_table(data.get("packed", []))),
+        heading("summary", 3), table(summary_table(data))]
+
+
+def render_md(section: dict) -> str:
+    """receipt.md's block of the section: its :func:`blocks` as markdown."""
+    return to_markdown(blocks(section)) + "\n"

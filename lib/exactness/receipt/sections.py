@@ -1,7 +1,7 @@
 """The receipt's sections, described once, and their JSON files.
 
 :data:`SECTIONS` is the one table of sections: its name in receipt.json, the analysis module that computes it
-(``run_section(params) -> dict``), the function rendering it (``(section) -> str``), its notebook, its parameters
+(``run_section(params) -> dict``), its view (``blocks(section)``: display blocks), its notebook, its parameters
 class (params.py: the profile's common fields and the section's own), whether parts computed separately can be merged
 and the function merging them (``(parts) -> section``), what preflight checks for it, its summary columns and how
 the diff compares it. The command line, the receipt runner, preflight, the markdown renderer and the diff all read
@@ -57,8 +57,9 @@ class Section:
         notebook: the notebook (``notebooks/<notebook>.ipynb``) that computes or renders it in a receipt run.
         help: one line for the command line.
         params_class: its typed parameters (params.py); :attr:`params` are the names of its own fields.
-        render: ``module:function`` rendering a section object as GitHub markdown, ``(section: dict) -> str``;
-            "" is the analysis module's ``render_md``.
+        blocks: ``module:function`` giving a section object's view as display blocks (blocks.py),
+            ``(section: dict) -> list[Block]``: its notebook shows them, receipt.md writes them (:meth:`renderer`);
+            "" is the analysis module's ``blocks``.
         mergeable: parts computed in separate calls (one kernel set each) join with :attr:`merge`.
         merge: ``module:function`` joining those parts, ``(parts: list[dict]) -> dict``; "" is the analysis
             module's ``merge_sections``.
@@ -90,7 +91,7 @@ class Section:
     notebook: str
     help: str
     params_class: type[Common] = Common
-    render: str = ""
+    blocks: str = ""
     mergeable: bool = False
     merge: str = ""
     runs_on: tuple[str, ...] = ("reference",)
@@ -133,9 +134,16 @@ class Section:
         """
         return self.params_class.from_dict(values)
 
+    def view(self) -> Callable[[dict], list]:
+        """The function :attr:`blocks` names, or the analysis module's ``blocks``."""
+        return _function(self.blocks) if self.blocks else self.load().blocks
+
     def renderer(self) -> Callable[[dict], str]:
-        """The function :attr:`render` names, or the analysis module's ``render_md``."""
-        return _function(self.render) if self.render else self.load().render_md
+        """receipt.md's text of a section object: its :meth:`view` as markdown (blocks.to_markdown)."""
+        from ..blocks import to_markdown
+
+        view = self.view()
+        return lambda section: to_markdown(view(section))
 
     def merger(self) -> Callable[[list[dict]], dict] | None:
         """The function :attr:`merge` names, or the analysis module's ``merge_sections``; None if not
@@ -161,7 +169,7 @@ _STREAM_ROWS = lambda o: _rows(o, "drafted", "resumed", "concurrent", "packed") 
 SECTIONS: dict[str, Section] = {s.name: s for s in (
     Section("hashes", "exactness.analysis.hashes", "10_output_hashes",
             "hash matrix: every engine x configuration x prompt against its oracle (--param engine=[...]: the "
-            "engines named) -> section JSON", HashesParams, render="exactness.analysis.hashes_md:render_md",
+            "engines named) -> section JSON", HashesParams, blocks="exactness.analysis.hashes_report:blocks",
             runs_on=("reference", "engines"), selected_by="engine", takes_checkpoint=True,
             generated_by=("gen_tokens",),
             cut_by=("hash_max_tokens", "prompt_max_tokens"), reads_prompts=True,
@@ -171,7 +179,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
             diff="exactness.receipt.diff:diff_hashes"),
     Section("contract", "exactness.analysis.contract.check", "20_kernel_contract",
             "kernel contract: prompt rows vs decode bytes for every pair -> section JSON", ContractParams,
-            render="exactness.analysis.contract.report:render_md",
+            blocks="exactness.analysis.contract.report:blocks",
             mergeable=True, merge="exactness.analysis.contract.combine:merge_sections",
             from_dumps="exactness.analysis.contract.calls:contract_of_calls",
             summary=(Verdict("contract pairs byte-exact", lambda o: _rows(o, "rows", "offload_rows"),
@@ -179,7 +187,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
             diff="exactness.receipt.diff:diff_contract"),
     Section("fp64", "exactness.analysis.fp64.section", "30_fp64_per_class",
             "FP64 per-class accumulation receipt -> section JSON", Fp64Params,
-            render="exactness.analysis.fp64.report:render_md",
+            blocks="exactness.analysis.fp64.report:blocks",
             from_dumps="exactness.analysis.fp64.calls:fp64_of_calls",
             reads_prompts=True,
             summary=(Verdict("FP64 rows outside bound", lambda o: _rows(o, "rows"),
@@ -187,13 +195,13 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
             diff="exactness.receipt.diff:diff_fp64"),
     Section("streams", "exactness.analysis.streams", "40_streams",
             "drafted == plain, resumed == fresh, concurrent == alone == serial -> section JSON", StreamsParams,
-            render="exactness.analysis.streams_report:render_md",
+            blocks="exactness.analysis.streams_report:blocks",
             takes_checkpoint=True, generated_by=("gen_tokens",), reads_prompts=True,
             summary=(Verdict("stream equalities holding", _STREAM_ROWS, lambda r: r.get("equal")),),
             diff="exactness.receipt.diff:diff_streams"),
     Section("bench", "exactness.analysis.bench", "50_bench",
             "the bench tables (TTFT, tok/s, ITL, streams, memory) -> section JSON", BenchParams,
-            render="exactness.analysis.bench_tables:render_md", mergeable=True,
+            blocks="exactness.analysis.bench_tables:blocks", mergeable=True,
             timed=True, takes_checkpoint=True, generated_by=("bench_gen_tokens", "gen_tokens"), reads_prompts=True,
             diff="exactness.receipt.diff_bench:diff_bench"),
     Section("dumps", "exactness.analysis.dumps_section", "70_dumps",

@@ -1,16 +1,15 @@
-"""Tables and plots of the ``fp64`` section (analysis/fp64/section.py computes it).
-
-Two tables (tables.Table, the notebook displays them and ``render_md`` prints them as GitHub markdown), cut to the
-columns a reviewer needs (every statistic stays in receipt.json): captured activations, one line per (class, kernel
-set, K) with the paths side by side; synthetic input sets, one line per (class, input set, dtype, K) with the kernel
-sets side by side. Plots (matplotlib, for notebooks/30_fp64_per_class.ipynb): ULP histograms per class, eta against
-the reduction length K with the gamma_K line (log-log), and max error per layer. ``render_calls_md``: the FP64 of
-recorded calls (calls.py).
+"""Views of the ``fp64`` section (analysis/fp64/section.py computes it) as display blocks (blocks.py: the notebook
+shows them, ``render_md`` prints them as GitHub markdown): intro and verdict; two tables cut to the columns a reviewer
+needs (every statistic stays in receipt.json): captured activations, one line per (class, kernel set, K) with the
+paths side by side, and synthetic input sets, one line per (class, input set, dtype, K) with the kernel sets side by
+side; plots (matplotlib): ULP histograms per class, eta against K with the gamma_K line (log-log), max error per
+layer. ``render_calls_md``: the FP64 of recorded calls (calls.py).
 """
 from __future__ import annotations
 
 from tabulate import tabulate
 
+from ...blocks import Block, heading, plot, table, text, to_markdown
 from ...tables import DASH, Table, md_escape
 
 GEMM_CLASSES = ("dense", "router", "expert_down", "lm_head")
@@ -200,31 +199,80 @@ def notes_md(section) -> list[str]:
     return notes
 
 
-def render_md(section: dict) -> str:
-    """GitHub markdown for the ``fp64`` section (``{"section": "fp64", "rows": [...], "meta": {...}}``, or the
-    receipt's list of rows): intro, verdict, symbols, the two tables and the rows outside bound.
+CAPTURED = ("One line per class, kernel set and reduction length K, the paths decode / batched / deep side by side. "
+            "The statistics left out here (η percentiles, bias, κ, RMSE, ULP distances, certification margins) are "
+            "in receipt.json.")
+SYNTHETIC = ("Decode: one kernel call per row; batched: the whole block in one call; deep: 64-row tiles. The kernel "
+             "sets side by side.")
+ULP_HIST = ("ULPs from the correctly rounded exact value RN(y) in the stored dtype, per class, for each path and "
+            "kernel set (log scale: share of sampled outputs).")
+ETA_VS_K = ("Filled: largest error before the final rounding (η_pre); hollow: largest total error. The dashed line is "
+            "γ_K = K·u/(1 − K·u), the worst-case bound of any fp32 summation order; a GEMM point above it is outside "
+            "the bound. bf16 outputs usually hide the accumulation (η_pre = 0, drawn at 1e-13); the float32 sweep "
+            "shows it.")
+
+
+def certified_md(rows: list[dict]) -> str:
+    """One line: how many rows have a certified reference (an uncertified one fails the receipt)."""
+    bad = sum(1 for r in rows if not r["ref_certified"])
+    return (f"All {len(rows)} rows have a certified reference." if not bad else
+            f"**{bad} of {len(rows)} rows have an uncertified reference: the receipt fails.**")
+
+
+def _table_blocks(rows: list[dict]) -> list[Block]:
+    cap = [r for r in rows if r["input_set"] == "captured"]
+    syn = [r for r in rows if r["input_set"] != "captured"]
+    notes = notes_md({"rows": rows})
+    out = [heading("Captured activations", 3), text(CAPTURED), table(captured_table(cap))] if cap else []
+    out += [heading("Synthetic input sets", 3), text(SYNTHETIC),
+            table(synthetic_table(syn)) if syn else text("_No synthetic input sets in this run._")]
+    return out + [heading("Rows outside bound", 3), text("\n".join(notes) or "_No row is outside its bound._")]
+
+
+def _plot_blocks(section) -> list[Block]:
+    """The plots the section's data holds (none for the receipt's list of rows)."""
+    if isinstance(section, list):
+        return []
+    sets = {key.split("|")[3] for key in section.get("hist", {})}
+    out = [heading("ULP histograms", 3), text(ULP_HIST)] if sets & {"captured", "outliers"} else []
+    out += [plot(lambda: plot_ulp_hist(section, "captured"), "ULP histograms per class, captured activations")
+            ] if "captured" in sets else []
+    out += [plot(lambda: plot_ulp_hist(section, "outliers"), "ULP histograms per class, outlier inputs")
+            ] if "outliers" in sets else []
+    if any(p["class"] in GEMM_CLASSES for p in section.get("by_k", [])):
+        out += [heading("η against the reduction length K", 3), text(ETA_VS_K),
+                plot(lambda: plot_eta_vs_k(section), "η against K with the γ_K line, GEMM classes, log-log")]
+    if section.get("per_layer"):
+        out += [heading("Max error per layer (captured activations)", 3),
+                plot(lambda: plot_per_layer(section), "max η per layer, per class, path and kernel set")]
+    return out
+
+
+def blocks(section) -> list[Block]:
+    """The section's view (blocks.py; ``{"section": "fp64", "rows": [...], "meta": {...}, ...}`` or the receipt's
+    list of rows): intro, verdict, symbols, the two tables, the rows outside bound, the plots and the
+    certification gate.
 
     Raises:
         ValueError: there are no rows."""
     rows = section if isinstance(section, list) else section.get("rows", [])
-    meta = {} if isinstance(section, list) else section.get("meta", {})
     if not rows:
         raise ValueError("fp64 section has no rows")
-    cap = [r for r in rows if r["input_set"] == "captured"]
-    syn = [r for r in rows if r["input_set"] != "captured"]
-    out = ["## FP64 per class: how far each kernel's arithmetic is from exact", "", INTRO, "", verdict_md(rows), "",
-           LEGEND]
-    if meta:
-        out += ["", meta_md(meta)]
-    if cap:
-        out += ["", "#### Captured activations", "", captured_table(cap).to_markdown()]
-    if syn:
-        out += ["", "#### Synthetic input sets (decode: one kernel call per row; batched: the whole block; deep: "
-                "64-row tiles)", "", synthetic_table(syn).to_markdown()]
-    notes = notes_md({"rows": rows})
-    if notes:
-        out += ["", "#### Rows outside bound", ""] + notes
-    return "\n".join(out) + "\n"
+    meta = {} if isinstance(section, list) else section.get("meta", {})
+    return ([heading("FP64 per class: how far each kernel's arithmetic is from exact"),
+             text(INTRO, verdict_md(rows), LEGEND, meta_md(meta) if meta else "")]
+            + _table_blocks(rows) + _plot_blocks(section)
+            + [heading("Certification gate", 3),
+               text("A reference that failed its certification fails the receipt (the rows above are kept, marked "
+                    "`uncertified`). " + certified_md(rows))])
+
+
+def render_md(section) -> str:
+    """receipt.md's block of the section: its :func:`blocks` as markdown.
+
+    Raises:
+        ValueError: there are no rows."""
+    return to_markdown(blocks(section)) + "\n"
 
 
 def render_calls_md(obj: dict) -> str:
