@@ -28,7 +28,7 @@ def flat():
 def receipt(flat):
     """The same receipt in schema 2: every section object under ``sections``."""
     out = {k: v for k, v in flat.items() if k.split("_extra")[0] not in SECTIONS}
-    out["schema"], out["sections"] = 2, {n: diff.section(flat, n) for n in SECTIONS}
+    out["schema"], out["sections"] = 2, {n: copy.deepcopy(diff.section(flat, n)) for n in SECTIONS}
     return out
 
 
@@ -301,3 +301,12 @@ def test_a_check_only_pr_records_is_not_a_move_and_one_pr_drops_is(receipt):
     assert "| reference | new_equal | 54 | recorded by PR only" in re.sub(" +", " ", render(result))
     result = _edited(receipt, lambda pr: _secs(pr)["hashes"]["rows"][1].pop("kv_equal"))
     assert result["moved"] is True and [c["field"] for c in result["changes"]] == ["kv_equal"]
+
+
+def test_a_matrix_of_our_engine_and_one_of_engines_are_not_compared(receipt):
+    """A receipt of our engine's sections against one run on engines under test: the hash matrix is named not
+    comparable with the reason, not listed row by row as in one receipt only."""
+    result = _edited(receipt, lambda pr: _secs(pr)["hashes"].update(engines=[{"spec": "reference:fast"}]))
+    assert result["moved"] is True and result["only_base"] == result["only_pr"] == []
+    assert [(c["section"], c["why"]) for c in result["not_comparable"]] == \
+        [("hashes", "BASE ran on our engine, PR on engines under test")]

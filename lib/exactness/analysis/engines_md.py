@@ -13,6 +13,10 @@ INTRO = ("Each engine runs every prompt greedily under each of its configuration
          "is byte-identical; a part the engine does not expose is named, never counted as equal.")
 
 
+CROSS = ("Every engine's runs against the first engine's oracle tokens: meaningful only where the engines run the same "
+         "weights (the engines table names each one's model; `reference` alone runs the preset's synthetic weights, "
+         "`reference:/path` a model folder's).")
+
 VERSION_KEYS = ("transformers", "torch", "llama_cpp_python")
 MODEL_KEYS = ("model", "model_class", "folder", "config_sha256", "gguf_sha256", "served_model")
 
@@ -156,8 +160,7 @@ def blocks(section: dict) -> list[Block]:
         from .engines_dumps import render_md as dumps_md
         out.append(text(dumps_md(section["engine_dumps"])))
     if section.get("cross"):
-        out += [heading("Across engines", 3), text("Every engine's runs against the first engine's oracle tokens.",
-                                                   cross_table(section["cross"]))]
+        out += [heading("Across engines", 3), text(CROSS, cross_table(section["cross"]))]
     out += [text(bench_block(section["bench"]))] if section.get("bench") else []
     na = section.get("not_available") or {}
     out += [heading("Not available from these engines", 3), text("\n".join(f"- **{k}**: {v}" for k, v in na.items()))

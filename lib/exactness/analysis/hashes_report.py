@@ -131,7 +131,8 @@ def hash_table(rows: list[dict]) -> Table:
 
 
 def _served(served: dict) -> str:
-    return ", ".join(f"{k}: {v['rows']} rows" + (f" in {v['segments']} segments" if "segments" in v else "")
+    return ", ".join(f"{k}: {v['rows']} rows" + (f" in {v['segments']} segment{'s' * (v['segments'] != 1)}"
+                                                 if "segments" in v else "")
                      for k, v in served.items() if v.get("rows"))
 
 
