@@ -205,7 +205,7 @@ def _mismatch_blocks(sec: dict) -> list[Block]:
     if not pairs:
         return []
     if not any(r["first_mismatch"] for r in pairs):
-        return [heading("First mismatch of each pair", 3), text(f"_None: all {len(pairs)} pairs are byte-exact._")]
+        return [heading("First mismatch of each pair", 3), text(f"_No mismatch: all {len(pairs)} pairs are byte-exact._")]
     return [heading("First mismatch of each pair", 3),
             text("In checking order (M ascending, then KV length T, then segmentation): the row within the block, "
                  "the output (router: weights / idx / logits), the element (flat index within the row), its distance "
