@@ -6,18 +6,13 @@ position is in a fixed set ``positions`` (the same set on every path, so the sam
 decode oracle and the batched/deep runs), at most one sample per (layer, class, weight, position) and run: that
 bounds memory by ``len(positions)`` per (layer, class, weight).
 
-Mapping a call's rows to positions:
-    dense                rows are the forward's rows in order; on the deep plan the model calls the kernel on
-                         consecutive ``tile_rows`` tiles, so a per-(layer, weight) row offset is kept per forward
-    router, moe_combine, attention, rmsnorm, rope, residual, lm_head
-                         rows are the forward's rows
-    expert_gate_up       rows are some of the router's input rows (expert members): matched by content (a hash of
-                         the bits, then an exact compare) to the router input rows sampled in the same layer
-    expert_down          the rows of the expert_gate_up call just before it (Ops.expert chains the two per tile)
-A quantized weight (kernels/quant.QuantWeight) is kept and named like a tensor (by its codes' address).
-Weights are named from the model's tensors (``wq``, ``e3.gate``, ``shared.up``, ``final_norm``, ...) when
-``weights`` is given; otherwise by address. Attention samples keep the query row and output; the keys/values up to
-the largest sampled position are copied once per (run, layer) when the run ends (:meth:`TapRecorder.run`).
+Each call's site and the forward row of each of its rows come from sites.CallSites (the class record's ``rows``
+rule), as for our engine's tensor dumps; a sample's tag is its site without the layer (``wq``, ``e3``, ``attn``,
+``rope_q``, ``residual_attn``, ``final_norm``). A quantized weight (kernels/quant.QuantWeight) is kept and named
+like a tensor (by its codes' address). Weights are named from the model's tensors (``wq``, ``e3.gate``,
+``shared.up``, ``final_norm``, ...) when ``weights`` is given; otherwise by address (routed experts then cannot be
+mapped: a ValueError). Attention samples keep the query row and output; the keys/values up to the largest sampled
+position are copied once per (run, layer) when the run ends (:meth:`TapRecorder.run`).
 """
 from __future__ import annotations
 
@@ -27,10 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..exact import as_int
 from ..kernels.registry import ClassNames
-
-NORM_TO_ROPE = {"q_norm": "q", "k_norm": "k"}
+from ..sites import CallSites
 
 
 @dataclass
@@ -60,33 +53,6 @@ class Sample:
         return (self.layer, self.tag, self.pos)
 
 
-def weight_names(weights) -> dict[int, str]:
-    """data_ptr -> name of every weight tensor (and of every expert's slice) of a ``Weights``."""
-    names = {}
-    if weights is None:
-        return names
-    names[weights.final_norm.data_ptr()] = "final_norm"
-    names[weights.lm_head.data_ptr()] = "lm_head"
-    for lw in weights.layers:
-        for f in ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm", "router"):
-            names[getattr(lw, f).data_ptr()] = f
-        for f, part in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down")):
-            for e in range(getattr(lw, f).shape[0]):
-                names[getattr(lw, f)[e].data_ptr()] = f"e{e}.{part}"
-            shared = getattr(lw, "shared_" + part)
-            if shared is not None:
-                names[shared.data_ptr()] = f"shared.{part}"
-    return names
-
-
-def _row_hash(x: torch.Tensor) -> torch.Tensor:
-    """[n, ...] -> [n] int64 hash of each row's bits (wrapping arithmetic; equal rows give equal hashes)."""
-    flat = x.reshape(x.shape[0], -1).contiguous()
-    ints = as_int(flat).to(torch.int64)
-    coef = torch.arange(1, flat.shape[1] + 1, device=x.device, dtype=torch.int64) * 0x9E3779B1 + 0x7F4A7C15
-    return (ints * coef).sum(dim=1)
-
-
 class TapRecorder:
     """Keeps sampled rows of every kernel call (see module docstring); a sample's data reaches the CPU when its
     run (:meth:`run`) ends.
@@ -113,7 +79,8 @@ class TapRecorder:
             raise ValueError(f"positions must be a non-empty set of ints >= 0, got {list(positions)[:8]}")
         self.positions = torch.tensor(pos, dtype=torch.int64)
         self.classes = set(classes)
-        self.names = weight_names(weights)
+        self.sites = CallSites(weights)
+        self._wanted = set(pos)
         self.samples: dict[tuple, list[Sample]] = defaultdict(list)
         self.params: dict[tuple, torch.Tensor] = {}
         self.kv: dict[tuple, tuple] = {}
@@ -143,14 +110,7 @@ class TapRecorder:
     def _new_forward(self, positions: torch.Tensor) -> None:
         if positions is not self._fwd:
             self._fwd = positions          # holding it keeps its id from being reused by a later forward
-            self._offset, self._h, self._pending, self._last_norm, self._occ = {}, {}, None, None, defaultdict(int)
-            self._pos_cpu = positions.cpu()
-            mask = torch.isin(self._pos_cpu, self.positions)
-            rows = mask.nonzero().flatten()
-            self._fwd_sel = (rows.tolist(), self._pos_cpu[rows].tolist())
-
-    def _name(self, t: torch.Tensor) -> str:
-        return self.names.get(t.data_ptr(), f"ptr{t.data_ptr():x}")
+            self._any = bool(torch.isin(positions.cpu(), self.positions).any())
 
     def _keep(self, ks: str, cls: str, layer: int, tag: str, rows, pos, plan: str, data: dict, meta=None) -> list:
         """Add samples for row indices ``rows`` (positions ``pos``) of the call; ``data`` maps name -> [n, ...]."""
@@ -183,124 +143,80 @@ class TapRecorder:
                 s.data = {k: v[i].clone() for k, v in cpu.items()}
         self._staged.clear()
 
-    def _select(self, start: int = 0, n: int | None = None):
-        """(row indices, positions) of the sampled rows among the forward's rows start..start+n-1 (default all)."""
-        if n is None:
-            return self._fwd_sel
-        rows, pos = self._fwd_sel
-        keep = [(r - start, p) for r, p in zip(rows, pos) if start <= r < start + n]
-        return [r for r, _ in keep], [p for _, p in keep]
-
     # ------------------------------------------------------------------ the tap
     def record(self, *, cls, role, plan, kernels, layer, positions, args, out) -> None:
         """Called by model.Ops for every kernel call (see model.tapping). Keeps the sampled rows only."""
-        if cls not in self.classes:
-            return
         if self.path is None:
+            if cls not in self.classes:
+                return
             raise RuntimeError("TapRecorder records inside `with recorder.run(path):` only (a sample's data "
                                "reaches the CPU when its run ends)")
         self._new_forward(positions)
-        self.calls[(kernels, self.path, cls, plan)] += 1
-        if self._fwd_sel[0]:               # a forward with no sampled row costs one dict update per call
-            getattr(self, "_" + cls)(kernels, plan, layer, positions, args, out)
-
-    def _dense(self, ks, plan, layer, positions, args, out):
-        x, w = args
-        tag = self._name(w)
-        off = self._offset.get((layer, tag), 0)
-        self._offset[(layer, tag)] = off + x.shape[0]
-        rows, pos = self._select(start=off, n=x.shape[0])
-        self.params[(layer, tag)] = w
-        self._keep(ks, "dense", layer, tag, rows, pos, plan, {"x": x, "y": out})
-
-    def _router(self, ks, plan, layer, positions, args, out):
-        x, w, top_k, norm, *groups = args       # groups: (n_groups, topk_groups), passed for grouped routing only
-        meta = {"top_k": top_k, "norm": norm}
-        if groups and groups[0] is not None and groups[0][0] > 1:
-            meta["groups"] = (int(groups[0][0]), int(groups[0][1]))
-        weights, idx, logits = out
-        rows, pos = self._select()
-        self.params[(layer, "router")] = w
-        if rows:
-            sel = x[torch.as_tensor(rows, device=x.device)]
-            self._h[layer] = (_row_hash(sel), sel, pos)
-        self._keep(ks, "router", layer, "router", rows, pos, plan,
-                   {"x": x, "y": logits, "idx": idx, "g": weights}, meta)
-
-    def _expert_gate_up(self, ks, plan, layer, positions, args, out):
-        x, wg, wu = args
-        tag = self._name(wg).rsplit(".", 1)[0]
-        rows, pos = [], []
-        if layer in self._h:
-            hh, hx, hpos = self._h[layer]
-            cand = (_row_hash(x)[:, None] == hh[None, :]).nonzero().tolist()  # [(row of x, sampled row)]
-            for r, j in cand:
-                if r not in rows and torch.equal(x[r], hx[j]):
-                    rows.append(r)
-                    pos.append(hpos[j])
-        self.params[(layer, tag + ".gate")], self.params[(layer, tag + ".up")] = wg, wu
-        self._keep(ks, "expert_gate_up", layer, tag, rows, pos, plan, {"x": x, "y": out})
-        self._pending = (layer, tag, rows, pos)
-
-    def _expert_down(self, ks, plan, layer, positions, args, out):
-        h, wd = args
-        if self._pending is None or self._pending[0] != layer:
+        if cls in self.classes:
+            self.calls[(kernels, self.path, cls, plan)] += 1
+        if not self._any:                  # a forward with no sampled row costs a dict update per call
             return
-        _, tag, rows, pos = self._pending
-        self._pending = None
-        self.params[(layer, tag + ".down")] = wd
-        self._keep(ks, "expert_down", layer, tag, rows, pos, plan, {"x": h, "y": out})
-
-    def _moe_combine(self, ks, plan, layer, positions, args, out):
-        y, weights, shared = args
-        rows, pos = self._select()
-        data = {"y": y, "g": weights, "out": out}
-        if shared is not None:
-            data["shared"] = shared
-        self._keep(ks, "moe_combine", layer, "combine", rows, pos, plan, data)
-
-    def _attention(self, ks, plan, layer, positions, args, out):
-        q, kc, vc, slots, pos_arg = args
-        rows, pos = self._select()
-        if not rows:
+        site, fwd_rows = self.sites.call(cls, layer, positions, args, out)
+        if cls not in self.classes:
             return
+        pos = self.sites.positions
+        sel = [(i, pos[r]) for i, r in enumerate(fwd_rows) if pos[r] in self._wanted]
+        tag = site.split(".", 1)[1] if layer >= 0 and site.startswith(f"L{layer}.") else site
+        data, meta, weights = _TAP_DATA.get(cls, _generic)(args, out)
+        for part, wt in weights.items():
+            self.params[(layer, tag + part)] = wt
+        if cls == "attention" and sel:
+            meta = {"slot": self._kv_ref(kernels, layer, args, [i for i, _ in sel], [p for _, p in sel])}
+        self._keep(kernels, cls, layer, tag, [i for i, _ in sel], [p for _, p in sel], plan, data, meta)
+
+    def _kv_ref(self, ks, layer, args, rows, pos) -> int:
+        """Note the cache and slot of sampled attention rows (their keys/values are copied when the run ends);
+        returns the slot."""
+        q, kc, vc, slots, _ = args
         slot_vals = {int(slots[r]) for r in rows}
         if len(slot_vals) != 1:
             raise ValueError(f"sampled attention rows span cache slots {sorted(slot_vals)}; one slot per run")
         slot = slot_vals.pop()
         key = (ks, self.path, layer)
         ref = self._kvref.get(key)
-        pmax = max(pos)
         if ref is not None and (ref[0] is not kc or ref[2] != slot):
             raise ValueError("a run used two KV caches or slots; TapRecorder.run() covers one generate() call")
-        self._kvref[key] = [kc, vc, slot, max(pmax, ref[3] if ref else -1)]
-        self._keep(ks, "attention", layer, "attn", rows, pos, plan, {"q": q, "o": out}, {"slot": slot})
+        self._kvref[key] = [kc, vc, slot, max(max(pos), ref[3] if ref else -1)]
+        return slot
 
-    def _rmsnorm(self, ks, plan, layer, positions, args, out):
-        x, w, eps = args
-        tag = self._name(w)
-        self._last_norm = tag
-        rows, pos = self._select()
-        self.params[(layer, tag)] = w
-        self._keep(ks, "rmsnorm", layer, tag, rows, pos, plan, {"x": x, "y": out}, {"eps": float(eps)})
 
-    def _rope(self, ks, plan, layer, positions, args, out):
-        x, pos_arg, theta = args
-        tag = NORM_TO_ROPE.get(self._last_norm, f"call{self._occ[(layer, 'rope')]}")
-        self._occ[(layer, "rope")] += 1
-        rows, pos = self._select()
-        self._keep(ks, "rope", layer, tag, rows, pos, plan, {"x": x, "y": out}, {"theta": float(theta)})
+def _generic(args, out) -> tuple[dict, dict, dict]:
+    """A class without an entry below: its tensor arguments and outputs under the record-free names arg<i>/y."""
+    outs = out if isinstance(out, tuple) else (out,)
+    data = {f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    return {**data, **{("y" if i == 0 else f"y{i}"): o for i, o in enumerate(outs)}}, {}, {}
 
-    def _residual(self, ks, plan, layer, positions, args, out):
-        a, b = args
-        n = self._occ[(layer, "residual")]
-        self._occ[(layer, "residual")] += 1
-        tag = ("attn", "moe")[n] if n < 2 else f"call{n}"
-        rows, pos = self._select()
-        self._keep(ks, "residual", layer, tag, rows, pos, plan, {"a": a, "b": b, "y": out})
 
-    def _lm_head(self, ks, plan, layer, positions, args, out):
-        x, w = args
-        rows, pos = self._select()
-        self.params[(layer, "lm_head")] = w
-        self._keep(ks, "lm_head", layer, "lm_head", rows, pos, plan, {"x": x, "y": out.to(w.dtype)})
+def _router(args, out):
+    x, w, top_k, norm, *groups = args      # groups: (n_groups, topk_groups), passed for grouped routing only
+    meta = {"top_k": top_k, "norm": norm}
+    if groups and groups[0] is not None and groups[0][0] > 1:
+        meta["groups"] = (int(groups[0][0]), int(groups[0][1]))
+    weights, idx, logits = out
+    return {"x": x, "y": logits, "idx": idx, "g": weights}, meta, {"": w}
+
+
+def _moe_combine(args, out):
+    y, g, shared = args
+    return {"y": y, "g": g, "out": out, **({"shared": shared} if shared is not None else {})}, {}, {}
+
+
+# class -> (args, out) -> (data: name -> [M, ...] tensor, meta: scalars, weights: tag suffix -> weight tensor); the
+# names the FP64 evaluators read (fp64/ref.py).
+_TAP_DATA = {
+    "dense": lambda a, o: ({"x": a[0], "y": o}, {}, {"": a[1]}),
+    "router": _router,
+    "expert_gate_up": lambda a, o: ({"x": a[0], "y": o}, {}, {".gate": a[1], ".up": a[2]}),
+    "expert_down": lambda a, o: ({"x": a[0], "y": o}, {}, {".down": a[1]}),
+    "moe_combine": _moe_combine,
+    "attention": lambda a, o: ({"q": a[0], "o": o}, {}, {}),
+    "rmsnorm": lambda a, o: ({"x": a[0], "y": o}, {"eps": float(a[2])}, {"": a[1]}),
+    "rope": lambda a, o: ({"x": a[0], "y": o}, {"theta": float(a[2])}, {}),
+    "residual": lambda a, o: ({"a": a[0], "b": a[1], "y": o}, {}, {}),
+    "lm_head": lambda a, o: ({"x": a[0], "y": o.to(a[1].dtype)}, {}, {"": a[1]}),
+}

@@ -6,16 +6,7 @@ per-row inputs, weight arguments by name (stored once), the attention KV cache a
 scalar arguments as meta. :func:`dump_engine` runs a prompt through the ``batched`` path (prompt role) and the
 ``decode`` path (decode role) inside it.
 
-Call sites and rows per class (rows are the forward's rows unless said):
-    dense                site = the weight (``L0.wq``); on the deep plan the rows of consecutive tiles are
-                         counted with a per-site offset
-    expert_gate_up       site ``L<l>.e<e>`` (``L<l>.shared``): a routed expert's rows are the forward rows that
-                         picked it in the router call of the same layer, ascending (model.moe_block's order), tiled
-                         as the deep plan tiles them; the shared expert's are all rows
-    expert_down          the rows of the expert_gate_up call just before it (model.Ops.expert chains the two)
-    router, moe_combine, attention, residual, rope, rmsnorm, lm_head
-                         one site per layer and use (``L0.router``, ``L0.residual_attn``, ``L0.rope_q``; norms by
-                         weight: ``L0.q_norm``, ``final_norm``)
+Call sites and rows: sites.CallSites (the class record's ``rows`` rule), shared with the FP64 taps.
 """
 from __future__ import annotations
 
@@ -27,25 +18,10 @@ from ..cache import KVCache
 from ..kernels import KernelSet, class_record, get_set
 from ..model import tapping
 from ..paths import Schedule, prefill
+from ..sites import CallSites
 from .writer import DumpWriter, Fixed
 
 ENGINE = "exactness"
-NORM_TO_ROPE = {"q_norm": "rope_q", "k_norm": "rope_k"}
-
-
-def weight_names(w) -> dict[int, str]:
-    """data_ptr -> layer-qualified name (``L0.wq``, ``L1.e3.gate``, ``L0.shared.up``, ``final_norm``) of every
-    weight tensor of a ``Weights`` (expert slices included)."""
-    names = {w.final_norm.data_ptr(): "final_norm", w.lm_head.data_ptr(): "lm_head"}
-    for i, lw in enumerate(w.layers):
-        for f in ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm", "router"):
-            names[getattr(lw, f).data_ptr()] = f"L{i}.{f}"
-        for f, part in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down")):
-            for e in range(getattr(lw, f).shape[0]):
-                names[getattr(lw, f)[e].data_ptr()] = f"L{i}.e{e}.{part}"
-            if getattr(lw, "shared_" + part) is not None:
-                names[getattr(lw, "shared_" + part).data_ptr()] = f"L{i}.shared.{part}"
-    return names
 
 
 class EngineDumper:
@@ -64,65 +40,18 @@ class EngineDumper:
     def __init__(self, writer: DumpWriter, weights, kernels: KernelSet, tokens: torch.Tensor, seq: int = 0,
                  positions=None):
         self.dw, self.ks, self.seq = writer, kernels, seq
-        self.names = weight_names(weights)
+        self.sites = CallSites(weights)
+        self.names = self.sites.names
         self.tokens = [int(t) for t in tokens.cpu().tolist()]
         self.keep = None if positions is None else {int(p) for p in positions}
-        self._fwd = None
-
-    def _new_forward(self, positions: torch.Tensor) -> None:
-        if positions is not self._fwd:
-            self._fwd = positions       # held so that its id is not reused by a later forward
-            self._pos = positions.cpu().tolist()
-            self._off, self._idx, self._last_norm, self._occ, self._gate_rows = {}, {}, None, {}, None
-
-    def _site(self, cls: str, layer: int, args) -> str:
-        pre = f"L{layer}." if layer >= 0 else ""
-        if cls in ("dense", "rmsnorm"):
-            name = self.names.get(args[1].data_ptr(), f"ptr{args[1].data_ptr():x}")
-            if cls == "rmsnorm":
-                self._last_norm = name.rsplit(".", 1)[-1]
-            return name
-        if cls in ("expert_gate_up", "expert_down"):
-            if args[1].data_ptr() not in self.names:   # staged copies (expert offload) name no model weight
-                raise ValueError(f"{cls}: its weights are none of the model's tensors; dumps need resident experts")
-            return self.names[args[1].data_ptr()].rsplit(".", 1)[0]
-        if cls in ("rope", "residual"):
-            n = self._occ[(layer, cls)] = self._occ.get((layer, cls), -1) + 1
-            tag = NORM_TO_ROPE.get(self._last_norm, f"rope{n}") if cls == "rope" else \
-                (("residual_attn", "residual_moe")[n] if n < 2 else f"residual{n}")
-            return pre + tag
-        return pre + {"moe_combine": "combine", "attention": "attn"}.get(cls, cls)
-
-    def _rows(self, cls: str, site: str, M: int, layer: int) -> list[int]:
-        """Forward row index of each of the call's M rows."""
-        if cls == "expert_down":
-            return self._gate_rows
-        if cls == "expert_gate_up" and ".e" in site:
-            e = int(site.rsplit(".e", 1)[1])
-            pool = (self._idx[layer] == e).any(dim=1).nonzero().flatten().tolist()
-        elif cls in ("dense", "expert_gate_up"):
-            pool = list(range(len(self._pos)))
-        else:
-            return list(range(M))
-        off = self._off.get(site, 0)      # deep plan: consecutive tiles of the same site's rows
-        self._off[site] = off + M
-        return pool[off:off + M]
 
     def record(self, *, cls, role, plan, kernels, layer, positions, args, out) -> None:
         """Called by model.Ops for every kernel call: writes the call's dumped rows."""
-        self._new_forward(positions)
-        site = self._site(cls, layer, args)
-        outs = out if isinstance(out, tuple) else (out,)
-        if cls == "router":
-            self._idx[layer] = outs[1].cpu()
-        fwd_rows = self._rows(cls, site, outs[0].shape[0], layer)
-        if cls == "expert_gate_up":
-            self._gate_rows = fwd_rows
-        if len(fwd_rows) != outs[0].shape[0]:
-            raise ValueError(f"{cls} at {site}: {outs[0].shape[0]} call rows, {len(fwd_rows)} rows mapped")
+        site, fwd_rows = self.sites.call(cls, layer, positions, args, out)
+        outs, pos = out if isinstance(out, tuple) else (out,), self.sites.positions
         tok = lambda p: self.tokens[p] if p < len(self.tokens) else -1  # noqa: E731  (-1: a token not given)
-        rows = [(i, self.seq, self._pos[r], tok(self._pos[r])) for i, r in enumerate(fwd_rows)
-                if self.keep is None or self._pos[r] in self.keep]
+        rows = [(i, self.seq, pos[r], tok(pos[r])) for i, r in enumerate(fwd_rows)
+                if self.keep is None or pos[r] in self.keep]
         if rows:
             self._write(cls, role, site, args, outs, rows)
 

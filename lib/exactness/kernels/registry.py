@@ -43,6 +43,9 @@ class KernelClass:
         deep_tiles: the deep plan calls it on fixed row tiles (model.Ops), so it has a ``deep`` synthetic path.
         args, outs: the names of the call's positional arguments and of its outputs, as a tensor dump names them
             (dumps/format.py); () = ``arg0``, ``arg1``, ...
+        rows: how a call's rows map to the forward's rows, for the recorders of kernel calls (sites.py):
+            ``forward`` (in order), ``tiles`` (consecutive calls of a site take consecutive tiles), ``routed`` (a
+            routed expert's rows: those that picked it in the router call) or ``previous`` (the call before's).
     """
 
     name: str
@@ -55,6 +58,7 @@ class KernelClass:
     deep_tiles: bool = False
     args: tuple[str, ...] = ()
     outs: tuple[str, ...] = ("y",)
+    rows: str = "forward"
 
     def arrange(self, rows: tuple, fixed: tuple) -> tuple:
         """The call's positional arguments from its per-row arguments (``row_args`` order) and the fixed ones."""
@@ -71,13 +75,16 @@ def _class(name, doc, row_args=(0,), reduction="", fp64: str | None = None, **kw
 # Registration order is the class order everywhere (pairs, contract rows and seeds, FP64 rows): keep it stable.
 KERNEL_CLASS_RECORDS: dict[str, KernelClass] = {r.name: r for r in (
     _class("dense", "q/k/v/o projections and the shared expert: y[M,N] = x[M,K] @ w[N,K]^T",
-           reduction="K: in features", fp64="eval_dense", fp64_cert="sum", deep_tiles=True, args=("x", "w")),
+           reduction="K: in features", fp64="eval_dense", fp64_cert="sum", deep_tiles=True, args=("x", "w"),
+           rows="tiles"),
     _class("router", "router logits + softmax + top-k selection + renormalised weights", reduction="H: hidden",
            fp64="eval_router", fp64_cert="sum", args=("x", "w", "top_k", "norm"), outs=("weights", "idx", "logits")),
     _class("expert_gate_up", "SiLU(x @ w_gate^T) * (x @ w_up^T) for one expert's rows", reduction="H: hidden",
-           fp64="eval_expert_gate_up", fp64_cert="mpmath", deep_tiles=True, args=("x", "w_gate", "w_up")),
+           fp64="eval_expert_gate_up", fp64_cert="mpmath", deep_tiles=True, args=("x", "w_gate", "w_up"),
+           rows="routed"),
     _class("expert_down", "h @ w_down^T for one expert's rows", reduction="I: expert intermediate",
-           fp64="eval_expert_down", fp64_cert="sum", deep_tiles=True, args=("x", "w_down")),
+           fp64="eval_expert_down", fp64_cert="sum", deep_tiles=True, args=("x", "w_down"),
+           rows="previous"),
     _class("moe_combine", "sum over the k selected experts (and the shared expert) with the routing weights",
            (0, 1, 2), "k + 1: routed slots and the shared expert", fp64="eval_moe_combine", fp64_cert="sum",
            args=("y", "g", "shared")),
