@@ -46,6 +46,10 @@ class KernelClass:
         rows: how a call's rows map to the forward's rows, for the recorders of kernel calls (sites.py):
             ``forward`` (in order), ``tiles`` (consecutive calls of a site take consecutive tiles), ``routed`` (a
             routed expert's rows: those that picked it in the router call) or ``previous`` (the call before's).
+        gemm: each output element is one dot product over the reduction: its FP64 bound is γ_K (the receipt's η
+            against K).
+        quantizable: a weights format (kernels/quant.WEIGHT_FORMATS) replaces its weights.
+        offloadable: expert offload moves its weights (offload.py).
     """
 
     name: str
@@ -59,6 +63,9 @@ class KernelClass:
     args: tuple[str, ...] = ()
     outs: tuple[str, ...] = ("y",)
     rows: str = "forward"
+    gemm: bool = False
+    quantizable: bool = False
+    offloadable: bool = False
 
     def arrange(self, rows: tuple, fixed: tuple) -> tuple:
         """The call's positional arguments from its per-row arguments (``row_args`` order) and the fixed ones."""
@@ -76,15 +83,16 @@ def _class(name, doc, row_args=(0,), reduction="", fp64: str | None = None, **kw
 KERNEL_CLASS_RECORDS: dict[str, KernelClass] = {r.name: r for r in (
     _class("dense", "q/k/v/o projections and the shared expert: y[M,N] = x[M,K] @ w[N,K]^T",
            reduction="K: in features", fp64="eval_dense", fp64_cert="sum", deep_tiles=True, args=("x", "w"),
-           rows="tiles"),
+           rows="tiles", gemm=True, quantizable=True),
     _class("router", "router logits + softmax + top-k selection + renormalised weights", reduction="H: hidden",
-           fp64="eval_router", fp64_cert="sum", args=("x", "w", "top_k", "norm"), outs=("weights", "idx", "logits")),
+           fp64="eval_router", fp64_cert="sum", args=("x", "w", "top_k", "norm"), outs=("weights", "idx", "logits"),
+           gemm=True),
     _class("expert_gate_up", "SiLU(x @ w_gate^T) * (x @ w_up^T) for one expert's rows", reduction="H: hidden",
            fp64="eval_expert_gate_up", fp64_cert="mpmath", deep_tiles=True, args=("x", "w_gate", "w_up"),
-           rows="routed"),
+           rows="routed", quantizable=True, offloadable=True),
     _class("expert_down", "h @ w_down^T for one expert's rows", reduction="I: expert intermediate",
            fp64="eval_expert_down", fp64_cert="sum", deep_tiles=True, args=("x", "w_down"),
-           rows="previous"),
+           rows="previous", gemm=True, quantizable=True, offloadable=True),
     _class("moe_combine", "sum over the k selected experts (and the shared expert) with the routing weights",
            (0, 1, 2), "k + 1: routed slots and the shared expert", fp64="eval_moe_combine", fp64_cert="sum",
            args=("y", "g", "shared")),
@@ -98,7 +106,7 @@ KERNEL_CLASS_RECORDS: dict[str, KernelClass] = {r.name: r for r in (
     _class("residual", "residual add", (0, 1), "none (a + b)", fp64="eval_residual", fp64_cert="sum",
            args=("a", "b")),
     _class("lm_head", "final projection to vocabulary logits", reduction="H: hidden", fp64="eval_lm_head",
-           fp64_cert="sum", args=("x", "w")),
+           fp64_cert="sum", args=("x", "w"), gemm=True),
     _class("argmax", "greedy sampling", reduction="V: vocabulary (first maximum)", args=("logits",)),
 )}
 

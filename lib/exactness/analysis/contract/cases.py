@@ -381,7 +381,7 @@ def class_sites(cls: str, preset: str = "tiny", groups: tuple[int, int] | None =
 ADAPTED = ClassNames(lambda r: r.contract_inputs is not None)   # the classes with an input builder, class order
 
 
-OFFLOAD_CLASSES = ("expert_gate_up", "expert_down")   # the classes whose weights offload moves
+OFFLOAD_CLASSES = ClassNames(lambda r: r.offloadable)   # the classes whose weights offload moves
 
 
 def kv_store(t: torch.Tensor, kv_dtype: str) -> torch.Tensor:

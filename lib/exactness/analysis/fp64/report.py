@@ -10,9 +10,10 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from ...blocks import Block, heading, plot, table, text, to_markdown
+from ...kernels.registry import ClassNames
 from ...tables import DASH, Table, md_escape
 
-GEMM_CLASSES = ("dense", "router", "expert_down", "lm_head")
+GEMM_CLASSES = ClassNames(lambda r: r.gemm)   # one dot product per output element: bound γ_K
 VERDICT_WORD = {"exact": "exact", "within bound": "within", "outside bound": "OUTSIDE", "uncertified": "UNCERTIFIED"}
 INTRO = ("For every kernel class, path and kernel set, sampled outputs are compared with an FP64 reference computed "
          "from the exact inputs the kernel saw; the reference is itself certified against exact arithmetic. A row is "

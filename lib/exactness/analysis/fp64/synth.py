@@ -31,7 +31,7 @@ from ..taps import Sample
 INPUT_SETS = ("normal", "outliers", "same_sign")
 TILED = ClassNames(lambda r: r.deep_tiles)
 SYNTH_CLASSES = ("dense", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope")
-QUANT_CLASSES = ("dense", "expert_gate_up", "expert_down")   # the classes whose weights a weights format replaces
+QUANT_CLASSES = ClassNames(lambda r: r.quantizable)   # the classes whose weights a weights format replaces
 TILE = 64
 
 
