@@ -300,6 +300,7 @@ def test_gpu_two_streams_bytes_equal_eager(gpu_weights, monkeypatch):
                                               for s in (0, 1))
     eager, graph = run(False), run(True)
     assert graph[2]["served"] and graph[2]["replays"] == 3 and graph[2]["reason"] is None, graph[2]
+    assert graph[2]["pieces"] == 1, graph[2]    # attention of two slots, one row each, recorded in the graph
     assert same(eager, graph)
     stale_positions(monkeypatch)
     assert not same(eager, run(True))

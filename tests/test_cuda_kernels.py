@@ -122,7 +122,9 @@ def test_gpu_attention_prompt_rows_equal_decode_rows(dtype):
     rows = list(range(0, 1300, 13)) + [63, 64, 127, 128, 255, 256, 511, 512, 1023, 1024, 1299]
     dec = [ta.attention(q[m:m + 1], kc, vc, slots[m:m + 1], pos[m:m + 1]) for m in rows]    # split-KV (decode)
     assert row_mismatches(full[rows], dec) == 0
-    assert row_mismatches(full, [ta.attention(q, kc, vc, slots, pos, split=True)]) == 0
+    assert row_mismatches(full, [ta.attention(q, kc, vc, slots, pos, split=True)]) == 0             # heads packed
+    assert row_mismatches(full, [ta.attention(q, kc, vc, slots, pos, split=True, pack=False)]) == 0
+    assert row_mismatches(full[rows[:8]], [ta.attention(q[rows[:8]], kc, vc, slots[:8], pos[rows[:8]])]) == 0
     segs = ((0, 1), (1, 50), (51, 129), (180, 300), (480, 220), (700, 600))                # prefill chunks
     assert row_mismatches(full, [ta.attention(q[a:a + n], kc, vc, slots[a:a + n], pos[a:a + n])
                                  for a, n in segs]) == 0
@@ -194,6 +196,12 @@ def test_gpu_attention_multi_slot_and_negative_control():
     full = ta.attention(q, kc, vc, slots, pos)
     dec = [ta.attention(q[m:m + 1], kc, vc, slots[m:m + 1], pos[m:m + 1]) for m in range(0, 900, 3)]
     assert row_mismatches(full[0::3], dec) == 0
+    assert row_mismatches(full, [ta.attention(q, kc, vc, slots, pos, split=True)]) == 0    # packed, grouped by slot
+    one = [int((slots == s).nonzero()[-1]) for s in range(3)]         # a decode step: a row of each slot, one per tile
+    for split in (False, True):                                        # one chunk; chunks in parallel, heads packed
+        step = ta.attention(q[one], kc, vc, slots[one], pos[one], split=split)
+        assert row_mismatches(full[one], list(step.split(1))) == 0
+    assert row_mismatches(full[one], list(ta.attention(q[one], kc, vc, slots[one].flip(0), pos[one]).split(1))) > 0
     other = ta.AttnConfig(64, 64, 4, 3) if ta.config_for(128, torch.bfloat16, (9, 0)).block_n != 64 \
         else ta.AttnConfig(64, 128, 8, 3)                                                   # another KV block
     assert row_mismatches(ta.attention(q, kc, vc, slots, pos, other)[0::3], dec) > 0
@@ -237,7 +245,6 @@ def test_gpu_paths_prompt_logits_equal_decode(preset):
     """decode vs batched vs deep on the invariant set: identical prompt-logit bytes and tokens (device weights)."""
     from exactness import model, paths
     from exactness.config import get_preset
-    from exactness.kernels import cuda
     from exactness.weights import device_random_weights
     cfg = get_preset(preset)
     w = device_random_weights(cfg, torch.bfloat16, "cuda", seed=1)

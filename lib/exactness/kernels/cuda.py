@@ -238,15 +238,17 @@ def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[
                tlen_ptr="*i64", tslot_ptr="*i64", M=i32, n_tiles=i32, T=i32, sq_m=i32, sq_h=i32, sk_s=i32,
                sk_t=i32, sk_h=i32, scale=f32)
     const = dict(G=cfg.n_heads // cfg.n_kv_heads, D=D, BD=triton_next_pow2(D), BM=ac.block_m, BN=ac.block_n,
-                 CH=ac.chunk, GROUPED=False, KV_TMA=kv_tma, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                 CH=ac.chunk, GROUPED=0, KV_TMA=kv_tma, PRECISION="ieee" if dtype == torch.float32 else "tf32",
                  EMULATE=False)
     aopts = dict(num_warps=ac.num_warps, num_stages=ac.num_stages, enable_fp_fusion=False)
     specs.append((f"attention D={D} [{ac.label()}]", ta._attn_kernel, sig, const, aopts))
     split_sig = {**{k: v for k, v in sig.items() if k != "o_ptr"}, "ws_ptr": "*fp32", "ml_ptr": "*fp32", "NC": i32}
     order = ["q_ptr", "k_src", "v_src", "ws_ptr", "ml_ptr", "pos_ptr", "rows_ptr", "tstart_ptr", "tlen_ptr",
              "tslot_ptr", "M", "n_tiles", "T", "NC", "sq_m", "sq_h", "sk_s", "sk_t", "sk_h", "scale"]
-    specs.append((f"attention split-KV D={D} [{ac.label()}]", ta._attn_split_kernel,
-                  {k: split_sig[k] for k in order}, const, aopts))
+    for grouped, hpp in ((0, 1), (0, const["G"]), (2, const["G"])):   # packed heads: one slot, one row per tile
+        specs.append((f"attention split-KV D={D} [{ac.label()}] tiles {grouped} heads/program {hpp}",
+                      ta._attn_split_kernel, {k: split_sig[k] for k in order}, const | dict(GROUPED=grouped, HPP=hpp),
+                      aopts))
     specs.append((f"attention chunk combine D={D}", ta._combine_kernel,
                   dict(ws_ptr="*fp32", ml_ptr="*fp32", o_ptr=p, pos_ptr="*i64", M=i32, NC=i32, sq_m=i32, sq_h=i32),
                   dict(D=D, BD=triton_next_pow2(D), BR=ta.COMBINE_ROWS, CH=ac.chunk, EMULATE=False),

@@ -4,14 +4,16 @@ Signature as attention.attention_invariant: ``attention(q [M, Hq, D], k_cache [S
 positions [M]) -> o [M, Hq, D]`` in the storage dtype; row m attends to keys 0..positions[m] of slot slots[m].
 
 Invariance device: rows are grouped by slot into tiles of BLOCK_M rows (host side; a single-slot cache needs no
-grouping and no sync). Keys are cut into fixed chunks of CHUNK keys from key 0, and each chunk into BLOCK_N-key
-blocks. A row's chunk state (m, l, acc) is computed from a fresh start over the chunk's blocks in ascending order
+grouping and no sync, and a call with no more rows than the cache has slots, a decode step of concurrent streams,
+runs one row per tile with its slot read on the device: no sync, so a CUDA graph records it). Keys are cut into
+fixed chunks of CHUNK keys from key 0, and each chunk into BLOCK_N-key blocks. A row's chunk state (m, l, acc) is computed from a fresh start over the chunk's blocks in ascending order
 with the online softmax (Milakov & Gimelshein 2018, arXiv 1805.02867) in fp32: s = (q k^T) * 1/sqrt(D) (Vaswani et
 al. 2017), keys after the row's position masked to -inf, m/l/acc rescaled per block; the chunk states are then
 merged in ascending chunk order by the two-state combine (m = max(m1, m2), l = l1 e^(m1-m) + l2 e^(m2-m), acc
 likewise), and o = acc / l is rounded once. Prompt calls run one program per (tile, query head) that merges each
-chunk as it ends; decode-sized calls run one program per (tile, head, chunk) (split-KV: a 4,096-key decode row
-becomes 8 parallel programs instead of one serial one) and a combine kernel that merges the stored fp32 states
+chunk as it ends; decode-sized calls run one program per (tile, KV head, chunk), the KV head's G query heads
+packed into the tile's lanes beside its rows (split-KV: a 4,096-key decode row becomes 8 parallel programs instead
+of one serial one, each reading its keys once for G heads) and a combine kernel that merges the stored fp32 states
 with the same operations in the same order. In a block holding none of a row's keys (one a tile visits only for
 its later rows) the row keeps m and l (as the CPU kernel's ``active`` mask), its rescale factor is exactly 1 and
 all its probabilities are exactly 0, so its state's bytes stay unchanged; a chunk holding none of a row's keys is
@@ -91,16 +93,24 @@ def _kv_block(src, slot, b0, kvh, kv_off, keys, d, T, sk_t, D: tl.constexpr, BN:
 
 
 @triton.jit
-def _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M, BM: tl.constexpr, GROUPED: tl.constexpr):
-    """Tile t's [BM] row ids, validity, positions (-1 where not valid) and its cache slot."""
-    i = tl.arange(0, BM)
-    if GROUPED:
-        start = tl.load(tstart_ptr + t)
-        valid = i < tl.load(tlen_ptr + t)
+def _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M, j, RPT: tl.constexpr,
+               GROUPED: tl.constexpr):
+    """Row ids, validity and positions (-1 where not valid) of tile t's lanes, lane i holding the tile's row j[i]
+    (of RPT rows per tile), and the tile's cache slot.
+
+    GROUPED: 0 = one slot, tile t holds rows t*RPT..; 1 = rows grouped by slot on the host (rows, tstart, tlen,
+    tslot); 2 = one row per tile, row t, its slot read from tslot_ptr[t] (no host read)."""
+    if GROUPED == 2:
+        rows = t + j * 0
+        valid = j == 0
         slot = tl.load(tslot_ptr + t).to(tl.int32)
-        rows = tl.load(rows_ptr + start + i, mask=valid, other=0).to(tl.int32)
+    elif GROUPED == 1:
+        start = tl.load(tstart_ptr + t)
+        valid = j < tl.load(tlen_ptr + t)
+        slot = tl.load(tslot_ptr + t).to(tl.int32)
+        rows = tl.load(rows_ptr + start + j, mask=valid, other=0).to(tl.int32)
     else:
-        rows = t * BM + i
+        rows = t * RPT + j
         valid = rows < M
         slot = 0
     pos = tl.load(pos_ptr + rows, mask=valid, other=-1).to(tl.int32)           # [BM] (int32: fewer registers)
@@ -156,7 +166,8 @@ def _attn_kernel(q_ptr, k_src, v_src, o_ptr, pos_ptr, rows_ptr, tstart_ptr, tlen
     """One program per (tile, query head): the chunks of CH keys in ascending order, each merged as it ends."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    rows, valid, pos, slot = _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M, BM, GROUPED)
+    rows, valid, pos, slot = _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M,
+                                        tl.arange(0, BM), BM, GROUPED)
     d = tl.arange(0, BD)
     dmask = d[None, :] < D
     q = tl.load(q_ptr + rows[:, None] * sq_m + h * sq_h + d[None, :], mask=valid[:, None] & dmask, other=0.0)
@@ -180,22 +191,28 @@ def _attn_split_kernel(q_ptr, k_src, v_src, ws_ptr, ml_ptr, pos_ptr, rows_ptr, t
                        n_tiles, T, NC, sq_m, sq_h, sk_s, sk_t, sk_h, scale, G: tl.constexpr, D: tl.constexpr,
                        BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr,
                        GROUPED: tl.constexpr, KV_TMA: tl.constexpr, PRECISION: tl.constexpr,
-                       EMULATE: tl.constexpr):
-    """One program per (tile, query head, chunk): the chunk's state, stored for _combine_kernel (fp32)."""
+                       EMULATE: tl.constexpr, HPP: tl.constexpr):
+    """One program per (tile, head group, chunk): the chunk's state of each lane, stored for _combine_kernel (fp32).
+
+    A head group is HPP query heads of one KV head (HPP = 1: one head; HPP = G: a KV head's whole GQA group, packed
+    into the tile's lanes, lane i = (row i // HPP, head i % HPP), so the tile holds BM / HPP rows and reads its keys
+    once for all G heads). Each lane's operations are those of an unpacked lane: its state has the same bytes."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
+    lane = tl.arange(0, BM)
+    h = tl.program_id(1) * HPP + lane % HPP                                                    # [BM] query head
     c0 = tl.program_id(2) * CH
-    rows, valid, pos, slot = _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M, BM, GROUPED)
+    rows, valid, pos, slot = _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M, lane // HPP,
+                                        BM // HPP, GROUPED)
     hi = tl.max(pos, axis=0) + 1
     if c0 < hi:
         d = tl.arange(0, BD)
-        q = tl.load(q_ptr + rows[:, None] * sq_m + h * sq_h + d[None, :], mask=valid[:, None] & (d[None, :] < D),
-                    other=0.0)
-        kvh = h // G
+        q = tl.load(q_ptr + rows[:, None] * sq_m + h[:, None] * sq_h + d[None, :],
+                    mask=valid[:, None] & (d[None, :] < D), other=0.0)
+        kvh = tl.program_id(1) * HPP // G
         m_c, l_c, acc_c = _chunk_state(q, k_src, v_src, slot, kvh, slot * sk_s + kvh * sk_h, pos, c0,
                                        tl.minimum(c0 + CH, hi), d, T, sk_t, scale, D, BD, BM, BN, KV_TMA, PRECISION,
                                        EMULATE)
-        idx = (rows * tl.num_programs(1) + h) * NC + tl.program_id(2)                          # [BM]
+        idx = (rows * (tl.num_programs(1) * HPP) + h) * NC + tl.program_id(2)                  # [BM]
         tl.store(ml_ptr + idx * 2, m_c, mask=valid)
         tl.store(ml_ptr + idx * 2 + 1, l_c, mask=valid)
         tl.store(ws_ptr + idx[:, None] * BD + d[None, :], acc_c, mask=valid[:, None])
@@ -274,15 +291,29 @@ def _check(q, k_cache, v_cache, slots, positions) -> None:
         raise ValueError(f"q {q.dtype} and cache {k_cache.dtype}/{v_cache.dtype} must share one dtype")
 
 
-def split_chunks(M: int, Hq: int, T: int, cfg: AttnConfig) -> bool:
-    """Whether a call runs chunk by chunk in parallel (_attn_split_kernel + _combine_kernel) rather than one
-    program per (tile, head): when the (tile, head) grid alone would leave most SMs idle and the cache holds more
-    than one chunk. Either way every row gets the same bytes (the module docstring), so this may depend on M."""
-    return T > cfg.chunk and cdiv(M, cfg.block_m) * Hq < SPLIT_BELOW_PROGRAMS
+def split_chunks(n_tiles: int, Hq: int, T: int, cfg: AttnConfig) -> bool:
+    """Whether a call of ``n_tiles`` row tiles runs chunk by chunk in parallel (_attn_split_kernel +
+    _combine_kernel) rather than one program per (tile, head): when the (tile, head) grid alone would leave most SMs
+    idle and the cache holds more than one chunk. Either way every row gets the same bytes (the module docstring),
+    so this may depend on the row count."""
+    return T > cfg.chunk and n_tiles * Hq < SPLIT_BELOW_PROGRAMS
+
+
+def _row_tiles(slots: torch.Tensor, pos: torch.Tensor, S: int, rpt: int) -> tuple:
+    """The call's row tiles of <= rpt rows: (mode, rows, tstart, tlen, tslot, n_tiles), mode as _tile_rows's
+    GROUPED (unused tensors are ``pos``)."""
+    M = pos.numel()
+    if S == 1:
+        return 0, pos, pos, pos, pos, cdiv(M, rpt)
+    if M <= S:                                     # a decode step's rows: one per tile, no host read
+        return 2, pos, pos, pos, slots.contiguous(), M
+    rows, tstart, tlen, tslot = _tiles(slots, S, rpt)
+    return 1, rows, tstart, tlen, tslot, tstart.numel()
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              positions: torch.Tensor, config: AttnConfig | None = None, split: bool | None = None) -> torch.Tensor:
+              positions: torch.Tensor, config: AttnConfig | None = None, split: bool | None = None,
+              pack: bool | None = None) -> torch.Tensor:
     """Causal GQA attention, batch-invariant (module docstring).
 
     Args:
@@ -290,7 +321,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
             [M] int64 with 0 <= positions < T. One dtype (bf16/fp16/fp32), one device.
         config: override the fixed config (benchmarks only; never choose it from M).
         split: run the chunks in parallel (True) or in one program per (tile, head) (False); None = split_chunks.
-            Both give the same bytes.
+        pack: in a split call, pack each KV head's G query heads into one tile's lanes (True: where block_m is a
+            multiple of G) or run one program per query head (False); None = pack where it can.
+            All of these give the same bytes.
     Returns:
         [M, Hq, D] in q's dtype.
     Raises:
@@ -305,14 +338,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
     out = torch.empty_like(qc)
     if M == 0:
         return out
-    pos = positions.contiguous()
-    if S == 1:
-        grouped, rows, tstart, tlen, tslot = False, pos, pos, pos, pos
-        n_tiles = cdiv(M, cfg.block_m)
-    else:
-        grouped = True
-        rows, tstart, tlen, tslot = _tiles(slots, S, cfg.block_m)
-        n_tiles = tstart.numel()
+    pos, G = positions.contiguous(), Hq // Hkv
+    if split is None:
+        split = split_chunks(M if 1 < S and M <= S else cdiv(M, cfg.block_m), Hq, T, cfg)
+    hpp = G if split and pack is not False and cfg.block_m % G == 0 else 1
+    grouped, rows, tstart, tlen, tslot, n_tiles = _row_tiles(slots, pos, S, cfg.block_m // hpp)
     kv_tma = ((q.device.type != "cuda" or cap[0] >= 9) and D == next_pow2(D)
               and D * q.element_size() >= 16)                                      # TMA box rules
     if kv_tma:
@@ -321,17 +351,17 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
         k_src, v_src = kc, vc
     tiles = (pos, rows, tstart, tlen, tslot, M, n_tiles, T)
     strides = (qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), 1.0 / math.sqrt(D))
-    consts = dict(G=Hq // Hkv, D=D, BD=next_pow2(D), BM=cfg.block_m, BN=cfg.block_n, CH=cfg.chunk, GROUPED=grouped,
+    consts = dict(G=G, D=D, BD=next_pow2(D), BM=cfg.block_m, BN=cfg.block_n, CH=cfg.chunk, GROUPED=grouped,
                   KV_TMA=kv_tma, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EMULATE=INTERPRET)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_NO_FMA)
-    if not (split_chunks(M, Hq, T, cfg) if split is None else split):
+    if not split:
         launch(_attn_kernel, (n_tiles, Hq), (qc, k_src, v_src, out) + tiles + strides, consts, **opts)
         return out
     nc = cdiv(T, cfg.chunk)
     ws = torch.empty(M * Hq * nc, next_pow2(D), dtype=torch.float32, device=q.device)   # chunk accumulators
     ml = torch.empty(M * Hq * nc * 2, dtype=torch.float32, device=q.device)             # chunk (m, l)
-    launch(_attn_split_kernel, (n_tiles, Hq, nc), (qc, k_src, v_src, ws, ml) + tiles + (nc,) + strides, consts,
-           **opts)
+    launch(_attn_split_kernel, (n_tiles, Hq // hpp, nc), (qc, k_src, v_src, ws, ml) + tiles + (nc,) + strides,
+           dict(consts, HPP=hpp), **opts)
     launch(_combine_kernel, (cdiv(M, COMBINE_ROWS), Hq), (ws, ml, out, pos, M, nc, qc.stride(0), qc.stride(1)),
            dict(D=D, BD=next_pow2(D), BR=COMBINE_ROWS, CH=cfg.chunk, EMULATE=INTERPRET), num_warps=4, **_NO_FMA)
     return out
