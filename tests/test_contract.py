@@ -19,6 +19,7 @@ import pytest
 from exactness.analysis.contract import check as C
 from exactness.analysis.contract import cases as cc
 from exactness.analysis.contract import combine, report as contract_report
+from exactness.analysis.contract.inputs import KV_SITES
 from exactness.exact import as_int
 from exactness.kernels import KERNEL_CLASSES, KERNEL_SETS, attention, dense, get_set, norm, register_set
 
@@ -91,27 +92,46 @@ def attention_kv128(q, k_cache, v_cache, slots, positions):
         attention.KV_BLOCK = old
 
 
+def brute_walk(cls: str, sweep: str):
+    """(role, case, site, source, kv_dtype) in the checker's documented order (check.py, cases.py): the plan's cases
+    with the prompt kernel, then those of M in DECODE_M with the decode kernel; per case every call site
+    (class_sites order), per site every input source (SOURCES order), leaving out RANDOM_ONLY pairs and, in the quick
+    sweep, cases past the site's QUICK_BOUNDS; a site with several KV formats feeds format (M + T // 2) mod their
+    count."""
+    cases = cc.plan(cls, sweep)
+    runs = [("prompt", c) for c in cases] + [("decode", c) for c in cases if c.M in cc.DECODE_M]
+    for role, case in runs:
+        for site in cc.class_sites(cls):
+            bound = cc.QUICK_BOUNDS.get(site) if sweep == "quick" else None   # (Case field, largest value)
+            if bound and (getattr(case, bound[0]) or 0) > bound[1]:
+                continue
+            formats = KV_SITES[site] if cls == "attention" else (None,)
+            kv_dtype = formats[(case.M + (case.kv_len or 0) // 2) % len(formats)]
+            for source in (s for s in cc.SOURCES if (site, s) not in C.RANDOM_ONLY):
+                yield role, case, site, source, kv_dtype
+
+
 def brute_first(ks_name: str, cls: str, dtype: str, sweep: str) -> dict | None:
-    """Independent re-derivation of the first mismatch: walk the plan in order (each case at every call site, each
-    site in both input sources), call the prompt kernel per segment and the decode kernel per row, compare each
-    row's outputs as integers, element by element."""
+    """Independent re-derivation of the first mismatch: walk the plan as brute_walk orders it, call the kernel of
+    the role per segment and the decode kernel per row, compare each row's outputs as integers, element by
+    element."""
     ks, dt = get_set(ks_name), getattr(torch, dtype)
-    p_fn, d_fn = ks.fn(cls, "prompt"), ks.fn(cls, "decode")
+    fns = {role: ks.fn(cls, role) for role in ("prompt", "decode")}
+    d_fn = fns["decode"]
     as_tuple = lambda o: tuple(o) if isinstance(o, tuple) else (o,)  # noqa: E731
     as_int = lambda t: t.view(INT[t.dtype]) if t.dtype in INT else t  # noqa: E731
-    for case, site, source in ((c, t, s) for c in cc.plan(cls, sweep) for t in cc.class_sites(cls)
-                               for s in cc.SOURCES):
-        pool, row0 = cc.make_pool(cls, source, dt, "cpu", "tiny", site), 0
+    for role, case, site, source, kv_dtype in brute_walk(cls, sweep):
+        pool, row0 = cc.make_pool(cls, source, dt, "cpu", "tiny", site, kv_dtype=kv_dtype), 0
         for j in range(len(case.variant.segments)):
             lead, real, tail = C.call_layout(case, j)
-            outs = as_tuple(p_fn(*pool.args(torch.tensor(lead + real + tail))))
+            outs = as_tuple(fns[role](*pool.args(torch.tensor(lead + real + tail))))
             for r, i in enumerate(real):
                 decs = as_tuple(d_fn(*pool.args(torch.tensor([i]))))
                 for k, (o, d) in enumerate(zip(outs, decs)):
                     ne = (as_int(o[len(lead) + r].reshape(-1)) != as_int(d[0].reshape(-1))).nonzero()
                     if ne.numel():
-                        return {"site": site, "M": case.M, "kv_len": case.kv_len,
-                                "segmentation": case.variant.label(),
+                        return {"site": site, "M": case.M, "kv_len": case.kv_len, "role": role,
+                                "segmentation": case.variant.label(), "kv_dtype": kv_dtype,
                                 "source": source, "row": row0 + r, "output_index": k, "element": int(ne[0])}
             row0 += len(real)
     return None
@@ -119,7 +139,8 @@ def brute_first(ks_name: str, cls: str, dtype: str, sweep: str) -> dict | None:
 
 def same_location(fm: dict, brute: dict, cls: str) -> None:
     names = C.OUTPUT_NAMES.get(cls, ("out",) * 3)
-    got = {k: fm[k] for k in ("site", "M", "kv_len", "segmentation", "source", "row", "element")}
+    keys = ("site", "M", "kv_len", "segmentation", "source", "row", "element", "role")
+    got = {k: fm.get(k) for k in keys + (("kv_dtype",) if cls == "attention" else ())}
     want = {k: brute[k] for k in got}
     assert got == want and fm["output"] == names[brute["output_index"]], (fm, brute)
 
