@@ -636,8 +636,9 @@ def drafted(args) -> dict:
     beside plain decode with graphs, each set, on a random ``--drafted-tokens`` prompt (batched prefill at 2048):
     wall ms per generated token after the prefill (the run's time less a one-token run's, timed in the same loop);
     the graph run's tokens and generated logits compared as bytes with the eager drafted run's, and the graphs'
-    replays and reasons (per shape) where a shape did not serve. Every run is made once untimed first (Triton
-    compiles); each drafted run captures its own graphs, inside its timing."""
+    replays and reasons (per shape) where a shape did not serve. Every run is made once untimed first, at the
+    same length (Triton compiles every kernel the timed run meets); each drafted run captures its own graphs, inside
+    its timing."""
     from exactness import mtp
     from exactness.exact import bytes_equal
     w, gen = _weights(args.e2e_weights), 64
@@ -650,7 +651,7 @@ def drafted(args) -> dict:
             "plain graphs": lambda ks, n: paths.generate(w, ids, n, ks, sched, graphs=True)}
     for ks in ("invariant", "fast"):
         for fn in runs.values():
-            fn(ks, 8)                                                       # untimed warm-up
+            fn(ks, gen)                                                     # untimed warm-up: every shape met
         res = {name: _timed(lambda: fn(ks, gen)) for name, fn in runs.items()}
         pre, ref = res["prefill"][1], res["drafted eager"][0]
         for name in ("drafted eager", "drafted graphs", "plain graphs"):
