@@ -18,7 +18,7 @@ Bounds: a prefill's FLOP bound is its FLOPs / the measured matmul peak; a decode
 must read (decode_bytes: attention and router weights, the routed experts' weights, the KV cache, the LM head) / the
 measured device copy rate; an offloaded prefill's bound is bench_offload's (FLOPs or host->device bytes). The GEMM
 rows at M = 64..512 get their own roofline table. The receipt's own time (goal: ``make receipts PROFILE=gpu`` within
-5 minutes) is not measured here.
+5 minutes) is read from a receipt run folder given with ``--receipt DIR`` (its notebooks' times), not measured here.
 """
 from __future__ import annotations
 
@@ -154,10 +154,31 @@ def _gemm_rows(k: dict) -> list[dict]:
     return rows
 
 
-def goal_rows(k: dict, off: dict, cfg=None) -> list[dict]:
+RECEIPT_S = 300
+
+
+def receipt_row(receipt: dict | None) -> dict:
+    """The whole-receipt goal from a receipt.json's notebook times: the side-by-side notebooks' longest plus the
+    timed ones run alone after them (the notebooks' wall time; setup and the HTML page are not in it)."""
+    name, goal = "whole GPU receipt (make receipts PROFILE=gpu)", f"≤ {RECEIPT_S // 60} min"
+    if receipt is None:
+        return _row(name, goal, ratio="not measured here (--receipt DIR reads a receipt's notebook times)")
+    from exactness.receipt.sections import SECTIONS, section_of
+    nbs, side = receipt["notebooks"], receipt.get("side_by_side", 1)
+    timed = {e["name"] for e in nbs if side > 1 and getattr(SECTIONS.get(section_of(e["name"])), "timed", False)}
+    shared = [e["seconds"] for e in nbs if e["name"] not in timed]
+    alone = [e["seconds"] for e in nbs if e["name"] in timed]
+    total = (max(shared, default=0.0) if side > 1 else sum(shared)) + sum(alone)
+    how = (f"{max(shared, default=0.0):.0f} s side by side + {sum(alone):.0f} s alone" if side > 1
+           else f"{len(shared)} notebooks in turn")
+    return _row(name, goal, inv=total, unit=" s", ratio=f"{receipt['status']}; {how}",
+                met=receipt["status"] == "ok" and total <= RECEIPT_S)
+
+
+def goal_rows(k: dict, off: dict, cfg=None, receipt: dict | None = None) -> list[dict]:
     """The goals table from bench_gpu_kernels' results ``k`` (ceilings, decode_step, gemm, e2e; streams and drafted
     optional) and bench_offload's JSON ``off``: one row per goal (module docstring). ``cfg``: the model (default the
-    small preset) for the decode memory bound.
+    small preset) for the decode memory bound; ``receipt``: a GPU receipt.json for the whole-receipt row.
 
     Raises:
         ValueError: the two results are of different prompts (their prompt_tokens differ).
@@ -170,8 +191,7 @@ def goal_rows(k: dict, off: dict, cfg=None) -> list[dict]:
     bw = k["ceilings"]["copy_gbs"] * 1e9 if "ceilings" in k else None
     cfg = cfg or get_preset("small")
     return (_decode_rows(k, cfg, bw) + _prefill_rows(k, off, peak) + _offload_rows(off) + [_drafted_row(k)]
-            + _gemm_rows(k) + [_row("whole GPU receipt (make receipts PROFILE=gpu)", "≤ 5 min",
-                                    ratio="not measured here")])
+            + _gemm_rows(k) + [receipt_row(receipt)])
 
 
 def roofline_rows(k: dict) -> list[dict]:
@@ -357,8 +377,15 @@ def main(argv=None) -> int:
     ap.add_argument("--from-json", nargs="+", metavar="JSON",
                     help="a run's goals.json, or bench_gpu_kernels.json (decode_step, gemm, e2e; ceilings, "
                          "streams, drafted optional) and bench_offload's JSON")
+    ap.add_argument("--receipt", metavar="DIR", help="a `make receipts PROFILE=gpu` run folder: its notebook times "
+                    "fill the whole-receipt row")
     a = ap.parse_args(argv)
-    prof = None
+    prof, receipt = None, None
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+    if a.receipt:
+        with open(os.path.join(a.receipt, "receipt.json")) as f:
+            receipt = json.load(f)
     if a.from_json:
         if len(a.from_json) > 2:
             ap.error(f"--from-json takes 1 or 2 files, got {len(a.from_json)}")
@@ -369,11 +396,9 @@ def main(argv=None) -> int:
         k, off = (docs[0]["kernels"], docs[0]["offload"]) if len(docs) == 1 else docs
         prof = docs[0].get("profiles") if len(docs) == 1 else None
     else:
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
         k, off, prof = measure(a.out)
     try:
-        rows = goal_rows(k, off)
+        rows = goal_rows(k, off, receipt=receipt)
     except (KeyError, TypeError) as e:
         ap.error(f"the results lack {e}: the kernels JSON needs decode_step, gemm and e2e; the offload JSON is "
                  "bench_offload.py --json's")

@@ -82,3 +82,19 @@ def test_decode_bytes_small_preset():
     expect = 2 * (4 * (18_874_368 + 128 * 2048 + 8 * 3 * 768 * 2048 + 2 * 4096 * 4 * 128) + 258 * 2048)
     assert abs(one - expect) < 1e-6 * expect and 0.48e9 < one < 0.50e9
     assert 4 * one < decode_bytes(cfg, 4096, 8) < 5 * one       # about 52 distinct experts of 128
+
+
+def test_receipt_row_from_a_receipts_notebook_times():
+    """The whole-receipt goal reads a receipt.json: the side-by-side notebooks' longest plus the timed bench run
+    alone after them, met at <= 300 s only for a receipt whose status is ok."""
+    from bench_gpu_goals import receipt_row
+    nbs = [{"name": "10_output_hashes", "seconds": 200.0}, {"name": "20_kernel_contract", "seconds": 240.0},
+           {"name": "50_bench", "seconds": 50.0}]
+    ok = receipt_row({"status": "ok", "side_by_side": 4, "notebooks": nbs})
+    assert ok["invariant"] == "290 s" and ok["met"] == "met" and "240 s side by side + 50 s alone" in ok["inv/fast"]
+    slow = receipt_row({"status": "ok", "side_by_side": 4, "notebooks": nbs[:1] + [{**nbs[1], "seconds": 260.0}]
+                        + nbs[2:]})
+    assert slow["invariant"] == "310 s" and slow["met"] == "MISSED"
+    assert receipt_row({"status": "failed", "side_by_side": 4, "notebooks": nbs})["met"] == "MISSED"
+    assert receipt_row({"status": "ok", "side_by_side": 1, "notebooks": nbs})["invariant"] == "490 s"   # in turn
+    assert receipt_row(None)["met"] == "—" and "--receipt" in receipt_row(None)["inv/fast"]
