@@ -6,21 +6,22 @@ positions [M]) -> o [M, Hq, D]`` in the storage dtype; row m attends to keys 0..
 Invariance device: rows are grouped by slot into tiles of BLOCK_M rows (host side; a single-slot cache needs no
 grouping and no sync, and a call with no more rows than the cache has slots, a decode step of concurrent streams,
 runs one row per tile with its slot read on the device: no sync, so a CUDA graph records it). Keys are cut into
-fixed chunks of CHUNK keys from key 0, and each chunk into BLOCK_N-key blocks. A row's chunk state (m, l, acc) is computed from a fresh start over the chunk's blocks in ascending order
-with the online softmax (Milakov & Gimelshein 2018, arXiv 1805.02867) in fp32: s = (q k^T) * 1/sqrt(D) (Vaswani et
-al. 2017), keys after the row's position masked to -inf, m/l/acc rescaled per block; the chunk states are then
-merged in ascending chunk order by the two-state combine (m = max(m1, m2), l = l1 e^(m1-m) + l2 e^(m2-m), acc
-likewise), and o = acc / l is rounded once. Prompt calls run one program per (tile, query head) that merges each
-chunk as it ends; decode-sized calls run one program per (tile, KV head, chunk), the KV head's G query heads
-packed into the tile's lanes beside its rows (split-KV: a 4,096-key decode row becomes 8 parallel programs instead
-of one serial one, each reading its keys once for G heads) and a combine kernel that merges the stored fp32 states
-with the same operations in the same order. In a block holding none of a row's keys (one a tile visits only for
-its later rows) the row keeps m and l (as the CPU kernel's ``active`` mask), its rescale factor is exactly 1 and
-all its probabilities are exactly 0, so its state's bytes stay unchanged; a chunk holding none of a row's keys is
-not merged. The tile config and chunk size are fixed per (D, dtype, arch), the row count is not specialized and
-floating-point contraction is off, so a one-row decode call and an M-row prompt call give every row the same
-bytes whichever of the two kernels runs (tests/test_cuda_kernels.py compares them). With one chunk (contexts up to
-CHUNK keys) the merge returns the chunk state itself: the plain online softmax.
+fixed chunks of CHUNK keys from key 0, and each chunk into BLOCK_N-key blocks. A row's chunk state (m, l, acc) is
+computed from a fresh start over the chunk's blocks in ascending order with the online softmax (Milakov & Gimelshein
+2018, arXiv 1805.02867) in fp32: s = (q k^T) * 1/sqrt(D) (Vaswani et al. 2017), keys after the row's position masked
+to -inf, m/l/acc rescaled per block; the chunk states are then merged in ascending chunk order by the two-state
+combine (m = max(m1, m2), l = l1 e^(m1-m) + l2 e^(m2-m), acc likewise), and o = acc / l is rounded once. Prompt
+calls run one program per (tile, query head) that merges each chunk as it ends; decode-sized calls run one program
+per (tile, KV head, chunk), the KV head's G query heads packed into the tile's lanes beside its rows (split-KV: a
+4,096-key decode row becomes 8 parallel programs instead of one serial one, each reading its keys once for G heads)
+and a combine kernel that merges the stored fp32 states with the same operations in the same order. In a block
+holding none of a row's keys (one a tile visits only for its later rows) the row keeps m and l (as the CPU kernel's
+``active`` mask), its rescale factor is exactly 1 and all its probabilities are exactly 0, so its state's bytes stay
+unchanged; a chunk holding none of a row's keys is not merged. The tile config and chunk size are fixed per (D,
+dtype, arch), the row count is not specialized and floating-point contraction is off, so a one-row decode call and
+an M-row prompt call give every row the same bytes whichever of the two kernels runs (tests/test_cuda_kernels.py
+compares them). With one chunk (contexts up to CHUNK keys) the merge returns the chunk state itself: the plain
+online softmax.
 
 Precision: q k^T on tensor cores with fp32 accumulation; the probabilities are rounded to the storage dtype for
 the p @ v product (as FlashAttention-2 does; fp32 storage keeps fp32 with ``input_precision="ieee"``); exp is
