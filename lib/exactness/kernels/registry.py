@@ -141,6 +141,7 @@ class ClassNames(Sequence):
 
 
 KERNEL_CLASSES = ClassNames()
+QUANT_CLASSES = ClassNames(lambda r: r.quantizable)   # the classes whose weights a weights format replaces
 
 
 def register_class(record: KernelClass) -> KernelClass:

@@ -26,10 +26,10 @@ import torch
 
 from ...cache import FP8_MAX, quantize as kv_quantize
 from ...config import get_preset
-from ...kernels.registry import ClassNames, class_record, resolve
+from ...kernels.registry import QUANT_CLASSES, ClassNames, class_record, resolve
 from ...weights import synthetic_weights
 from ...kernels.quant import WEIGHT_FORMATS, QuantWeight
-from .inputs import KV_SITES, QUANT_CLASSES, SITE_WEIGHTS, RandomInputs, sites_of
+from .inputs import KV_SITES, SITE_WEIGHTS, RandomInputs, sites_of
 
 FULL_M: tuple[int, ...] = tuple(range(1, 131)) + (255, 256, 257, 511, 512, 513, 1024, 4097)
 SWEEPS = ("full", "quick")

@@ -13,7 +13,7 @@ With offload the expert classes are checked once more with their weights fetched
 them (prompt calls through the expert ring behind a decoy, decode references by a synchronous copy:
 contract/alternatives.py: offloaded), so "offload changes no byte" is a contract claim too. Quantized weights
 (``contract_weights``: kernels/quant.py formats int4_g128, nvfp4) check the classes whose weights a format replaces
-(contract_inputs.QUANT_CLASSES: dense, expert_gate_up, expert_down) once more per format at every site, fed the
+(kernels/registry.QUANT_CLASSES: dense, expert_gate_up, expert_down) once more per format at every site, fed the
 site's weight quantized (random pools) or tapped from a forward on quantized weights (captured pools); their rows
 carry ``weights_format``. Grouped routing (the preset's n_groups > 1, or ``contract_router_groups``): the router is
 checked at sites ``topk`` and ``grouped`` (the groups passed to the kernel). Every call the forward makes: attention
@@ -45,7 +45,7 @@ from .alternatives import alternatives, offloaded
 from .cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SOURCES, Case, bucket, check_sweep,
                     class_sites, decode_plan, fed, plan, ranges)
 from .combine import coverage
-from .inputs import QUANT_CLASSES
+from ...kernels.registry import QUANT_CLASSES
 from .validate import validate_sets
 from ...checkpoint import resolve_device, resolve_dtype
 from ...weights import sharing_synthetic_weights

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...kernels import KERNEL_CLASSES, KERNEL_SETS
 from ..merge import join_provenance
 from .cases import ADAPTED
-from .inputs import QUANT_CLASSES
+from ...kernels.registry import QUANT_CLASSES
 
 
 def _format(r: dict) -> str:

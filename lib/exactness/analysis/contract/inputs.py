@@ -26,9 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.quant import quantize
-from ...kernels.registry import ClassNames
-
-QUANT_CLASSES = ClassNames(lambda r: r.quantizable)   # classes whose weights a weights format replaces
 # attention's call sites: the KV cache formats (cache.KV_DTYPES) fed, plain rows or fp8 codes and scales
 KV_SITES = {"bf16": ("bf16",), "fp8": ("fp8_e4m3", "fp8_e4m3_block")}
 

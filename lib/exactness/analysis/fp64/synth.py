@@ -24,14 +24,13 @@ from ...cache import KVFormat
 from ...config import ModelConfig
 from ...kernels import get_set
 from ...kernels.quant import WEIGHT_FORMATS, quantize
-from ...kernels.registry import ClassNames, class_record
+from ...kernels.registry import QUANT_CLASSES, ClassNames, class_record
 from ..contract.cases import kv_store
 from ..taps import Sample
 
 INPUT_SETS = ("normal", "outliers", "same_sign")
 TILED = ClassNames(lambda r: r.deep_tiles)
 SYNTH_CLASSES = ("dense", "expert_gate_up", "expert_down", "moe_combine", "attention", "rmsnorm", "rope")
-QUANT_CLASSES = ClassNames(lambda r: r.quantizable)   # the classes whose weights a weights format replaces
 TILE = 64
 
 
