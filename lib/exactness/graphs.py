@@ -16,10 +16,10 @@ Two parts of a forward cannot always be recorded as they are, and are handled so
     attention  a kernel whose launch depends on the position (the per-row SDPA fallback over keys 0..p) or that
                reads positions on the host (over an fp8 cache, or a multi-slot cache's slot grouping of more rows
                than slots) runs eagerly between graph pieces, writing a static buffer the next piece reads. A
-               kernel that reads slots and positions on the device with a fixed launch is captured: the invariant
-               set's Triton kernel on a model-dtype cache with one slot or at least as many slots as the forward
-               has rows (a decode step of concurrent streams), and a kernel whose ``captures(cache)`` says so (the
-               fast set's FlashAttention on CUDA bf16, kernels/fast_cuda.py).
+               kernel whose ``captures(k_cache, rows)`` says it reads slots and positions on the device with a
+               fixed launch is captured: the invariant set's Triton kernel on a model-dtype cache with one slot or
+               at least as many slots as the forward has rows (a decode step of concurrent streams,
+               kernels/cuda.py), and the fast set's FlashAttention on CUDA bf16 (kernels/fast_cuda.py).
     experts    a set without a grouped expert kernel (the fast set off CUDA bf16) runs one GEMM chain per routed
                expert, chosen on the host. For one row the graph gathers the k experts' weights by the device-side
                ids and runs the same per-expert kernels on the same [1, H] row (the eager bytes, at the cost of
@@ -53,13 +53,6 @@ class Head(Protocol):
     def forward(self, tokens, hidden, positions, kernels, plan=DECODE, slot: int = 0) -> ForwardOut: ...
 
     def body(self, ops, tokens, positions, slots, hidden) -> ForwardOut: ...
-
-
-def _device_indexed_attention(role: str = "decode") -> tuple:
-    """Attention kernels of ``role`` that read slots and positions on the device with a launch that does not depend
-    on them (for a model-dtype cache with one slot, or no fewer slots than rows): the invariant set's Triton
-    kernel."""
-    return (get_set("invariant").fn("attention", role),)
 
 
 def _host_indexed_attention() -> tuple:
@@ -195,10 +188,8 @@ class GraphForward:
                 opts = dataclasses.replace(opts, grouped_experts=_gathered_experts(self.ks, plan.role))
             self._set = dataclasses.replace(self.ks, options=opts)
             self._attn = attn = self.ks.fn("attention", plan.role)
-            captures = getattr(attn, "captures", None)   # a kernel that says which caches it reads on the device
-            self._attn_in_graph = (captures(cache.k[0]) if captures is not None else
-                                   attn in _device_indexed_attention(plan.role) and not cache.format.quantized
-                                   and (len(cache.lengths) == 1 or self.n <= len(cache.lengths)))
+            captures = getattr(attn, "captures", None)   # a kernel that says which calls it reads on the device
+            self._attn_in_graph = captures is not None and captures(cache.k[0], self.n)
             self._attn_host = attn in _host_indexed_attention()
 
     def info(self) -> dict:

@@ -136,4 +136,7 @@ def reads_fp8(fn):
         return attention_invariant(q, k_cache, v_cache, slots, positions)
     attention.__doc__ = fn.__doc__
     attention.__name__ = getattr(fn, "__name__", "attention")
+    captures = getattr(fn, "captures", None)
+    if captures is not None:   # an fp8 cache is read through its dequantized copy, made outside any graph
+        attention.captures = lambda k_cache, rows: k_cache.dtype != torch.uint8 and captures(k_cache, rows)
     return attention

@@ -125,6 +125,16 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
     return _attention.attention_invariant(q, k_cache, v_cache, slots, positions)
 
 
+def attention_captures(k_cache: torch.Tensor, rows: int) -> bool:
+    """Whether attention reads a call's slots and positions on the device with a launch that depends on neither
+    (so a CUDA graph can hold it): a CUDA cache [S, T, Hkv, D] with one slot, or a call of no more rows than slots
+    (one row per tile); otherwise its rows are grouped by slot on the host."""
+    return k_cache.is_cuda and (k_cache.shape[0] == 1 or rows <= k_cache.shape[0])
+
+
+attention.captures = attention_captures   # graphs.py asks a decode attention kernel whether a graph can hold it
+
+
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim -> x's shape (CPU: norm.rmsnorm_invariant; CUDA: triton_rows.rmsnorm)."""
     if _gpu(x):

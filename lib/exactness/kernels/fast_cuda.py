@@ -149,9 +149,9 @@ def _decode(q, k_cache, v_cache, slots, positions) -> torch.Tensor:
     return _varlen(q.contiguous(), kf, vf, cu_q, cu_k, 1, T, False, used)
 
 
-# graphs.py asks a decode attention kernel's ``captures(k_cache)`` whether it reads slots and positions on the
-# device with a launch that depends on neither (then a CUDA graph holds it): flash does, over any number of slots.
-attention_decode.captures = flash_cache
+# graphs.py asks a decode attention kernel's ``captures(k_cache, rows)`` whether it reads slots and positions on
+# the device with a launch that depends on neither (then a CUDA graph holds it): flash does, over any slots and rows.
+attention_decode.captures = lambda k_cache, rows: flash_cache(k_cache)
 
 
 def attention_prompt(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
