@@ -116,8 +116,10 @@ _DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
 # GPU time / cuBLAS at M = 1 to 16384 (benchmarks/bench_split_k.py --part configs). The split makes a decode row (one
 # 128-row tile per BLOCK_N columns, a few programs for 132 SMs) run split_k times as many programs; it is part of
 # the shape's config, so prompt rows use the same split (one program per tile running the runs in turn: q, k/v and
-# o fold them into one K loop, one software pipeline across the runs). The ratios this table reaches, with the
-# commands that measure them, are in docs/figures.md.
+# o fold them into one K loop, one software pipeline across the runs), and the fused gate/up's tile by the decode
+# step and the one-chunk prefill (benchmarks/bench_gpu_goals.py: 64 columns give a decode step's one-row expert
+# tiles twice the programs). The ratios this table reaches, with the commands that measure them, are in
+# docs/figures.md.
 SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
     ("linear", 4096, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 5, 8, split_k=4, split_loop="fold"),  # q
     ("linear", 512, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, split_k=8, split_loop="fold"),   # k, v
@@ -126,7 +128,7 @@ SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
     ("linear", 2048, 768, "16bit", "sm90"): GemmConfig(128, 256, 64, 3, 8, persistent=True),    # down
     ("linear", 128, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 4, 8, split_k=8),                   # router
     ("linear", 258, 2048, "16bit", "sm90"): GemmConfig(128, 64, 64, 4, 4, split_k=4),                    # lm_head
-    ("gate_up", 768, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 3, 8),                    # fused gate/up
+    ("gate_up", 768, 2048, "16bit", "sm90"): GemmConfig(128, 64, 64, 4, 8),                     # fused gate/up
 }
 
 
