@@ -127,9 +127,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
 
 def attention_captures(k_cache: torch.Tensor, rows: int) -> bool:
     """Whether attention reads a call's slots and positions on the device with a launch that depends on neither
-    (so a CUDA graph can hold it): a CUDA cache [S, T, Hkv, D] with one slot, or a call of no more rows than slots
-    (one row per tile); otherwise its rows are grouped by slot on the host."""
-    return k_cache.is_cuda and (k_cache.shape[0] == 1 or rows <= k_cache.shape[0])
+    (so a CUDA graph can hold it): a CUDA cache [S, T, Hkv, D] with one slot, or a call of one row per tile
+    (triton_attention.one_row_per_tile)."""
+    S = k_cache.shape[0]
+    return k_cache.is_cuda and (S == 1 or _tk("triton_attention").one_row_per_tile(S, rows))
 
 
 attention.captures = attention_captures   # graphs.py asks a decode attention kernel whether a graph can hold it

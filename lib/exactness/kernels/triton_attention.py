@@ -300,13 +300,19 @@ def split_chunks(n_tiles: int, Hq: int, T: int, cfg: AttnConfig) -> bool:
     return T > cfg.chunk and n_tiles * Hq < SPLIT_BELOW_PROGRAMS
 
 
+def one_row_per_tile(S: int, M: int) -> bool:
+    """Whether a call of M rows over S > 1 slots runs one row per tile, each tile's slot read on the device (a decode
+    step of concurrent streams); else its rows are grouped by slot on the host. One slot needs neither."""
+    return 1 < S and M <= S
+
+
 def _row_tiles(slots: torch.Tensor, pos: torch.Tensor, S: int, rpt: int) -> tuple:
     """The call's row tiles of <= rpt rows: (mode, rows, tstart, tlen, tslot, n_tiles), mode as _tile_rows's
     GROUPED (unused tensors are ``pos``)."""
     M = pos.numel()
     if S == 1:
         return 0, pos, pos, pos, pos, cdiv(M, rpt)
-    if M <= S:                                     # a decode step's rows: one per tile, no host read
+    if one_row_per_tile(S, M):
         return 2, pos, pos, pos, slots.contiguous(), M
     rows, tstart, tlen, tslot = _tiles(slots, S, rpt)
     return 1, rows, tstart, tlen, tslot, tstart.numel()
@@ -341,7 +347,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
         return out
     pos, G = positions.contiguous(), Hq // Hkv
     if split is None:
-        split = split_chunks(M if 1 < S and M <= S else cdiv(M, cfg.block_m), Hq, T, cfg)
+        split = split_chunks(M if one_row_per_tile(S, M) else cdiv(M, cfg.block_m), Hq, T, cfg)
     hpp = G if split and pack is not False and cfg.block_m % G == 0 else 1
     grouped, rows, tstart, tlen, tslot, n_tiles = _row_tiles(slots, pos, S, cfg.block_m // hpp)
     kv_tma = ((q.device.type != "cuda" or cap[0] >= 9) and D == next_pow2(D)
