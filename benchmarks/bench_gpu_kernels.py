@@ -522,8 +522,9 @@ def e2e(args) -> dict:
 
     Per set and (path, step) in E2E_PLANS: median wall seconds of paths.prefill into a fresh KV cache,
     synchronized, over ``--e2e-reps`` rounds that each run every (set, path, step) once in turn (after one warm-up
-    of each); the ratio invariant / fast per (path, step) against the goal 1.10. Byte check: every invariant run's prompt logits equal the invariant one-chunk batched run's (and, with
-    ``--e2e-oracle``, the serial decode oracle's, one decode step per prompt token).
+    of each); the ratio invariant / fast per (path, step) against the goal 1.10. Byte check: every invariant run's
+    prompt logits equal the invariant one-chunk batched run's (and, with ``--e2e-oracle``, the serial decode
+    oracle's, one decode step per prompt token).
     """
     from exactness.cache import KVCache
     from exactness.prompts import build_prompt
