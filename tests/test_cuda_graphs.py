@@ -5,7 +5,8 @@ GPU tests (skipped without CUDA and Triton) run the ``small`` preset's layer sha
 sets (and the invariant set over an fp8 cache, whose attention runs eagerly between graph pieces). The negative
 controls replay with a stale device position (the host still records the right one), or move one replayed prompt
 row's logit by one ULP, and must be caught by the same comparison, where planted. Where a graph cannot serve (CPU
-weights, kernel taps, another expert provider) the run records why and its bytes are the eager run's.
+weights, kernel taps, another expert provider) the run records why and its bytes are the eager run's. A tap
+recorder that declines a forward (``wants``) sees the eager run's samples while the other forwards replay.
 """
 from __future__ import annotations
 
@@ -269,6 +270,55 @@ def test_gpu_falls_back_with_reason(gpu_weights, prompt):
     loop = dataclasses.replace(get_set("fast"), options={})                        # experts one by one
     assert "streams" in graphs.why_not(gpu_weights, loop, batch=2)
     assert graphs.why_not(gpu_weights, "invariant", batch=2) is None
+
+
+def test_taps_decide_per_forward(tiny_weights):
+    from exactness.analysis.taps import TapRecorder
+    from exactness.model import _TAPS, taps_want, untapped
+    rec = TapRecorder([3, 9], tiny_weights)
+    assert rec.wants([9]) and rec.wants([0, 3]) and not rec.wants([4]) and not rec.wants([])
+    with tapping(rec):
+        assert taps_want([3]) and not taps_want([4])
+        with untapped():
+            assert not _TAPS and not taps_want([3])
+        assert _TAPS == [rec]
+        with tapping(_Recorder()):                      # a recorder without ``wants`` asks for every forward
+            assert taps_want([4])
+    assert not _TAPS and not taps_want([3])
+
+
+def _sampled_bytes(rec) -> dict:
+    """(set, path, class, layer, tag, pos, name) -> the sample's tensor as int16/uint8 bytes (CPU)."""
+    out = {}
+    for (ks, path, cls), samples in rec.samples.items():
+        for s in samples:
+            for name, t in s.data.items():
+                out[(ks, path, cls, *s.key, name)] = t.contiguous().view(torch.uint8).clone()
+    return out
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["fast", "invariant"])
+def test_gpu_taps_replay_the_forwards_they_decline(gpu_weights, prompt, kernels, monkeypatch):
+    from exactness.analysis.taps import TapRecorder
+
+    def tapped(graphs_on: bool):
+        rec = TapRecorder([0, 17, 39], gpu_weights)
+        with rec.run("decode"), tapping(rec):
+            run = generate(gpu_weights, prompt, 1, kernels, keep_cache=True, graphs=graphs_on)
+        return run, _sampled_bytes(rec)
+
+    eager, want = tapped(False)
+    run, got = tapped(True)
+    assert run.graphs["served"] and run.graphs["tapped_steps"] == 3            # positions 0, 17 and 39
+    assert run.graphs["replays"] == len(prompt) - 3 - 1                          # row 1 captures the graph
+    assert want and got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert same_decode_run(eager, run)
+    stale_positions(monkeypatch)                  # negative control: replays write keys at the wrong positions
+    _, bad = tapped(True)
+    assert bad.keys() == want.keys() and not all(torch.equal(bad[k], want[k]) for k in want)
 
 
 @GPU

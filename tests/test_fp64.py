@@ -424,3 +424,30 @@ def test_fp8_reference_reads_the_stored_values_not_the_unquantized_ones():
     assert fp64.error_stats(fp64_ref.evaluate("attention", samples, {}, raw.kv))["bound_use"] > 1
     with pytest.raises(ValueError, match="kv_dtype 'fp8_e4m3' not allowed for synthetic class 'dense'"):
         synth.make_case("dense", "normal", CFG, torch.bfloat16, "cpu", kv_dtype="fp8_e4m3")
+
+
+def test_distinct_and_by_sample_equal_the_sorting_forms():
+    from exactness.analysis.fp64 import stats
+    from exactness.analysis.fp64.ref import Eval
+    from exactness.analysis.taps import Sample
+    g = torch.Generator().manual_seed(5)
+    for x in (torch.randint(-1, 5, (1000,), generator=g), torch.randint(1, 16385, (300,), generator=g),
+              torch.zeros(0, dtype=torch.int64)):
+        assert torch.equal(stats.distinct(x), torch.unique(x))
+
+    def by_sort(sid, n):
+        order = torch.argsort(sid, stable=True)
+        counts = torch.bincount(sid, minlength=n)
+        starts = torch.cumsum(counts, 0) - counts
+        return [order[int(starts[i]):int(starts[i] + counts[i])] for i in range(n)]
+
+    runs = torch.tensor([2, 2, 2, 0, 0, 3, 3, 3, 3])              # one run per sample (sample 1 has none)
+    split = torch.tensor([2, 2, 0, 0, 2, 3, 3, 0, 3])             # samples split over several runs
+    for sid in (runs, split):
+        samples = [Sample("dense", 0, "wq", p, "decode", {}) for p in range(4)]
+        z = torch.zeros(sid.numel(), dtype=torch.float64)
+        ev = Eval("dense", samples, z, z.bfloat16(), z, z, sid, sid, torch.arange(sid.numel()))
+        got = stats._by_sample(ev)
+        assert [s.key for s in samples] == list(got)
+        assert all(torch.equal(a, b) for a, b in zip(got.values(), by_sort(sid, 4)))
+    assert stats._by_sample(ev)[samples[0].key].tolist() == [2, 3, 7]   # split: its three elements, not a slice

@@ -25,9 +25,14 @@ Two parts of a forward cannot always be recorded as they are, and are handled so
                ids and runs the same per-expert kernels on the same [1, H] row (the eager bytes, at the cost of
                copying k experts' weights per layer); with more rows the member counts vary: not captured.
 
-Where a graph cannot serve (no CUDA device, kernel taps active, an expert provider other than the resident
-weights, quantized or expert-id-aware experts, an exception during capture) the forward runs eagerly and records
-why (GraphForward.info).
+Kernel taps (model.tapping): a forward that an active recorder asks for (model.taps_want) runs eagerly, so every
+call reaches it; one that no recorder asks for replays untapped. Tapped forwards run each routed expert's kernels
+(model.moe_block), so a one-row graph made while taps are active gathers the experts (as a set without a grouped
+kernel does) and a forward of more rows is not captured: replays and tapped forwards write the same bytes.
+
+Where a graph cannot serve (no CUDA device, taps started or ended after the graph was made, an expert provider
+other than the resident weights, quantized or expert-id-aware experts, an exception during capture) the forward
+runs eagerly and records why (GraphForward.info).
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ import torch
 from .cache import KVCache
 from .kernels import KernelSet, get_set
 from .model import (_TAPS, BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, Plan, ResidentExperts, forward,
-                    run_rows)
+                    run_rows, taps_want, untapped)
 from .weights import Weights
 
 
@@ -76,8 +81,8 @@ def why_not(w: Weights, kernels: KernelSet | str, batch: int = 1, experts: Exper
     ks = get_set(kernels)
     if w.device.type != "cuda":
         return f"CUDA graphs need a CUDA device; the weights are on {w.device}"
-    if _TAPS:
-        return "kernel taps are active: every kernel call is reported on the host"
+    if _TAPS and batch * rows > 1:
+        return "kernel taps are active: a forward of several rows runs its experts one by one, chosen on the host"
     if experts is not None and type(experts) is not ResidentExperts:
         return f"experts come from {type(experts).__name__}, which stages them on the host per call"
     if not all(torch.is_tensor(lw.w_gate) for lw in (w.layers if layers is None else layers)):
@@ -177,14 +182,15 @@ class GraphForward:
         self.experts, self.head = experts, head
         self.reason = why_not(w, self.ks, batch, experts, rows=rows, layers=None if head is None else [head.m.layer])
         self.n, self.batch = batch * rows, batch
-        self.replays, self.eager_steps, self.pieces, self._out = 0, 0, None, None
+        self.replays, self.eager_steps, self.tapped_steps, self.pieces, self._out = 0, 0, 0, None, None
+        self.tapped = bool(_TAPS)       # made under taps: its experts are the tapped forward's (module docstring)
         if self.reason is None:
             dev, i64, n = w.device, torch.int64, self.n
             self.tokens, self.positions, self.slots = (torch.zeros(n, dtype=i64, device=dev) for _ in range(3))
             self.hidden = None if head is None else torch.zeros(n, w.cfg.hidden, dtype=w.dtype, device=dev)
             self.host_positions, self.host_slots = torch.zeros(n, dtype=i64), torch.zeros(n, dtype=i64)
             opts = self.ks.options
-            if opts.grouped_experts is None:
+            if opts.grouped_experts is None or self.tapped:
                 opts = dataclasses.replace(opts, grouped_experts=_gathered_experts(self.ks, plan.role))
             self._set = dataclasses.replace(self.ks, options=opts)
             self._attn = attn = self.ks.fn("attention", plan.role)
@@ -193,10 +199,15 @@ class GraphForward:
             self._attn_host = attn in _host_indexed_attention()
 
     def info(self) -> dict:
-        """{"served": any call replayed, "replays", "eager_steps", "pieces": graph pieces + eager attention calls
-        per call (0 before capture), "reason": why a graph did not serve (None when it did)}."""
+        """{"served": any call replayed, "replays", "eager_steps" (tapped ones included), "pieces": graph pieces +
+        eager attention calls per call (0 before capture), "reason": why a graph did not serve (None when it did)}
+        and, where taps asked for forwards, "tapped_steps"."""
+        reason = self.reason
+        if reason is None and self.tapped_steps and self.tapped_steps == self.eager_steps and not self.replays:
+            reason = "kernel taps asked for every forward: each ran eagerly"
         return {"served": self.replays > 0, "replays": self.replays, "eager_steps": self.eager_steps,
-                "pieces": len(self.pieces or ()), "reason": self.reason}
+                "pieces": len(self.pieces or ()), "reason": reason,
+                **({"tapped_steps": self.tapped_steps} if self.tapped_steps else {})}
 
     def run(self, tokens: torch.Tensor, positions: Sequence[int], slots: Sequence[int],
             hidden: torch.Tensor | None = None) -> ForwardOut:
@@ -217,20 +228,23 @@ class GraphForward:
         if min(positions) < 0 or max(positions) >= self.cache.capacity:
             raise ValueError(f"positions {min(positions)}..{max(positions)} outside the cache capacity "
                              f"0..{self.cache.capacity - 1}")
-        if self.reason is None and _TAPS:
-            self.reason = "kernel taps became active: every kernel call is reported on the host"
-        if self.reason is not None:
+        if self.reason is None and bool(_TAPS) != self.tapped:
+            self.reason = ("kernel taps started or ended after the graph was made: its expert route is not the "
+                           "eager forward's")
+        if self.reason is not None or (_TAPS and taps_want(positions)):
             self.eager_steps += 1
+            self.tapped_steps += bool(_TAPS)
             return self._eager(tokens, positions, slots, hidden)
-        self._load(tokens, positions, slots, hidden)
-        if self.pieces is None:
-            out = self._warm_and_capture()
-            self.eager_steps += 1
-        else:
-            for p in self.pieces:
-                p.replay()
-            out = ForwardOut(self._out.logits.clone(), self._out.hidden.clone())
-            self.replays += 1
+        with untapped():               # no recorder asked for this forward (none sees a replay either)
+            self._load(tokens, positions, slots, hidden)
+            if self.pieces is None:
+                out = self._warm_and_capture()
+                self.eager_steps += 1
+            else:
+                for p in self.pieces:
+                    p.replay()
+                out = ForwardOut(self._out.logits.clone(), self._out.hidden.clone())
+                self.replays += 1
         self.cache.advance(self.host_slots, self.host_positions)
         return out
 

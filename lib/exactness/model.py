@@ -117,14 +117,33 @@ def tapping(recorder):
 
     ``call`` holds: cls (kernel class), role, plan (decode/batched/deep), kernels (set name), layer (-1 = head),
     positions ([M] int64 of the forward's rows), args (the kernel's inputs as passed) and out (its output). The
-    recorder decides what to keep (analysis/fp64/section.py keeps sampled rows only). Restores the previous state on
-    exit.
+    recorder decides what to keep (analysis/fp64/section.py keeps sampled rows only). A recorder with a method
+    ``wants(positions)`` may decline a forward up front: a CUDA-graphed forward it declines replays untapped
+    (graphs.GraphForward). Restores the previous state on exit.
     """
     _TAPS.append(recorder)
     try:
         yield recorder
     finally:
         _TAPS.remove(recorder)
+
+
+def taps_want(positions) -> bool:
+    """Whether an active recorder asks to see a forward of the rows at host ``positions`` (ints): its
+    ``wants(positions)``, and every forward for a recorder without that method."""
+    return any(getattr(r, "wants", None) is None or r.wants(positions) for r in _TAPS)
+
+
+@contextmanager
+def untapped():
+    """Within the block no recorder sees a kernel call (graphs.GraphForward replays the forwards that no active
+    recorder asked for); the recorders are back on exit."""
+    saved = list(_TAPS)
+    _TAPS.clear()
+    try:
+        yield
+    finally:
+        _TAPS[:] = saved
 
 
 class Ops:

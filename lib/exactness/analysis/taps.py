@@ -66,7 +66,7 @@ class TapRecorder:
         params: (layer, tag) -> the weight tensor a sample's tag refers to (a reference, not a copy).
         kv: (kernels, path, layer) -> (k [T, Hkv, D], v [T, Hkv, D]) CPU copies of slot 0 up to the largest sampled
             attention position of that run.
-        calls: (kernels, path, cls, plan) -> number of kernel calls seen.
+        calls: (kernels, path, cls, plan) -> number of kernel calls seen (in the forwards shown: wants).
     Raises:
         ValueError: an empty or negative position set.
     """
@@ -142,6 +142,11 @@ class TapRecorder:
             for i, s in samples:
                 s.data = {k: v[i].clone() for k, v in cpu.items()}
         self._staged.clear()
+
+    def wants(self, positions) -> bool:
+        """Whether a forward of the rows at host ``positions`` (ints) holds a sampled row (model.taps_want): a CUDA
+        graph replays the others untapped, so ``calls`` counts the calls of the forwards shown."""
+        return not self._wanted.isdisjoint(int(p) for p in positions)
 
     # ------------------------------------------------------------------ the tap
     def record(self, *, cls, role, plan, kernels, layer, positions, args, out) -> None:

@@ -262,19 +262,27 @@ def _combine(samples, params, kv):
     return parts.build("moe_combine", samples)
 
 
+def _device(params: dict) -> torch.device:
+    """Where a class without weights computes its references: the device of the run's weights (CPU without any)."""
+    return next((w.device for w in params.values() if isinstance(getattr(w, "device", None), torch.device)),
+                torch.device("cpu"))
+
+
 def _attention(samples, params, kv):
     """o_d = sum_j p_j v_jd over keys 0..pos. Scores s_j = q·k_j/sqrt(D) with error Delta_j <= gamma_{D+2}·S_j
     (S_j = sum_d|q_d k_jd|/sqrt(D)); each unnormalised weight has relative error <= E = 2·max_j(Delta_j +
     u_a|s_j - max s|) + C_EXP·u_a; the value sums and the online-softmax rescales add r = gamma_{T + 2·ceil(T/32)
-    + 4}; beta_d = A_d·(expm1(E + r)·(1 + r) + r)."""
-    parts = _Parts()
+    + 4}; beta_d = A_d·(expm1(E + r)·(1 + r) + r). Computed on the weights' device (_device): fp64 there too."""
+    parts, dev, cache64 = _Parts(), _device(params), {}
     for i, s in enumerate(samples):
-        kc, vc = kv[s.layer]
+        if s.layer not in cache64:   # the layer's keys and values as fp64, once (the conversion is exact)
+            cache64[s.layer] = tuple(kv64(t).to(dev) for t in kv[s.layer])
+        kc, vc = cache64[s.layer]
         p = s.pos
-        q = s.data["q"].to(F64)                                                    # [Hq, D]
+        q = s.data["q"].to(dev, F64)                                               # [Hq, D]
         Hq, D = q.shape
-        k = kv64(kc[:p + 1]).repeat_interleave(Hq // kc.shape[1], dim=1)           # [T, Hq, D]
-        v = kv64(vc[:p + 1]).repeat_interleave(Hq // vc.shape[1], dim=1)
+        k = kc[:p + 1].repeat_interleave(Hq // kc.shape[1], dim=1)                 # [T, Hq, D]
+        v = vc[:p + 1].repeat_interleave(Hq // vc.shape[1], dim=1)
         sc = torch.einsum("hd,thd->ht", q, k) / math.sqrt(D)                       # [Hq, T]
         S = torch.einsum("hd,thd->ht", q.abs(), k.abs()) / math.sqrt(D)
         pr = torch.softmax(sc, dim=-1)

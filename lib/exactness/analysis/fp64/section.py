@@ -56,7 +56,7 @@ from .ref import CERT_MAX_ULPS, evaluate, gamma
 from ...checkpoint import resolve_device
 from ..contract.validate import validate_sets
 from ..taps import TapRecorder
-from .stats import HIST_EDGES, error_stats, make_row, pick_elements, ulp_hist
+from .stats import HIST_EDGES, distinct, error_stats, make_row, pick_elements, ulp_hist
 from ..ulp import U_ACC
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -100,13 +100,14 @@ def capture_plan(p: Fp64Params, extra_positions=()) -> dict:
 
 def capture(w, plan: dict, kernel_sets, deep_threshold: int, kv_dtype: str = "bf16") -> tuple[TapRecorder, dict]:
     """Run every path of every kernel set on the plan's prompt (one generated token, our engine on ``w`` with a
-    ``kv_dtype`` KV cache) under the tap recorder.
+    ``kv_dtype`` KV cache) under the tap recorder. On CUDA the decode steps that hold no sampled row replay from a
+    CUDA graph, untapped (graphs.py: the tapped forward's bytes); the others run eagerly, tapped.
 
     Returns the recorder and path -> seconds of the tapped run.
     """
     rec, secs = TapRecorder(plan["positions"], w), {}
     for ks in kernel_sets:
-        engine = ReferenceEngine(w, None, ks, deep_threshold=deep_threshold, kv_dtype=kv_dtype)
+        engine = ReferenceEngine(w, None, ks, deep_threshold=deep_threshold, kv_dtype=kv_dtype, graphs=True)
         for path in PATHS:
             t0 = time.perf_counter()
             with rec.run(path), engine.tapping(rec):
@@ -170,15 +171,15 @@ def _emit(out, ev, dec, cert, meta, st=None):
     tag = "|".join(str(meta[k]) for k in ("class", "path", "set", "input_set", "dtype"))
     fmt = meta.get("weights", "bf16")
     out["hist"][tag + f"|K{row['K']}" + ("" if fmt == "bf16" else f"|{fmt}")] = ulp_hist(st["ulps"])
-    Ks = ev.K if torch.unique(ev.K).numel() <= 8 else 2 ** torch.ceil(torch.log2(ev.K.double())).long()
-    for K in torch.unique(Ks).tolist():  # K varies per row (attention): powers-of-two buckets
+    Ks = ev.K if distinct(ev.K).numel() <= 8 else 2 ** torch.ceil(torch.log2(ev.K.double())).long()
+    for K in distinct(Ks).tolist():  # K varies per row (attention): powers-of-two buckets
         m = Ks == K
         out["by_k"].append({k: meta[k] for k in ("class", "path", "set", "input_set", "dtype", "weights")} |
                            {"K": K, "eta_max": float(st["eta"][m].max()), "pre_max": float(st["eta_pre"][m].max()),
                             "gamma": float(gamma(K)), "n": int(m.sum())})
     if meta["input_set"] == "captured":
         layers = torch.tensor([s.layer for s in ev.samples])[ev.sid]
-        for L in torch.unique(layers).tolist():
+        for L in distinct(layers).tolist():
             m = layers == L
             out["per_layer"].append({k: meta[k] for k in ("class", "path", "set", "weights")} |
                                     {"layer": L, "eta_max_u": float(st["eta"][m].max()) / U_ACC,
