@@ -215,26 +215,55 @@ def _kw(pool, expert_ids: bool) -> dict:
     return {"expert_id": pool.note["expert_id"]} if expert_ids and "expert_id" in pool.note else {}
 
 
-def _check_case(res: PairResult, prompt_fn, pool, refs: DecodeRefs, case: Case, source: str, dtype,
-                site: str = "", role: str = "prompt") -> None:
+FLUSH_ROWS = 8192   # compared rows whose mismatch counts are read back to the host together
+
+
+class _Tally:
+    """A pair's row comparisons, counted on the device and read back FLUSH_ROWS rows at a time (one host read per
+    batch, not per case, so the host does not wait for the device after every case); ``rows=1`` reads each case
+    back at once (stop_at_first). Cases are tallied in the order they ran, so the first mismatch is the same."""
+
+    def __init__(self, res: PairResult, dtype, rows: int = FLUSH_ROWS):
+        self.res, self.dtype, self.limit = res, dtype, rows
+        self.pending: list = []
+        self.rows = 0
+
+    def add(self, case: Case, source: str, site: str, role: str, note: dict, got, ref, bad: torch.Tensor) -> None:
+        self.pending.append((case, source, site, role, note, got, ref, bad))
+        self.rows += case.M
+        if self.rows >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        res = self.res
+        counts = torch.stack([p[-1].sum() for p in self.pending]).tolist()
+        for (case, source, site, role, note, got, ref, bad), n_bad in zip(self.pending, counts):
+            b = res.buckets.setdefault(bucket(case.M), [0, 0])
+            b[0] += case.M
+            b[1] += n_bad
+            res.cases += case.M
+            res.mismatches += n_bad
+            for s in [res.by_site.setdefault(site, [0, 0])] + ([res.decode_rows] if role == "decode" else []):
+                s[0] += case.M
+                s[1] += n_bad
+            if n_bad and res.first_mismatch is None:
+                res.first_mismatch = _locate(case, source, got, ref, bad, res.cls, self.dtype, site)
+                res.first_mismatch.update(weights_format=res.weights_format, role=role, **note)
+        self.pending.clear()
+        self.rows = 0
+
+
+def _check_case(tally: _Tally, prompt_fn, pool, refs: DecodeRefs, case: Case, source: str, site: str = "",
+                role: str = "prompt") -> None:
     dev = pool.rows[0].device
     got = prompt_rows(prompt_fn, pool, case, refs.kw, "ring" if role == "prompt" else "sync")
     ref = refs.get(case.start, case.M)
     bad = torch.zeros(case.M, dtype=torch.bool, device=dev)
     for g, r in zip(got, ref):
         bad |= differing_rows(g, r)
-    n_bad = int(bad.sum())
-    b = res.buckets.setdefault(bucket(case.M), [0, 0])
-    b[0] += case.M
-    b[1] += n_bad
-    res.cases += case.M
-    res.mismatches += n_bad
-    for s in [res.by_site.setdefault(site, [0, 0])] + ([res.decode_rows] if role == "decode" else []):
-        s[0] += case.M
-        s[1] += n_bad
-    if n_bad and res.first_mismatch is None:
-        res.first_mismatch = _locate(case, source, got, ref, bad, res.cls, dtype, site)
-        res.first_mismatch.update(weights_format=res.weights_format, role=role, **pool.note)
+    tally.add(case, source, site, role, pool.note, got, ref, bad)
 
 
 def _set_of(spec: KernelSpec) -> str:
@@ -308,14 +337,16 @@ def check_pair(prompt_spec: KernelSpec, decode_spec: KernelSpec, device: str = "
         pools = {k: offloaded(p) for k, p in pools.items()} if offload else pools
         refs = {k: [DecodeRefs(decode_spec.fn, p, _kw(p, expert_ids)) for p in ps] for k, ps in pools.items()}
         runs = [(prompt_spec.fn, "prompt", cases), (decode_spec.fn, "decode", dcases)]
+        tally = _Tally(res, dt, rows=1 if stop_at_first else FLUSH_ROWS)
         for fn, role, case in ((fn, role, c) for fn, role, cs in runs for c in cs):
             for k in (k for k in keys if fed(case, k[0], sweep, offload)):   # one M (and T): one alternative
                 j = (case.M + (case.kv_len or 0) // 2) % len(pools[k])
-                _check_case(res, fn, pools[k][j], refs[k][j], case, k[1], dt, k[0], role)
+                _check_case(tally, fn, pools[k][j], refs[k][j], case, k[1], k[0], role)
             if progress is not None and role == "prompt":
                 progress.update(1)
             if stop_at_first and res.first_mismatch is not None:
                 break
+        tally.flush()
     res.seconds = round(time.perf_counter() - t0, 3)
     return res
 
