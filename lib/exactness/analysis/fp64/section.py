@@ -171,8 +171,11 @@ def _emit(out, ev, dec, cert, meta, st=None):
     tag = "|".join(str(meta[k]) for k in ("class", "path", "set", "input_set", "dtype"))
     fmt = meta.get("weights", "bf16")
     out["hist"][tag + f"|K{row['K']}" + ("" if fmt == "bf16" else f"|{fmt}")] = ulp_hist(st["ulps"])
-    Ks = ev.K if distinct(ev.K).numel() <= 8 else 2 ** torch.ceil(torch.log2(ev.K.double())).long()
-    for K in distinct(Ks).tolist():  # K varies per row (attention): powers-of-two buckets
+    Ks, k_values = ev.K, distinct(ev.K)
+    if k_values.numel() > 8:         # K varies per row (attention): powers-of-two buckets
+        Ks = 2 ** torch.ceil(torch.log2(ev.K.double())).long()
+        k_values = distinct(Ks)
+    for K in k_values.tolist():
         m = Ks == K
         out["by_k"].append({k: meta[k] for k in ("class", "path", "set", "input_set", "dtype", "weights")} |
                            {"K": K, "eta_max": float(st["eta"][m].max()), "pre_max": float(st["eta_pre"][m].max()),

@@ -55,13 +55,12 @@ def _by_sample(ev) -> dict:
     Where every sample's elements are one run (fp64/ref.py adds a sample's row at once) the runs are those slices."""
     sid, n = ev.sid, len(ev.samples)
     counts = torch.bincount(sid, minlength=n)
-    starts = torch.cumsum(counts, 0) - counts
     cuts = (torch.nonzero(sid[1:] != sid[:-1]).flatten() + 1).tolist()
     if len(cuts) + 1 == int((counts > 0).sum()):        # one run per sample: the sort is the identity per run
         first = dict(zip(sid[[0, *cuts]].tolist(), [0, *cuts]))
         return {s.key: torch.arange(first.get(i, 0), first.get(i, 0) + int(counts[i])) for i, s in
                 enumerate(ev.samples)}
-    order = torch.argsort(sid, stable=True)
+    order, starts = torch.argsort(sid, stable=True), torch.cumsum(counts, 0) - counts
     return {s.key: order[int(starts[i]):int(starts[i] + counts[i])] for i, s in enumerate(ev.samples)}
 
 
