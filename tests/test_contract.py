@@ -499,3 +499,38 @@ def test_section_carries_offload_rows_and_renders_them(monkeypatch):
     off_md = re.sub(" +", " ", contract_report.render_md(off))
     assert off["offload_rows"] == [] and "1 of 3" not in off_md
     assert md_part(off_md, "Expert weights offloaded").strip() == "_Not checked in this run (contract_offload is off)._"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(INT[t.dtype]) if t.dtype in INT else t
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("set_name", ["invariant", "fast"])
+def test_gpu_decode_refs_replayed_from_graphs_equal_eager_calls(set_name, monkeypatch):
+    """Each class's decode references replayed from a CUDA graph of one-row calls (contract/refs.py) equal eager
+    one-row calls byte for byte (runs of one row, of more rows than a replay holds, and a partial replay); every
+    invariant class replays. Negative control: lanes left pointing at old rows leave the new rows uncomputed."""
+    from exactness.analysis.contract import refs as R
+    pairs = [(p, d) for p, d in get_set(set_name).pairs() if p.cls in cc.ADAPTED]
+    routes = {}
+    for p, d in pairs:
+        pool = cc.make_pool(p.cls, "random", torch.bfloat16, "cuda", "tiny")
+        graph, eager = R.DecodeRefs(d.fn, pool), R.DecodeRefs(d.fn, pool)
+        eager.route = "eager: the test's reference"
+        for start, M in ((5, 1), (7, 70), (100, 33)):
+            for g, e in zip(graph.get(start, M), eager.get(start, M)):
+                assert torch.equal(_bits(g), _bits(e)), (p.cls, start, M, graph.route)
+        routes[p.cls] = graph.route
+    print(set_name, routes)
+    if set_name == "invariant":
+        assert set(routes.values()) == {"graph"}, routes
+    replayed = [(p, d) for p, d in pairs if routes[p.cls] == "graph"]
+    assert replayed
+    monkeypatch.setattr(R.DecodeRefs, "_aim", lambda self, c, b: None)   # the planted fault: stale lanes
+    p, d = replayed[0]
+    pool = cc.make_pool(p.cls, "random", torch.bfloat16, "cuda", "tiny")
+    stale, eager = R.DecodeRefs(d.fn, pool), R.DecodeRefs(d.fn, pool)
+    eager.route = "eager: the test's reference"
+    assert not all(torch.equal(_bits(g), _bits(e)) for g, e in zip(stale.get(7, 70), eager.get(7, 70)))

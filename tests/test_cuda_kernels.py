@@ -410,6 +410,16 @@ def _interp_main() -> int:
                                                                             pos[m:m + 1]) for m in (0, 17, 29)]) == 0
     ref = cpu_attn.attention_invariant(q.double(), kc.double(), vc.double(), slots, pos)
     checks["attention error < 1e-2"] = rel_err(o, ref) < 1e-2
+    s3 = torch.tensor([2, 0, 2, 2, 0] * 8)            # 40 rows over 3 slots, slot 1 empty: tiles of 16, 16 and 8 rows
+    rows, start, length, tslot = ta._tiles(s3, 3, 16)
+    checks["attention tiles grouped on the device"] = (
+        torch.equal(rows, torch.sort(s3, stable=True).indices) and start[:3].tolist() == [0, 16, 32]
+        and length.tolist() == [16, 16, 8, 0, 0] and tslot[:3].tolist() == [0, 2, 2])
+    k3, v3, q3 = torch.randn(3, 40, 2, 16).to(bf), torch.randn(3, 40, 2, 16).to(bf), torch.randn(40, 4, 16).to(bf)
+    p3 = torch.arange(40) % 37
+    o3 = ta.attention(q3, k3, v3, s3, p3)
+    checks["attention rows, several tiles per slot"] = row_mismatches(o3, [ta.attention(
+        q3[m:m + 1], k3, v3, s3[m:m + 1], p3[m:m + 1]) for m in range(40)]) == 0
     xr, wr = torch.randn(5, 3, 24).to(bf), (1 + torch.randn(24) / 10).to(bf)
     checks["rmsnorm rows"] = row_mismatches(tr.rmsnorm(xr, wr, 1e-6), [tr.rmsnorm(xr[m:m + 1], wr, 1e-6)
                                                                       for m in range(5)]) == 0

@@ -14,12 +14,11 @@ one-row and catch-up forwards.
 Two parts of a forward cannot always be recorded as they are, and are handled so that the bytes stay the eager ones:
 
     attention  a kernel whose launch depends on the position (the per-row SDPA fallback over keys 0..p) or that
-               reads positions on the host (over an fp8 cache, or a multi-slot cache's slot grouping of more rows
-               than slots) runs eagerly between graph pieces, writing a static buffer the next piece reads. A
-               kernel whose ``captures(k_cache, rows)`` says it reads slots and positions on the device with a
-               fixed launch is captured: the invariant set's Triton kernel on a model-dtype cache with one slot or
-               at least as many slots as the forward has rows (a decode step of concurrent streams,
-               kernels/cuda.py), and the fast set's FlashAttention on CUDA bf16 (kernels/fast_cuda.py).
+               reads positions on the host (over an fp8 cache) runs eagerly between graph pieces, writing a static
+               buffer the next piece reads. A kernel whose ``captures(k_cache, rows)`` says it reads slots and
+               positions on the device with a fixed launch is captured: the invariant set's Triton kernel on a
+               model-dtype cache (kernels/cuda.py), and the fast set's FlashAttention on CUDA bf16
+               (kernels/fast_cuda.py).
     experts    a set without a grouped expert kernel (the fast set off CUDA bf16) runs one GEMM chain per routed
                expert, chosen on the host. For one row the graph gathers the k experts' weights by the device-side
                ids and runs the same per-expert kernels on the same [1, H] row (the eager bytes, at the cost of

@@ -26,7 +26,8 @@ An :class:`ExpertStore` is an expert provider (model.ExpertProvider) for ``model
                 the routed ones (a deep segment of >= 512 rows routes to nearly all of them). A layer ring that
                 cannot be reserved is recorded in ``layer_ring_reason``; the expert ring then serves.
               * sync: batched/decode plans, calls that were not announced, and stores without a ring fetch the
-                expert synchronously into fresh device tensors (the batched pass "fetches each expert").
+                expert into fresh device tensors on the compute stream, ahead of the kernels that read them (the
+                batched pass "fetches each expert"; the host queues the copy and goes on).
               On CPU the "device" and the "host" are the same memory: copies are plain synchronous ``copy_`` and
               no streams or events exist; every other line of the ring runs as on CUDA.
 
@@ -231,7 +232,9 @@ class ExpertStore:
 
     def _fetch_sync(self, layer: int, e: int) -> tuple:
         src = self._source((layer, e))
-        out = tuple(torch.empty(s.shape, dtype=s.dtype, device=self.device).copy_(s) for s in src)
+        # pinned host memory the store never writes: the copy queues on the compute stream, ahead of the kernels
+        # that read it, and the host goes on
+        out = tuple(torch.empty(s.shape, dtype=s.dtype, device=self.device).copy_(s, non_blocking=True) for s in src)
         self.stats["sync_fetches"] += 1
         self.stats["bytes_moved"] += sum(t.nbytes for t in src)
         return out

@@ -192,7 +192,8 @@ class StagedWeights:
             raise ValueError(f"unit {unit!r} outside 0..{len(self.units) - 1}")
         if route == "sync":
             self.stats["sync_fetches"] += 1
-            return tuple(torch.empty(h.shape, dtype=h.dtype, device=self.device).copy_(h) for h in self.units[unit])
+            return tuple(torch.empty(h.shape, dtype=h.dtype, device=self.device).copy_(h, non_blocking=True)
+                         for h in self.units[unit])   # queued on the compute stream, as ExpertStore._fetch_sync
         if route != "ring":
             raise ValueError(f"unknown route {route!r}; allowed: {', '.join(self.ROUTES)}")
         self.calls += 1

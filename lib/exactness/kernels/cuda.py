@@ -127,10 +127,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
 
 def attention_captures(k_cache: torch.Tensor, rows: int) -> bool:
     """Whether attention reads a call's slots and positions on the device with a launch that depends on neither
-    (so a CUDA graph can hold it): a CUDA cache [S, T, Hkv, D] with one slot, or a call of one row per tile
-    (triton_attention.one_row_per_tile)."""
-    S = k_cache.shape[0]
-    return k_cache.is_cuda and (S == 1 or _tk("triton_attention").one_row_per_tile(S, rows))
+    (so a CUDA graph can hold it): on a CUDA cache, every call (triton_attention groups rows by slot on the
+    device, over a tile count fixed by the row and slot counts)."""
+    return k_cache.is_cuda
 
 
 attention.captures = attention_captures   # graphs.py asks a decode attention kernel whether a graph can hold it

@@ -3,9 +3,10 @@
 Signature as attention.attention_invariant: ``attention(q [M, Hq, D], k_cache [S, T, Hkv, D], v_cache, slots [M],
 positions [M]) -> o [M, Hq, D]`` in the storage dtype; row m attends to keys 0..positions[m] of slot slots[m].
 
-Invariance device: rows are grouped by slot into tiles of BLOCK_M rows (host side; a single-slot cache needs no
-grouping and no sync, and a call with no more rows than the cache has slots, a decode step of concurrent streams,
-runs one row per tile with its slot read on the device: no sync, so a CUDA graph records it). Keys are cut into
+Invariance device: rows are grouped by slot into tiles of BLOCK_M rows (on the device, over a bound on the tile
+count, so no call reads the slots on the host; a single-slot cache needs no grouping, and a call with no more rows
+than the cache has slots, a decode step of concurrent streams, runs one row per tile with its slot read by the
+kernel, a launch fixed by the row count that a CUDA graph records). Keys are cut into
 fixed chunks of CHUNK keys from key 0, and each chunk into BLOCK_N-key blocks. A row's chunk state (m, l, acc) is
 computed from a fresh start over the chunk's blocks in ascending order with the online softmax (Milakov & Gimelshein
 2018, arXiv 1805.02867) in fp32: s = (q k^T) * 1/sqrt(D) (Vaswani et al. 2017), keys after the row's position masked
@@ -99,7 +100,7 @@ def _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M, j, RPT:
     """Row ids, validity and positions (-1 where not valid) of tile t's lanes, lane i holding the tile's row j[i]
     (of RPT rows per tile), and the tile's cache slot.
 
-    GROUPED: 0 = one slot, tile t holds rows t*RPT..; 1 = rows grouped by slot on the host (rows, tstart, tlen,
+    GROUPED: 0 = one slot, tile t holds rows t*RPT..; 1 = rows grouped by slot (_tiles: rows, tstart, tlen,
     tslot); 2 = one row per tile, row t, its slot read from tslot_ptr[t] (no host read)."""
     if GROUPED == 2:
         rows = t + j * 0
@@ -244,18 +245,20 @@ def _combine_kernel(ws_ptr, ml_ptr, o_ptr, pos_ptr, M, NC, sq_m, sq_h, D: tl.con
 
 
 def _tiles(slots: torch.Tensor, n_slots: int, bm: int):
-    """Rows grouped by slot (stable), cut into tiles of <= bm rows: (rows, start, len, slot) int32/int64 tensors."""
+    """Rows grouped by slot (stable), cut into tiles of <= bm rows, on the device: (rows [M], start, len, slot
+    [n]) int64 for a bound on the tile count that needs no host read of the slots, n = M // bm + min(S, M) (every
+    slot holding rows adds at most one partial tile); tiles past the last have length 0 and no valid row."""
+    M = slots.numel()
     order = torch.sort(slots, stable=True).indices                                             # [M] int64
-    counts = torch.bincount(slots, minlength=n_slots).tolist()                                 # one sync
-    starts, lens, tslots, base = [], [], [], 0
-    for s, n in enumerate(counts):
-        for a in range(0, n, bm):
-            starts.append(base + a)
-            lens.append(min(bm, n - a))
-            tslots.append(s)
-        base += n
-    meta = torch.tensor([starts, lens, tslots], dtype=torch.int64).to(slots.device)           # [3, tiles]
-    return order, meta[0], meta[1], meta[2]
+    counts = torch.zeros(n_slots, dtype=torch.int64, device=slots.device).index_add_(0, slots, torch.ones_like(slots))
+    per = (counts + bm - 1) // bm                                                              # [S] tiles per slot
+    ends = torch.cumsum(per, 0)                                                                # [S] inclusive
+    t = torch.arange(M // bm + min(n_slots, M), device=slots.device)                           # [n] tile ids
+    slot = torch.searchsorted(ends, t, right=True).clamp_(max=n_slots - 1)                     # [n]
+    local = t - (ends - per)[slot]                                                             # tile in its slot
+    start = (torch.cumsum(counts, 0) - counts)[slot] + local * bm
+    length = torch.where(t < ends[-1], (counts[slot] - local * bm).clamp(0, bm), 0)
+    return order, start, length, slot
 
 
 _KV_DESC: dict[tuple, TensorDescriptor] = {}
@@ -302,7 +305,7 @@ def split_chunks(n_tiles: int, Hq: int, T: int, cfg: AttnConfig) -> bool:
 
 def one_row_per_tile(S: int, M: int) -> bool:
     """Whether a call of M rows over S > 1 slots runs one row per tile, each tile's slot read on the device (a decode
-    step of concurrent streams); else its rows are grouped by slot on the host. One slot needs neither."""
+    step of concurrent streams); else its rows are grouped by slot (_tiles). One slot needs neither."""
     return 1 < S and M <= S
 
 

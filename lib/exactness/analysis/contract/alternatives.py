@@ -19,10 +19,14 @@ from ...config import get_preset
 from .cases import KV_SITES, OFFLOAD_CLASSES, Pool, RandomInputs, _captured, _weights32, make_pool
 
 
+_STAGED: dict = {}   # the ids of a site's pools -> (the pools, their ring.StagedWeights)
+
+
 def offloaded(pools: list[Pool]) -> list[Pool]:
     """``pools`` (one site's alternatives: the routed experts) with their fixed weights in host memory, fetched for
     each call as offload fetches experts: through one ring slot (behind a decoy), so the slot holds a different
     expert from one case to the next, for prompt calls; synchronously for decode references (ring.StagedWeights).
+    The host copies of the same pools (alternatives' cached ones) are made once and shared by every set checked.
 
     Raises:
         ValueError: a pool not of an OFFLOAD_CLASSES class.
@@ -30,8 +34,11 @@ def offloaded(pools: list[Pool]) -> list[Pool]:
     bad = [p.cls for p in pools if p.cls not in OFFLOAD_CLASSES]
     if bad:
         raise ValueError(f"offload moves the weights of {', '.join(OFFLOAD_CLASSES)} only, not {bad[0]!r}")
-    from ...ring import StagedWeights
-    staged = StagedWeights(pools[0].fixed, tuple(p.fixed for p in pools[1:]))
+    key = tuple(map(id, pools))
+    if key not in _STAGED:   # one host copy per site's pools, whichever set checks them
+        from ...ring import StagedWeights
+        _STAGED[key] = (pools, StagedWeights(pools[0].fixed, tuple(p.fixed for p in pools[1:])))  # pools: ids kept
+    staged = _STAGED[key][1]
     return [dataclasses.replace(p, stage=functools.partial(staged.fetch, unit=i)) for i, p in enumerate(pools)]
 
 

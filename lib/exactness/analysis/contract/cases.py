@@ -218,11 +218,15 @@ class Pool:
     stage: object = None   # None, or stage(route) -> the fixed args fetched per call (ring.StagedWeights.fetch)
     note: dict = dataclasses.field(default_factory=dict)   # the alternative: expert_id, kv_dtype (first mismatch)
 
-    def args(self, idx: torch.Tensor, route: str = "sync") -> tuple:
-        """Kernel arguments for pool rows ``idx`` [n] int64 (on the pool's device), in that order. With ``stage``
-        the fixed args are fetched for this call by ``route``: "ring" for prompt calls, "sync" for decode."""
-        fixed = self.fixed if self.stage is None else self.stage(route)
-        return self.arrange(tuple(r.index_select(0, idx) for r in self.rows), fixed)
+    def fetch(self, route: str = "sync") -> tuple:
+        """The fixed args, with ``stage`` fetched by ``route``: "ring" for prompt calls, "sync" for decode."""
+        return self.fixed if self.stage is None else self.stage(route)
+
+    def args(self, idx: torch.Tensor, route: str = "sync", fixed: tuple | None = None) -> tuple:
+        """Kernel arguments for pool rows ``idx`` [n] int64 (on the pool's device), in that order; the fixed args
+        ``fixed`` (one fetch serving several calls) or fetched for this call by ``route``."""
+        return self.arrange(tuple(r.index_select(0, idx) for r in self.rows),
+                            self.fetch(route) if fixed is None else fixed)
 
 
 def _plain(rows, fixed):

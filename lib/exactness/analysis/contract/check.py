@@ -2,28 +2,28 @@
 
 For each (prompt kernel, decode kernel) pair of a kernel set (``KernelSet.pairs()``), the checker computes the
 *decode reference* of every tested row (the decode kernel called on that row alone, M = 1; for attention one query
-row at its position against the cache) and compares it, byte for byte (bf16/fp16 viewed as int16, fp32 as int32,
-integer outputs such as top-k indices and argmax ids exactly), with the same row computed by the prompt kernel inside
-blocks of M rows fed under many segmentations, tile offsets and batch mates (contract/cases.py: the pools
-and the plan). Inputs: seeded random rows and rows captured from a forward of the preset over a real prompt; dtypes
-bf16 and fp32. Every case is checked at each call site of the class (contract_inputs.sites: the q, k, v and o
-projections, query-head and kv-head rows, every norm, routed and shared experts), so a kernel that misbehaves for
-one operand shape only is caught and the site named. Router outputs (weights, indices, logits) are all compared.
-With offload the expert classes are checked once more with their weights fetched per call as expert offload fetches
-them (prompt calls through the expert ring behind a decoy, decode references by a synchronous copy:
-contract/alternatives.py: offloaded), so "offload changes no byte" is a contract claim too. Quantized weights
-(``contract_weights``: kernels/quant.py formats int4_g128, nvfp4) check the classes whose weights a format replaces
-(kernels/registry.QUANT_CLASSES: dense, expert_gate_up, expert_down) once more per format at every site, fed the
-site's weight quantized (random pools) or tapped from a forward on quantized weights (captured pools); their rows
-carry ``weights_format``. Grouped routing (the preset's n_groups > 1, or ``contract_router_groups``): the router is
-checked at sites ``topk`` and ``grouped`` (the groups passed to the kernel). Every call the forward makes: attention
-is checked at sites ``bf16`` and ``fp8`` (the caches as fp8 codes and scales, formats fp8_e4m3 and fp8_e4m3_block
-in turn); the expert kernels of a set whose options name ``expert_id_aware`` get ``expert_id=`` and every routed
-expert's weights in turn (contract/alternatives.py), as do offloaded experts, through one ring slot that holds
-another expert from call to call; the decode kernel is fed blocks of M > 1 rows too (contract_cases.decode_plan:
-batched decode, concurrent streams, serve's decode steps). The quick sweep feeds the fp8 and grouped sites and
-offloaded experts the cases within cases.QUICK_BOUNDS only. Rendering: contract/report.py;
-coverage and merging of sections: contract/combine.py.
+row at its position against the cache; contract/refs.py, which on CUDA replays graphs of one-row calls) and compares
+it, byte for byte (bf16/fp16 viewed as int16, fp32 as int32, integer outputs such as top-k indices and argmax ids
+exactly), with the same row computed by the prompt kernel inside blocks of M rows fed under many segmentations, tile
+offsets and batch mates (contract/cases.py: the pools and the plan). Inputs: seeded random rows and rows captured
+from a forward of the preset over a real prompt; dtypes bf16 and fp32. Every case is checked at each call site of
+the class (contract_inputs.sites: the q, k, v and o projections, query-head and kv-head rows, every norm, routed and
+shared experts), so a kernel that misbehaves for one operand shape only is caught and the site named. Router outputs
+(weights, indices, logits) are all compared. With offload the expert classes are checked once more with their
+weights fetched per call as expert offload fetches them (prompt calls through the expert ring behind a decoy, decode
+references by one synchronous copy per block of rows: contract/alternatives.py: offloaded), so "offload changes no
+byte" is a contract claim too. Quantized weights (``contract_weights``: kernels/quant.py formats int4_g128, nvfp4)
+check the classes whose weights a format replaces (kernels/registry.QUANT_CLASSES: dense, expert_gate_up,
+expert_down) once more per format at every site, fed the site's weight quantized (random pools) or tapped from a
+forward on quantized weights (captured pools); their rows carry ``weights_format``. Grouped routing (the preset's
+n_groups > 1, or ``contract_router_groups``): the router is checked at sites ``topk`` and ``grouped`` (the groups
+passed to the kernel). Every call the forward makes: attention is checked at sites ``bf16`` and ``fp8`` (the caches
+as fp8 codes and scales, formats fp8_e4m3 and fp8_e4m3_block in turn); the expert kernels of a set whose options
+name ``expert_id_aware`` get ``expert_id=`` and every routed expert's weights in turn (contract/alternatives.py), as
+do offloaded experts, through one ring slot that holds another expert from call to call; the decode kernel is fed
+blocks of M > 1 rows too (contract_cases.decode_plan: batched decode, concurrent streams, serve's decode steps). The
+quick sweep feeds the fp8 and grouped sites and offloaded experts the cases within cases.QUICK_BOUNDS only.
+Rendering: contract/report.py; coverage and merging of sections: contract/combine.py.
 
 Results: one :class:`PairResult` per pair x set x device x dtype, a coverage table listing every class of
 KERNEL_CLASSES (a class the checker cannot feed is shown as uncovered, never left out), and the first mismatch of
@@ -31,6 +31,7 @@ each pair (site, M, segmentation, call size, row, element, ULP distance).
 """
 from __future__ import annotations
 
+import functools
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,6 +46,7 @@ from .alternatives import alternatives, offloaded
 from .cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SOURCES, Case, bucket, check_sweep,
                     class_sites, decode_plan, fed, plan, ranges)
 from .combine import coverage
+from .refs import DecodeRefs, outputs
 from ...kernels.registry import QUANT_CLASSES
 from .validate import validate_sets
 from ...checkpoint import resolve_device, resolve_dtype
@@ -124,35 +126,6 @@ class PairResult:
         return {"class": d.pop("cls"), **d}
 
 
-def _outputs(out) -> tuple:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
-class DecodeRefs:
-    """Decode references of a pool's rows, each computed on first use: the decode kernel ``fn`` on that row alone
-    (M = 1). ``get(start, M)`` returns one tensor [M, ...] per output for pool rows start..start+M-1."""
-
-    def __init__(self, fn, pool, kw: dict | None = None):
-        self.fn, self.pool, self.kw = fn, pool, kw or {}
-        self.done = [False] * N_REAL
-        self.refs: list[torch.Tensor] | None = None
-        self.idx = torch.arange(N_REAL, device=pool.rows[0].device)   # row indices made once, not per row
-
-    def _compute(self, i: int) -> None:
-        outs = _outputs(self.fn(*self.pool.args(self.idx[i:i + 1]), **self.kw))
-        if self.refs is None:
-            self.refs = [torch.empty((N_REAL, *o.shape[1:]), dtype=o.dtype, device=o.device) for o in outs]
-        for r, o in zip(self.refs, outs):
-            r[i] = o[0]
-        self.done[i] = True
-
-    def get(self, start: int, M: int) -> list[torch.Tensor]:
-        for i in range(start, start + M):
-            if not self.done[i]:
-                self._compute(i)
-        return [r[start:start + M] for r in self.refs]
-
-
 def call_layout(case: Case, segment: int) -> tuple[list[int], list[int], list[int]]:
     """Pool rows of one prompt call of ``case``: (lead mates, tested rows, tail mates), deterministic in the case."""
     v = case.variant
@@ -163,16 +136,23 @@ def call_layout(case: Case, segment: int) -> tuple[list[int], list[int], list[in
     return lead, list(range(first, first + v.segments[segment])), tail
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _layout(case: Case, segment: int, device: torch.device) -> tuple[int, int, torch.Tensor]:
+    """call_layout as (lead mates, tested rows, the call's pool rows [n] int64 on ``device``), made once for every
+    site, source and set that feeds the case."""
+    lead, real, tail = call_layout(case, segment)
+    return len(lead), len(real), torch.tensor(lead + real + tail, dtype=torch.int64).to(device)
+
+
 def prompt_rows(fn, pool, case: Case, kw: dict | None = None, route: str = "ring") -> list[torch.Tensor]:
     """The prompt kernel's outputs (or the decode kernel's, fetching offloaded weights by ``route`` "sync") for the
     case's M tested rows (segment calls concatenated), one per output; ``kw``: the kernel's keyword arguments."""
     dev = pool.rows[0].device
     parts = []
     for j in range(len(case.variant.segments)):
-        lead, real, tail = call_layout(case, j)
-        idx = torch.tensor(lead + real + tail, dtype=torch.int64).to(dev, non_blocking=True)   # no wait for the GPU
-        outs = _outputs(fn(*pool.args(idx, route), **(kw or {})))
-        parts.append([o[len(lead):len(lead) + len(real)] for o in outs])
+        lead, real, idx = _layout(case, j, dev)
+        outs = outputs(fn(*pool.args(idx, route), **(kw or {})))
+        parts.append([o[lead:lead + real] for o in outs])
     return [torch.cat(p) for p in zip(*parts)]
 
 
