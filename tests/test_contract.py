@@ -8,6 +8,7 @@ fault and the public plan predict, and against ``brute_first``, an independent r
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -534,3 +535,22 @@ def test_gpu_decode_refs_replayed_from_graphs_equal_eager_calls(set_name, monkey
     stale, eager = R.DecodeRefs(d.fn, pool), R.DecodeRefs(d.fn, pool)
     eager.route = "eager: the test's reference"
     assert not all(torch.equal(_bits(g), _bits(e)) for g, e in zip(stale.get(7, 70), eager.get(7, 70)))
+
+
+def test_decode_refs_fetch_once_per_get_and_call_each_row_once_alone():
+    """DecodeRefs (contract/refs.py), off CUDA: one fetch of the pool's fixed args per ``get``, each row's reference
+    from one call of one row, the same bytes as references of a fresh DecodeRefs; a row never computed reads NaN."""
+    from exactness.analysis.contract import refs as R
+    pool = cc.make_pool("rmsnorm", "random", torch.bfloat16, "cpu", "tiny")
+    fetches, rows = [], []
+    staged = dataclasses.replace(pool, stage=lambda route: fetches.append(route) or pool.fixed)
+    dec = next(d for p, d in get_set("invariant").pairs() if p.cls == "rmsnorm")
+    refs = R.DecodeRefs(lambda *a, **k: rows.append(a[0].shape[0]) or dec.fn(*a, **k), staged)
+    assert refs.route == "eager: not on CUDA"
+    refs.get(3, 5)
+    got = refs.get(5, 6)                                   # rows 5..10: 8..10 are new
+    assert fetches == ["sync", "sync"] and rows == [1] * 8
+    fresh = R.DecodeRefs(dec.fn, pool).get(3, 8)
+    assert torch.equal(got[0].view(torch.int16), fresh[0][2:].view(torch.int16))
+    assert torch.isnan(refs.refs[0][11:].float()).all() and not torch.isnan(got[0].float()).any()
+    assert R._runs([1, 2, 3, 7, 9, 10]) == [(1, 4), (7, 8), (9, 11)]
