@@ -554,3 +554,14 @@ def test_decode_refs_fetch_once_per_get_and_call_each_row_once_alone():
     assert torch.equal(got[0].view(torch.int16), fresh[0][2:].view(torch.int16))
     assert torch.isnan(refs.refs[0][11:].float()).all() and not torch.isnan(got[0].float()).any()
     assert R._runs([1, 2, 3, 7, 9, 10]) == [(1, 4), (7, 8), (9, 11)]
+
+
+def test_host_copies_are_shared_within_a_run_only():
+    """alternatives.offloaded: within sharing_host_copies (run_section) the sets share one host copy of a site's
+    pools; outside it every call makes its own, so a fault planted in ring.StagedWeights reaches the next check."""
+    from exactness.analysis.contract import alternatives as A
+    pools = A.alternatives("expert_down", "random", torch.bfloat16, "cpu", "tiny", "routed", experts=True)
+    copies = lambda: A.offloaded(pools)[0].stage.func.__self__          # the ring.StagedWeights behind the pools
+    with A.sharing_host_copies():
+        assert copies() is copies()
+    assert copies() is not copies()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from contextlib import contextmanager
 
 import torch
 
@@ -19,14 +20,28 @@ from ...config import get_preset
 from .cases import KV_SITES, OFFLOAD_CLASSES, Pool, RandomInputs, _captured, _weights32, make_pool
 
 
-_STAGED: dict = {}   # the ids of a site's pools -> (the pools, their ring.StagedWeights)
+_STAGED: dict | None = None   # within sharing_host_copies: the ids of a site's pools -> (the pools, their copies)
+
+
+@contextmanager
+def sharing_host_copies():
+    """Within the block, :func:`offloaded` makes the host copies of the same pools (alternatives' cached ones) once
+    and every set checked shares them; outside it, each call makes its own. Holds the pinned copies until the
+    outermost block ends; a nested block shares the outer block's."""
+    global _STAGED
+    old = _STAGED
+    _STAGED = {} if old is None else old
+    try:
+        yield
+    finally:
+        _STAGED = old
 
 
 def offloaded(pools: list[Pool]) -> list[Pool]:
     """``pools`` (one site's alternatives: the routed experts) with their fixed weights in host memory, fetched for
     each call as offload fetches experts: through one ring slot (behind a decoy), so the slot holds a different
-    expert from one case to the next, for prompt calls; synchronously for decode references (ring.StagedWeights).
-    The host copies of the same pools (alternatives' cached ones) are made once and shared by every set checked.
+    expert from one case to the next, for prompt calls; synchronously for decode references (ring.StagedWeights;
+    shared within :func:`sharing_host_copies`).
 
     Raises:
         ValueError: a pool not of an OFFLOAD_CLASSES class.
@@ -34,11 +49,12 @@ def offloaded(pools: list[Pool]) -> list[Pool]:
     bad = [p.cls for p in pools if p.cls not in OFFLOAD_CLASSES]
     if bad:
         raise ValueError(f"offload moves the weights of {', '.join(OFFLOAD_CLASSES)} only, not {bad[0]!r}")
+    from ...ring import StagedWeights
+    shared = {} if _STAGED is None else _STAGED
     key = tuple(map(id, pools))
-    if key not in _STAGED:   # one host copy per site's pools, whichever set checks them
-        from ...ring import StagedWeights
-        _STAGED[key] = (pools, StagedWeights(pools[0].fixed, tuple(p.fixed for p in pools[1:])))  # pools: ids kept
-    staged = _STAGED[key][1]
+    if key not in shared:   # the pools are kept beside their copies, so their ids stay theirs
+        shared[key] = (pools, StagedWeights(pools[0].fixed, tuple(p.fixed for p in pools[1:])))
+    staged = shared[key][1]
     return [dataclasses.replace(p, stage=functools.partial(staged.fetch, unit=i)) for i, p in enumerate(pools)]
 
 

@@ -42,7 +42,7 @@ from ...exact import INT_VIEW, differing_rows, first_differing_row, ulp_distance
 from ...progress import bar as progress_bar
 from ...kernels import KERNEL_CLASSES, KERNEL_SETS, KernelSpec, get_set
 from ...params import ContractParams
-from .alternatives import alternatives, offloaded
+from .alternatives import alternatives, offloaded, sharing_host_copies
 from .cases import (ADAPTED, KV_BOUNDARIES, N_MATES, N_REAL, OFFLOAD_CLASSES, SOURCES, Case, bucket, check_sweep,
                     class_sites, decode_plan, fed, plan, ranges)
 from .combine import coverage
@@ -417,7 +417,8 @@ def run_section(params: ContractParams | dict) -> dict:
     total = len(dtypes) * sum(len(plan(pr.cls, sweeps[s])) for s in sets for f, o in runs
                               for pr, _ in selected_pairs(s, kw["classes"], o, f))
     rows, off = [], []
-    with progress_bar(total, "contract", "case") as bar, sharing_synthetic_weights():   # one draw: captured, random
+    with progress_bar(total, "contract", "case") as bar, sharing_synthetic_weights(), sharing_host_copies():
+        # one draw of the weights for captured and random inputs; one host copy of offloaded pools for every set
         for s in sets:
             for f, o in runs:
                 fkw = {"weights": f} if f != "bf16" else {}
