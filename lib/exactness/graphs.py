@@ -95,6 +95,13 @@ def why_not(w: Weights, kernels: KernelSet | str, batch: int = 1, experts: Exper
     return None
 
 
+def attention_in_graph(attn, k_cache: torch.Tensor, rows: int) -> bool:
+    """Whether a CUDA graph can hold a call of attention kernel ``attn`` over ``rows`` rows of a cache whose keys
+    are ``k_cache``: only where the kernel carries ``captures(k_cache, rows)`` and it says so (module docstring)."""
+    captures = getattr(attn, "captures", None)
+    return captures is not None and bool(captures(k_cache, rows))
+
+
 def _gathered_experts(ks: KernelSet, role: str):
     """A grouped_experts option for a one-row forward of a set without one: y [1, k, H] from the set's expert
     kernels of ``role`` on the row h [1, H], with each expert's weights gathered by the device-side ids idx [1, k]."""
@@ -117,7 +124,7 @@ class _Eager:
         self.out.copy_(self.fn(*self.args))
 
 
-class _Capture:
+class Capture:
     """Graph pieces captured into one memory pool, cut where ``cut`` is called."""
 
     def __init__(self):
@@ -193,8 +200,7 @@ class GraphForward:
                 opts = dataclasses.replace(opts, grouped_experts=_gathered_experts(self.ks, plan.role))
             self._set = dataclasses.replace(self.ks, options=opts)
             self._attn = attn = self.ks.fn("attention", plan.role)
-            captures = getattr(attn, "captures", None)   # a kernel that says which calls it reads on the device
-            self._attn_in_graph = captures is not None and captures(cache.k[0], self.n)
+            self._attn_in_graph = attention_in_graph(attn, cache.k[0], self.n)
             self._attn_host = attn in _host_indexed_attention()
 
     def info(self) -> dict:
@@ -268,7 +274,7 @@ class GraphForward:
         self.host_positions[:] = torch.tensor(positions)
         self.host_slots[:] = torch.tensor(slots)
 
-    def _forward(self, cap: _Capture | None) -> ForwardOut:
+    def _forward(self, cap: Capture | None) -> ForwardOut:
         """The forward on the static inputs; attention cut out of the capture where it must run eagerly."""
         ops = Ops(self._set, self.plan)
         ops.positions = self.positions
@@ -292,7 +298,7 @@ class GraphForward:
         dev = self.w.device
         main, side = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
         side.wait_stream(main)
-        cap = _Capture()
+        cap = Capture()
         with torch.cuda.stream(side):
             out = self._forward(None)
             torch.cuda.synchronize(dev)

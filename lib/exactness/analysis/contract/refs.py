@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ...graphs import Capture, attention_in_graph
 from .cases import N_REAL
 
 GRAPH_ROWS = 32   # one-row calls per graph replay
@@ -29,8 +30,7 @@ def _eager_reason(fn, pool) -> str | None:
         return "eager: not on CUDA"
     if pool.stage is not None:
         return "eager: the weights are fetched per get (offload)"
-    captures = getattr(fn, "captures", None)
-    if pool.cls == "attention" and not (captures is not None and captures(pool.fixed[0], 1)):
+    if pool.cls == "attention" and not attention_in_graph(fn, pool.fixed[0], 1):
         return "eager: the attention kernel reads this cache's slots or positions on the host"
     return None
 
@@ -84,20 +84,17 @@ class DecodeRefs:
         self.gidx.fill_(self.done.index(True))
         main, side = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
         side.wait_stream(main)
-        graph = torch.cuda.CUDAGraph()
+        cap = Capture()
         with torch.cuda.stream(side):
             self._lanes(fixed)
             torch.cuda.synchronize(dev)
             try:
-                graph.capture_begin()
+                cap.begin()
                 self._lanes(fixed)
-                graph.capture_end()
-                self.graph = graph
+                cap.end()
+                self.graph = cap.pieces[0]
             except Exception as e:  # whatever a kernel raises under capture: eager calls serve instead
-                try:
-                    graph.capture_end()
-                except Exception:   # an invalidated capture cannot end cleanly; the graph is dropped either way
-                    pass
+                cap.abort()
                 self.route = f"eager: capture failed: {type(e).__name__}"
                 torch.cuda.synchronize(dev)
         main.wait_stream(side)
