@@ -30,8 +30,8 @@ STAMP         := $(VENV)/.setup-stamp
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?=
 KERNEL_NAME   := exactness
-# llama-cpp-python's prebuilt wheel: ../shared/wheels where that folder sits beside the checkout
-LLAMA_WHEELS  ?= $(wildcard $(abspath ../shared/wheels))
+# llama-cpp-python's prebuilt wheels: a folder given as LLAMA_WHEELS=DIR (none: llama.cpp is not installed)
+LLAMA_WHEELS  ?=
 WHEELS        ?=
 DEPS          := .deps
 PROFILE       ?= standard
@@ -68,8 +68,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e '.[dev]'
 	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL_NAME) --display-name "Python (exactness)"
-	@# llama.cpp (optional; its tests skip without it): from a folder of prebuilt wheels (LLAMA_WHEELS, by default
-	@# ../shared/wheels), since building it from source takes 15-40 minutes; elsewhere `pip install llama-cpp-python`.
+	@# llama.cpp (optional; its tests skip without it): from a folder of prebuilt wheels (LLAMA_WHEELS=DIR), since
+	@# building it from source takes 15-40 minutes; elsewhere `pip install llama-cpp-python`.
 	@if [ -z "$(LLAMA_WHEELS)" ]; then echo "llama-cpp-python not installed (its tests skip); for the llamacpp" \
 	    "engine: pip install 'llama-cpp-python[server]' into .venv"; fi
 	touch $(STAMP)
