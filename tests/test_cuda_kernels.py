@@ -101,6 +101,43 @@ def test_gpu_gate_up_rows_and_rounding_points():
     assert row_mismatches(full, chunked(tg.gate_up, 600, (3, 64, 65, 200), x, extra=(wg, wu))) == 0
 
 
+@GPU
+@pytest.mark.gpu
+def test_gpu_every_gemm_placement_gives_each_row_the_shape_configs_bytes():
+    """Every placement of triton_gemm.PLACEMENTS (smaller tiles, other warps and stages for small calls, mma.sync
+    for 16-row tiles where the shape's config runs wgmma) gives every row the bytes the shape's config gives it, and
+    so does the wrapper's own choice by M. Control: the same placement with another split_k (a row's arithmetic)
+    differs."""
+    from dataclasses import replace
+    from exactness.kernels import triton_gemm as tg
+    cap = torch.cuda.get_device_capability()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    checked, control = 0, None
+    for kind, N, K, dk, arch in tg.PLACEMENTS:
+        if arch != tg.arch_of(cap) or dk != "16bit":
+            continue
+        w, w2 = ((torch.randn(N, K, generator=g, device="cuda") / K ** 0.5).bfloat16() for _ in range(2))
+        x = torch.randn(600, K, generator=g, device="cuda").bfloat16()
+
+        def call(rows, c=None):
+            return tg.gate_up(rows, w, w2, config=c) if kind == "gate_up" else tg.linear(rows, w, config=c)
+        placed = tg.placements(kind, N, K, torch.bfloat16, cap)
+        base = placed[-1][1]
+        full = call(x, base)                                                       # [600, N]
+        for rows, c in placed[:-1]:
+            assert (c.block_k, c.split_k) == (base.block_k, base.split_k), c.label()
+            for M in sorted({1, 5, 16, 64, 130, min(rows, 600)}):
+                assert row_mismatches(full[:M], [call(x[:M], c)]) == 0, (kind, N, K, c.label(), M)
+            checked += 1
+            if control is None and kind == "linear" and base.split_k > 1:
+                control = row_mismatches(full[:64], [call(x[:64], replace(c, split_k=base.split_k // 2))])
+        for M in (1, 16, 64, 300, 512, 600):
+            assert row_mismatches(full[:M], [call(x[:M])]) == 0, (kind, N, K, M)
+    if not checked:
+        pytest.skip(f"no GEMM placements for compute capability {cap}")
+    assert control is not None and control > 0                                     # negative control
+
+
 def _attn_inputs(P: int, S: int, dtype, seed: int, Hq=32, Hkv=4, D=128):
     g = torch.Generator(device="cuda").manual_seed(seed)
     kc = torch.randn(S, P, Hkv, D, generator=g, device="cuda").to(dtype)
@@ -311,6 +348,42 @@ def test_gpu_grouped_experts_rows_equal_decode_kernel_rows(dtype):
 
 @GPU
 @pytest.mark.gpu
+def test_gpu_every_expert_placement_gives_each_row_the_shape_configs_bytes(monkeypatch):
+    """Grouped experts: calls that take a placement (triton_moe.EXPERT_PLACEMENTS: few rows per expert, 16-row
+    tiles) give every (row, slot) the bytes of the shapes' configs. Control: split_k 2 in both GEMMs differs."""
+    from dataclasses import replace
+    from exactness.exact import differing_rows
+    from exactness.kernels import triton_moe as tm
+    cap = torch.cuda.get_device_capability()
+    I, H, E, k = 768, 2048, 128, 8
+    placed = tm.expert_placements(I, H, torch.bfloat16, cap)
+    if len(placed) == 1:
+        pytest.skip(f"no expert placements for compute capability {cap}")
+    g, (wg, wu, wd) = _moe_inputs(E, I, H, torch.bfloat16, 12)
+    calls = {}
+    for M in (1, 2, 8, 64, 250):                                  # 8 to 2,000 pairs: at most 16 rows per expert
+        h = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+        calls[M] = (h, torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(M)]))
+    got = {M: tm.experts(h, idx, wg, wu, wd) for M, (h, idx) in calls.items()}
+    base = placed[-1]
+
+    def only(*configs):
+        monkeypatch.setattr(tm, "expert_placements", lambda *a: (configs,))
+        tm._PLANS.clear()
+    only(*base)
+    for M, (h, idx) in calls.items():
+        assert M * k <= placed[0][0] * E
+        ref = tm.experts(h, idx, wg, wu, wd)
+        assert int(differing_rows(got[M].reshape(M * k, H), ref.reshape(M * k, H)).sum()) == 0, M
+    only(base[0], replace(base[1], split_k=2), replace(base[2], split_k=2))
+    h, idx = calls[64]
+    bad = tm.experts(h, idx, wg, wu, wd)
+    tm._PLANS.clear()
+    assert int(differing_rows(got[64].reshape(64 * k, H), bad.reshape(64 * k, H)).sum()) > 0   # negative control
+
+
+@GPU
+@pytest.mark.gpu
 def test_gpu_grouped_experts_planted_fault_is_caught():
     """One expert's down weights changed in one element: exactly the rows routed to it (that slot) must differ."""
     from exactness.exact import differing_rows
@@ -342,6 +415,7 @@ def _interp_main() -> int:
     from exactness.kernels import experts, rope
     from exactness.kernels import triton_attention as ta
     from exactness.kernels import triton_gemm as tg
+    from exactness.kernels import triton_moe as tm
     from exactness.kernels import triton_rows as tr
     from dataclasses import replace
     torch.manual_seed(0)
@@ -381,6 +455,18 @@ def _interp_main() -> int:
         checks[f"split-K in turn, {loop} loop == parallel"] = row_mismatches(par, turns[:1]) == 0
         checks[f"split-K with an empty run, {loop} loop == parallel"] = row_mismatches(par4, turns[1:2]) == 0
         checks[f"split-K with a short last run, {loop} loop == parallel"] = row_mismatches(par7, turns[2:]) == 0
+    for table, check, bad in ((tg.PLACEMENTS, tg._check_placements, (16, {"block_k": 32})),
+                              (tg.PLACEMENTS, tg._check_placements, (16, {"split_k": 2})),
+                              (tm.EXPERT_PLACEMENTS, tm._check_expert_placements,
+                               (16, {"block_m": 16}, {"block_m": 32}))):
+        try:
+            check({**table, ("linear", 8, 8, "16bit", "sm90"): (bad,)})
+            refused = False
+        except ValueError:
+            refused = True
+        checks[f"placement {bad[1:]} refused"] = refused
+    checks["the shipped placement tables pass"] = (tg._check_placements(tg.PLACEMENTS) is None
+                                                   and tm._check_expert_placements(tm.EXPERT_PLACEMENTS) is None)
     checks["K = 0: zeros"] = torch.equal(tg.linear(xf[:, :0], wf[:, :0], c3), torch.zeros(37, 40))
     gu = tg.gate_up(x, w, w2)
     g, u = y.float(), tg.linear(x, w2).float()

@@ -223,9 +223,9 @@ def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[
     shapes = {"q": (cfg.n_heads * D, H), "k/v": (cfg.n_kv_heads * D, H), "o": (H, cfg.n_heads * D),
               "router": (cfg.n_experts, H), "down": (H, I), "lm_head": (cfg.vocab_size, H), "gate_up": (I, H)}
     specs = []
-    for name, (N, K) in shapes.items():
-        kind = "gate_up" if name == "gate_up" else "linear"
-        c = tg.config_for(kind, N, K, dtype, capability)
+    for name, kind, N, K, c in ((name, kind, N, K, c) for name, (N, K) in shapes.items()
+                                for kind in ["gate_up" if name == "gate_up" else "linear"]
+                                for _, c in tg.placements(kind, N, K, dtype, capability)):
         tma = c.tma and capability[0] >= 9
         a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
         b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
@@ -297,13 +297,14 @@ def _split_specs(name: str, N: int, K: int, c, sig: dict, const: dict, opts: dic
 
 def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:
     """The grouped invariant MoE kernels (triton_moe.py): the route kernel and the gate/up and down GEMMs over the
-    stacked [E*N, K] expert weights, with the fixed configs of triton_gemm."""
-    tg, tm = _tk("triton_gemm"), _tk("triton_moe")
+    stacked [E*N, K] expert weights, in every placement (triton_moe.expert_placements)."""
+    tm = _tk("triton_moe")
     p, i32 = f"*{ty}", "i32"
     E, H, I = cfg.n_experts, cfg.hidden, cfg.expert_inter
     specs = []
-    for kind, N, K in (("gate_up", I, H), ("linear", H, I)):
-        c = tg.config_for(kind, N, K, dtype, capability)
+    placed = tm.expert_placements(I, H, dtype, capability)
+    for kind, N, K, c in ((kind, N, K, cs[i]) for cs in placed for i, (kind, N, K) in
+                          enumerate((("gate_up", I, H), ("linear", H, I)), start=1)):
         tma = c.tma and capability[0] >= 9
         a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
         b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
@@ -314,12 +315,12 @@ def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str
                      SPLIT=c.split_k)
         specs.append((f"grouped moe {kind} {E}x{N}x{K} [{c.label()}]", tm._grouped_kernel, sig, const,
                       dict(num_warps=c.num_warps, num_stages=c.num_stages)))
-    bm = tg.config_for("gate_up", I, H, dtype, capability).block_m
     sig = dict(h_ptr=p, ids_ptr="*i64", sorted_ptr="*i64", order_ptr="*i64", xs_ptr=p, dest_ptr="*i32",
                tile_e_ptr="*i32", n_pairs=i32, n_iter=i32, E=i32, H=i32)
-    const = dict(TOPK=cfg.top_k, BM=bm, BE=triton_next_pow2(E), BH=min(tm.ROUTE_COLUMNS, triton_next_pow2(H)),
-                 SMALL=True, BP=triton_next_pow2(tm.SMALL_PAIRS))
-    specs.append(("grouped moe route", tm._route_kernel, sig, const, dict(num_warps=4)))
+    for bm in sorted({gu.block_m for _, gu, _ in placed}):
+        const = dict(TOPK=cfg.top_k, BM=bm, BE=triton_next_pow2(E), BH=min(tm.ROUTE_COLUMNS, triton_next_pow2(H)),
+                     SMALL=True, BP=triton_next_pow2(tm.SMALL_PAIRS))
+        specs.append((f"grouped moe route {bm}-row tiles", tm._route_kernel, sig, const, dict(num_warps=4)))
     return specs
 
 

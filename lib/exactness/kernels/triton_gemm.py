@@ -1,14 +1,19 @@
 """Batch-invariant Triton GEMMs for CUDA: ``linear`` (y = x @ w^T) and the fused expert ``gate_up``.
 
-Invariance device: one compiled kernel per weight shape serves every M. The tile config (BLOCK_M, BLOCK_N,
-BLOCK_K, stages, warps, persistent or not) is looked up from the weight shape (N, K), the dtype and the GPU
-architecture only, never from M; ``M`` is marked ``do_not_specialize`` so Triton compiles one binary for M = 1 and
-M = 16384 alike; each output tile's K chunks are accumulated in ascending order in fp32, either in one run or, where
-the shape's config has split_k > 1, in split_k fixed runs whose partials (each from zero) are added in run order
--- by parallel programs and a reduce kernel for small M, by one program in turn for large M: the same operations,
-hence the same bytes. A row's bytes therefore depend only on the row and the weights: a decode call (M = 1)
-reproduces the row of a prompt call (M rows) bit for bit. Tile placement (which program computes which tile, and
-the persistent grid size) may depend on M; it does not change any tile's arithmetic.
+Invariance device: a row's arithmetic is fixed per weight shape. The shape's config (from (N, K), the dtype and the
+GPU architecture, never from M) fixes BLOCK_K and split_k: each output tile's K chunks are accumulated in ascending
+order in fp32, either in one run or, where split_k > 1, in split_k fixed runs whose partials (each from zero) are
+added in run order -- by parallel programs and a reduce kernel for small M, by one program in turn for large M:
+the same operations, hence the same bytes. ``M`` is marked ``do_not_specialize``, so one binary serves M = 1 and
+M = 16384 alike. A row's bytes therefore depend only on the row and the weights: a decode call (M = 1) reproduces
+the row of a prompt call (M rows) bit for bit.
+
+Tile placement may depend on M: which program computes which tile, the persistent grid, and on sm_90 the tile's
+rows and columns, warps and pipeline stages (PLACEMENTS: small-M calls take smaller tiles). ``tl.dot`` computes
+each output element from its own row and column in the same k-steps whatever the tile's shape, so no placement
+changes a byte; a placement carries no BLOCK_K or split_k of its own (it overrides only PLACEMENT_FIELDS of the
+shape's config), and tests/test_cuda_kernels.py checks on the GPU that every placement gives every row the bytes of
+the shape's config.
 
 Semantics (same as the CPU kernels dense.tile_linear / experts.gate_up_invariant): storage-dtype inputs, fp32
 accumulation (tensor cores for bf16/fp16; ``input_precision="ieee"`` FMA for fp32, so no tf32 rounding), the
@@ -132,6 +137,51 @@ SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
 }
 
 
+# What a placement may change: how a tile is laid out and run, never BLOCK_K or split_k (the row's arithmetic).
+PLACEMENT_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "persistent", "group_m", "warp_specialize")
+_SMALL = dict(num_warps=4, num_stages=4, persistent=False)
+# Per (kind, N, K, dtype, arch): (rows, overrides) in ascending rows; a call of at most ``rows`` rows takes the
+# shape's config with those fields replaced, a larger call the config itself. Chosen on an H200 by GPU time at M = 1
+# to 512 (CUDA graphs), where the shape's config keeps 128-row tiles: a one-row call then ran a 128-row tile's MMA
+# work, on few programs. Every candidate measured gave every row the shape config's bytes.
+PLACEMENTS: dict[tuple[str, int, int, str, str], tuple[tuple[int, dict], ...]] = {
+    ("linear", 4096, 2048, "16bit", "sm90"): ((16, dict(_SMALL, block_m=16)), (512, dict(_SMALL, block_m=64))),
+    ("linear", 512, 2048, "16bit", "sm90"): ((16, dict(_SMALL, block_m=16, block_n=64)),
+                                             (512, dict(_SMALL, block_m=64, block_n=64))),
+    ("linear", 2048, 4096, "16bit", "sm90"): ((16, dict(_SMALL, block_m=16)), (512, dict(_SMALL, block_m=64))),
+    ("linear", 768, 2048, "16bit", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
+    ("linear", 2048, 768, "16bit", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
+    ("linear", 128, 2048, "16bit", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
+    ("linear", 258, 2048, "16bit", "sm90"): ((256, dict(_SMALL, block_m=64)),),
+    ("gate_up", 768, 2048, "16bit", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=32)),),
+}
+
+
+def _check_placements(table: dict) -> None:
+    """Raise ValueError for an entry that overrides a field outside PLACEMENT_FIELDS or whose rows do not ascend."""
+    for key, entries in table.items():
+        rows = [r for r, _ in entries]
+        if rows != sorted(set(rows)) or any(not isinstance(r, int) or r < 1 for r in rows):
+            raise ValueError(f"PLACEMENTS[{key}]: rows must be ascending positive ints, got {rows}")
+        for _, over in entries:
+            bad = sorted(set(over) - set(PLACEMENT_FIELDS))
+            if bad:
+                raise ValueError(f"PLACEMENTS[{key}] overrides {bad}: a placement may change only "
+                                 f"{', '.join(PLACEMENT_FIELDS)} (BLOCK_K and split_k fix a row's arithmetic)")
+
+
+_check_placements(PLACEMENTS)
+
+
+def placements(kind: str, N: int, K: int, dtype: torch.dtype, capability: tuple[int, int]
+               ) -> tuple[tuple[int, GemmConfig], ...]:
+    """(rows, config) per placement of a weight shape, rows ascending: the shape's config (config_for) with the
+    placement's fields replaced; then (inf, the shape's config) for larger calls."""
+    base = config_for(kind, N, K, dtype, capability)
+    entries = PLACEMENTS.get((kind, N, K, _dkey(dtype), arch_of(capability)), ())
+    return tuple((r, replace(base, **over)) for r, over in entries) + ((float("inf"), base),)
+
+
 def arch_of(capability: tuple[int, int]) -> str:
     """``"sm90"`` for compute capability 9.x, ``"sm120"`` for 12.x, ``"interp"`` for (0, 0) (the CPU
     interpreter), else ``"other"``."""
@@ -193,12 +243,10 @@ def _check(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> None:
 
 
 @dataclass
-class _Plan:
-    """Everything about one launch that depends on the weights and the config only, not on x or M."""
+class _Launch:
+    """Everything about one placement's launch that depends on the weights and the config only, not on x or M."""
 
     cfg: GemmConfig
-    N: int
-    K: int
     use_tma: bool
     kernel: object
     b: object
@@ -207,26 +255,28 @@ class _Plan:
     opts: dict
     key: int
     sms: int
-    weights: tuple
     split_consts: dict
     split_key: int
+
+
+@dataclass
+class _Plan:
+    """A weight shape's launches: (rows, _Launch) per placement, rows ascending, the last for any row count."""
+
+    N: int
+    K: int
+    launches: tuple
+    weights: tuple
 
 
 _PLANS: dict[tuple, _Plan] = {}
 
 
-def _make_plan(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> _Plan:
-    _check(x, ws)
-    ws = tuple(w.contiguous() for w in ws)
+def _make_launch(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, cfg: GemmConfig) -> _Launch:
     N, K = ws[0].shape
     cap = capability(x.device)
-    cfg = config or config_for(kind, N, K, x.dtype, cap)
     use_tma = cfg.tma and (x.device.type != "cuda" or cap[0] >= 9) and (K * x.element_size()) % 16 == 0
-    if use_tma:
-        ws = tuple(w if w.data_ptr() % 16 == 0 else w.clone() for w in ws)   # TMA needs a 16-byte-aligned base
-        bs = [descriptor(w, [cfg.block_n, cfg.block_k]) for w in ws]
-    else:
-        bs = list(ws)
+    bs = [descriptor(w, [cfg.block_n, cfg.block_k]) for w in ws] if use_tma else list(ws)
     consts = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, GATE_UP=kind == "gate_up",
                   TMA=use_tma, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EMULATE=INTERPRET,
                   SPLIT=cfg.split_k, SPLIT_LOOP=SPLIT_LOOPS.index(cfg.split_loop))
@@ -240,8 +290,19 @@ def _make_plan(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config:
                       tuple(_spec(b) for b in bs), x.device))
     split_key = intern_key((_gemm_split_kernel, tuple(split_consts.items()), tuple(opts.items()), x.dtype, N, K,
                             _spec(bs[0]), x.device))
-    return _Plan(cfg, N, K, use_tma, kernel, bs[0], bs[1] if kind == "gate_up" else None, consts, opts, key, sms,
-                 ws, split_consts, split_key)
+    return _Launch(cfg, use_tma, kernel, bs[0], bs[1] if kind == "gate_up" else None, consts, opts, key, sms,
+                   split_consts, split_key)
+
+
+def _make_plan(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> _Plan:
+    _check(x, ws)
+    ws = tuple(w.contiguous() for w in ws)
+    N, K = ws[0].shape
+    cap = capability(x.device)
+    placed = ((float("inf"), config),) if config else placements(kind, N, K, x.dtype, cap)
+    if any(c.tma for _, c in placed) and (x.device.type != "cuda" or cap[0] >= 9) and (K * x.element_size()) % 16 == 0:
+        ws = tuple(w if w.data_ptr() % 16 == 0 else w.clone() for w in ws)   # TMA needs a 16-byte-aligned base
+    return _Plan(N, K, tuple((r, _make_launch(x, ws, kind, c)) for r, c in placed), ws)
 
 
 def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> torch.Tensor:
@@ -262,19 +323,20 @@ def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmC
         return out
     if p.K == 0:                                    # an empty sum: no kernel needed (nor defined for split runs)
         return out.zero_()
-    if p.use_tma:
+    lp = next(lp for rows, lp in p.launches if M <= rows)
+    if lp.use_tma:
         if x.data_ptr() % 16:
             x = x.clone()
-        a, key = descriptor(x, [p.cfg.block_m, p.cfg.block_k]), p.key
+        a, key = descriptor(x, [lp.cfg.block_m, lp.cfg.block_k]), lp.key
     else:
-        a, key = x, (p.key, x.data_ptr() % 16 == 0)
-    tiles = cdiv(M, p.cfg.block_m) * cdiv(p.N, p.cfg.block_n)
-    if p.cfg.split_k > 1 and p.b2 is None and tiles < SPLIT_TILES_BELOW and M <= SPLIT_MAX_ROWS:
-        _run_split(p, a, out, M, key)
+        a, key = x, (lp.key, x.data_ptr() % 16 == 0)
+    tiles = cdiv(M, lp.cfg.block_m) * cdiv(p.N, lp.cfg.block_n)
+    if lp.cfg.split_k > 1 and lp.b2 is None and tiles < SPLIT_TILES_BELOW and M <= SPLIT_MAX_ROWS:
+        _run_split(lp, a, out, M, p.N, p.K, key)
         return out
-    args = (a, p.b, p.b2 if p.b2 is not None else out, out, M, p.N, p.K, p.K, p.K, p.N)   # contiguous strides
-    grid = (min(p.sms, tiles),) if p.cfg.persistent else (tiles,)
-    launch(p.kernel, grid, args, p.consts, key=key, **p.opts)
+    args = (a, lp.b, lp.b2 if lp.b2 is not None else out, out, M, p.N, p.K, p.K, p.K, p.N)   # contiguous strides
+    grid = (min(lp.sms, tiles),) if lp.cfg.persistent else (tiles,)
+    launch(lp.kernel, grid, args, lp.consts, key=key, **lp.opts)
     return out
 
 
@@ -287,14 +349,14 @@ SPLIT_MAX_ROWS = 512      # ... for calls of up to this many rows (the range mea
 _REDUCE = dict(BM=32, BN=128)
 
 
-def _run_split(p: _Plan, a, out: torch.Tensor, M: int, key) -> None:
+def _run_split(lp: _Launch, a, out: torch.Tensor, M: int, N: int, K: int, key) -> None:
     """The splits in parallel programs (partials [split_k, M, N] fp32), then their fixed-order sum, rounded."""
-    ws = torch.empty(p.cfg.split_k, M, p.N, dtype=torch.float32, device=out.device)
-    skey = p.split_key if key == p.key else (p.split_key, key[1])
-    launch(_gemm_split_kernel, (cdiv(M, p.cfg.block_m) * cdiv(p.N, p.cfg.block_n), p.cfg.split_k),
-           (a, p.b, ws, M, p.N, p.K, p.K, p.K), p.split_consts, key=skey, **p.opts)
-    launch(_split_reduce_kernel, (cdiv(M, _REDUCE["BM"]), cdiv(p.N, _REDUCE["BN"])), (ws, out, M, p.N),
-           dict(**_REDUCE, SPLIT=p.cfg.split_k, EMULATE=INTERPRET), num_warps=4)
+    ws = torch.empty(lp.cfg.split_k, M, N, dtype=torch.float32, device=out.device)
+    skey = lp.split_key if key == lp.key else (lp.split_key, key[1])
+    launch(_gemm_split_kernel, (cdiv(M, lp.cfg.block_m) * cdiv(N, lp.cfg.block_n), lp.cfg.split_k),
+           (a, lp.b, ws, M, N, K, K, K), lp.split_consts, key=skey, **lp.opts)
+    launch(_split_reduce_kernel, (cdiv(M, _REDUCE["BM"]), cdiv(N, _REDUCE["BN"])), (ws, out, M, N),
+           dict(**_REDUCE, SPLIT=lp.cfg.split_k, EMULATE=INTERPRET), num_warps=4)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:

@@ -11,23 +11,26 @@ is never stored) and records where each padded row's result goes; the fused gate
 the down GEMM then run one program per (tile, BLOCK_N columns), the tile's expert read from the route table, and
 the down GEMM stores each row straight into its (row, slot) place of y.
 
-Invariance device: the tile arithmetic is triton_gemm's (its _tile_product and rounding points, the same fixed
-config from triton_gemm.config_for for the expert's weight shape, never chosen from M or from the counts): one
+Invariance device: the tile arithmetic is triton_gemm's (its _tile_product and rounding points, BLOCK_K and
+split_k of triton_gemm.config_for for the expert's weight shape, never chosen from M or from the counts): one
 row's output depends only on that row and its expert's weights, not on how many rows its expert received, which
-tile or which tile row it landed in, or what the padding rows hold. A decode step (M = 1: k experts with one row
+tile or which tile row it landed in, or what the padding rows hold. As in triton_gemm, the placement may follow the
+call: where the pairs average few rows per expert (a decode step) the tiles have fewer rows and columns
+(EXPERT_PLACEMENTS), which changes no byte. A decode step (M = 1: k experts with one row
 each) and a prompt chunk therefore give a row the same bytes, and these equal the per-expert kernels'
 (triton_gemm.gate_up / linear) rows; tests/test_cuda_kernels.py compares them as bytes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from .triton_gemm import _check as _check_gemm
-from .triton_gemm import DTYPES, _spec, capability, config_for, descriptor
+from .triton_gemm import (DTYPES, PLACEMENT_FIELDS, _dkey, _spec, arch_of, capability, config_for,
+                          descriptor)
 from .triton_tiles import _store_tile, _tile_product
 from .triton_rows import INTERPRET, cdiv, intern_key, launch, next_pow2, round_to
 
@@ -152,10 +155,11 @@ def _grouped_kernel(a_src, b_src, b2_src, c_ptr, tile_e_ptr, dest_ptr, n_rows, N
 
 @dataclass
 class _Plan:
-    """Launch state of one layer's stacked expert weights (depends on the weights, never on M)."""
+    """Launch state of one layer's stacked expert weights (depends on the weights, never on M): per placement
+    (rows per expert, gate/up state, down state), rows ascending, the last for any count; a state is (config,
+    use_tma, b, b2, consts, opts, key)."""
 
-    gate_up: tuple          # (config, use_tma, b, b2, consts, opts, key)
-    down: tuple
+    states: tuple
     E: int
     I: int
     H: int
@@ -165,12 +169,46 @@ class _Plan:
 _PLANS: dict[tuple, _Plan] = {}
 SMALL_PAIRS = 256   # up to this many (row, slot) pairs the route kernel groups them itself (no torch.sort launch)
 ROUTE_COLUMNS = 128  # columns of h per route program: [BLOCK_M, 128] stays in registers (wider tiles spill)
+# Per (I, H, dtype, arch): (rows per expert, gate/up overrides, down overrides) in ascending rows; a call whose pairs
+# average at most that many rows per expert takes the shapes' configs with those fields replaced (one block_m for
+# both: a tile holds one expert's rows in both GEMMs). Chosen on an H200 by GPU time at 1, 8 and 64 rows of top-8
+# over 128 experts: 16-row tiles, from 44 to 32 us for a decode step's experts and from 214 to 141 us for 8 rows.
+_TILE16 = dict(block_m=16, num_warps=4, num_stages=4)
+EXPERT_PLACEMENTS: dict[tuple[int, int, str, str], tuple[tuple[int, dict, dict], ...]] = {
+    (768, 2048, "16bit", "sm90"): ((16, dict(_TILE16, block_n=64), dict(_TILE16, block_n=128)),),
+}
 
 
-def _gemm_state(kind: str, w: torch.Tensor, w2: torch.Tensor | None, dtype, device, scatter: bool) -> tuple:
+def _check_expert_placements(table: dict) -> None:
+    """Raise ValueError for an entry that overrides a field outside PLACEMENT_FIELDS, gives the two GEMMs different
+    block_m, or whose rows do not ascend."""
+    for key, entries in table.items():
+        rows = [e[0] for e in entries]
+        if rows != sorted(set(rows)) or any(not isinstance(r, int) or r < 1 for r in rows):
+            raise ValueError(f"EXPERT_PLACEMENTS[{key}]: rows must be ascending positive ints, got {rows}")
+        for _, gu, dn in entries:
+            bad = sorted((set(gu) | set(dn)) - set(PLACEMENT_FIELDS))
+            if bad or gu.get("block_m") != dn.get("block_m"):
+                raise ValueError(f"EXPERT_PLACEMENTS[{key}]: overrides must be among {', '.join(PLACEMENT_FIELDS)} "
+                                 f"(got {bad}) and give both GEMMs one block_m (got {gu.get('block_m')}, "
+                                 f"{dn.get('block_m')})")
+
+
+_check_expert_placements(EXPERT_PLACEMENTS)
+
+
+def expert_placements(I: int, H: int, dtype: torch.dtype, capability: tuple[int, int]) -> tuple:
+    """(rows per expert, gate/up config, down config) per placement, rows ascending, then (inf, the shapes'
+    configs)."""
+    gu, dn = config_for("gate_up", I, H, dtype, capability), config_for("linear", H, I, dtype, capability)
+    entries = EXPERT_PLACEMENTS.get((I, H, _dkey(dtype), arch_of(capability)), ())
+    return tuple((r, replace(gu, **g), replace(dn, **d)) for r, g, d in entries) + ((float("inf"), gu, dn),)
+
+
+def _gemm_state(kind: str, w: torch.Tensor, w2: torch.Tensor | None, dtype, device, scatter: bool,
+                cfg) -> tuple:
     E, N, K = w.shape
     cap = capability(device)
-    cfg = config_for(kind, N, K, dtype, cap)
     use_tma = cfg.tma and (device.type != "cuda" or cap[0] >= 9) and (K * w.element_size()) % 16 == 0 \
         and w.data_ptr() % 16 == 0 and (w2 is None or w2.data_ptr() % 16 == 0)
     flat = [t.view(E * N, K) for t in (w, w2) if t is not None]
@@ -199,8 +237,10 @@ def _plan(h, w_gate, w_up, w_down) -> _Plan:
     _check_gemm(h.new_empty(0, I), (w_down[0],))
     if not all(w.is_contiguous() for w in (w_gate, w_up, w_down)):
         raise ValueError("grouped experts need contiguous stacked weights")
-    p = _Plan(_gemm_state("gate_up", w_gate, w_up, h.dtype, h.device, False),
-              _gemm_state("linear", w_down, None, h.dtype, h.device, True), E, I, H, (w_gate, w_up, w_down))
+    states = tuple((r, _gemm_state("gate_up", w_gate, w_up, h.dtype, h.device, False, gu),
+                    _gemm_state("linear", w_down, None, h.dtype, h.device, True, dn))
+                   for r, gu, dn in expert_placements(I, H, h.dtype, capability(h.device)))
+    p = _Plan(states, E, I, H, (w_gate, w_up, w_down))
     if len(_PLANS) > 1024:
         _PLANS.clear()
     _PLANS[pk] = p
@@ -209,13 +249,12 @@ def _plan(h, w_gate, w_up, w_down) -> _Plan:
 
 def supported(h: torch.Tensor, w_gate: torch.Tensor, w_down: torch.Tensor) -> bool:
     """Whether the grouped kernels serve this call: a float storage dtype shared by h and the weights, both
-    projections' fixed configs share BLOCK_M (a tile must hold rows of one expert for both GEMMs) and the stacked
-    weights are contiguous."""
+    projections' configs share BLOCK_M in every placement (a tile must hold rows of one expert for both GEMMs) and
+    the stacked weights are contiguous."""
     if h.dtype not in DTYPES or w_gate.dtype != h.dtype or w_down.dtype != h.dtype or w_gate.dim() != 3:
         return False
-    cap = capability(h.device)
     E, I, H = w_gate.shape
-    return (config_for("gate_up", I, H, h.dtype, cap).block_m == config_for("linear", H, I, h.dtype, cap).block_m
+    return (all(gu.block_m == dn.block_m for _, gu, dn in expert_placements(I, H, h.dtype, capability(h.device)))
             and w_gate.is_contiguous() and w_down.is_contiguous())
 
 
@@ -249,8 +288,9 @@ def experts(h: torch.Tensor, idx: torch.Tensor, w_gate: torch.Tensor, w_up: torc
     y = torch.empty(M, k, p.H, dtype=h.dtype, device=h.device)                      # [M, k, H]
     if M == 0:
         return y
-    bm = p.gate_up[0].block_m
     n_pairs = M * k
+    _, gate_up, down = next(st for st in p.states if n_pairs <= st[0] * p.E)
+    bm = gate_up[0].block_m
     n_tiles = cdiv(n_pairs, bm) + min(p.E, n_pairs)                          # bound: no sync for counts
     ids = idx.view(-1) if idx.is_contiguous() else idx.reshape(-1)                 # [M*k], pair = row*k + slot
     small = n_pairs <= SMALL_PAIRS
@@ -265,6 +305,6 @@ def experts(h: torch.Tensor, idx: torch.Tensor, w_gate: torch.Tensor, w_up: torc
            dict(TOPK=k, BM=bm, BE=next_pow2(p.E), BH=bh,
                 SMALL=small, BP=next_pow2(n_pairs) if small else 1), num_warps=4)
     g = torch.empty(n_tiles * bm, p.I, dtype=h.dtype, device=h.device)             # SiLU(gate) * up per row
-    _launch_gemm(p.gate_up, xs, g, tile_e, dest, n_tiles, p.I, p.H)
-    _launch_gemm(p.down, g, y.view(n_pairs, p.H), tile_e, dest, n_tiles, p.H, p.I)
+    _launch_gemm(gate_up, xs, g, tile_e, dest, n_tiles, p.I, p.H)
+    _launch_gemm(down, g, y.view(n_pairs, p.H), tile_e, dest, n_tiles, p.H, p.I)
     return y
