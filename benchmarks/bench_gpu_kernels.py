@@ -140,7 +140,8 @@ def _score(times: dict, base: dict) -> float:
 
 
 def gemm(args) -> dict:
-    """GEMM / cuBLAS per shape and M for the current (or tuned) configs; with --tune, the candidate sweep."""
+    """GEMM / cuBLAS per shape and M as the wrapper runs it (the shape's current or tuned config, in its placement
+    for M: triton_gemm.placements); with --tune, the candidate sweep."""
     from exactness.kernels import triton_gemm as tg
     cap = torch.cuda.get_device_capability()
     arch = tg.arch_of(cap)
@@ -167,14 +168,16 @@ def gemm(args) -> dict:
             tg.with_config("linear", N, K, BF16, arch, cfg)
             t = best[2]
         else:
-            t = _linear_times(name, cfg)
+            t = _linear_times(name, None)
         w = _rand(N, K, scale=K ** -0.5)
+        placed = tg.placements("linear", N, K, BF16, cap)
         for M in MS:
             x = _rand(M, K)
-            gi = graph_ms(lambda: tg.linear(x, w, cfg))
+            gi = graph_ms(lambda: tg.linear(x, w))                     # the wrapper's choice: its placement for M
             gc = graph_ms(lambda: torch.nn.functional.linear(x, w))
             r, g = gi / gc, goal(M) if name in TARGETED else None
-            res["rows"].append({"shape": name, "N": N, "K": K, "M": M, "config": cfg.label(),
+            used = next(c for rows, c in placed if M <= rows)
+            res["rows"].append({"shape": name, "N": N, "K": K, "M": M, "config": used.label(),
                                 "cublas_us": base[M] * 1e3, "invariant_us": t[M] * 1e3,
                                 "launch_ratio": t[M] / base[M], "cublas_gpu_us": gc * 1e3,
                                 "invariant_gpu_us": gi * 1e3, "ratio": r, "goal": g,
@@ -225,7 +228,8 @@ def gate_up(args) -> dict:
         f = graph_ms(lambda: experts.gate_up_fast(x, wg, wu))
         c2 = graph_ms(lambda: (torch.nn.functional.linear(x, wg), torch.nn.functional.linear(x, wu)))
         g = goal(M)
-        res["rows"].append({"M": M, "config": cfg.label(), "fast_gpu_us": f * 1e3, "2xcublas_gpu_us": c2 * 1e3,
+        used = next(c for rows, c in tg.placements("gate_up", N, K, BF16, cap) if M <= rows)
+        res["rows"].append({"M": M, "config": used.label(), "fast_gpu_us": f * 1e3, "2xcublas_gpu_us": c2 * 1e3,
                             "invariant_gpu_us": t * 1e3, "vs_fast": t / f, "vs_2xcublas": t / c2, "goal": g,
                             "met": None if g is None else t / c2 <= g})
     _print_rows("fused gate_up (2048->768 x2), GPU time (CUDA graph): invariant vs fast set and vs 2 cuBLAS GEMMs",
