@@ -119,7 +119,7 @@ _DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
 # GEMM/cuBLAS ratio at M = 4096 and 16384; its candidates have no split), split_k per shape by the decode-step time
 # (bench_gpu_kernels.py --sections decode_step), and q, k/v and o's split_loop, program layout and q's stages by
 # GPU time / cuBLAS at M = 1 to 16384 (benchmarks/bench_split_k.py --part configs). The split makes a decode row (one
-# 128-row tile per BLOCK_N columns, a few programs for 132 SMs) run split_k times as many programs; it is part of
+# tile per BLOCK_N columns, a few programs for 132 SMs) run split_k times as many programs; it is part of
 # the shape's config, so prompt rows use the same split (one program per tile running the runs in turn: q, k/v and
 # o fold them into one K loop, one software pipeline across the runs), and the fused gate/up's tile by the decode
 # step and the one-chunk prefill (benchmarks/bench_gpu_goals.py: 64 columns give a decode step's one-row expert
@@ -141,9 +141,10 @@ SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
 PLACEMENT_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "persistent", "group_m", "warp_specialize")
 _SMALL = dict(num_warps=4, num_stages=4, persistent=False)
 # Per (kind, N, K, dtype, arch): (rows, overrides) in ascending rows; a call of at most ``rows`` rows takes the
-# shape's config with those fields replaced, a larger call the config itself. Chosen on an H200 by GPU time at M = 1
-# to 512 (CUDA graphs), where the shape's config keeps 128-row tiles: a one-row call then ran a 128-row tile's MMA
-# work, on few programs. Every candidate measured gave every row the shape config's bytes.
+# shape's config with those fields replaced, a larger call the config itself. The shape's config has 128-row tiles
+# for prompts; a small call in them does a 128-row tile's MMA work on few programs. Chosen on an H200 by GPU time at
+# M = 1 to 512 (benchmarks/bench_split_k.py --part placements, which also compares every candidate's bytes with the
+# config's; docs/figures.md has the figures).
 PLACEMENTS: dict[tuple[str, int, int, str, str], tuple[tuple[int, dict], ...]] = {
     ("linear", 4096, 2048, "16bit", "sm90"): ((16, dict(_SMALL, block_m=16)), (512, dict(_SMALL, block_m=64))),
     ("linear", 512, 2048, "16bit", "sm90"): ((16, dict(_SMALL, block_m=16, block_n=64)),

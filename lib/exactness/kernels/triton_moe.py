@@ -172,7 +172,7 @@ ROUTE_COLUMNS = 128  # columns of h per route program: [BLOCK_M, 128] stays in r
 # Per (I, H, dtype, arch): (rows per expert, gate/up overrides, down overrides) in ascending rows; a call whose pairs
 # average at most that many rows per expert takes the shapes' configs with those fields replaced (one block_m for
 # both: a tile holds one expert's rows in both GEMMs). Chosen on an H200 by GPU time at 1, 8 and 64 rows of top-8
-# over 128 experts: 16-row tiles, from 44 to 32 us for a decode step's experts and from 214 to 141 us for 8 rows.
+# over 128 experts (benchmarks/bench_split_k.py --part experts; docs/figures.md).
 _TILE16 = dict(block_m=16, num_warps=4, num_stages=4)
 EXPERT_PLACEMENTS: dict[tuple[int, int, str, str], tuple[tuple[int, dict, dict], ...]] = {
     (768, 2048, "16bit", "sm90"): ((16, dict(_TILE16, block_n=64), dict(_TILE16, block_n=128)),),
