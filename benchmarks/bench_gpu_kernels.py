@@ -13,7 +13,8 @@ replay, L2 warm; the do_bench ratio with host launch and L2 flush is printed bes
 invariant / fast <= 1.05 (wall clock with torch.cuda.synchronize, as end-to-end times). Other kernel times are
 medians of triton.testing.do_bench (CUDA events, L2 flushed before each run).
 
-``--tune`` times every candidate tile config per weight shape (configs are chosen per (N, K), never per M), pins
+``--tune`` times every candidate tile config per weight shape (configs are chosen per (N, K), never per M; the
+candidates run as given, without the placements small calls take), pins
 the best one in-process (triton_gemm.with_config) for the later sections and prints the table to paste into
 triton_gemm.SHAPE_CONFIGS. ``--sections compile`` needs no GPU: it compiles every kernel for sm_120 offline.
 """

@@ -97,8 +97,8 @@ def _candidates(base, kind: str) -> list:
 
 def placements() -> None:
     """Each shape at M = 1..512: shape config, wrapper's choice (its placement) and each candidate, / cuBLAS."""
-    for name, (N, K) in bg.SHAPES.items():
-        kind = "gate_up" if name == "gate|up" else "linear"
+    shapes = [(name, "gate_up" if name == "gate|up" else "linear", N, K) for name, (N, K) in bg.SHAPES.items()]
+    for name, kind, N, K in shapes + [("gate|up alone", "linear", *bg.SHAPES["gate|up"])]:
         w, w2 = bg._rand(N, K, scale=K ** -0.5), bg._rand(N, K, scale=K ** -0.5)
 
         def call(x, c=None):
@@ -118,7 +118,7 @@ def placements() -> None:
             cub = bg.graph_ms(lambda: torch.nn.functional.linear(x, w)) * (2 if kind == "gate_up" else 1)
             times = sorted((bg.graph_ms(lambda: call(x, c)) / cub, c.label()) for c in cands)
             conf, chosen = bg.graph_ms(lambda: call(x, base)) / cub, bg.graph_ms(lambda: call(x)) / cub
-            print(f"{name:7s} M={M:4d} cuBLAS {cub * 1e3:6.1f} us  config {conf:5.2f}  chosen {chosen:5.2f}  best: "
+            print(f"{name:13s} M={M:4d} cuBLAS {cub * 1e3:6.1f} us  config {conf:5.2f}  chosen {chosen:5.2f}  best: "
                   + ", ".join(f"{lab} {r:5.2f}" for r, lab in times[:3]), flush=True)
 
 

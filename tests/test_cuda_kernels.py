@@ -114,7 +114,7 @@ def test_gpu_every_gemm_placement_gives_each_row_the_shape_configs_bytes():
     g = torch.Generator(device="cuda").manual_seed(11)
     checked, control = 0, None
     for kind, N, K, dk, arch in tg.PLACEMENTS:
-        if arch != tg.arch_of(cap) or dk != "16bit":
+        if arch != tg.arch_of(cap) or dk != "bf16":
             continue
         w, w2 = ((torch.randn(N, K, generator=g, device="cuda") / K ** 0.5).bfloat16() for _ in range(2))
         x = torch.randn(600, K, generator=g, device="cuda").bfloat16()
@@ -455,18 +455,22 @@ def _interp_main() -> int:
         checks[f"split-K in turn, {loop} loop == parallel"] = row_mismatches(par, turns[:1]) == 0
         checks[f"split-K with an empty run, {loop} loop == parallel"] = row_mismatches(par4, turns[1:2]) == 0
         checks[f"split-K with a short last run, {loop} loop == parallel"] = row_mismatches(par7, turns[2:]) == 0
-    for table, check, bad in ((tg.PLACEMENTS, tg._check_placements, (16, {"block_k": 32})),
-                              (tg.PLACEMENTS, tg._check_placements, (16, {"split_k": 2})),
-                              (tm.EXPERT_PLACEMENTS, tm._check_expert_placements,
-                               (16, {"block_m": 16}, {"block_m": 32}))):
+    gemm_key, expert_key = ("linear", 8, 8, "bf16", "sm90"), (8, 8, "bf16", "sm90")
+    for name, check, table in (
+            ("block_k", tg._check_placements, {gemm_key: ((16, {"block_k": 32}),)}),
+            ("split_k", tg._check_placements, {gemm_key: ((16, {"split_k": 2}),)}),
+            ("rows not ascending", tg._check_placements, {gemm_key: ((64, {}), (16, {}))}),
+            ("two expert block_m", tm._check_expert_placements,
+             {expert_key: ((16, {"block_m": 16}, {"block_m": 32}),)}),
+            ("expert block_m unnamed", tm._check_expert_placements, {expert_key: ((16, {}, {}),)}),
+            ("expert block_k", tm._check_expert_placements,
+             {expert_key: ((16, {"block_m": 16, "block_k": 32}, {"block_m": 16}),)})):
         try:
-            check({**table, ("linear", 8, 8, "16bit", "sm90"): (bad,)})
+            check(table)
             refused = False
         except ValueError:
             refused = True
-        checks[f"placement {bad[1:]} refused"] = refused
-    checks["the shipped placement tables pass"] = (tg._check_placements(tg.PLACEMENTS) is None
-                                                   and tm._check_expert_placements(tm.EXPERT_PLACEMENTS) is None)
+        checks[f"placement table with {name} refused"] = refused
     checks["K = 0: zeros"] = torch.equal(tg.linear(xf[:, :0], wf[:, :0], c3), torch.zeros(37, 40))
     gu = tg.gate_up(x, w, w2)
     g, u = y.float(), tg.linear(x, w2).float()
@@ -531,9 +535,41 @@ def _interp_main() -> int:
     checks["grouped experts == per-expert rows"] = int(differing_rows(ye, dec).sum()) == 0
     checks["grouped experts M=1 rows"] = int(differing_rows(tm.experts(x[:1], route[:1], *we).reshape(2, 48),
                                                             ye[:2]).sum()) == 0
+    checks.update(_interp_placements(x, w, we, route, ye))
     for k, v in checks.items():
         print(f"{'ok  ' if v else 'FAIL'} {k}")
     return 0 if all(checks.values()) else 1
+
+
+def _interp_placements(x, w, we, route, ye) -> dict:
+    """An interpreter placement (16-row tiles for calls of up to 8 rows) patched into both tables: the wrapper picks
+    it by M, and its rows have the shape config's bytes (``ye``: the grouped experts without placements)."""
+    from exactness.exact import differing_rows
+    from exactness.kernels import triton_gemm as tg
+    from exactness.kernels import triton_moe as tm
+    small = dict(block_m=16, block_n=16)
+    full = tg.linear(x, w)                                                      # 37 rows: the shape's config
+    saved = dict(tg.PLACEMENTS), dict(tm.EXPERT_PLACEMENTS)
+    tg.PLACEMENTS[("linear", 40, 48, "bf16", "interp")] = ((8, small),)
+    tm.EXPERT_PLACEMENTS[(40, 48, "bf16", "interp")] = ((1, small, small),)
+    tg._PLANS.clear()
+    tm._PLANS.clear()
+    try:
+        parts = [tg.linear(x[a:a + n], w) for a, n in ((0, 1), (1, 8), (9, 28))]
+        plan = next(p for p in tg._PLANS.values() if p.N == 40 and p.K == 48)
+        chosen = [next(lp for r, lp in plan.launches if m <= r).cfg.block_m for m in (1, 8, 9)]
+        few = tm.experts(x[:2], route[:2], *we).reshape(4, 48)                  # 4 pairs over 6 experts: placed
+        tiles = {p.states[0][1][0].block_m for p in tm._PLANS.values()}
+    finally:
+        tg.PLACEMENTS.clear()
+        tg.PLACEMENTS.update(saved[0])
+        tm.EXPERT_PLACEMENTS.clear()
+        tm.EXPERT_PLACEMENTS.update(saved[1])
+        tg._PLANS.clear()
+        tm._PLANS.clear()
+    return {"placement chosen by M (16-row tiles up to 8 rows)": chosen == [16, 16, 32],
+            "placed linear rows == config rows": row_mismatches(full, parts) == 0,
+            "placed grouped experts == config rows": tiles == {16} and int(differing_rows(few, ye[:4]).sum()) == 0}
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -6,8 +6,9 @@ norm.rmsnorm_invariant, rope.rope_invariant, head.lm_head_invariant), looked up 
 function is honoured. On a CUDA tensor it calls the Triton kernels of triton_gemm.py, triton_attention.py and
 triton_rows.py, which keep the CPU kernels' semantics (storage-dtype outputs, fp32 accumulation, the RoPE table,
 stable top-k with lower-id tie-break, fp32 combine in slot order, online softmax over fixed KV blocks in ascending
-order, 1/sqrt(D) scale, causal by position per slot) and whose bytes per row do not depend on the row count: the
-same kernel with the same fixed config serves decode (M = 1) and prompt rows.
+order, 1/sqrt(D) scale, causal by position per slot) and whose bytes per row do not depend on the row count: decode
+(M = 1) and prompt rows run the same reduction order (a GEMM's K chunks and split-K fixed per weight shape; its tile
+may follow M, triton_gemm's placements, without changing a byte).
 
 ``residual`` (one rounded add per element) and ``argmax`` (first maximal index, lowest id on ties) are row-invariant
 on any device and run the same torch code on both.
@@ -90,7 +91,8 @@ def down(h: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
 def moe_experts(h: torch.Tensor, idx: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                 w_down: torch.Tensor) -> torch.Tensor | None:
     """All routed experts of a layer at once -> y [M, k, H] (triton_moe.experts), or None where not served (CPU
-    tensors, or shapes whose two expert configs differ in BLOCK_M): the caller then runs gate_up and down per expert.
+    tensors, or shapes whose two expert configs differ in BLOCK_M in any placement): the caller then runs gate_up
+    and down per expert.
 
     Args:
         h: [M, H]; idx: [M, k] int64; w_gate, w_up: [E, I, H]; w_down: [E, H, I] (stacked, contiguous).
@@ -216,16 +218,24 @@ _SMEM_LIMIT = {9: 232448, 12: 101376}   # max dynamic shared memory per block (b
 
 def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[tuple]:
     """(name, jit fn, signature, constexprs, options) of every Triton kernel the preset ``cfg`` launches."""
-    tg, ta, tr = _tk("triton_gemm"), _tk("triton_attention"), _tk("triton_rows")
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    p, i32, f32 = f"*{ty}", "i32", "fp32"
     H, D, I = cfg.hidden, cfg.head_dim, cfg.expert_inter
     shapes = {"q": (cfg.n_heads * D, H), "k/v": (cfg.n_kv_heads * D, H), "o": (H, cfg.n_heads * D),
               "router": (cfg.n_experts, H), "down": (H, I), "lm_head": (cfg.vocab_size, H), "gate_up": (I, H)}
     specs = []
-    for name, kind, N, K, c in ((name, kind, N, K, c) for name, (N, K) in shapes.items()
-                                for kind in ["gate_up" if name == "gate_up" else "linear"]
-                                for _, c in tg.placements(kind, N, K, dtype, capability)):
+    for name, (N, K) in shapes.items():
+        kind = "gate_up" if name == "gate_up" else "linear"
+        specs += _gemm_specs(name, kind, N, K, dtype, capability, ty)
+    return specs + _attention_and_row_specs(cfg, dtype, capability, ty)
+
+
+def _gemm_specs(name: str, kind: str, N: int, K: int, dtype: torch.dtype, capability: tuple[int, int],
+                ty: str) -> list[tuple]:
+    """One weight shape's GEMM kernels in every placement (triton_gemm.placements), with their split-K pairs."""
+    tg = _tk("triton_gemm")
+    p, i32, specs = f"*{ty}", "i32", []
+    placed = [c for _, c in tg.placements(kind, N, K, dtype, capability)]
+    for c in placed:
         tma = c.tma and capability[0] >= 9
         a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
         b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
@@ -240,7 +250,15 @@ def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[
         opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
         specs.append((f"gemm {name} {N}x{K} [{c.label()}]", fn, sig, const, opts))
         if c.split_k > 1 and kind == "linear":
-            specs += _split_specs(name, N, K, c, sig, const, opts, p)
+            specs += _split_specs(name, N, K, c, sig, const, opts, p, with_sum=c is placed[-1])
+    return specs
+
+
+def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:
+    """The attention, row-wise and grouped MoE kernels of the preset ``cfg``."""
+    ta, tr = _tk("triton_attention"), _tk("triton_rows")
+    p, i32, f32, specs = f"*{ty}", "i32", "fp32", []
+    H, D = cfg.hidden, cfg.head_dim
     ac = ta.config_for(D, dtype, capability)
     kv_tma = capability[0] >= 9 and D == triton_next_pow2(D)
     kv = f"tensordesc<{ty}[1, {ac.block_n}, {D}]>" if kv_tma else p
@@ -283,16 +301,21 @@ def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[
     return specs
 
 
-def _split_specs(name: str, N: int, K: int, c, sig: dict, const: dict, opts: dict, p: str) -> list[tuple]:
-    """The parallel split-K pair of a linear shape whose config splits K: per-split partials, then their sum."""
+def _split_specs(name: str, N: int, K: int, c, sig: dict, const: dict, opts: dict, p: str,
+                 with_sum: bool = True) -> list[tuple]:
+    """The parallel split-K kernels of a linear shape whose config splits K: per-split partials in config ``c``,
+    then (``with_sum``: once per shape, its launch does not depend on the tile) their sum."""
     tg = _tk("triton_gemm")
     ssig = dict(a_src=sig["a_src"], b_src=sig["b_src"], ws_ptr="*fp32", M="i32", N="i32", K="i32", stride_am="i32",
                 stride_bn="i32")
     sconst = {k: v for k, v in const.items() if k in ("BM", "BN", "BK", "GROUP_M", "TMA", "PRECISION", "EMULATE",
                                                        "SPLIT")}
-    return [(f"gemm {name} {N}x{K} split-K partials", tg._gemm_split_kernel, ssig, sconst, opts),
-            (f"gemm {name} split-K sum", tg._split_reduce_kernel, dict(ws_ptr="*fp32", c_ptr=p, M="i32", N="i32"),
-             dict(**tg._REDUCE, SPLIT=c.split_k, EMULATE=False), dict(num_warps=4))]
+    out = [(f"gemm {name} {N}x{K} split-K partials [{c.label()}]", tg._gemm_split_kernel, ssig, sconst, opts)]
+    if with_sum:
+        out.append((f"gemm {name} split-K sum", tg._split_reduce_kernel,
+                    dict(ws_ptr="*fp32", c_ptr=p, M="i32", N="i32"), dict(**tg._REDUCE, SPLIT=c.split_k,
+                                                                        EMULATE=False), dict(num_warps=4)))
+    return out
 
 
 def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:
@@ -303,8 +326,8 @@ def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str
     E, H, I = cfg.n_experts, cfg.hidden, cfg.expert_inter
     specs = []
     placed = tm.expert_placements(I, H, dtype, capability)
-    for kind, N, K, c in ((kind, N, K, cs[i]) for cs in placed for i, (kind, N, K) in
-                          enumerate((("gate_up", I, H), ("linear", H, I)), start=1)):
+    gemms = [("gate_up", I, H, gu) for _, gu, _ in placed] + [("linear", H, I, dn) for _, _, dn in placed]
+    for kind, N, K, c in gemms:
         tma = c.tma and capability[0] >= 9
         a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
         b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p

@@ -63,13 +63,14 @@ FAST = register_set(
 )
 
 _INVARIANT = {
-    "dense": (cuda.dense_invariant, "CPU: F.linear on 64-row tiles; CUDA: Triton GEMM, fixed tile and split-K "
-              "per (N, K) for every M, partials summed in split order; quantized weights: fp32 dequantized "
-              "products, fixed pairwise sum per row (any device)"),
-    "router": (cuda.router_any, "64-row tiles (CUDA: fixed-tile GEMM); fp32 softmax; top-k, lower id wins ties "
-               "(group-limited: CPU only)"),
-    "expert_gate_up": (cuda.gate_up_any, "64-row tiles for GEMMs and SiLU (CUDA: one fused fixed-tile GEMM)"),
-    "expert_down": (cuda.down_any, "CPU: F.linear on fixed 64-row tiles; CUDA: fixed-tile Triton GEMM"),
+    "dense": (cuda.dense_invariant, "CPU: F.linear on 64-row tiles; CUDA: Triton GEMM, K chunks and split-K "
+              "fixed per (N, K) for every M (tile size may follow M, same bytes), partials summed in split order; "
+              "quantized weights: fp32 dequantized products, fixed pairwise sum per row (any device)"),
+    "router": (cuda.router_any, "64-row tiles (CUDA: the dense Triton GEMM); fp32 softmax; top-k, lower id wins "
+               "ties (group-limited: CPU only)"),
+    "expert_gate_up": (cuda.gate_up_any, "64-row tiles for GEMMs and SiLU (CUDA: one fused Triton GEMM, K order "
+                       "as dense)"),
+    "expert_down": (cuda.down_any, "CPU: F.linear on fixed 64-row tiles; CUDA: the dense Triton GEMM"),
     "moe_combine": (cuda.combine, "fp32 sum over k in slot order"),
     "attention": (attention.reads_fp8(cuda.attention), "query-row tiles, fixed KV blocks (CPU 256, CUDA per "
                   "config), online softmax in order (CUDA: softmax weights rounded to the storage dtype for P·V, "
@@ -78,7 +79,7 @@ _INVARIANT = {
     "rmsnorm": (cuda.rmsnorm, "64-row tiles (CUDA: one fixed row block per width)"),
     "rope": (cuda.rope, "cos/sin gathered from a table"),
     "residual": (cuda.residual, "a + b"),
-    "lm_head": (cuda.lm_head, "CPU: F.linear on fixed 64-row tiles; CUDA: fixed-tile Triton GEMM"),
+    "lm_head": (cuda.lm_head, "CPU: F.linear on fixed 64-row tiles; CUDA: the dense Triton GEMM"),
     "argmax": (cuda.argmax, "torch.argmax (first maximum)"),
 }
 

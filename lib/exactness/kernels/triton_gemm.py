@@ -9,11 +9,11 @@ M = 16384 alike. A row's bytes therefore depend only on the row and the weights:
 the row of a prompt call (M rows) bit for bit.
 
 Tile placement may depend on M: which program computes which tile, the persistent grid, and on sm_90 the tile's
-rows and columns, warps and pipeline stages (PLACEMENTS: small-M calls take smaller tiles). ``tl.dot`` computes
-each output element from its own row and column in the same k-steps whatever the tile's shape, so no placement
-changes a byte; a placement carries no BLOCK_K or split_k of its own (it overrides only PLACEMENT_FIELDS of the
-shape's config), and tests/test_cuda_kernels.py checks on the GPU that every placement gives every row the bytes of
-the shape's config.
+rows and columns, warps and pipeline stages (PLACEMENTS: small-M bf16 calls take smaller tiles). A placement
+carries no BLOCK_K or split_k of its own (it overrides only PLACEMENT_FIELDS of the shape's config). That it changes
+no byte is a property of the GPU's MMA, measured on sm_90 (``tl.dot`` gave each output element the same bytes from
+16-row ``mma.sync`` tiles as from 64- and 128-row ``wgmma`` tiles), not a guarantee: every entry must pass the GPU
+test tests/test_cuda_kernels.py runs on its architecture (each placement gives every row the shape config's bytes).
 
 Semantics (same as the CPU kernels dense.tile_linear / experts.gate_up_invariant): storage-dtype inputs, fp32
 accumulation (tensor cores for bf16/fp16; ``input_precision="ieee"`` FMA for fp32, so no tf32 rounding), the
@@ -43,7 +43,8 @@ SPLIT_LOOPS = ("runs", "fold", "flat")   # GemmConfig.split_loop; the index is t
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One fixed tile configuration (chosen per weight shape and architecture, never per M).
+    """One tile configuration: a weight shape's config (chosen per shape and architecture, never per M), or one of
+    its placements (the same BLOCK_K and split_k; PLACEMENTS).
 
     Attributes:
         block_m, block_n, block_k: tile sizes (rows of x, rows of w, reduction step); powers of two >= 16.
@@ -122,8 +123,8 @@ _DEFAULTS: dict[tuple[str, str, str], GemmConfig] = {
 # tile per BLOCK_N columns, a few programs for 132 SMs) run split_k times as many programs; it is part of
 # the shape's config, so prompt rows use the same split (one program per tile running the runs in turn: q, k/v and
 # o fold them into one K loop, one software pipeline across the runs), and the fused gate/up's tile by the decode
-# step and the one-chunk prefill (benchmarks/bench_gpu_goals.py: 64 columns give a decode step's one-row expert
-# tiles twice the programs). The ratios this table reaches, with the commands that measure them, are in
+# step and the one-chunk prefill (benchmarks/bench_gpu_goals.py). Small calls take the shape's PLACEMENTS below
+# instead of these tiles. The ratios this table reaches, with the commands that measure them, are in
 # docs/figures.md.
 SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
     ("linear", 4096, 2048, "16bit", "sm90"): GemmConfig(128, 128, 64, 5, 8, split_k=4, split_loop="fold"),  # q
@@ -140,22 +141,27 @@ SHAPE_CONFIGS: dict[tuple[str, int, int, str, str], GemmConfig] = {
 # What a placement may change: how a tile is laid out and run, never BLOCK_K or split_k (the row's arithmetic).
 PLACEMENT_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "persistent", "group_m", "warp_specialize")
 _SMALL = dict(num_warps=4, num_stages=4, persistent=False)
-# Per (kind, N, K, dtype, arch): (rows, overrides) in ascending rows; a call of at most ``rows`` rows takes the
+# Per (kind, N, K, "bf16", arch): (rows, overrides) in ascending rows; a call of at most ``rows`` rows takes the
 # shape's config with those fields replaced, a larger call the config itself. The shape's config has 128-row tiles
 # for prompts; a small call in them does a 128-row tile's MMA work on few programs. Chosen on an H200 by GPU time at
 # M = 1 to 512 (benchmarks/bench_split_k.py --part placements, which also compares every candidate's bytes with the
 # config's; docs/figures.md has the figures).
 PLACEMENTS: dict[tuple[str, int, int, str, str], tuple[tuple[int, dict], ...]] = {
-    ("linear", 4096, 2048, "16bit", "sm90"): ((16, dict(_SMALL, block_m=16)), (512, dict(_SMALL, block_m=64))),
-    ("linear", 512, 2048, "16bit", "sm90"): ((16, dict(_SMALL, block_m=16, block_n=64)),
-                                             (512, dict(_SMALL, block_m=64, block_n=64))),
-    ("linear", 2048, 4096, "16bit", "sm90"): ((16, dict(_SMALL, block_m=16)), (512, dict(_SMALL, block_m=64))),
-    ("linear", 768, 2048, "16bit", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
-    ("linear", 2048, 768, "16bit", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
-    ("linear", 128, 2048, "16bit", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
-    ("linear", 258, 2048, "16bit", "sm90"): ((256, dict(_SMALL, block_m=64)),),
-    ("gate_up", 768, 2048, "16bit", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=32)),),
+    ("linear", 4096, 2048, "bf16", "sm90"): ((16, dict(_SMALL, block_m=16)), (512, dict(_SMALL, block_m=64))),
+    ("linear", 512, 2048, "bf16", "sm90"): ((16, dict(_SMALL, block_m=16, block_n=64)),
+                                           (512, dict(_SMALL, block_m=64, block_n=64))),
+    ("linear", 2048, 4096, "bf16", "sm90"): ((16, dict(_SMALL, block_m=16)), (512, dict(_SMALL, block_m=64))),
+    ("linear", 768, 2048, "bf16", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
+    ("linear", 2048, 768, "bf16", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
+    ("linear", 128, 2048, "bf16", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
+    ("linear", 258, 2048, "bf16", "sm90"): ((256, dict(_SMALL, block_m=64)),),
+    ("gate_up", 768, 2048, "bf16", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=32)),),
 }
+
+
+def _pkey(dtype: torch.dtype) -> str | None:
+    """The dtype key of the placement tables: bf16 only (the dtype their bytes were measured in)."""
+    return "bf16" if dtype == torch.bfloat16 else None
 
 
 def _check_placements(table: dict) -> None:
@@ -179,7 +185,7 @@ def placements(kind: str, N: int, K: int, dtype: torch.dtype, capability: tuple[
     """(rows, config) per placement of a weight shape, rows ascending: the shape's config (config_for) with the
     placement's fields replaced; then (inf, the shape's config) for larger calls."""
     base = config_for(kind, N, K, dtype, capability)
-    entries = PLACEMENTS.get((kind, N, K, _dkey(dtype), arch_of(capability)), ())
+    entries = PLACEMENTS.get((kind, N, K, _pkey(dtype), arch_of(capability)), ())
     return tuple((r, replace(base, **over)) for r, over in entries) + ((float("inf"), base),)
 
 
@@ -366,7 +372,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -
     Args:
         x: [M, K] bf16/fp16/fp32 on a CUDA device (or CPU under TRITON_INTERPRET=1).
         w: [N, K] same dtype and device.
-        config: override the shape's fixed config (benchmarks only; a config must not depend on M).
+        config: run this config as given, without placements (benchmarks and tests; a config must not depend
+            on M).
     Returns:
         [M, N] in x's dtype: fp32 accumulation over K in ascending BLOCK_K chunks, rounded once.
     Raises:
@@ -381,7 +388,7 @@ def gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
 
     Args:
         x: [M, H]; w_gate, w_up: [I, H]; one dtype (bf16/fp16/fp32), one device.
-        config: override the shape's fixed config (benchmarks only).
+        config: run this config as given, without placements (benchmarks and tests).
     Returns:
         [M, I] in x's dtype.
     Raises:
@@ -391,7 +398,8 @@ def gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
 
 
 def with_config(kind: str, N: int, K: int, dtype: torch.dtype, arch: str, cfg: GemmConfig) -> None:
-    """Pin ``cfg`` for one weight shape (what the tuned table below does); the key has no M by construction."""
+    """Pin ``cfg`` as one weight shape's config (what the tuned table below does); the key has no M by construction.
+    Its placements (PLACEMENTS) still replace their fields for small calls. Plans made before keep the old config."""
     if arch not in ("sm90", "sm120", "other", "interp"):
         raise ValueError(f"arch must be 'sm90', 'sm120', 'other' or 'interp', got {arch!r}")
     SHAPE_CONFIGS[(kind, N, K, _dkey(dtype), arch)] = replace(cfg)

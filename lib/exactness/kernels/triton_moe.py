@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .triton_gemm import _check as _check_gemm
-from .triton_gemm import (DTYPES, PLACEMENT_FIELDS, _dkey, _spec, arch_of, capability, config_for,
+from .triton_gemm import (DTYPES, PLACEMENT_FIELDS, _pkey, _spec, arch_of, capability, config_for,
                           descriptor)
 from .triton_tiles import _store_tile, _tile_product
 from .triton_rows import INTERPRET, cdiv, intern_key, launch, next_pow2, round_to
@@ -169,13 +169,14 @@ class _Plan:
 _PLANS: dict[tuple, _Plan] = {}
 SMALL_PAIRS = 256   # up to this many (row, slot) pairs the route kernel groups them itself (no torch.sort launch)
 ROUTE_COLUMNS = 128  # columns of h per route program: [BLOCK_M, 128] stays in registers (wider tiles spill)
-# Per (I, H, dtype, arch): (rows per expert, gate/up overrides, down overrides) in ascending rows; a call whose pairs
+# Per (I, H, "bf16", arch): (rows per expert, gate/up overrides, down overrides) in ascending rows; a call whose pairs
 # average at most that many rows per expert takes the shapes' configs with those fields replaced (one block_m for
 # both: a tile holds one expert's rows in both GEMMs). Chosen on an H200 by GPU time at 1, 8 and 64 rows of top-8
-# over 128 experts (benchmarks/bench_split_k.py --part experts; docs/figures.md).
+# over 128 experts, at most 4 rows per expert (benchmarks/bench_split_k.py --part experts; docs/figures.md); the
+# GPU test compares bytes up to 16 rows per expert.
 _TILE16 = dict(block_m=16, num_warps=4, num_stages=4)
 EXPERT_PLACEMENTS: dict[tuple[int, int, str, str], tuple[tuple[int, dict, dict], ...]] = {
-    (768, 2048, "16bit", "sm90"): ((16, dict(_TILE16, block_n=64), dict(_TILE16, block_n=128)),),
+    (768, 2048, "bf16", "sm90"): ((16, dict(_TILE16, block_n=64), dict(_TILE16, block_n=128)),),
 }
 
 
@@ -188,10 +189,12 @@ def _check_expert_placements(table: dict) -> None:
             raise ValueError(f"EXPERT_PLACEMENTS[{key}]: rows must be ascending positive ints, got {rows}")
         for _, gu, dn in entries:
             bad = sorted((set(gu) | set(dn)) - set(PLACEMENT_FIELDS))
-            if bad or gu.get("block_m") != dn.get("block_m"):
-                raise ValueError(f"EXPERT_PLACEMENTS[{key}]: overrides must be among {', '.join(PLACEMENT_FIELDS)} "
-                                 f"(got {bad}) and give both GEMMs one block_m (got {gu.get('block_m')}, "
-                                 f"{dn.get('block_m')})")
+            if bad:
+                raise ValueError(f"EXPERT_PLACEMENTS[{key}] overrides {bad}: a placement may change only "
+                                 f"{', '.join(PLACEMENT_FIELDS)}")
+            if "block_m" not in gu or gu["block_m"] != dn.get("block_m"):
+                raise ValueError(f"EXPERT_PLACEMENTS[{key}]: both GEMMs must name one block_m, got "
+                                 f"{gu.get('block_m')} (gate/up) and {dn.get('block_m')} (down)")
 
 
 _check_expert_placements(EXPERT_PLACEMENTS)
@@ -201,7 +204,7 @@ def expert_placements(I: int, H: int, dtype: torch.dtype, capability: tuple[int,
     """(rows per expert, gate/up config, down config) per placement, rows ascending, then (inf, the shapes'
     configs)."""
     gu, dn = config_for("gate_up", I, H, dtype, capability), config_for("linear", H, I, dtype, capability)
-    entries = EXPERT_PLACEMENTS.get((I, H, _dkey(dtype), arch_of(capability)), ())
+    entries = EXPERT_PLACEMENTS.get((I, H, _pkey(dtype), arch_of(capability)), ())
     return tuple((r, replace(gu, **g), replace(dn, **d)) for r, g, d in entries) + ((float("inf"), gu, dn),)
 
 
@@ -237,9 +240,12 @@ def _plan(h, w_gate, w_up, w_down) -> _Plan:
     _check_gemm(h.new_empty(0, I), (w_down[0],))
     if not all(w.is_contiguous() for w in (w_gate, w_up, w_down)):
         raise ValueError("grouped experts need contiguous stacked weights")
+    placed = expert_placements(I, H, h.dtype, capability(h.device))
+    if any(gu.block_m != dn.block_m for _, gu, dn in placed):
+        raise ValueError(f"grouped experts need one BLOCK_M for gate/up and down in every placement, got "
+                         f"{[(gu.block_m, dn.block_m) for _, gu, dn in placed]}")
     states = tuple((r, _gemm_state("gate_up", w_gate, w_up, h.dtype, h.device, False, gu),
-                    _gemm_state("linear", w_down, None, h.dtype, h.device, True, dn))
-                   for r, gu, dn in expert_placements(I, H, h.dtype, capability(h.device)))
+                    _gemm_state("linear", w_down, None, h.dtype, h.device, True, dn)) for r, gu, dn in placed)
     p = _Plan(states, E, I, H, (w_gate, w_up, w_down))
     if len(_PLANS) > 1024:
         _PLANS.clear()
