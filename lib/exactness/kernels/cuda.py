@@ -250,7 +250,11 @@ def _gemm_specs(name: str, kind: str, N: int, K: int, dtype: torch.dtype, capabi
         opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
         specs.append((f"gemm {name} {N}x{K} [{c.label()}]", fn, sig, const, opts))
         if c.split_k > 1 and kind == "linear":
-            specs += _split_specs(name, N, K, c, sig, const, opts, p, with_sum=c is placed[-1])
+            specs.append(_split_partials_spec(name, N, K, c, sig, const, opts))
+    if placed[-1].split_k > 1 and kind == "linear":        # one sum per shape: its launch has no tile of its own
+        specs.append((f"gemm {name} split-K sum", tg._split_reduce_kernel,
+                      dict(ws_ptr="*fp32", c_ptr=p, M=i32, N=i32),
+                      dict(**tg._REDUCE, SPLIT=placed[-1].split_k, EMULATE=False), dict(num_warps=4)))
     return specs
 
 
@@ -301,21 +305,14 @@ def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int
     return specs
 
 
-def _split_specs(name: str, N: int, K: int, c, sig: dict, const: dict, opts: dict, p: str,
-                 with_sum: bool = True) -> list[tuple]:
-    """The parallel split-K kernels of a linear shape whose config splits K: per-split partials in config ``c``,
-    then (``with_sum``: once per shape, its launch does not depend on the tile) their sum."""
+def _split_partials_spec(name: str, N: int, K: int, c, sig: dict, const: dict, opts: dict) -> tuple:
+    """The per-split partials kernel of a linear shape whose config splits K, in config ``c``."""
     tg = _tk("triton_gemm")
     ssig = dict(a_src=sig["a_src"], b_src=sig["b_src"], ws_ptr="*fp32", M="i32", N="i32", K="i32", stride_am="i32",
                 stride_bn="i32")
     sconst = {k: v for k, v in const.items() if k in ("BM", "BN", "BK", "GROUP_M", "TMA", "PRECISION", "EMULATE",
                                                        "SPLIT")}
-    out = [(f"gemm {name} {N}x{K} split-K partials [{c.label()}]", tg._gemm_split_kernel, ssig, sconst, opts)]
-    if with_sum:
-        out.append((f"gemm {name} split-K sum", tg._split_reduce_kernel,
-                    dict(ws_ptr="*fp32", c_ptr=p, M="i32", N="i32"), dict(**tg._REDUCE, SPLIT=c.split_k,
-                                                                        EMULATE=False), dict(num_warps=4)))
-    return out
+    return (f"gemm {name} {N}x{K} split-K partials [{c.label()}]", tg._gemm_split_kernel, ssig, sconst, opts)
 
 
 def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:

@@ -164,17 +164,21 @@ def _pkey(dtype: torch.dtype) -> str | None:
     return "bf16" if dtype == torch.bfloat16 else None
 
 
+def check_placement(where: str, rows: list, overrides: list[dict]) -> None:
+    """Raise ValueError (naming ``where``, a table entry) unless ``rows`` ascend as positive ints and every override
+    dict changes only PLACEMENT_FIELDS. Shared by this module's and triton_moe's placement tables."""
+    if rows != sorted(set(rows)) or any(not isinstance(r, int) or r < 1 for r in rows):
+        raise ValueError(f"{where}: rows must be ascending positive ints, got {rows}")
+    bad = sorted(set().union(*overrides) - set(PLACEMENT_FIELDS))
+    if bad:
+        raise ValueError(f"{where} overrides {bad}: a placement may change only {', '.join(PLACEMENT_FIELDS)} "
+                         "(BLOCK_K and split_k fix a row's arithmetic)")
+
+
 def _check_placements(table: dict) -> None:
     """Raise ValueError for an entry that overrides a field outside PLACEMENT_FIELDS or whose rows do not ascend."""
     for key, entries in table.items():
-        rows = [r for r, _ in entries]
-        if rows != sorted(set(rows)) or any(not isinstance(r, int) or r < 1 for r in rows):
-            raise ValueError(f"PLACEMENTS[{key}]: rows must be ascending positive ints, got {rows}")
-        for _, over in entries:
-            bad = sorted(set(over) - set(PLACEMENT_FIELDS))
-            if bad:
-                raise ValueError(f"PLACEMENTS[{key}] overrides {bad}: a placement may change only "
-                                 f"{', '.join(PLACEMENT_FIELDS)} (BLOCK_K and split_k fix a row's arithmetic)")
+        check_placement(f"PLACEMENTS[{key}]", [r for r, _ in entries], [over for _, over in entries])
 
 
 _check_placements(PLACEMENTS)
@@ -281,8 +285,7 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _make_launch(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, cfg: GemmConfig) -> _Launch:
     N, K = ws[0].shape
-    cap = capability(x.device)
-    use_tma = cfg.tma and (x.device.type != "cuda" or cap[0] >= 9) and (K * x.element_size()) % 16 == 0
+    use_tma = cfg.tma and _tma_fits(x, K)
     bs = [descriptor(w, [cfg.block_n, cfg.block_k]) for w in ws] if use_tma else list(ws)
     consts = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, GATE_UP=kind == "gate_up",
                   TMA=use_tma, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EMULATE=INTERPRET,
@@ -301,13 +304,17 @@ def _make_launch(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, cfg: 
                    split_consts, split_key)
 
 
+def _tma_fits(x: torch.Tensor, K: int) -> bool:
+    """Whether TMA loads serve x's device (sm_90+, or the interpreter) for rows of K elements (16-byte rows)."""
+    return (x.device.type != "cuda" or capability(x.device)[0] >= 9) and (K * x.element_size()) % 16 == 0
+
+
 def _make_plan(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> _Plan:
     _check(x, ws)
     ws = tuple(w.contiguous() for w in ws)
     N, K = ws[0].shape
-    cap = capability(x.device)
-    placed = ((float("inf"), config),) if config else placements(kind, N, K, x.dtype, cap)
-    if any(c.tma for _, c in placed) and (x.device.type != "cuda" or cap[0] >= 9) and (K * x.element_size()) % 16 == 0:
+    placed = ((float("inf"), config),) if config else placements(kind, N, K, x.dtype, capability(x.device))
+    if any(c.tma for _, c in placed) and _tma_fits(x, K):
         ws = tuple(w if w.data_ptr() % 16 == 0 else w.clone() for w in ws)   # TMA needs a 16-byte-aligned base
     return _Plan(N, K, tuple((r, _make_launch(x, ws, kind, c)) for r, c in placed), ws)
 

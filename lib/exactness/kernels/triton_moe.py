@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 
 from .triton_gemm import _check as _check_gemm
-from .triton_gemm import (DTYPES, PLACEMENT_FIELDS, _pkey, _spec, arch_of, capability, config_for,
-                          descriptor)
+from .triton_gemm import DTYPES, _pkey, _spec, arch_of, capability, check_placement, config_for, descriptor
 from .triton_tiles import _store_tile, _tile_product
 from .triton_rows import INTERPRET, cdiv, intern_key, launch, next_pow2, round_to
 
@@ -184,14 +183,9 @@ def _check_expert_placements(table: dict) -> None:
     """Raise ValueError for an entry that overrides a field outside PLACEMENT_FIELDS, gives the two GEMMs different
     block_m, or whose rows do not ascend."""
     for key, entries in table.items():
-        rows = [e[0] for e in entries]
-        if rows != sorted(set(rows)) or any(not isinstance(r, int) or r < 1 for r in rows):
-            raise ValueError(f"EXPERT_PLACEMENTS[{key}]: rows must be ascending positive ints, got {rows}")
+        check_placement(f"EXPERT_PLACEMENTS[{key}]", [e[0] for e in entries],
+                        [o for _, gu, dn in entries for o in (gu, dn)])
         for _, gu, dn in entries:
-            bad = sorted((set(gu) | set(dn)) - set(PLACEMENT_FIELDS))
-            if bad:
-                raise ValueError(f"EXPERT_PLACEMENTS[{key}] overrides {bad}: a placement may change only "
-                                 f"{', '.join(PLACEMENT_FIELDS)}")
             if "block_m" not in gu or gu["block_m"] != dn.get("block_m"):
                 raise ValueError(f"EXPERT_PLACEMENTS[{key}]: both GEMMs must name one block_m, got "
                                  f"{gu.get('block_m')} (gate/up) and {dn.get('block_m')} (down)")
@@ -241,7 +235,7 @@ def _plan(h, w_gate, w_up, w_down) -> _Plan:
     if not all(w.is_contiguous() for w in (w_gate, w_up, w_down)):
         raise ValueError("grouped experts need contiguous stacked weights")
     placed = expert_placements(I, H, h.dtype, capability(h.device))
-    if any(gu.block_m != dn.block_m for _, gu, dn in placed):
+    if not _one_block_m(placed):
         raise ValueError(f"grouped experts need one BLOCK_M for gate/up and down in every placement, got "
                          f"{[(gu.block_m, dn.block_m) for _, gu, dn in placed]}")
     states = tuple((r, _gemm_state("gate_up", w_gate, w_up, h.dtype, h.device, False, gu),
@@ -260,8 +254,13 @@ def supported(h: torch.Tensor, w_gate: torch.Tensor, w_down: torch.Tensor) -> bo
     if h.dtype not in DTYPES or w_gate.dtype != h.dtype or w_down.dtype != h.dtype or w_gate.dim() != 3:
         return False
     E, I, H = w_gate.shape
-    return (all(gu.block_m == dn.block_m for _, gu, dn in expert_placements(I, H, h.dtype, capability(h.device)))
+    return (_one_block_m(expert_placements(I, H, h.dtype, capability(h.device)))
             and w_gate.is_contiguous() and w_down.is_contiguous())
+
+
+def _one_block_m(placed: tuple) -> bool:
+    """Whether gate/up and down share BLOCK_M in every placement (a tile holds one expert's rows in both GEMMs)."""
+    return all(gu.block_m == dn.block_m for _, gu, dn in placed)
 
 
 def _launch_gemm(state: tuple, a: torch.Tensor, out: torch.Tensor, tile_e, dest, n_tiles: int, N: int, K: int):
