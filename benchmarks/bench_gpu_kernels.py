@@ -390,7 +390,8 @@ def decode_step(args) -> dict:
     eager and replayed from a CUDA graph (graphs.GraphDecoder), all timed side by side in one loop.
 
     The invariant set runs eagerly with Triton fast launch on and off (triton_rows.FAST_LAUNCH); both give the same
-    logits. A graph step's logits are compared as bytes with the eager step's at the same position.
+    logits. On graphs it runs with programmatic dependent launch on and off (triton_rows.PDL, fixed when the graph is
+    captured). A graph step's logits are compared as bytes with the eager step's at the same position.
     """
     from exactness.cache import KVCache
     from exactness.exact import bytes_equal
@@ -409,13 +410,18 @@ def decode_step(args) -> dict:
         tr.FAST_LAUNCH = fl
         logits[fl] = eager_step(w, cache, tok, pos0, slots, "invariant").clone()
     dec, graph_same = {}, {}
-    for ks in ("fast", "invariant"):
+    for name, ks, pdl in (("fast", "fast", True), ("invariant", "invariant", True),
+                          ("invariant (PDL off)", "invariant", False)):
+        tr.PDL = pdl                                                         # captured into the graph
         eager = eager_step(w, cache, tok, pos0, slots, ks).clone()
-        dec[ks] = GraphDecoder(w, cache, ks)
-        dec[ks].step(tok, [P], [0])                                          # eager warm-up, then capture
-        graph_same[ks] = bytes_equal(eager, dec[ks].step(tok, [P], [0]))     # the first replay
+        dec[name] = GraphDecoder(w, cache, ks)
+        dec[name].step(tok, [P], [0])                                        # eager warm-up, then capture
+        replay = dec[name].step(tok, [P], [0])                               # the first replay
+        graph_same[name] = bytes_equal(eager, replay)
+        logits[name] = replay.clone()
+    tr.PDL = True
     times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
-             "invariant (graphs)": []}
+             "invariant (graphs)": [], "invariant (PDL off) (graphs)": []}
     for rnd in range(5):
         for ks in times:
             tr.FAST_LAUNCH = ks != "invariant (fast launch off)"
@@ -425,7 +431,7 @@ def decode_step(args) -> dict:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 if ks.endswith("(graphs)"):
-                    dec[name].step(tok, [P + i], [0])
+                    dec[ks[:-len(" (graphs)")]].step(tok, [P + i], [0])
                 else:
                     eager_step(w, cache, tok, pos, slots, name)
                 torch.cuda.synchronize()
@@ -443,6 +449,12 @@ def decode_step(args) -> dict:
                    "reason": dec[ks].reason, "same_logits": graph_same[ks], "goal_ms": 1.0,
                    "met": med[f"{ks} (graphs)"] * 1e3 <= 1.0} for ks in ("fast", "invariant")]
     same = torch.equal(logits[False].view(torch.int32), logits[True].view(torch.int32))
+    on, off = med["invariant (graphs)"], med["invariant (PDL off) (graphs)"]
+    pdl = {"on_ms": on * 1e3, "off_ms": off * 1e3, "on/off": on / off,
+           "same_logits": bytes_equal(logits["invariant"], logits["invariant (PDL off)"])
+           and graph_same["invariant (PDL off)"]}
+    _print_rows("invariant decode step on graphs, programmatic dependent launch on vs off (triton_rows.PDL), "
+                "median wall time", [pdl])
     _print_rows(f"decode step, small preset ({args.e2e_weights} weights), median wall time; fast launch on/off "
                 f"logits identical: {same}", out)
     _print_rows("decode step with CUDA graphs (graphs.GraphDecoder) vs eager, same run", graph_rows)
@@ -450,12 +462,16 @@ def decode_step(args) -> dict:
     for ks in ("fast", "invariant"):
         kernels[f"{ks} (graphs)"] = _step_kernels(f"{ks} (graphs)", lambda: dec[ks].step(tok, [P], [0]))
         kernels[ks] = _step_kernels(ks, lambda: eager_step(w, cache, tok, pos0, slots, ks))
-    return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "kernels": kernels}
+    kernels["invariant (PDL off) (graphs)"] = _step_kernels(
+        "invariant (PDL off) (graphs)", lambda: dec["invariant (PDL off)"].step(tok, [P], [0]))
+    return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "pdl": pdl, "kernels": kernels}
 
 
 def _step_kernels(label: str, step, top: int = 8) -> dict:
     """GPU time of one call of ``step`` by kernel (torch.profiler, CUDA activity): the sum over kernels, the wall
-    time of the call, and the ``top`` kernels by total time (name, calls, microseconds)."""
+    time of the call, and the ``top`` kernels by total time (name, calls, microseconds). A kernel launched with
+    programmatic dependent launch starts before its predecessor ends and waits for it, so its time counts that
+    wait: profile a step without PDL for each kernel's own time."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     step()
     torch.cuda.synchronize()

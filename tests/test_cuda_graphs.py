@@ -436,3 +436,29 @@ def test_gpu_drafted_on_graphs_bytes_equal_eager(gpu_weights, prompt, kernels, d
         assert not same_drafted(eager, planted(lambda g: g.positions.sub_(1) if g.head is None and g.n > 1 else 0))
     if draft == "mtp":                      # the head's graphs alone: its rows' KV written one position early
         assert not same_drafted(eager, planted(lambda g: g.positions.sub_(1) if g.head is not None else 0))
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("sched", ["decode", "batched"])
+def test_gpu_programmatic_dependent_launch_keeps_every_byte(gpu_weights, prompt, sched, monkeypatch):
+    """The invariant set's kernels launched with PDL (launch_pdl, griddepcontrol.wait first: sm_90+) and without:
+    prompt logits, tokens, generated logits and KV bytes equal, eagerly and on graphs. Negative control: a stale
+    device position in the PDL graph run is caught by the same comparison."""
+    from exactness.kernels import triton_rows as tr
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    runs = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(tr, "PDL", pdl)
+        for g in (False, True):
+            runs[pdl, g] = generate(gpu_weights, prompt, GEN, "invariant", Schedule(sched), keep_cache=True, graphs=g)
+    assert any(key[2] for key in tr._COMPILED), "no launch used PDL"
+    ref = runs[False, False]
+    assert ref.prompt_logits is not None
+    for k, run in runs.items():
+        assert same_decode_run(ref, run), k
+
+    stale_positions(monkeypatch)
+    bad = generate(gpu_weights, prompt, GEN, "invariant", Schedule(sched), keep_cache=True, graphs=True)
+    assert bad.graphs["served"] and not same_decode_run(ref, bad)

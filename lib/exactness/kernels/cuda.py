@@ -359,7 +359,8 @@ def compile_report(capability: tuple[int, int] = (12, 0), dtype: torch.dtype = t
     Returns:
         One dict per kernel: kernel, target, shared (bytes), smem_ok (shared <= the architecture's per-block limit),
         regs, stack (bytes of local memory per thread: spills), mma ("wgmma" / "mma.sync" / "fma"), tma (PTX uses
-        cp.async.bulk.tensor), seconds (compile time).
+        cp.async.bulk.tensor), pdl (PTX waits with griddepcontrol: programmatic dependent launch), seconds (compile
+        time).
     Raises:
         RuntimeError: Triton missing; ValueError: unknown preset or dtype.
     """
@@ -377,7 +378,9 @@ def compile_report(capability: tuple[int, int] = (12, 0), dtype: torch.dtype = t
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     rows = []
+    pdl = capability[0] >= 9                       # launched with programmatic dependent launch there (launch())
     for name, fn, sig, const, opts in _kernel_specs(cfg, dtype, capability):
+        const, opts = const | {"PDL": pdl}, opts | ({"launch_pdl": True} if pdl else {})
         t0 = time.perf_counter()
         k = triton.compile(ASTSource(fn=fn, signature=sig | {c: "constexpr" for c in const}, constexprs=const),
                            target=target, options=opts)
@@ -394,5 +397,6 @@ def compile_report(capability: tuple[int, int] = (12, 0), dtype: torch.dtype = t
         rows.append(dict(kernel=name, target=f"sm_{target.arch}", shared=k.metadata.shared,
                          smem_ok=k.metadata.shared <= _SMEM_LIMIT.get(capability[0], 101376),
                          regs=int(reg.group(1)) if reg else None, stack=int(stack.group(1)) if stack else None,
-                         mma=mma, tma="cp.async.bulk.tensor" in ptx, seconds=round(secs, 2)))
+                         mma=mma, tma="cp.async.bulk.tensor" in ptx, pdl="griddepcontrol.wait" in ptx,
+                         seconds=round(secs, 2)))
     return rows

@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .triton_rows import _NO_FMA, INTERPRET, capability, cdiv, dot_operand, launch, next_pow2, round_to
+from .triton_rows import (_NO_FMA, INTERPRET, capability, cdiv, dot_operand, launch, next_pow2, pdl_start,
+                          round_to)
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,9 @@ def _merge(m_g, l_g, acc_g, m_c, l_c, acc_c, active):
 def _attn_kernel(q_ptr, k_src, v_src, o_ptr, pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, M, n_tiles, T,
                  sq_m, sq_h, sk_s, sk_t, sk_h, scale, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, GROUPED: tl.constexpr,
-                 KV_TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+                 KV_TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """One program per (tile, query head): the chunks of CH keys in ascending order, each merged as it ends."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     rows, valid, pos, slot = _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M,
@@ -193,12 +195,13 @@ def _attn_split_kernel(q_ptr, k_src, v_src, ws_ptr, ml_ptr, pos_ptr, rows_ptr, t
                        n_tiles, T, NC, sq_m, sq_h, sk_s, sk_t, sk_h, scale, G: tl.constexpr, D: tl.constexpr,
                        BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr,
                        GROUPED: tl.constexpr, KV_TMA: tl.constexpr, PRECISION: tl.constexpr,
-                       EMULATE: tl.constexpr, HPP: tl.constexpr):
+                       EMULATE: tl.constexpr, HPP: tl.constexpr, PDL: tl.constexpr):
     """One program per (tile, head group, chunk): the chunk's state of each lane, stored for _combine_kernel (fp32).
 
     A head group is HPP query heads of one KV head (HPP = 1: one head; HPP = G: a KV head's whole GQA group, packed
     into the tile's lanes, lane i = (row i // HPP, head i % HPP), so the tile holds BM / HPP rows and reads its keys
     once for all G heads). Each lane's operations are those of an unpacked lane: its state has the same bytes."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     lane = tl.arange(0, BM)
     h = tl.program_id(1) * HPP + lane % HPP                                                    # [BM] query head
@@ -222,8 +225,9 @@ def _attn_split_kernel(q_ptr, k_src, v_src, ws_ptr, ml_ptr, pos_ptr, rows_ptr, t
 
 @triton.jit(do_not_specialize=["M"])
 def _combine_kernel(ws_ptr, ml_ptr, o_ptr, pos_ptr, M, NC, sq_m, sq_h, D: tl.constexpr, BD: tl.constexpr,
-                    BR: tl.constexpr, CH: tl.constexpr, EMULATE: tl.constexpr):
+                    BR: tl.constexpr, CH: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """BR rows of one query head: their chunk states merged in ascending chunk order as _attn_kernel merges them."""
+    pdl_start(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     h = tl.program_id(1)
     valid = r < M

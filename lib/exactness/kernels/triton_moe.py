@@ -31,7 +31,7 @@ import triton.language as tl
 from .triton_gemm import _check as _check_gemm
 from .triton_gemm import DTYPES, _pkey, _spec, arch_of, capability, check_placement, config_for, descriptor
 from .triton_tiles import _store_tile, _tile_product
-from .triton_rows import INTERPRET, cdiv, intern_key, launch, next_pow2, round_to
+from .triton_rows import INTERPRET, cdiv, intern_key, launch, next_pow2, pdl_start, round_to
 
 
 @triton.jit
@@ -85,10 +85,11 @@ def _tile_pairs(ids_ptr, order_ptr, n_pairs, e, first_pair, local, valid, SMALL:
 @triton.jit(do_not_specialize=["n_pairs", "n_iter"])
 def _route_kernel(h_ptr, ids_ptr, sorted_ptr, order_ptr, xs_ptr, dest_ptr, tile_e_ptr, n_pairs, n_iter, E, H,
                   TOPK: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, SMALL: tl.constexpr,
-                  BP: tl.constexpr):
+                  BP: tl.constexpr, PDL: tl.constexpr):
     """Program (t, c): tile t's expert (or -1) and its rows' (row, slot) destinations (or -1), written by c = 0,
     and columns c*BH.. of h's member rows copied to xs. Padding rows of xs are left as they are: a GEMM row reads
     only its own row of xs, and a padding row's result is never stored (dest -1)."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     c0 = tl.program_id(1) * BH
     ee = tl.arange(0, BE)
@@ -131,8 +132,9 @@ def _scatter_tile(c_ptr, acc, dest_ptr, off_m, off_n, N, stride_cm, BM: tl.const
 def _grouped_kernel(a_src, b_src, b2_src, c_ptr, tile_e_ptr, dest_ptr, n_rows, N, K, stride_am, stride_bn,
                     stride_cm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
                     SCATTER: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-                    SPLIT: tl.constexpr):
+                    SPLIT: tl.constexpr, PDL: tl.constexpr):
     """One program per (tile, BLOCK_N columns); the expert's weights are rows e*N.. of the stacked [E*N, K]."""
+    pdl_start(PDL)
     num_pid_n = tl.cdiv(N, BN)
     t = tl.program_id(0) // num_pid_n
     pid_n = tl.program_id(0) % num_pid_n

@@ -30,6 +30,13 @@ _NO_FMA = {} if INTERPRET else {"enable_fp_fusion": False}
 # see every launch). It never changes which binary runs (see launch()).
 FAST_LAUNCH = os.environ.get("EXACTNESS_FAST_LAUNCH", "1") == "1" and not INTERPRET
 _COMPILED: dict = {}
+# Programmatic dependent launch (sm_90+): every kernel is launched with ``launch_pdl`` and begins with pdl_start, so
+# in a stream or a CUDA graph the next kernel's programs are placed while the previous kernel finishes, then wait
+# (griddepcontrol.wait: the previous grid complete and its writes visible) before any load or store. Nothing is read
+# before the wait, so no byte changes; what it saves is the launch gap between dependent kernels. PDL = False
+# launches as before (benchmarks time both).
+PDL = not INTERPRET
+_PDL_DEVICES: dict[int, bool] = {}
 
 
 _CAPS: dict[int, tuple[int, int]] = {}
@@ -71,7 +78,8 @@ def _spec(a) -> tuple:
 
 
 def launch(kernel, grid: tuple, args: tuple, consts: dict, key: tuple | None = None, **opts) -> None:
-    """``kernel[grid](*args, **consts, **opts)``; with FAST_LAUNCH, repeat launches skip Triton's argument binding.
+    """``kernel[grid](*args, **consts, PDL=..., **opts)``; with FAST_LAUNCH, repeat launches skip Triton's argument
+    binding. Every kernel's last constexpr is ``PDL`` (set here, with the ``launch_pdl`` option: see PDL above).
 
     The first launch of a key goes through Triton (compiling if needed) and its compiled kernel's launcher is kept
     under a key holding the kernel, every constexpr and option, and the specialization-relevant properties of each
@@ -82,19 +90,42 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, key: tuple | None = N
         key: a caller-built key that already determines all of the above (a wrapper that caches its per-shape
             state builds it once, which saves building it per call); None = built here from the arguments.
     """
+    dev = -1 if INTERPRET else torch.cuda.current_device()
+    pdl = _pdl(dev)
     if not FAST_LAUNCH or _hooked(_knobs().runtime):
-        kernel[grid](*args, **consts, **opts)
+        kernel[grid](*args, **consts, PDL=pdl, **opts, **_PDL_OPT[pdl])
         return
     if key is None:
         key = (kernel, tuple(consts.items()), tuple(opts.items()), tuple(_spec(a) for a in args))
-    dev = torch.cuda.current_device()
-    hit = _COMPILED.get((key, dev))
+    hit = _COMPILED.get((key, dev, pdl))
     if hit is None:
-        _first_launch(kernel, grid, args, consts, opts, (key, dev))
+        _first_launch(kernel, grid, args, {**consts, "PDL": pdl}, {**opts, **_PDL_OPT[pdl]}, (key, dev, pdl))
         return
     run, fn, meta, const_vals = hit
     g = grid + (1,) * (3 - len(grid)) if len(grid) < 3 else grid
     run(g[0], g[1], g[2], _raw_stream(dev), fn, meta, None, None, None, *args, *const_vals)
+
+
+_PDL_OPT = {False: {}, True: {"launch_pdl": True}}
+
+
+def _pdl(dev: int) -> bool:
+    """Whether launches on CUDA device ``dev`` (-1: the interpreter) use programmatic dependent launch (PDL)."""
+    if not PDL or dev < 0:
+        return False
+    on = _PDL_DEVICES.get(dev)
+    if on is None:
+        on = _PDL_DEVICES[dev] = torch.cuda.get_device_capability(dev)[0] >= 9
+    return on
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """Every kernel's first statement: with PDL, wait for the previous grid (complete, writes visible), then let
+    the next one be placed."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 _KNOBS: list = []
@@ -175,7 +206,9 @@ def _row_block(width: int) -> tuple[int, int, int]:
 
 
 @triton.jit(do_not_specialize=["R"])
-def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, R, H, eps, BR: tl.constexpr, BH: tl.constexpr, EMULATE: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, R, H, eps, BR: tl.constexpr, BH: tl.constexpr, EMULATE: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_start(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BH)
     mask = (rows[:, None] < R) & (cols[None, :] < H)
@@ -216,7 +249,8 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["M"])
 def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, o_ptr, M, L, NH, D, HALF,
-                 BHN: tl.constexpr, BHALF: tl.constexpr, EMULATE: tl.constexpr):
+                 BHN: tl.constexpr, BHALF: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     m = tl.program_id(0)
     p = tl.load(pos_ptr + m)
     ok = (p >= 0) & (p < L)
@@ -273,7 +307,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
 
 @triton.jit(do_not_specialize=["M"])
 def _softmax_topk_kernel(l_ptr, w_ptr, i_ptr, M, E, TOPK: tl.constexpr, NORM: tl.constexpr,
-                         BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr):
+                         BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_start(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BE)
     kk = tl.arange(0, BK)
@@ -330,7 +366,8 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Te
 
 @triton.jit(do_not_specialize=["M"])
 def _combine_kernel(y_ptr, w_ptr, s_ptr, o_ptr, M, H, K: tl.constexpr, HAS_SHARED: tl.constexpr,
-                    BH: tl.constexpr, EMULATE: tl.constexpr):
+                    BH: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     m = tl.program_id(0)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     mask = cols < H

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_rows import dot_operand, round_to
+from .triton_rows import dot_operand, pdl_start, round_to
 
 
 @triton.jit
@@ -149,8 +149,9 @@ def _store_tile(c_ptr, acc, acc2, off_m, off_n, M, N, stride_cm, BM: tl.constexp
 def _gemm_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                  GATE_UP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-                 SPLIT: tl.constexpr, SPLIT_LOOP: tl.constexpr):
+                 SPLIT: tl.constexpr, SPLIT_LOOP: tl.constexpr, PDL: tl.constexpr):
     """One program per output tile."""
+    pdl_start(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     acc, acc2 = _tile_product(a_src, b_src, b2_src, pid_m * BM, pid_n * BN, M, N, K, stride_am, stride_bn,
                               BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE, SPLIT, SPLIT_LOOP)
@@ -162,8 +163,9 @@ def _gemm_persistent_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, str
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                             GATE_UP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
                             SPLIT: tl.constexpr, SPLIT_LOOP: tl.constexpr, NUM_SMS: tl.constexpr,
-                            WS: tl.constexpr):
+                            WS: tl.constexpr, PDL: tl.constexpr):
     """One program per SM, walking tiles start, start + NUM_SMS, ...; each tile computed as in _gemm_kernel."""
+    pdl_start(PDL)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True, warp_specialize=WS):
@@ -176,8 +178,9 @@ def _gemm_persistent_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, str
 @triton.jit(do_not_specialize=["M"])
 def _gemm_split_kernel(a_src, b_src, ws_ptr, M, N, K, stride_am, stride_bn, BM: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
-                       EMULATE: tl.constexpr, SPLIT: tl.constexpr):
+                       EMULATE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     """One program per (output tile, split): the split's fp32 partial (_k_range from zero) stored to ws[split]."""
+    pdl_start(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     s = tl.program_id(1)
     lo, hi = _split_bounds(K, s, BK, SPLIT)
@@ -191,8 +194,9 @@ def _gemm_split_kernel(a_src, b_src, ws_ptr, M, N, K, stride_am, stride_bn, BM: 
 
 @triton.jit(do_not_specialize=["M"])
 def _split_reduce_kernel(ws_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                         EMULATE: tl.constexpr):
+                         EMULATE: tl.constexpr, PDL: tl.constexpr):
     """The splits' partials added in split order to a zero total (as _tile_product), rounded once and stored."""
+    pdl_start(PDL)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
