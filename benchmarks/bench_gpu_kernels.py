@@ -409,7 +409,7 @@ def decode_step(args) -> dict:
     for fl in (False, True):
         tr.FAST_LAUNCH = fl
         logits[fl] = eager_step(w, cache, tok, pos0, slots, "invariant").clone()
-    dec, graph_same = {}, {}
+    dec, graph_same, saved = {}, {}, tr.PDL
     for name, ks, pdl in (("fast", "fast", True), ("invariant", "invariant", True),
                           ("invariant (PDL off)", "invariant", False)):
         tr.PDL = pdl                                                         # captured into the graph
@@ -419,7 +419,7 @@ def decode_step(args) -> dict:
         replay = dec[name].step(tok, [P], [0])                               # the first replay
         graph_same[name] = bytes_equal(eager, replay)
         logits[name] = replay.clone()
-    tr.PDL = True
+    tr.PDL = saved
     times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
              "invariant (graphs)": [], "invariant (PDL off) (graphs)": []}
     for rnd in range(5):
