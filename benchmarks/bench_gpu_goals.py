@@ -352,9 +352,10 @@ def limits(rows: list[dict], k: dict, prof: dict | None) -> list[str]:
         if r["met"] != "MISSED":
             continue
         line = f"- {r['measure']}: invariant {r['invariant']}, fast {r['fast']}, bound {r['bound']}"
-        src = None
+        src, how = None, ""
         if r["measure"].startswith("decode step"):
             src = dec.get("invariant (PDL off) (graphs)") or dec.get("invariant (graphs)")   # kernels' own times
+            how = " (profiled without PDL)" if "invariant (PDL off) (graphs)" in dec else ""
             f = dec.get("fast (graphs)")
             if f:
                 line += (f"; fast GPU {f['gpu_us']:.0f} us in {f['launches']} launches "
@@ -373,7 +374,7 @@ def limits(rows: list[dict], k: dict, prof: dict | None) -> list[str]:
                          f"cuBLAS {min(cub):.2f}–{max(cub):.2f}")
         if src:
             top = ", ".join(f"{t['kernel'][:40]} {t['us']:.0f} us" for t in src["top"][:3])
-            line += f"; invariant GPU {src['gpu_us']:.0f} us in {src['launches']} launches, top: {top}"
+            line += f"; invariant GPU {src['gpu_us']:.0f} us in {src['launches']} launches{how}, top: {top}"
         out.append(line)
     return out
 

@@ -391,11 +391,11 @@ def decode_step(args) -> dict:
 
     The invariant set runs eagerly with Triton fast launch on and off (triton_rows.FAST_LAUNCH); both give the same
     logits. On graphs it runs with programmatic dependent launch on and off (triton_rows.PDL, fixed when the graph is
-    captured). A graph step's logits are compared as bytes with the eager step's at the same position.
+    captured); every other row with it on (the default on sm_90). A graph step's logits are compared as bytes with
+    the eager step's at the same position.
     """
     from exactness.cache import KVCache
     from exactness.exact import bytes_equal
-    from exactness.graphs import GraphDecoder
     from exactness.kernels import triton_rows as tr
     w = _weights(args.e2e_weights)
     out, P = [], 4096
@@ -405,39 +405,11 @@ def decode_step(args) -> dict:
     tok = ids[-1:].to(w.device)
     slots = torch.zeros(1, dtype=torch.int64, device=w.device)
     pos0 = torch.tensor([P], device=w.device)
-    logits = {}
-    for fl in (False, True):
-        tr.FAST_LAUNCH = fl
-        logits[fl] = eager_step(w, cache, tok, pos0, slots, "invariant").clone()
-    dec, graph_same, saved = {}, {}, tr.PDL
-    for name, ks, pdl in (("fast", "fast", True), ("invariant", "invariant", True),
-                          ("invariant (PDL off)", "invariant", False)):
-        tr.PDL = pdl                                                         # captured into the graph
-        eager = eager_step(w, cache, tok, pos0, slots, ks).clone()
-        dec[name] = GraphDecoder(w, cache, ks)
-        dec[name].step(tok, [P], [0])                                        # eager warm-up, then capture
-        replay = dec[name].step(tok, [P], [0])                               # the first replay
-        graph_same[name] = bytes_equal(eager, replay)
-        logits[name] = replay.clone()
-    tr.PDL = saved
-    times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
-             "invariant (graphs)": [], "invariant (PDL off) (graphs)": []}
-    for rnd in range(5):
-        for ks in times:
-            tr.FAST_LAUNCH = ks != "invariant (fast launch off)"
-            name = ks.split(" ")[0]
-            for i in range(8):
-                pos = torch.tensor([P + i], device=w.device)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                if ks.endswith("(graphs)"):
-                    dec[ks[:-len(" (graphs)")]].step(tok, [P + i], [0])
-                else:
-                    eager_step(w, cache, tok, pos, slots, name)
-                torch.cuda.synchronize()
-                if rnd:                                                      # round 0 warms up
-                    times[ks].append(time.perf_counter() - t0)
-    tr.FAST_LAUNCH = True
+    saved = tr.FAST_LAUNCH, tr.PDL
+    try:
+        logits, dec, graph_same, times = _decode_step_runs(w, cache, tok, pos0, slots, P)
+    finally:
+        tr.FAST_LAUNCH, tr.PDL = saved
     med = {ks: statistics.median(t) for ks, t in times.items()}
     for ks, f in (("invariant", "fast"), ("invariant (fast launch off)", "fast"),
                   ("invariant (graphs)", "fast (graphs)")):
@@ -465,6 +437,49 @@ def decode_step(args) -> dict:
     kernels["invariant (PDL off) (graphs)"] = _step_kernels(
         "invariant (PDL off) (graphs)", lambda: dec["invariant (PDL off)"].step(tok, [P], [0]))
     return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "pdl": pdl, "kernels": kernels}
+
+
+def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
+    """decode_step's runs: (eager logits with fast launch off/on and first-replay logits per graph, the graph
+    decoders, their first replays equal the eager step's, wall times per row). Sets triton_rows.FAST_LAUNCH and
+    PDL as each row asks (the caller restores them)."""
+    from exactness.exact import bytes_equal
+    from exactness.graphs import GraphDecoder
+    from exactness.kernels import triton_rows as tr
+    logits = {}
+    for fl in (False, True):
+        tr.FAST_LAUNCH = fl
+        logits[fl] = eager_step(w, cache, tok, pos0, slots, "invariant").clone()
+    dec, graph_same = {}, {}
+    for name, ks, pdl in (("fast", "fast", True), ("invariant", "invariant", True),
+                          ("invariant (PDL off)", "invariant", False)):
+        tr.PDL = pdl                                                         # captured into the graph
+        eager = eager_step(w, cache, tok, pos0, slots, ks).clone()
+        dec[name] = GraphDecoder(w, cache, ks)
+        dec[name].step(tok, [P], [0])                                        # eager warm-up, then capture
+        replay = dec[name].step(tok, [P], [0])                               # the first replay
+        graph_same[name] = bytes_equal(eager, replay)
+        logits[name] = replay.clone()
+    tr.PDL = True
+    times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
+             "invariant (graphs)": [], "invariant (PDL off) (graphs)": []}
+    for rnd in range(5):
+        for ks in times:
+            tr.FAST_LAUNCH = ks != "invariant (fast launch off)"
+            name = ks.split(" ")[0]
+            for i in range(8):
+                pos = torch.tensor([P + i], device=w.device)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if ks.endswith("(graphs)"):
+                    dec[ks[:-len(" (graphs)")]].step(tok, [P + i], [0])
+                else:
+                    eager_step(w, cache, tok, pos, slots, name)
+                torch.cuda.synchronize()
+                if rnd:                                                      # round 0 warms up
+                    times[ks].append(time.perf_counter() - t0)
+    tr.FAST_LAUNCH = True
+    return logits, dec, graph_same, times
 
 
 def _step_kernels(label: str, step, top: int = 8) -> dict:

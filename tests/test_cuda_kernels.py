@@ -4,7 +4,8 @@ GPU tests (skipped without CUDA) call the kernels on the ``small`` preset's shap
 under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess so that flag is set before Triton compiles anything)
 on small shapes; they are skipped when Triton is not installed or its interpreter cannot run here. Byte claims
 compare ``.view(int16/int32)``; error claims compare ||out - ref|| / ||ref|| against a bound (fp64 reference).
-Every exactness check has a negative control that must be caught.
+Every exactness check has a negative control that must be caught. A check of the kernels' source (no Triton needed)
+holds every kernel to programmatic dependent launch's rule: the wait before anything else.
 """
 from __future__ import annotations
 
@@ -583,6 +584,59 @@ def test_interpreter_kernels_row_invariant_and_exact():
     if r.returncode == 77:
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+
+
+KERNEL_MODULES = ("triton_attention.py", "triton_moe.py", "triton_rows.py", "triton_tiles.py", "triton_gemm.py")
+
+
+def pdl_violations(sources: dict[str, str]) -> tuple[list[str], set[str]]:
+    """What breaks the rule that lets triton_rows.launch() use programmatic dependent launch: every kernel (a
+    ``@triton.jit`` function that no jit function calls: what a launch starts) takes ``PDL`` as its last parameter
+    and has ``pdl_start(PDL)`` as its first statement (after its docstring), so nothing is read or written before
+    the wait. Returns (violations, the kernels' names)."""
+    import ast
+    jit, called = {}, set()
+    for name, src in sources.items():
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                jit[name, node.name] = node
+                called |= {ast.unparse(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)}
+    kernels = {key for key in jit if key[1] not in called}
+    bad = []
+    for where, k in sorted(kernels):
+        fn = jit[where, k]
+        doc = fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+        body = fn.body[1:] if doc else fn.body
+        if not fn.args.args or fn.args.args[-1].arg != "PDL":
+            bad.append(f"{where}:{k}: PDL is not its last parameter")
+        if not body or ast.unparse(body[0]) != "pdl_start(PDL)":
+            bad.append(f"{where}:{k}: its first statement is not pdl_start(PDL)")
+    return bad, {k for _, k in kernels}
+
+
+def test_every_launched_kernel_waits_for_its_predecessor_first():
+    """Read from the source (no Triton needed): every kernel takes PDL last and calls pdl_start(PDL) before anything
+    else. Negative controls: a kernel whose load moved above the wait, and one
+    without the parameter, are named."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib", "exactness", "kernels")
+    sources = {m: open(os.path.join(root, m)).read() for m in KERNEL_MODULES}
+    bad, kernels = pdl_violations(sources)
+    assert bad == []
+    assert {"_rmsnorm_kernel", "_gemm_kernel", "_gemm_persistent_kernel", "_gemm_split_kernel", "_grouped_kernel",
+            "_attn_split_kernel", "_route_kernel"} <= kernels
+    rows = sources["triton_rows.py"]
+    head = "    pdl_start(PDL)\n    rows = tl.program_id(0) * BR + tl.arange(0, BR)\n    cols = tl.arange(0, BH)\n"
+    assert rows.count(head) == 1                                              # _rmsnorm_kernel's first lines
+    late = rows.replace(head, "    rows = tl.program_id(0) * BR + tl.arange(0, BR)\n    pdl_start(PDL)\n"
+                              "    cols = tl.arange(0, BH)\n")
+    assert pdl_violations({**sources, "triton_rows.py": late})[0] == [
+        "triton_rows.py:_rmsnorm_kernel: its first statement is not pdl_start(PDL)"]
+    sig = "EMULATE: tl.constexpr,\n                    PDL: tl.constexpr):\n    pdl_start(PDL)\n    rows"
+    assert rows.count(sig) == 1
+    gone = rows.replace(sig, "EMULATE: tl.constexpr):\n    rows")
+    assert pdl_violations({**sources, "triton_rows.py": gone})[0] == [
+        "triton_rows.py:_rmsnorm_kernel: PDL is not its last parameter",
+        "triton_rows.py:_rmsnorm_kernel: its first statement is not pdl_start(PDL)"]
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 
 import torch
 
@@ -350,7 +351,7 @@ def triton_next_pow2(n: int) -> int:
 
 
 def compile_report(capability: tuple[int, int] = (12, 0), dtype: torch.dtype = torch.bfloat16,
-                   preset: str = "small") -> list[dict]:
+                   preset: str = "small", pdl: bool | None = None) -> list[dict]:
     """Compile every Triton kernel the preset launches for ``capability`` without that GPU being present.
 
     Uses ``triton.compile(ASTSource(...), target=GPUTarget("cuda", major*10+minor, 32))`` (LLVM -> PTX -> ptxas ->
@@ -359,12 +360,12 @@ def compile_report(capability: tuple[int, int] = (12, 0), dtype: torch.dtype = t
     Returns:
         One dict per kernel: kernel, target, shared (bytes), smem_ok (shared <= the architecture's per-block limit),
         regs, stack (bytes of local memory per thread: spills), mma ("wgmma" / "mma.sync" / "fma"), tma (PTX uses
-        cp.async.bulk.tensor), pdl (PTX waits with griddepcontrol: programmatic dependent launch), seconds (compile
-        time).
+        cp.async.bulk.tensor), pdl (the PTX waits with griddepcontrol.wait before its first global, TMA or
+        mbarrier instruction: programmatic dependent launch), seconds (compile time). ``pdl``: compile the kernels
+        with programmatic dependent launch (None: as launch() does, on sm_90 and newer).
     Raises:
         RuntimeError: Triton missing; ValueError: unknown preset or dtype.
     """
-    import re
     import subprocess
     import tempfile
     import time
@@ -378,7 +379,7 @@ def compile_report(capability: tuple[int, int] = (12, 0), dtype: torch.dtype = t
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     rows = []
-    pdl = capability[0] >= 9                       # launched with programmatic dependent launch there (launch())
+    pdl = capability[0] >= 9 if pdl is None else pdl    # launch() uses programmatic dependent launch there
     for name, fn, sig, const, opts in _kernel_specs(cfg, dtype, capability):
         const, opts = const | {"PDL": pdl}, opts | ({"launch_pdl": True} if pdl else {})
         t0 = time.perf_counter()
@@ -397,6 +398,16 @@ def compile_report(capability: tuple[int, int] = (12, 0), dtype: torch.dtype = t
         rows.append(dict(kernel=name, target=f"sm_{target.arch}", shared=k.metadata.shared,
                          smem_ok=k.metadata.shared <= _SMEM_LIMIT.get(capability[0], 101376),
                          regs=int(reg.group(1)) if reg else None, stack=int(stack.group(1)) if stack else None,
-                         mma=mma, tma="cp.async.bulk.tensor" in ptx, pdl="griddepcontrol.wait" in ptx,
+                         mma=mma, tma="cp.async.bulk.tensor" in ptx, pdl=_waits_first(ptx),
                          seconds=round(secs, 2)))
     return rows
+
+
+_MEMORY_OPS = re.compile(r"\b(ld\.global|st\.global|atom\.global|red\.global|cp\.async|mbarrier|tensormap)")
+
+
+def _waits_first(ptx: str) -> bool:
+    """Whether the PTX's griddepcontrol.wait comes before its first global, TMA or mbarrier instruction."""
+    wait = ptx.find("griddepcontrol.wait")
+    first = _MEMORY_OPS.search(ptx)
+    return wait >= 0 and (first is None or wait < first.start())

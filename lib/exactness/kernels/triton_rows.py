@@ -36,7 +36,6 @@ _COMPILED: dict = {}
 # before the wait, so no byte changes; what it saves is the launch gap between dependent kernels. PDL = False
 # launches as before (benchmarks time both).
 PDL = not INTERPRET
-_PDL_DEVICES: dict[int, bool] = {}
 
 
 _CAPS: dict[int, tuple[int, int]] = {}
@@ -56,7 +55,10 @@ def capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) compute capability of a CUDA device (cached); (0, 0) for the CPU (the interpreter)."""
     if device.type != "cuda":
         return (0, 0)
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _capability(idx: int) -> tuple[int, int]:
     if idx not in _CAPS:
         _CAPS[idx] = torch.cuda.get_device_capability(idx)
     return _CAPS[idx]
@@ -110,13 +112,9 @@ _PDL_OPT = {False: {}, True: {"launch_pdl": True}}
 
 
 def _pdl(dev: int) -> bool:
-    """Whether launches on CUDA device ``dev`` (-1: the interpreter) use programmatic dependent launch (PDL)."""
-    if not PDL or dev < 0:
-        return False
-    on = _PDL_DEVICES.get(dev)
-    if on is None:
-        on = _PDL_DEVICES[dev] = torch.cuda.get_device_capability(dev)[0] >= 9
-    return on
+    """Whether launches on CUDA device ``dev`` (-1: the interpreter) use programmatic dependent launch (PDL):
+    NVIDIA sm_90 or newer (a ROCm build reports its own capabilities)."""
+    return PDL and dev >= 0 and torch.version.hip is None and _capability(dev)[0] >= 9
 
 
 @triton.jit
