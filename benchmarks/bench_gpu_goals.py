@@ -215,11 +215,18 @@ _READS = {"experts": ("_grouped_kernel", "_ZN7cutlass"), "dense": ("_gemm", "_sp
           "KV cache": ("_attn", "_combine_kernel", "void pytorch_flash")}
 
 
+def own_times(k: dict, ks: str) -> tuple[dict | None, str]:
+    """Kernel set ``ks``'s decode-step profile on graphs whose kernel times are the kernels' own: the one captured
+    without PDL where the run has it (with PDL a kernel's time counts its wait for the one before), and a label."""
+    profs = (k.get("decode_step") or {}).get("kernels") or {}
+    off = profs.get(f"{ks} (PDL off) (graphs)")
+    return (off, " (profiled without PDL)") if off else (profs.get(f"{ks} (graphs)"), "")
+
+
 def decode_roofline(k: dict, cfg, bw: float) -> list[dict]:
     """The decode step's top kernels (profiled, 1 stream at CONTEXT) against the bytes their class must read:
     per set, GPU µs of the experts', dense and attention kernels, their memory bound and the ratio. A kernel
-    launched with PDL starts before its predecessor ends and waits, so its duration counts that wait: the kernels'
-    own times come from the step without PDL where the run has one."""
+    launched with PDL starts before its predecessor ends and waits, so its duration counts that wait: own_times."""
     H, D, E = cfg.hidden, cfg.head_dim, cfg.n_experts
     need = {"experts": cfg.n_layers * cfg.top_k * 3 * cfg.expert_inter * H * 2,
             "dense": (cfg.n_layers * (2 * H * cfg.n_heads * D + 2 * H * cfg.n_kv_heads * D + E * H)
@@ -227,11 +234,9 @@ def decode_roofline(k: dict, cfg, bw: float) -> list[dict]:
             "KV cache": cfg.n_layers * 2 * CONTEXT * cfg.n_kv_heads * D * 2}
     out = []
     for ks in ("invariant", "fast"):
-        profs = (k.get("decode_step") or {}).get("kernels") or {}
-        prof = profs.get(f"{ks} (graphs)")
-        if not prof:
+        exact, _ = own_times(k, ks)
+        if not exact:
             continue
-        exact = profs.get(f"{ks} (PDL off) (graphs)", prof)
         for cls, prefixes in _READS.items():
             us = sum(t["us"] for t in exact["top"] if t["kernel"].startswith(prefixes))
             bound = need[cls] / bw * 1e6
@@ -354,8 +359,7 @@ def limits(rows: list[dict], k: dict, prof: dict | None) -> list[str]:
         line = f"- {r['measure']}: invariant {r['invariant']}, fast {r['fast']}, bound {r['bound']}"
         src, how = None, ""
         if r["measure"].startswith("decode step"):
-            src = dec.get("invariant (PDL off) (graphs)") or dec.get("invariant (graphs)")   # kernels' own times
-            how = " (profiled without PDL)" if "invariant (PDL off) (graphs)" in dec else ""
+            src, how = own_times(k, "invariant")
             f = dec.get("fast (graphs)")
             if f:
                 line += (f"; fast GPU {f['gpu_us']:.0f} us in {f['launches']} launches "

@@ -478,7 +478,6 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
                 torch.cuda.synchronize()
                 if rnd:                                                      # round 0 warms up
                     times[ks].append(time.perf_counter() - t0)
-    tr.FAST_LAUNCH = True
     return logits, dec, graph_same, times
 
 

@@ -379,7 +379,7 @@ def compile_report(capability: tuple[int, int] = (12, 0), dtype: torch.dtype = t
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     rows = []
-    pdl = capability[0] >= 9 if pdl is None else pdl    # launch() uses programmatic dependent launch there
+    pdl = _tk("triton_rows").pdl_arch(capability) if pdl is None else pdl
     for name, fn, sig, const, opts in _kernel_specs(cfg, dtype, capability):
         const, opts = const | {"PDL": pdl}, opts | ({"launch_pdl": True} if pdl else {})
         t0 = time.perf_counter()

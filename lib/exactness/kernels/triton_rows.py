@@ -111,10 +111,15 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, key: tuple | None = N
 _PDL_OPT = {False: {}, True: {"launch_pdl": True}}
 
 
+def pdl_arch(capability: tuple[int, int]) -> bool:
+    """Whether an NVIDIA GPU of this (major, minor) capability has programmatic dependent launch (sm_90+)."""
+    return capability[0] >= 9
+
+
 def _pdl(dev: int) -> bool:
-    """Whether launches on CUDA device ``dev`` (-1: the interpreter) use programmatic dependent launch (PDL):
-    NVIDIA sm_90 or newer (a ROCm build reports its own capabilities)."""
-    return PDL and dev >= 0 and torch.version.hip is None and _capability(dev)[0] >= 9
+    """Whether launches on CUDA device ``dev`` (-1: the interpreter) use programmatic dependent launch (PDL): PDL
+    on, and an NVIDIA GPU (a ROCm build reports its own capabilities) that has it."""
+    return PDL and dev >= 0 and torch.version.hip is None and pdl_arch(_capability(dev))
 
 
 @triton.jit
