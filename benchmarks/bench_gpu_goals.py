@@ -340,12 +340,9 @@ def _prefill_profiles(bg) -> dict:
     def run(ks, path):
         cache = KVCache(w.cfg, ids.numel() + 1, 1, w.dtype, w.device)
         paths.prefill(w, cache, ids, ks, paths.Schedule(path, None, 512))
-    saved, tr.PDL = tr.PDL, False
-    try:
+    with tr.launch_settings(pdl=False):
         return {f"{ks} {p}": bg._step_kernels(f"{ks} {p} prefill, one segment", lambda: run(ks, p), top=6)
                 for ks in ("invariant", "fast") for p in ("batched", "deep")}
-    finally:
-        tr.PDL = saved
 
 
 def limits(rows: list[dict], k: dict, prof: dict | None) -> list[str]:

@@ -405,11 +405,8 @@ def decode_step(args) -> dict:
     tok = ids[-1:].to(w.device)
     slots = torch.zeros(1, dtype=torch.int64, device=w.device)
     pos0 = torch.tensor([P], device=w.device)
-    saved = tr.FAST_LAUNCH, tr.PDL
-    try:
+    with tr.launch_settings():                          # the runs set both per row; restored here
         logits, dec, graph_same, times = _decode_step_runs(w, cache, tok, pos0, slots, P)
-    finally:
-        tr.FAST_LAUNCH, tr.PDL = saved
     med = {ks: statistics.median(t) for ks, t in times.items()}
     for ks, f in (("invariant", "fast"), ("invariant (fast launch off)", "fast"),
                   ("invariant (graphs)", "fast (graphs)")):
@@ -442,7 +439,7 @@ def decode_step(args) -> dict:
 def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     """decode_step's runs: (eager logits with fast launch off/on and first-replay logits per graph, the graph
     decoders, their first replays equal the eager step's, wall times per row). Sets triton_rows.FAST_LAUNCH and
-    PDL as each row asks (the caller restores them)."""
+    PDL as each row asks (the caller restores them: triton_rows.launch_settings)."""
     from exactness.exact import bytes_equal
     from exactness.graphs import GraphDecoder
     from exactness.kernels import triton_rows as tr

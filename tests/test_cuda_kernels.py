@@ -586,7 +586,19 @@ def test_interpreter_kernels_row_invariant_and_exact():
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
 
 
-KERNEL_MODULES = ("triton_attention.py", "triton_moe.py", "triton_rows.py", "triton_tiles.py", "triton_gemm.py")
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_launch_settings_restore_both_on_error():
+    """triton_rows.launch_settings sets FAST_LAUNCH and PDL for its block and restores both when the block raises,
+    including changes the block made itself. Inside the block the values differ from the saved ones, so a block
+    that did not restore them would fail the last assertion."""
+    from exactness.kernels import triton_rows as tr
+    before = tr.FAST_LAUNCH, tr.PDL
+    with pytest.raises(RuntimeError):
+        with tr.launch_settings(fast_launch=not before[0]):
+            assert (tr.FAST_LAUNCH, tr.PDL) == (not before[0], before[1])
+            tr.PDL = not before[1]
+            raise RuntimeError("planted")
+    assert (tr.FAST_LAUNCH, tr.PDL) == before
 
 
 def pdl_violations(sources: dict[str, str]) -> tuple[list[str], set[str]]:
@@ -615,11 +627,13 @@ def pdl_violations(sources: dict[str, str]) -> tuple[list[str], set[str]]:
 
 
 def test_every_launched_kernel_waits_for_its_predecessor_first():
-    """Read from the source (no Triton needed): every kernel takes PDL last and calls pdl_start(PDL) before anything
-    else. Negative controls: a kernel whose load moved above the wait, and one
-    without the parameter, are named."""
+    """Read from the source (no Triton needed) of every Triton module (kernels/triton_*.py): every kernel takes PDL
+    last and calls pdl_start(PDL) before anything else. Negative controls: a kernel with a statement moved above
+    the wait, and one without the parameter, are named."""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib", "exactness", "kernels")
-    sources = {m: open(os.path.join(root, m)).read() for m in KERNEL_MODULES}
+    sources = {m: open(os.path.join(root, m)).read() for m in sorted(os.listdir(root))
+               if m.startswith("triton_") and m.endswith(".py")}
+    assert {"triton_attention.py", "triton_moe.py", "triton_rows.py", "triton_tiles.py"} <= set(sources)
     bad, kernels = pdl_violations(sources)
     assert bad == []
     assert {"_rmsnorm_kernel", "_gemm_kernel", "_gemm_persistent_kernel", "_gemm_split_kernel", "_grouped_kernel",

@@ -12,6 +12,7 @@ each wrapper's docstring.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -109,6 +110,20 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, key: tuple | None = N
 
 
 _PDL_OPT = {False: {}, True: {"launch_pdl": True}}
+
+
+@contextlib.contextmanager
+def launch_settings(fast_launch: bool | None = None, pdl: bool | None = None):
+    """FAST_LAUNCH and PDL set for the block (None: as they are), both restored when it exits, on error too; the
+    block may change them further (benchmarks that time both ways)."""
+    global FAST_LAUNCH, PDL
+    saved = FAST_LAUNCH, PDL
+    FAST_LAUNCH = saved[0] if fast_launch is None else fast_launch
+    PDL = saved[1] if pdl is None else pdl
+    try:
+        yield
+    finally:
+        FAST_LAUNCH, PDL = saved
 
 
 def pdl_arch(capability: tuple[int, int]) -> bool:
