@@ -173,6 +173,51 @@ def test_gpu_attention_prompt_rows_equal_decode_rows(dtype):
     assert rel_err(full.cpu(), ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def _state_mismatches(a: tuple, b: tuple, pos: torch.Tensor, Hq: int, chunk: int) -> int:
+    """(row, head, chunk) entries of two triton_attention.chunk_states results whose fp32 state (m, l, acc) bytes
+    differ, over the chunks each row reaches (the others are never written)."""
+    (wa, ma), (wb, mb) = a, b
+    M = pos.numel()
+    nc = wa.shape[0] // (M * Hq)
+    reached = (torch.arange(nc, device=pos.device)[None, :] * chunk <= pos[:, None])             # [M, nc]
+    reached = reached[:, None, :].expand(M, Hq, nc).reshape(-1)
+    differ = (wa.view(torch.int32) != wb.view(torch.int32)).any(1)
+    differ |= (ma.view(torch.int32) != mb.view(torch.int32)).view(-1, 2).any(1)
+    return int((differ & reached).sum())
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("hkv", [4, 8])
+def test_gpu_every_attention_placement_gives_each_lane_the_configs_chunk_state(hkv):
+    """Every entry of triton_attention.SPLIT_PLACEMENTS (fewer lanes and warps for split calls of few rows) gives
+    every row, head and chunk the fp32 chunk state (m, l, acc) the config gives it, byte for byte: the softmax sum's
+    order shows there before a bf16 output can hide it. One slot (4,100 rows, 9 chunks), one row per tile (two
+    slots) and rows grouped by slot. Control: the placement with the score scale one part in 2^20 off differs."""
+    from dataclasses import replace
+    from exactness.kernels import triton_attention as ta
+    cap = torch.cuda.get_device_capability()
+    entries = ta.SPLIT_PLACEMENTS.get(ta._key(128, torch.bfloat16, cap), ())
+    if not entries:
+        pytest.skip(f"no attention placements for compute capability {cap}")
+    base = ta.config_for(128, torch.bfloat16, cap)
+    q, kc, vc, slots, pos = _attn_inputs(4100, 1, torch.bfloat16, 5, Hkv=hkv)
+    q2, kc2, vc2, slots2, pos2 = _attn_inputs(1100, 2, torch.bfloat16, 6, Hkv=hkv)
+    calls = [(q, kc, vc, slots, pos)] + [(q2[i], kc2, vc2, slots2[i], pos2[i])
+                                         for i in (torch.tensor([1099, 1800]), torch.tensor([3, 1100, 1500, 600, 2199]))]
+    for rows, over in entries:
+        c = replace(base, **over)
+        assert (c.block_n, c.chunk) == (base.block_n, base.chunk) and ta.split_placement(128, torch.bfloat16, cap,
+                                                                                         rows) == c
+        for qq, k, v, sl, ps in calls:
+            want = ta.chunk_states(qq, k, v, sl, ps, base)
+            assert _state_mismatches(ta.chunk_states(qq, k, v, sl, ps, c), want, ps, 32, base.chunk) == 0, \
+                (c.label(), qq.shape[0])
+    want = ta.chunk_states(q, kc, vc, slots, pos, base)
+    fault = ta.chunk_states(q, kc, vc, slots, pos, c, scale=128 ** -0.5 * (1 + 2 ** -20))
+    assert _state_mismatches(fault, want, pos, 32, base.chunk) > 0                           # negative control
+
+
 @GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_row", [True, False])
@@ -465,7 +510,9 @@ def _interp_main() -> int:
              {expert_key: ((16, {"block_m": 16}, {"block_m": 32}),)}),
             ("expert block_m unnamed", tm._check_expert_placements, {expert_key: ((16, {}, {}),)}),
             ("expert block_k", tm._check_expert_placements,
-             {expert_key: ((16, {"block_m": 16, "block_k": 32}, {"block_m": 16}),)})):
+             {expert_key: ((16, {"block_m": 16, "block_k": 32}, {"block_m": 16}),)}),
+            ("attention chunk", ta._check_split_placements, {(8, "16bit", "sm90"): ((8, {"chunk": 256}),)}),
+            ("attention block_n", ta._check_split_placements, {(8, "16bit", "sm90"): ((8, {"block_n": 64}),)})):
         try:
             check(table)
             refused = False

@@ -163,11 +163,18 @@ class KVCache:
     def kv_dtype(self) -> str:
         return self.format.dtype
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v ``[M, Hkv, D]`` of rows at (slots[m], positions[m]); an fp8 cache quantizes them first."""
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              store=None):
+        """Store k, v ``[M, Hkv, D]`` of rows at (slots[m], positions[m]); an fp8 cache quantizes them first.
+
+        ``store``: None, or ``fn(k_cache, v_cache, slots, positions, k, v) -> bool`` that stores the (quantized)
+        rows itself in one launch (kernels.cache_store.store), False where it does not: indexing stores them then.
+        """
         if self.format.quantized:
             k = quantize(k, self.format.tensor_scale("k", layer))
             v = quantize(v, self.format.tensor_scale("v", layer))
+        if store is not None and store(self.k[layer], self.v[layer], slots, positions, k, v):
+            return
         self.k[layer][slots, positions] = k
         self.v[layer][slots, positions] = v
 

@@ -221,7 +221,7 @@ class GraphForward:
         advanced.
 
         Raises:
-            ValueError: wrong lengths, hidden given or missing, or a position outside 0..cache capacity - 1.
+            ValueError: wrong lengths, hidden given or missing, or a position or slot outside the cache's.
         """
         positions, slots = [int(p) for p in positions], [int(s) for s in slots]
         n = self.n
@@ -233,6 +233,9 @@ class GraphForward:
         if min(positions) < 0 or max(positions) >= self.cache.capacity:
             raise ValueError(f"positions {min(positions)}..{max(positions)} outside the cache capacity "
                              f"0..{self.cache.capacity - 1}")
+        if min(slots) < 0 or max(slots) >= len(self.cache.lengths):
+            raise ValueError(f"slots {min(slots)}..{max(slots)} outside the cache's slots "
+                             f"0..{len(self.cache.lengths) - 1}")
         if self.reason is None and bool(_TAPS) != self.tapped:
             self.reason = ("kernel taps started or ended after the graph was made: its expert route is not the "
                            "eager forward's")
@@ -334,7 +337,7 @@ class GraphDecoder(GraphForward):
         fp32.
 
         Raises:
-            ValueError: wrong lengths, or a position outside 0..cache capacity - 1.
+            ValueError: wrong lengths, or a position or slot outside the cache's.
         """
         return self.run(tokens, positions, slots).logits
 

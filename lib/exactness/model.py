@@ -22,6 +22,7 @@ import torch
 
 from .cache import KVCache
 from .kernels import KERNEL_CLASSES, KernelSet, get_set
+from .kernels.cache_store import store as cache_store
 from .weights import LayerWeights, Weights
 
 
@@ -201,7 +202,7 @@ def attention_block(ops: Ops, lw: LayerWeights, cfg, x, positions, slots, cache:
     v = ops.dense(h, lw.wv).view(M, cfg.n_kv_heads, cfg.head_dim)
     q = ops.rope(ops.rmsnorm(q, lw.q_norm, cfg.rms_eps), positions, cfg.rope_theta)
     k = ops.rope(ops.rmsnorm(k, lw.k_norm, cfg.rms_eps), positions, cfg.rope_theta)
-    cache.write(layer, slots, positions, k, v)
+    cache.write(layer, slots, positions, k, v, store=cache_store)                    # one launch on CUDA
     o = ops.attention(q, cache.k[layer], cache.v[layer], slots, positions)          # [M, Hq, D]
     return ops.residual(x, ops.dense(o.reshape(M, -1), lw.wo))
 
@@ -270,13 +271,18 @@ def forward(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cache: KV
     Returns:
         ForwardOut(logits [M, V] fp32, hidden [M, H] storage dtype).
     Raises:
-        ValueError: a position outside 0..min(cache capacity, max_positions)-1.
+        ValueError: a position outside 0..min(cache capacity, max_positions)-1, or a slot outside the cache's.
     """
     cfg = w.cfg
-    if positions.numel() and (int(positions.max()) >= cache.capacity or int(positions.min()) < 0):
-        raise ValueError(f"positions {int(positions.min())}..{int(positions.max())} outside the cache capacity "
-                         f"0..{cache.capacity - 1} (model max_positions {cfg.max_positions})")
     slots = torch.zeros_like(positions) if slots is None else slots
+    if positions.numel():
+        lo, hi = torch.stack((positions, slots)).aminmax(dim=1)                      # one host read for both
+        p_lo, s_lo, p_hi, s_hi = torch.cat((lo, hi)).tolist()
+        if p_hi >= cache.capacity or p_lo < 0:
+            raise ValueError(f"positions {p_lo}..{p_hi} outside the cache capacity 0..{cache.capacity - 1} "
+                             f"(model max_positions {cfg.max_positions})")
+        if s_hi >= len(cache.lengths) or s_lo < 0:
+            raise ValueError(f"slots {s_lo}..{s_hi} outside the cache's slots 0..{len(cache.lengths) - 1}")
     experts = ResidentExperts(w.layers) if experts is None else experts
     ops = Ops(get_set(kernels), plan)
     ops.positions = positions

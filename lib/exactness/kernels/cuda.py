@@ -17,6 +17,7 @@ Importing this module never imports Triton; the first CUDA call does (RuntimeErr
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import re
@@ -282,10 +283,21 @@ def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int
         specs.append((f"attention split-KV D={D} [{ac.label()}] tiles {grouped} heads/program {hpp}",
                       ta._attn_split_kernel, {k: split_sig[k] for k in order}, const | dict(GROUPED=grouped, HPP=hpp),
                       aopts))
+    for rows, over in ta.SPLIT_PLACEMENTS.get(ta._key(D, dtype, capability), ()):   # few rows: packed heads
+        pc = dataclasses.replace(ac, **over)
+        for grouped in (0, 2):
+            specs.append((f"attention split-KV D={D} [{pc.label()}] calls of <= {rows} rows, tiles {grouped}",
+                          ta._attn_split_kernel, {k: split_sig[k] for k in order},
+                          const | dict(BM=pc.block_m, GROUPED=grouped, HPP=const["G"]),
+                          dict(aopts, num_warps=pc.num_warps, num_stages=pc.num_stages)))
     specs.append((f"attention chunk combine D={D}", ta._combine_kernel,
                   dict(ws_ptr="*fp32", ml_ptr="*fp32", o_ptr=p, pos_ptr="*i64", M=i32, NC=i32, sq_m=i32, sq_h=i32),
-                  dict(D=D, BD=triton_next_pow2(D), BR=ta.COMBINE_ROWS, CH=ac.chunk, EMULATE=False),
-                  dict(num_warps=4, enable_fp_fusion=False)))
+                  dict(D=D, BD=triton_next_pow2(D), BR=ta.COMBINE_ROWS, CH=ac.chunk, STAGES=ta.COMBINE_STAGES,
+                       EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
+    tc = _tk("triton_cache")
+    specs.append(("KV cache store", tc._kv_store_kernel,
+                  dict(k_ptr="*i16", v_ptr="*i16", kc_ptr="*i16", vc_ptr="*i16", s_ptr="*i64", p_ptr="*i64", S=i32,
+                       T=i32, W=i32), dict(BW=triton_next_pow2(cfg.n_kv_heads * D)), dict(num_warps=4)))
     for width in (H, D):
         br, bh, warps = tr._row_block(width)
         specs.append((f"rmsnorm H={width}", tr._rmsnorm_kernel,

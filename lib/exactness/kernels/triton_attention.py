@@ -19,7 +19,8 @@ and a combine kernel that merges the stored fp32 states with the same operations
 holding none of a row's keys (one a tile visits only for its later rows) the row keeps m and l (as the CPU kernel's
 ``active`` mask), its rescale factor is exactly 1 and all its probabilities are exactly 0, so its state's bytes stay
 unchanged; a chunk holding none of a row's keys is not merged. The tile config and chunk size are fixed per (D,
-dtype, arch), the row count is not specialized and floating-point contraction is off, so a one-row decode call and
+dtype, arch) (a split call of few rows may run its programs in fewer lanes and warps, SPLIT_PLACEMENTS: the same
+bytes, measured), the row count is not specialized and floating-point contraction is off, so a one-row decode call and
 an M-row prompt call give every row the same bytes whichever of the two kernels runs (tests/test_cuda_kernels.py
 compares them). With one chunk (contexts up to CHUNK keys) the merge returns the chunk state itself: the plain
 online softmax.
@@ -31,13 +32,14 @@ Triton's ex2-based exp; the final division is IEEE.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .triton_gemm import check_placement
 from .triton_rows import (_NO_FMA, INTERPRET, capability, cdiv, dot_operand, launch, next_pow2, pdl_start,
                           round_to)
 
@@ -74,13 +76,49 @@ _DEFAULTS: dict[tuple[str, str], AttnConfig] = {
 SHAPE_CONFIGS: dict[tuple[int, str, str], AttnConfig] = {}
 SPLIT_BELOW_PROGRAMS = 264   # (tile, head) programs under which the chunks run in parallel (2 per H200 SM)
 COMBINE_ROWS = 16            # rows per program of the chunk combine
+COMBINE_STAGES = 3           # chunk states the combine loads ahead (software pipelining; the merges stay in order)
+# Per (D, dtype key, arch): (rows, overrides) in ascending rows; a split call of at most ``rows`` rows runs its chunk
+# programs with the config's fields replaced by the overrides (only PLACEMENT_FIELDS: the lanes of a tile, its warps
+# and stages; never block_n or chunk, the arithmetic). A decode row's G packed heads fill 8 of a 128-lane tile; a
+# 16-lane tile in one warp does an eighth of the MMA work for them. That a placement changes no byte is measured,
+# not guaranteed: each lane's fp32 chunk state (m, l, acc) was byte-equal to the config's on an H200 for every lane of
+# 16,384 rows with 16 lanes in one warp and 64 in four, and was not with 16 or 32 lanes in two, four or eight warps
+# (their softmax sums l differ; acc did not). Every entry must pass the GPU test that compares those states
+# (tests/test_cuda_kernels.py).
+PLACEMENT_FIELDS = ("block_m", "num_warps", "num_stages")
+SPLIT_PLACEMENTS: dict[tuple[int, str, str], tuple[tuple[int, dict], ...]] = {
+    (128, "16bit", "sm90"): ((8, dict(block_m=16, num_warps=1)),),
+}
+
+
+
+
+def _check_split_placements(table: dict) -> None:
+    """Raise ValueError for an entry that overrides a field outside PLACEMENT_FIELDS or whose rows do not ascend."""
+    for key, entries in table.items():
+        check_placement(f"SPLIT_PLACEMENTS[{key}]", [r for r, _ in entries], [o for _, o in entries], PLACEMENT_FIELDS)
+
+
+_check_split_placements(SPLIT_PLACEMENTS)
+
+
+def _key(D: int, dtype: torch.dtype, capability: tuple[int, int]) -> tuple[int, str, str]:
+    arch = "interp" if capability == (0, 0) else {9: "sm90", 12: "sm120"}.get(capability[0], "other")
+    return D, "fp32" if dtype == torch.float32 else "16bit", arch
 
 
 def config_for(D: int, dtype: torch.dtype, capability: tuple[int, int]) -> AttnConfig:
     """The fixed config for head dim D, dtype and (major, minor) capability; never depends on the row count."""
-    arch = "interp" if capability == (0, 0) else {9: "sm90", 12: "sm120"}.get(capability[0], "other")
-    dk = "fp32" if dtype == torch.float32 else "16bit"
-    return SHAPE_CONFIGS.get((D, dk, arch)) or _DEFAULTS[(dk, arch)]
+    key = _key(D, dtype, capability)
+    return SHAPE_CONFIGS.get(key) or _DEFAULTS[key[1:]]
+
+
+def split_placement(D: int, dtype: torch.dtype, capability: tuple[int, int], M: int) -> AttnConfig:
+    """The config a split call of M rows runs its chunk programs in: config_for's, with the fields of the first
+    SPLIT_PLACEMENTS entry whose rows hold M replaced (none: the config itself)."""
+    cfg = config_for(D, dtype, capability)
+    over = next((o for rows, o in SPLIT_PLACEMENTS.get(_key(D, dtype, capability), ()) if M <= rows), {})
+    return replace(cfg, **over)
 
 
 @triton.jit
@@ -225,8 +263,10 @@ def _attn_split_kernel(q_ptr, k_src, v_src, ws_ptr, ml_ptr, pos_ptr, rows_ptr, t
 
 @triton.jit(do_not_specialize=["M"])
 def _combine_kernel(ws_ptr, ml_ptr, o_ptr, pos_ptr, M, NC, sq_m, sq_h, D: tl.constexpr, BD: tl.constexpr,
-                    BR: tl.constexpr, CH: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
-    """BR rows of one query head: their chunk states merged in ascending chunk order as _attn_kernel merges them."""
+                    BR: tl.constexpr, CH: tl.constexpr, STAGES: tl.constexpr, EMULATE: tl.constexpr,
+                    PDL: tl.constexpr):
+    """BR rows of one query head: their chunk states merged in ascending chunk order as _attn_kernel merges them
+    (STAGES chunks' loads in flight)."""
     pdl_start(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     h = tl.program_id(1)
@@ -236,7 +276,7 @@ def _combine_kernel(ws_ptr, ml_ptr, o_ptr, pos_ptr, M, NC, sq_m, sq_h, D: tl.con
     m_i = tl.full((BR,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BR,), dtype=tl.float32)
     acc = tl.zeros((BR, BD), dtype=tl.float32)
-    for c in range(0, tl.cdiv(tl.max(pos, axis=0) + 1, CH)):
+    for c in tl.range(0, tl.cdiv(tl.max(pos, axis=0) + 1, CH), num_stages=STAGES):
         act = valid & (pos >= c * CH)
         idx = (r * tl.num_programs(1) + h) * NC + c
         m_c = tl.load(ml_ptr + idx * 2, mask=act, other=float("-inf"))
@@ -325,6 +365,47 @@ def _row_tiles(slots: torch.Tensor, pos: torch.Tensor, S: int, rpt: int) -> tupl
     return 1, rows, tstart, tlen, tslot, tstart.numel()
 
 
+def _launch_parts(qc, kc, vc, slots, pos, cfg: AttnConfig, hpp: int, scale: float) -> tuple:
+    """What both attention kernels take (tiles of cfg.block_m // hpp rows): (grid's tile count, the row and KV
+    arguments after the output(s), constexprs, launch options)."""
+    M, Hq, D = qc.shape
+    S, T, Hkv, _ = kc.shape
+    cap = capability(qc.device)
+    grouped, rows, tstart, tlen, tslot, n_tiles = _row_tiles(slots, pos, S, cfg.block_m // hpp)
+    kv_tma = ((qc.device.type != "cuda" or cap[0] >= 9) and D == next_pow2(D)
+              and D * qc.element_size() >= 16)                                     # TMA box rules
+    srcs = tuple(_kv_descriptor(c, cfg.block_n) for c in (kc, vc)) if kv_tma else (kc, vc)
+    tiles = (pos, rows, tstart, tlen, tslot, M, n_tiles, T)
+    strides = (qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), scale)
+    consts = dict(G=Hq // Hkv, D=D, BD=next_pow2(D), BM=cfg.block_m, BN=cfg.block_n, CH=cfg.chunk,
+                  GROUPED=grouped, KV_TMA=kv_tma, PRECISION="ieee" if qc.dtype == torch.float32 else "tf32",
+                  EMULATE=INTERPRET)
+    return n_tiles, srcs, tiles, strides, consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_NO_FMA)
+
+
+def chunk_states(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 positions: torch.Tensor, cfg: AttnConfig, pack: bool | None = None,
+                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's and head's chunk states, one program per (tile, head group, chunk) (_attn_split_kernel).
+
+    Args as ``attention`` (checked there), contiguous; cfg: the tiling to run (split_placement's); pack: as
+    attention's; scale: the score scale (default 1/sqrt(D)).
+    Returns:
+        (acc [M * Hq * NC, BD] fp32, (m, l) [M * Hq * NC * 2] fp32), entry (row * Hq + head) * NC + chunk, NC =
+        ceil(T / chunk); entries of chunks past a row's position are not written.
+    """
+    M, Hq, D = q.shape
+    hpp = Hq // k_cache.shape[2] if pack is not False and cfg.block_m % (Hq // k_cache.shape[2]) == 0 else 1
+    n_tiles, (k_src, v_src), tiles, strides, consts, opts = _launch_parts(
+        q, k_cache, v_cache, slots, positions, cfg, hpp, 1.0 / math.sqrt(D) if scale is None else scale)
+    nc = cdiv(k_cache.shape[1], cfg.chunk)
+    ws = torch.empty(M * Hq * nc, next_pow2(D), dtype=torch.float32, device=q.device)   # chunk accumulators
+    ml = torch.empty(M * Hq * nc * 2, dtype=torch.float32, device=q.device)             # chunk (m, l)
+    launch(_attn_split_kernel, (n_tiles, Hq // hpp, nc), (q, k_src, v_src, ws, ml) + tiles + (nc,) + strides,
+           dict(consts, HPP=hpp), **opts)
+    return ws, ml
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
               positions: torch.Tensor, config: AttnConfig | None = None, split: bool | None = None,
               pack: bool | None = None) -> torch.Tensor:
@@ -333,7 +414,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
     Args:
         q: [M, Hq, D]; k_cache, v_cache: [S, T, Hkv, D] (the rows' own keys already written); slots, positions:
             [M] int64 with 0 <= positions < T. One dtype (bf16/fp16/fp32), one device.
-        config: override the fixed config (benchmarks only; never choose it from M).
+        config: run this config as given, without split placements (benchmarks only; never choose it from M).
         split: run the chunks in parallel (True) or in one program per (tile, head) (False); None = split_chunks.
         pack: in a split call, pack each KV head's G query heads into one tile's lanes (True: where block_m is a
             multiple of G) or run one program per query head (False); None = pack where it can.
@@ -346,36 +427,22 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
     _check(q, k_cache, v_cache, slots, positions)
     M, Hq, D = q.shape
     S, T, Hkv, _ = k_cache.shape
-    cap = capability(q.device)
-    cfg = config or config_for(D, q.dtype, cap)
-    qc, kc, vc = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    cfg = config or config_for(D, q.dtype, capability(q.device))
+    qc, kc, vc, pos = q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), positions.contiguous()
     out = torch.empty_like(qc)
     if M == 0:
         return out
-    pos, G = positions.contiguous(), Hq // Hkv
     if split is None:
         split = split_chunks(M if one_row_per_tile(S, M) else cdiv(M, cfg.block_m), Hq, T, cfg)
-    hpp = G if split and pack is not False and cfg.block_m % G == 0 else 1
-    grouped, rows, tstart, tlen, tslot, n_tiles = _row_tiles(slots, pos, S, cfg.block_m // hpp)
-    kv_tma = ((q.device.type != "cuda" or cap[0] >= 9) and D == next_pow2(D)
-              and D * q.element_size() >= 16)                                      # TMA box rules
-    if kv_tma:
-        k_src, v_src = (_kv_descriptor(c, cfg.block_n) for c in (kc, vc))
-    else:
-        k_src, v_src = kc, vc
-    tiles = (pos, rows, tstart, tlen, tslot, M, n_tiles, T)
-    strides = (qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), 1.0 / math.sqrt(D))
-    consts = dict(G=G, D=D, BD=next_pow2(D), BM=cfg.block_m, BN=cfg.block_n, CH=cfg.chunk, GROUPED=grouped,
-                  KV_TMA=kv_tma, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EMULATE=INTERPRET)
-    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_NO_FMA)
     if not split:
-        launch(_attn_kernel, (n_tiles, Hq), (qc, k_src, v_src, out) + tiles + strides, consts, **opts)
+        n_tiles, srcs, tiles, strides, consts, opts = _launch_parts(qc, kc, vc, slots, pos, cfg, 1,
+                                                                    1.0 / math.sqrt(D))
+        launch(_attn_kernel, (n_tiles, Hq), (qc, *srcs, out) + tiles + strides, consts, **opts)
         return out
-    nc = cdiv(T, cfg.chunk)
-    ws = torch.empty(M * Hq * nc, next_pow2(D), dtype=torch.float32, device=q.device)   # chunk accumulators
-    ml = torch.empty(M * Hq * nc * 2, dtype=torch.float32, device=q.device)             # chunk (m, l)
-    launch(_attn_split_kernel, (n_tiles, Hq // hpp, nc), (qc, k_src, v_src, ws, ml) + tiles + (nc,) + strides,
-           dict(consts, HPP=hpp), **opts)
-    launch(_combine_kernel, (cdiv(M, COMBINE_ROWS), Hq), (ws, ml, out, pos, M, nc, qc.stride(0), qc.stride(1)),
-           dict(D=D, BD=next_pow2(D), BR=COMBINE_ROWS, CH=cfg.chunk, EMULATE=INTERPRET), num_warps=4, **_NO_FMA)
+    placed = config or split_placement(D, q.dtype, capability(q.device), M)
+    ws, ml = chunk_states(qc, kc, vc, slots, pos, placed, pack)
+    launch(_combine_kernel, (cdiv(M, COMBINE_ROWS), Hq), (ws, ml, out, pos, M, cdiv(T, cfg.chunk), qc.stride(0),
+                                                         qc.stride(1)),
+           dict(D=D, BD=next_pow2(D), BR=COMBINE_ROWS, CH=cfg.chunk, STAGES=COMBINE_STAGES, EMULATE=INTERPRET),
+           num_warps=4, **_NO_FMA)
     return out

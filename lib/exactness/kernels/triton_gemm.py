@@ -164,15 +164,16 @@ def _pkey(dtype: torch.dtype) -> str | None:
     return "bf16" if dtype == torch.bfloat16 else None
 
 
-def check_placement(where: str, rows: list, overrides: list[dict]) -> None:
+def check_placement(where: str, rows: list, overrides: list[dict], fields: tuple = PLACEMENT_FIELDS) -> None:
     """Raise ValueError (naming ``where``, a table entry) unless ``rows`` ascend as positive ints and every override
-    dict changes only PLACEMENT_FIELDS. Shared by this module's and triton_moe's placement tables."""
+    dict changes only ``fields`` (the rest fix a row's arithmetic). Shared by this module's, triton_moe's and
+    triton_attention's placement tables."""
     if rows != sorted(set(rows)) or any(not isinstance(r, int) or r < 1 for r in rows):
         raise ValueError(f"{where}: rows must be ascending positive ints, got {rows}")
-    bad = sorted(set().union(*overrides) - set(PLACEMENT_FIELDS))
+    bad = sorted(set().union(*overrides) - set(fields))
     if bad:
-        raise ValueError(f"{where} overrides {bad}: a placement may change only {', '.join(PLACEMENT_FIELDS)} "
-                         "(BLOCK_K and split_k fix a row's arithmetic)")
+        raise ValueError(f"{where} overrides {bad}: a placement may change only {', '.join(fields)} "
+                         "(the other fields fix a row's arithmetic)")
 
 
 def _check_placements(table: dict) -> None:

@@ -1,0 +1,115 @@
+"""The KV-cache store: one launch (kernels/triton_cache.py) puts every row's bytes where indexing would, and the
+cache falls back to indexing wherever the store does not serve.
+
+Byte claims compare integer views. The GPU and interpreter tests compare the Triton store with indexing assignment
+on caches of every element size the cache uses (bf16, fp32, packed fp8 uint8), several slots and rows in any order,
+and each has a planted fault (rows stored one position off) that the same comparison must catch.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from exactness.cache import KVCache
+from exactness.kernels import cache_store
+from exactness.model import forward
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+GPU = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and Triton")
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _case(dtype: torch.dtype, device: str, seed: int = 0):
+    """Caches [3, 40, 2, 6] of ``dtype`` holding random bytes, rows [25, 2, 6] for distinct (slot, position)s."""
+    g = torch.Generator().manual_seed(seed)
+    it = _INTS[torch.empty(0, dtype=dtype).element_size()]
+    shape = (3, 40, 2, 6)
+    lo, hi = (0, 256) if it == torch.uint8 else (-2 ** 14, 2 ** 14)
+    kc, vc = (torch.randint(lo, hi, shape, generator=g, dtype=it).view(dtype).to(device) for _ in range(2))
+    k, v = (torch.randint(lo, hi, (25, 2, 6), generator=g, dtype=it).view(dtype).to(device) for _ in range(2))
+    where = torch.randperm(3 * 40, generator=g)[:25]
+    return kc, vc, (where // 40).to(device), (where % 40).to(device), k, v
+
+
+def store_mismatches(store, dtype: torch.dtype, device: str, shift: int = 0) -> int:
+    """Elements of the two caches where ``store`` (rows at positions + shift) and indexing assignment differ."""
+    kc, vc, slots, pos, k, v = _case(dtype, device)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref_k[slots, pos], ref_v[slots, pos] = k, v
+    store(kc, vc, slots, (pos + shift) % kc.shape[1], k, v)
+    it = _INTS[kc.element_size()]
+    return int((kc.view(it) != ref_k.view(it)).sum() + (vc.view(it) != ref_v.view(it)).sum())
+
+
+def test_write_uses_the_store_and_falls_back_to_indexing(tiny_weights):
+    cfg = tiny_weights.cfg
+    slots, pos = torch.tensor([1, 0, 1]), torch.tensor([5, 2, 0])
+    k = torch.randn(3, cfg.n_kv_heads, cfg.head_dim).to(torch.bfloat16)
+    v = torch.randn(3, cfg.n_kv_heads, cfg.head_dim).to(torch.bfloat16)
+    ref = KVCache(cfg, 8, 2, torch.bfloat16)
+    ref.write(0, slots, pos, k, v)
+    calls = []
+
+    def declining(*args):
+        calls.append(args)
+        return False
+
+    fallback = KVCache(cfg, 8, 2, torch.bfloat16)
+    fallback.write(0, slots, pos, k, v, store=declining)
+    assert len(calls) == 1 and calls[0][0] is fallback.k[0] and calls[0][1] is fallback.v[0]
+    assert torch.equal(fallback.k[0].view(torch.int16), ref.k[0].view(torch.int16))
+    assert torch.equal(fallback.v[0].view(torch.int16), ref.v[0].view(torch.int16))
+    taken = KVCache(cfg, 8, 2, torch.bfloat16)
+    taken.write(0, slots, pos, k, v, store=lambda *a: True)       # the store said it stored them: no indexing
+    assert not taken.k[0].any() and not taken.v[0].any()
+    fp8 = KVCache(cfg, 8, 2, torch.bfloat16, kv_dtype="fp8_e4m3_block")
+    fp8.write(0, slots, pos, k, v, store=declining)
+    assert calls[-1][4].dtype == torch.uint8 and calls[-1][4].shape[-1] == fp8.k[0].shape[-1]   # quantized rows
+
+
+def test_store_declines_cpu_caches():
+    assert not cache_store.store(*_case(torch.bfloat16, "cpu"))
+
+
+def test_forward_refuses_a_slot_outside_the_cache(tiny_weights):
+    cfg = tiny_weights.cfg
+    cache = KVCache(cfg, 8, 2, tiny_weights.dtype)
+    for bad in (2, -1):
+        with pytest.raises(ValueError, match=rf"slots {bad}..{bad} outside the cache's slots 0..1"):
+            forward(tiny_weights, torch.tensor([1]), torch.tensor([0]), cache, "invariant",
+                    slots=torch.tensor([bad]))
+    assert all(not t.any() for t in cache.k + cache.v) and cache.lengths == [0, 0]
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_gpu_store_puts_indexings_bytes_and_a_planted_fault_is_caught(dtype):
+    assert store_mismatches(cache_store.store, dtype, "cuda") == 0
+    assert store_mismatches(cache_store.store, dtype, "cuda", shift=1) > 0
+
+
+_INTERP = """
+import sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_cache_store import store_mismatches
+from exactness.kernels import triton_cache
+for dt in (torch.bfloat16, torch.float32, torch.uint8):
+    print(dt, store_mismatches(triton_cache.kv_store, dt, "cpu"), store_mismatches(triton_cache.kv_store, dt, "cpu", 1))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_interpreter_store_puts_indexings_bytes_and_a_planted_fault_is_caught():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _INTERP.format(tests=os.path.dirname(__file__))], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines()]
+    assert len(rows) == 3 and all(int(same) == 0 and int(fault) > 0 for _, same, fault in rows), r.stdout
