@@ -102,14 +102,21 @@ from test_cache_store import store_mismatches
 from exactness.kernels import triton_cache
 for dt in (torch.bfloat16, torch.float32, torch.uint8):
     print(dt, store_mismatches(triton_cache.kv_store, dt, "cpu"), store_mismatches(triton_cache.kv_store, dt, "cpu", 1))
+kc = torch.zeros(2, 8, 3, 4, dtype=torch.bfloat16)
+rows, where = torch.zeros(1, 3, 5, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64)
+try:
+    triton_cache.kv_store(kc, kc.clone(), where, where, rows, rows)
+except ValueError as e:
+    print("refused", "k (1, 3, 5)" in str(e), bool(kc.any()))
 """
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_interpreter_store_puts_indexings_bytes_and_a_planted_fault_is_caught():
+def test_interpreter_store_puts_indexings_bytes_a_planted_fault_is_caught_and_bad_rows_refused():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", _INTERP.format(tests=os.path.dirname(__file__))], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [line.split() for line in r.stdout.splitlines()]
+    *rows, refused = [line.split() for line in r.stdout.splitlines()]
     assert len(rows) == 3 and all(int(same) == 0 and int(fault) > 0 for _, same, fault in rows), r.stdout
+    assert refused == ["refused", "True", "False"], r.stdout       # rows not of the cache's row shape: nothing stored

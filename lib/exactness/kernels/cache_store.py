@@ -25,11 +25,8 @@ def _triton_cache():
 def store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
           k: torch.Tensor, v: torch.Tensor) -> bool:
     """k_cache[slots, positions] = k and v_cache[slots, positions] = v in one launch where served (CUDA caches, Triton
-    importable, triton_cache.serves); True if stored, False if not (the caller stores them)."""
+    importable, triton_cache.store); True if stored, False if not (the caller stores them)."""
     if not k_cache.is_cuda:
         return False
     mod = _triton_cache()
-    if mod is None or not mod.serves(k_cache, v_cache, k, v):
-        return False
-    mod.kv_store(k_cache, v_cache, slots, positions, k, v)
-    return True
+    return mod is not None and mod.store(k_cache, v_cache, slots, positions, k, v)

@@ -294,10 +294,10 @@ def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int
                   dict(ws_ptr="*fp32", ml_ptr="*fp32", o_ptr=p, pos_ptr="*i64", M=i32, NC=i32, sq_m=i32, sq_h=i32),
                   dict(D=D, BD=triton_next_pow2(D), BR=ta.COMBINE_ROWS, CH=ac.chunk, STAGES=ta.COMBINE_STAGES,
                        EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
-    tc = _tk("triton_cache")
+    tc, it = _tk("triton_cache"), "i32" if dtype == torch.float32 else "i16"      # the store copies integers
     specs.append(("KV cache store", tc._kv_store_kernel,
-                  dict(k_ptr="*i16", v_ptr="*i16", kc_ptr="*i16", vc_ptr="*i16", s_ptr="*i64", p_ptr="*i64", S=i32,
-                       T=i32, W=i32), dict(BW=triton_next_pow2(cfg.n_kv_heads * D)), dict(num_warps=4)))
+                  dict(k_ptr=f"*{it}", v_ptr=f"*{it}", kc_ptr=f"*{it}", vc_ptr=f"*{it}", s_ptr="*i64", p_ptr="*i64",
+                       S=i32, T=i32, W=i32), dict(BW=triton_next_pow2(cfg.n_kv_heads * D)), dict(num_warps=4)))
     for width in (H, D):
         br, bh, warps = tr._row_block(width)
         specs.append((f"rmsnorm H={width}", tr._rmsnorm_kernel,

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .triton_gemm import check_placement
+from .triton_gemm import arch_of, check_placement
 from .triton_rows import (_NO_FMA, INTERPRET, capability, cdiv, dot_operand, launch, next_pow2, pdl_start,
                           round_to)
 
@@ -91,8 +91,6 @@ SPLIT_PLACEMENTS: dict[tuple[int, str, str], tuple[tuple[int, dict], ...]] = {
 }
 
 
-
-
 def _check_split_placements(table: dict) -> None:
     """Raise ValueError for an entry that overrides a field outside PLACEMENT_FIELDS or whose rows do not ascend."""
     for key, entries in table.items():
@@ -103,8 +101,8 @@ _check_split_placements(SPLIT_PLACEMENTS)
 
 
 def _key(D: int, dtype: torch.dtype, capability: tuple[int, int]) -> tuple[int, str, str]:
-    arch = "interp" if capability == (0, 0) else {9: "sm90", 12: "sm120"}.get(capability[0], "other")
-    return D, "fp32" if dtype == torch.float32 else "16bit", arch
+    """The tables' key: (D, dtype key, arch) (triton_gemm.arch_of)."""
+    return D, "fp32" if dtype == torch.float32 else "16bit", arch_of(capability)
 
 
 def config_for(D: int, dtype: torch.dtype, capability: tuple[int, int]) -> AttnConfig:
@@ -395,7 +393,8 @@ def chunk_states(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         ceil(T / chunk); entries of chunks past a row's position are not written.
     """
     M, Hq, D = q.shape
-    hpp = Hq // k_cache.shape[2] if pack is not False and cfg.block_m % (Hq // k_cache.shape[2]) == 0 else 1
+    G = Hq // k_cache.shape[2]
+    hpp = G if pack is not False and cfg.block_m % G == 0 else 1
     n_tiles, (k_src, v_src), tiles, strides, consts, opts = _launch_parts(
         q, k_cache, v_cache, slots, positions, cfg, hpp, 1.0 / math.sqrt(D) if scale is None else scale)
     nc = cdiv(k_cache.shape[1], cfg.chunk)

@@ -30,40 +30,40 @@ def _kv_store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, s_ptr, p_ptr, S, T, W, BW: tl
     tl.store(vc_ptr + dst, tl.load(v_ptr + m * W + c, mask=mask), mask=mask)
 
 
-def serves(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether kv_store takes these tensors: one CUDA device (the CPU under the interpreter), one element type, caches [S, T, *row] contiguous and
-    rows [M, *row] of the caches' row shape."""
-    ts = (k_cache, v_cache, k, v)
-    same = all(t.device == k_cache.device and t.dtype == k_cache.dtype for t in ts)
-    return ((k_cache.is_cuda or INTERPRET) and same and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-            and k_cache.dim() >= 2 and k.shape == v.shape and k.dim() == k_cache.dim() - 1
-            and k.shape[1:] == k_cache.shape[2:] and k_cache.element_size() in _INTS)
+def store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+          k: torch.Tensor, v: torch.Tensor) -> bool:
+    """k_cache[slots, positions] = k and v_cache[slots, positions] = v in one launch, where served: one CUDA device
+    (the CPU under the interpreter), one element type, contiguous caches [S, T, *row], rows [M, *row] of the
+    caches' row shape, slots and positions [M] int64. True if stored, False if not served. A row whose slot or
+    position is outside the cache is not stored: no device read checks them here (model.forward and the graph runs
+    check them first)."""
+    M = k.shape[0] if k.dim() else -1
+    same = all(t.device == k_cache.device and t.dtype == k_cache.dtype for t in (v_cache, k, v))
+    if not ((k_cache.is_cuda or INTERPRET) and same and k_cache.dim() >= 2 and k_cache.shape == v_cache.shape
+            and k.shape == v.shape and k.shape[1:] == k_cache.shape[2:] and k_cache.element_size() in _INTS
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and all(t.shape == (M,) and t.dtype == torch.int64 and t.device == k.device for t in (slots, positions))):
+        return False
+    if M:
+        S, T = k_cache.shape[:2]
+        W = k_cache[0, 0].numel()
+        it = _INTS[k_cache.element_size()]
+        launch(_kv_store_kernel, (M,), (k.contiguous().view(it), v.contiguous().view(it), k_cache.view(it),
+                                        v_cache.view(it), slots.contiguous(), positions.contiguous(), S, T, W),
+               dict(BW=next_pow2(W)), num_warps=4)
+    return True
 
 
 def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
-    """k_cache[slots, positions] = k and v_cache[slots, positions] = v in one launch.
+    """``store``, for tensors it must serve.
 
-    Args:
-        k_cache, v_cache: [S, T, ...] contiguous, one dtype, on one CUDA device; k, v: [M, ...] rows of the caches'
-            row shape; slots, positions: [M] int64 on that device, 0 <= slots < S, 0 <= positions < T (a row
-            outside is not stored: no device read checks them here).
     Raises:
-        ValueError: tensors that ``serves`` does not take, or slots/positions not [M] int64.
+        ValueError: tensors ``store`` does not serve (each one's shape, dtype and device named).
     """
-    if not serves(k_cache, v_cache, k, v):
-        raise ValueError(f"kv_store takes contiguous CUDA caches [S, T, ...] and rows [M, ...] of their row shape "
-                         f"and dtype; got caches {tuple(k_cache.shape)} {k_cache.dtype} {k_cache.device}, rows "
-                         f"{tuple(k.shape)} {k.dtype} {k.device}")
-    M = k.shape[0]
-    for name, t in (("slots", slots), ("positions", positions)):
-        if t.shape != (M,) or t.dtype != torch.int64 or t.device != k.device:
-            raise ValueError(f"{name} must be [{M}] int64 on {k.device}, got {tuple(t.shape)} {t.dtype} {t.device}")
-    if M == 0:
-        return
-    S, T = k_cache.shape[:2]
-    W = k_cache[0, 0].numel()
-    it = _INTS[k_cache.element_size()]
-    launch(_kv_store_kernel, (M,), (k.contiguous().view(it), v.contiguous().view(it), k_cache.view(it),
-                                    v_cache.view(it), slots.contiguous(), positions.contiguous(), S, T, W),
-           dict(BW=next_pow2(W)), num_warps=4)
+    if not store(k_cache, v_cache, slots, positions, k, v):
+        named = (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("slots", slots),
+                 ("positions", positions))
+        raise ValueError("kv_store takes contiguous caches [S, T, ...] on one CUDA device, rows [M, ...] of their row "
+                         "shape and dtype, and slots and positions [M] int64; got "
+                         + ", ".join(f"{n} {tuple(t.shape)} {t.dtype} {t.device}" for n, t in named))
