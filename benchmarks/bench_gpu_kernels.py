@@ -21,6 +21,7 @@ triton_gemm.SHAPE_CONFIGS. ``--sections compile`` needs no GPU: it compiles ever
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from exactness import paths  # noqa: E402
 from exactness.config import get_preset  # noqa: E402
 from exactness.kernels import attention as fast_attn  # noqa: E402
-from exactness.kernels import cuda, experts, norm, rope, router  # noqa: E402
+from exactness.kernels import cuda, experts, norm, offline_compile, rope, router  # noqa: E402
 from exactness.loop import decode_step as eager_step  # noqa: E402
 from exactness.weights import device_random_weights  # noqa: E402
 
@@ -391,8 +392,9 @@ def decode_step(args) -> dict:
 
     The invariant set runs eagerly with Triton fast launch on and off (triton_rows.FAST_LAUNCH); both give the same
     logits. On graphs it runs with programmatic dependent launch on and off (triton_rows.PDL, fixed when the graph is
-    captured); every other row with it on (the default on sm_90). A graph step's logits are compared as bytes with
-    the eager step's at the same position.
+    captured), and without the set's fused options (qk_norm_rope, dense_group, residual_norm: kernels/fused.py);
+    every other row with PDL and the options on (the defaults on sm_90). A graph step's logits are compared as bytes
+    with the eager step's at the same position.
     """
     from exactness.cache import KVCache
     from exactness.exact import bytes_equal
@@ -424,6 +426,12 @@ def decode_step(args) -> dict:
            and graph_same["invariant (PDL off)"]}
     _print_rows("invariant decode step on graphs, programmatic dependent launch on vs off (triton_rows.PDL), "
                 "median wall time", [pdl])
+    unfused = med["invariant (unfused) (graphs)"]
+    fusion = {"fused_ms": on * 1e3, "unfused_ms": unfused * 1e3, "fused/unfused": on / unfused,
+              "same_logits": bytes_equal(logits["invariant"], logits["invariant (unfused)"])
+              and graph_same["invariant (unfused)"]}
+    _print_rows("invariant decode step on graphs, fused options (q/k norm + RoPE, residual + norm, grouped k/v "
+                "projections) on vs off, median wall time", [fusion])
     _print_rows(f"decode step, small preset ({args.e2e_weights} weights), median wall time; fast launch on/off "
                 f"logits identical: {same}", out)
     _print_rows("decode step with CUDA graphs (graphs.GraphDecoder) vs eager, same run", graph_rows)
@@ -433,7 +441,10 @@ def decode_step(args) -> dict:
         kernels[ks] = _step_kernels(ks, lambda: eager_step(w, cache, tok, pos0, slots, ks))
     kernels["invariant (PDL off) (graphs)"] = _step_kernels(
         "invariant (PDL off) (graphs)", lambda: dec["invariant (PDL off)"].step(tok, [P], [0]))
-    return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "pdl": pdl, "kernels": kernels}
+    kernels["invariant (unfused, PDL off) (graphs)"] = _step_kernels(
+        "invariant (unfused, PDL off) (graphs)", lambda: dec["invariant (unfused, PDL off)"].step(tok, [P], [0]))
+    return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "pdl": pdl, "fusion": fusion,
+            "kernels": kernels}
 
 
 def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
@@ -442,14 +453,19 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     PDL as each row asks (the caller restores them: triton_rows.launch_settings)."""
     from exactness.exact import bytes_equal
     from exactness.graphs import GraphDecoder
+    from exactness.kernels import get_set
     from exactness.kernels import triton_rows as tr
     logits = {}
     for fl in (False, True):
         tr.FAST_LAUNCH = fl
         logits[fl] = eager_step(w, cache, tok, pos0, slots, "invariant").clone()
+    inv = get_set("invariant")
+    unfused = dataclasses.replace(inv, name="invariant-unfused", options=inv.options.without(
+        "qk_norm_rope", "dense_group", "residual_norm"))
     dec, graph_same = {}, {}
     for name, ks, pdl in (("fast", "fast", True), ("invariant", "invariant", True),
-                          ("invariant (PDL off)", "invariant", False)):
+                          ("invariant (PDL off)", "invariant", False), ("invariant (unfused)", unfused, True),
+                          ("invariant (unfused, PDL off)", unfused, False)):
         tr.PDL = pdl                                                         # captured into the graph
         eager = eager_step(w, cache, tok, pos0, slots, ks).clone()
         dec[name] = GraphDecoder(w, cache, ks)
@@ -459,7 +475,7 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
         logits[name] = replay.clone()
     tr.PDL = True
     times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
-             "invariant (graphs)": [], "invariant (PDL off) (graphs)": []}
+             "invariant (graphs)": [], "invariant (PDL off) (graphs)": [], "invariant (unfused) (graphs)": []}
     for rnd in range(5):
         for ks in times:
             tr.FAST_LAUNCH = ks != "invariant (fast launch off)"
@@ -609,7 +625,7 @@ def e2e(args) -> dict:
 
 def compile_sm120(_args) -> dict:
     """Offline compile of every kernel the small preset launches for sm_120 (no such GPU needed)."""
-    rows_ = cuda.compile_report((12, 0), BF16, "small")
+    rows_ = offline_compile.compile_report((12, 0), BF16, "small")
     _print_rows("compiled for sm_120 without the GPU (triton.compile, GPUTarget('cuda', 120, 32))", rows_)
     return {"rows": rows_}
 

@@ -7,19 +7,14 @@ and each has a planted fault (rows stored one position off) that the same compar
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from exactness.cache import KVCache
 from exactness.kernels import cache_store
 from exactness.model import forward
+from interpreted import HAS_TRITON, NEEDS_TRITON, interpreted_rows
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 GPU = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and Triton")
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
@@ -95,9 +90,7 @@ def test_gpu_store_puts_indexings_bytes_and_a_planted_fault_is_caught(dtype):
 
 
 _INTERP = """
-import sys
 import torch
-sys.path.insert(0, {tests!r})
 from test_cache_store import store_mismatches
 from exactness.kernels import triton_cache
 for dt in (torch.bfloat16, torch.float32, torch.uint8):
@@ -111,12 +104,8 @@ except ValueError as e:
 """
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@NEEDS_TRITON
 def test_interpreter_store_puts_indexings_bytes_a_planted_fault_is_caught_and_bad_rows_refused():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", _INTERP.format(tests=os.path.dirname(__file__))], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    *rows, refused = [line.split() for line in r.stdout.splitlines()]
-    assert len(rows) == 3 and all(int(same) == 0 and int(fault) > 0 for _, same, fault in rows), r.stdout
-    assert refused == ["refused", "True", "False"], r.stdout       # rows not of the cache's row shape: nothing stored
+    *rows, refused = interpreted_rows(_INTERP)
+    assert len(rows) == 3 and all(int(same) == 0 and int(fault) > 0 for _, same, fault in rows)
+    assert refused == ["refused", "True", "False"]       # rows not of the cache's row shape: nothing stored

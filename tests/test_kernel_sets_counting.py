@@ -170,18 +170,22 @@ def test_the_counting_check_can_fail(run, device):
 def test_a_builtin_grouped_option_is_dropped_unless_the_expert_kernels_are_the_builtin_ones(kit):
     """On import, invariant's (or fast's) grouped MoE kernel is dropped from a copy whose expert kernels (decode or
     prompt) are other callables, and the drop is in its provenance; an exact copy and a grouped callable of the
-    user's own keep the option."""
-    for attr, base in (("COUNTED", "invariant"), ("DOWN_DECODE", "invariant"), ("FAST_GATE_UP", "fast")):
+    user's own keep the option. A copy whose every kernel is another callable (COUNTED) also loses invariant's
+    fused norm, RoPE, residual and projection options."""
+    fused = {"qk_norm_rope", "dense_group", "residual_norm"}
+    for attr, base, more in (("COUNTED", "invariant", fused), ("DOWN_DECODE", "invariant", set()),
+                             ("FAST_GATE_UP", "fast", set())):
         ks, rec = get_set(f"{MODULE}:{attr}"), provenance(f"{MODULE}:{attr}")
         assert "grouped_experts" not in ks.options and "grouped_experts" not in rec["options"], attr
         assert ks.options["tiles_in_kernels"] is KERNEL_SETS[base].options["tiles_in_kernels"]   # kept
-        assert list(rec["options_dropped"]) == ["grouped_experts"], attr
+        assert set(rec["options_dropped"]) == {"grouped_experts"} | more, attr
+        assert set(KERNEL_SETS[base].options) - set(ks.options) == {"grouped_experts"} | more, attr
         why = rec["options_dropped"]["grouped_experts"]
         assert f"built-in set {base!r}" in why and "\n" not in why, why
     assert get_set(f"{MODULE}:EXACT").options["grouped_experts"] is cuda.moe_experts
     assert provenance(f"{MODULE}:EXACT")["options_dropped"] == {}
     assert get_set(f"{MODULE}:OWN_GROUPED").options["grouped_experts"] is kit.grouped_own
-    assert provenance(f"{MODULE}:OWN_GROUPED")["options_dropped"] == {}
+    assert set(provenance(f"{MODULE}:OWN_GROUPED")["options_dropped"]) == fused     # its kernels are counted copies
     assert KERNEL_SETS["invariant"].options["grouped_experts"] is cuda.moe_experts          # built-ins untouched
     assert KERNEL_SETS["fast"].options["grouped_experts"] is fast_cuda.moe_experts
     assert "options_dropped" not in provenance("invariant")

@@ -161,6 +161,8 @@ class Ops:
             if cls in kernels.decode:   # a set registered before a class was added has no kernel of it
                 attr = "_" + cls if callable(getattr(Ops, cls, None)) else cls
                 setattr(self, attr, self._tap(cls, kernels.fn(cls, role)))
+        self._qk, self._group, self._res = (_own_option(kernels, n, role)
+                                            for n in ("qk_norm_rope", "dense_group", "residual_norm"))
 
     def _tap(self, cls: str, fn):
         if not _TAPS:
@@ -184,27 +186,67 @@ class Ops:
         f = lambda t, *w: self.expert_down(self.expert_gate_up(t, w[0], w[1], **kw), w[2], **kw)  # noqa: E731
         return self._tiled(f, self.plan.expert_tile, x, wg, wu, wd)
 
-    def _tiled(self, fn, tile: int, x: torch.Tensor, *w) -> torch.Tensor:
+    def dense_group(self, x: torch.Tensor, ws: tuple) -> tuple[torch.Tensor, ...]:
+        """(self.dense(x, w) for w in ws): the set's dense_group option where it serves the call whole and no taps
+        are on (same bytes, fewer launches), else one dense call per weight."""
+        out = None
+        if self._group is not None and not _TAPS and self._whole(x, self.plan.tile_rows):
+            out = self._group(x, ws)
+        return tuple(self.dense(x, w) for w in ws) if out is None else out
+
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, wq, wk, eps: float, positions: torch.Tensor,
+                     theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rope(rmsnorm(q, wq)), rope(rmsnorm(k, wk))): the set's qk_norm_rope option where it serves and no taps
+        are on (same bytes, fewer launches), else four kernel calls."""
+        out = None if self._qk is None or _TAPS else self._qk(q, k, wq, wk, eps, positions, theta)
+        if out is None:
+            out = (self.rope(self.rmsnorm(q, wq, eps), positions, theta),
+                   self.rope(self.rmsnorm(k, wk, eps), positions, theta))
+        return out
+
+    def residual_norm(self, a: torch.Tensor, b: torch.Tensor, w, eps: float) -> tuple[torch.Tensor, object]:
+        """(a + b, rmsnorm(a + b, w, eps)) by the set's residual_norm option where it serves and no taps are on
+        (same bytes, one launch); else (self.residual(a, b), None): the caller runs the norm where it belongs."""
+        out = None if self._res is None or _TAPS else self._res(a, b, w, eps)
+        return (self.residual(a, b), None) if out is None else out
+
+    def _whole(self, x: torch.Tensor, tile: int) -> bool:
+        """Whether a tiled class gets x's rows in one call (not the deep plan's host tiles)."""
         whole = self.k.options.tiles_in_kernels       # a bool, or a predicate of the call's rows x
         if callable(whole):
             whole = whole(x)
-        if self.plan.kind != "deep" or x.shape[0] <= tile or (whole and not _TAPS):
+        return self.plan.kind != "deep" or x.shape[0] <= tile or bool(whole and not _TAPS)
+
+    def _tiled(self, fn, tile: int, x: torch.Tensor, *w) -> torch.Tensor:
+        if self._whole(x, tile):
             return fn(x, *w)
         return torch.cat([fn(x[i:i + tile], *w) for i in range(0, x.shape[0], tile)], dim=0)
 
 
-def attention_block(ops: Ops, lw: LayerWeights, cfg, x, positions, slots, cache: KVCache, layer: int):
-    """Pre-norm GQA block with per-head q/k RMSNorm and RoPE; writes this call's keys/values to the cache."""
+def _own_option(ks: KernelSet, name: str, role: str):
+    """The set's option ``name`` if it computes with the set's own kernels: every (class, kernel) of its
+    ``stands_for`` is the set's kernel of that class for ``role`` (an option without one is taken as is)."""
+    fn = getattr(ks.options, name)
+    if fn is None or any(c not in ks.decode or ks.fn(c, role) is not f for c, f in getattr(fn, "stands_for", ())):
+        return None
+    return fn
+
+
+def attention_block(ops: Ops, lw: LayerWeights, cfg, x, positions, slots, cache: KVCache, layer: int, h=None):
+    """Pre-norm GQA block with per-head q/k RMSNorm and RoPE; writes this call's keys/values to the cache.
+
+    ``h``: rmsnorm(x, attn_norm) where the previous block computed it with its residual (Ops.residual_norm), else
+    None. Returns (x + attention, its rmsnorm by mlp_norm or None: see Ops.residual_norm)."""
     M = x.shape[0]
-    h = ops.rmsnorm(x, lw.attn_norm, cfg.rms_eps)                                   # [M, H]
-    q = ops.dense(h, lw.wq).view(M, cfg.n_heads, cfg.head_dim)                       # [M, Hq, D]
-    k = ops.dense(h, lw.wk).view(M, cfg.n_kv_heads, cfg.head_dim)                    # [M, Hkv, D]
-    v = ops.dense(h, lw.wv).view(M, cfg.n_kv_heads, cfg.head_dim)
-    q = ops.rope(ops.rmsnorm(q, lw.q_norm, cfg.rms_eps), positions, cfg.rope_theta)
-    k = ops.rope(ops.rmsnorm(k, lw.k_norm, cfg.rms_eps), positions, cfg.rope_theta)
+    h = ops.rmsnorm(x, lw.attn_norm, cfg.rms_eps) if h is None else h               # [M, H]
+    q, k, v = ops.dense_group(h, (lw.wq, lw.wk, lw.wv))
+    q = q.view(M, cfg.n_heads, cfg.head_dim)                                         # [M, Hq, D]
+    k = k.view(M, cfg.n_kv_heads, cfg.head_dim)                                      # [M, Hkv, D]
+    v = v.view(M, cfg.n_kv_heads, cfg.head_dim)
+    q, k = ops.qk_norm_rope(q, k, lw.q_norm, lw.k_norm, cfg.rms_eps, positions, cfg.rope_theta)
     cache.write(layer, slots, positions, k, v, store=cache_store)                    # one launch on CUDA
     o = ops.attention(q, cache.k[layer], cache.v[layer], slots, positions)          # [M, Hq, D]
-    return ops.residual(x, ops.dense(o.reshape(M, -1), lw.wo))
+    return ops.residual_norm(x, ops.dense(o.reshape(M, -1), lw.wo), lw.mlp_norm, cfg.rms_eps)
 
 
 def _experts_one_by_one(ops: Ops, cfg, h, idx, experts: ExpertProvider, layer: int) -> torch.Tensor:
@@ -227,8 +269,11 @@ def _experts_one_by_one(ops: Ops, cfg, h, idx, experts: ExpertProvider, layer: i
     return y
 
 
-def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer: int):
+def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer: int, h=None, next_norm=None):
     """Router -> top-k -> experts grouped by expert (expert-parallel) -> combine in slot order -> residual.
+
+    ``h``: rmsnorm(x, mlp_norm) if computed already (attention_block's), else None. Returns x + MoE(x) and, given
+    ``next_norm`` (the next layer's attn_norm, or the final norm), its rmsnorm or None (Ops.residual_norm).
 
     The experts with members are announced to ``experts.prepare`` first (an offloaded provider stages them ahead of
     use), then each one's weights come from ``experts.fetch``, in ascending expert id. A set whose options name
@@ -237,7 +282,7 @@ def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer
     calls are being tapped.
     """
     k = cfg.top_k
-    h = ops.rmsnorm(x, lw.mlp_norm, cfg.rms_eps)                                     # [M, H]
+    h = ops.rmsnorm(x, lw.mlp_norm, cfg.rms_eps) if h is None else h                 # [M, H]
     groups = () if cfg.router_groups is None else (cfg.router_groups,)               # group-limited routing
     weights, idx, _ = ops.router(h, lw.router, k, cfg.norm_topk_prob, *groups)      # [M, k], [M, k]
     y = None
@@ -253,7 +298,8 @@ def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer
     shared = None
     if lw.shared_gate is not None:
         shared = ops.expert(h, lw.shared_gate, lw.shared_up, lw.shared_down)  # shared expert: expert kernels
-    return ops.residual(x, ops.moe_combine(y, weights, shared))
+    y = ops.moe_combine(y, weights, shared)
+    return (ops.residual(x, y), None) if next_norm is None else ops.residual_norm(x, y, next_norm, cfg.rms_eps)
 
 
 def forward(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -296,11 +342,12 @@ def run_rows(w: Weights, ops: Ops, tokens: torch.Tensor, positions: torch.Tensor
     """forward's rows through the model with ``ops`` (forward's arguments, already checked): no host read of its
     own, and the cache's lengths left to the caller (graphs.GraphForward records the kernels it launches)."""
     cfg = w.cfg
-    x = w.embed[tokens]                                                              # [M, H]
+    x, h = w.embed[tokens], None                                                     # [M, H]
     for i, lw in enumerate(w.layers):
         ops.layer = i
-        x = attention_block(ops, lw, cfg, x, positions, slots, cache, i)
-        x = moe_block(ops, lw, cfg, x, experts, i)
+        x, h = attention_block(ops, lw, cfg, x, positions, slots, cache, i, h)
+        nxt = w.layers[i + 1].attn_norm if i + 1 < len(w.layers) else w.final_norm
+        x, h = moe_block(ops, lw, cfg, x, experts, i, h, nxt)
     ops.layer = -1
-    logits = ops.lm_head(ops.rmsnorm(x, w.final_norm, cfg.rms_eps), w.lm_head)      # [M, V] fp32
-    return ForwardOut(logits, x)
+    h = ops.rmsnorm(x, w.final_norm, cfg.rms_eps) if h is None else h
+    return ForwardOut(ops.lm_head(h, w.lm_head), x)                                 # logits [M, V] fp32

@@ -217,13 +217,15 @@ class MTPHead:
         e = ops.rmsnorm(self.w.embed[tokens], m.emb_norm, cfg.rms_eps)                # [M, H]
         h = ops.rmsnorm(hidden, m.hidden_norm, cfg.rms_eps)                            # [M, H]
         x = ops.dense(torch.cat([e, h], dim=-1), m.proj)                               # [M, 2H] -> [M, H]
+        h = None
         for j, lw in enumerate(m.blocks):
             ops.layer = self.w.cfg.n_layers + j
-            x = attention_block(ops, lw, cfg, x, positions, slots, self.cache, j)
-            x = moe_block(ops, lw, cfg, x, self.experts, j)
+            x, h = attention_block(ops, lw, cfg, x, positions, slots, self.cache, j, h)
+            nxt = m.blocks[j + 1].attn_norm if j + 1 < len(m.blocks) else m.final_norm
+            x, h = moe_block(ops, lw, cfg, x, self.experts, j, h, nxt)
         ops.layer = -1
-        logits = ops.lm_head(ops.rmsnorm(x, m.final_norm, cfg.rms_eps), self.w.lm_head)  # [M, V] fp32
-        return ForwardOut(logits, x)
+        h = ops.rmsnorm(x, m.final_norm, cfg.rms_eps) if h is None else h
+        return ForwardOut(ops.lm_head(h, self.w.lm_head), x)                         # logits [M, V] fp32
 
 
 @dataclass

@@ -4,7 +4,8 @@ ATTR is a KernelSet or a function of no arguments returning one. :func:`import_s
 labels its kernels with the set's name (a set built with ``dataclasses.replace`` from ``invariant`` keeps names
 such as ``invariant.dense.prompt``: they become ``<set>.dense.prompt``), checks its tables (:func:`check_tables`) and
 adds it to KERNEL_SETS under its own name, so every section and row names it by that one name. An option kept from
-a built-in set that would compute rows with that set's kernels instead of the user's (``grouped_experts``) is dropped
+a built-in set that would compute rows with that set's kernels instead of the user's (``grouped_experts``,
+``qk_norm_rope``, ``dense_group``, ``residual_norm``) is dropped
 (:func:`drop_bypassing_options`). :func:`provenance` records where it came from (module file, SHA-256, package
 version) and the options dropped, for the receipt.
 
@@ -26,7 +27,8 @@ _REFS: dict[str, str] = {}             # set name -> the reference it was import
 _DROPPED: dict[str, dict[str, str]] = {}  # set name -> option dropped on import -> why (one line)
 # Options that compute some classes' rows instead of the set's kernels of those classes (model.moe_block): option ->
 # the classes whose kernels (decode and prompt) it stands in for.
-_STANDS_IN = {"grouped_experts": ("expert_gate_up", "expert_down")}
+_STANDS_IN = {"grouped_experts": ("expert_gate_up", "expert_down"), "qk_norm_rope": ("rmsnorm", "rope"),
+              "dense_group": ("dense",), "residual_norm": ("residual", "rmsnorm")}
 
 
 def one_line(e: BaseException) -> str:

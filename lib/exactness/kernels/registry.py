@@ -215,6 +215,16 @@ class KernelOptions(Mapping):
         tiles_in_kernels: True, or a predicate of the call's rows ``x -> bool``: on the deep plan the dense and
             expert kernels get whole calls, no host row tiles (their tiles are fixed inside). False: host tiles.
         expert_id_aware: the expert kernels take ``expert_id=`` (-1: the shared expert); graphs do not serve it.
+        qk_norm_rope: None, or ``fn(q [M, Hq, D], k [M, Hk, D], wq [D], wk [D], eps, positions [M], theta) ->
+            (q, k) | None``: the per-head rmsnorm then rope of a layer's queries and keys with the bytes of the set's
+            own kernels of those classes, in fewer launches (None from it: not served, the kernels run).
+        dense_group: None, or ``fn(x [M, K], ws) -> tuple of [M, N_i] | None``: the set's dense kernel on each
+            weight of one input, same bytes, in fewer launches (model.attention_block: keys and values, queries).
+        residual_norm: None, or ``fn(a [..., H], b, w [H], eps) -> (a + b, rmsnorm(a + b, w, eps)) | None``: the
+            set's residual then rmsnorm, same bytes, in fewer launches (each block's residual and the next norm).
+        An option that computes rows instead of some classes' kernels (grouped_experts and the three above)
+        may name them in an attribute ``stands_for`` ((class, kernel callable) pairs): model.Ops then uses it only
+        for a set whose kernels of those classes are those callables.
 
     A Mapping of the options that are set (not their defaults), so a set can be built from another's:
     ``KernelOptions.of({**base.options, "expert_id_aware": True})``.
@@ -223,6 +233,9 @@ class KernelOptions(Mapping):
     grouped_experts: Callable | None = None
     tiles_in_kernels: bool | Callable = False
     expert_id_aware: bool = False
+    qk_norm_rope: Callable | None = None
+    dense_group: Callable | None = None
+    residual_norm: Callable | None = None
 
     @classmethod
     def of(cls, options: "KernelOptions | Mapping | None") -> "KernelOptions":

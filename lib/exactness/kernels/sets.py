@@ -11,7 +11,7 @@ order, stable top-k with lower-id tie-break). Its prompt kernels claim the decod
 """
 from __future__ import annotations
 
-from . import attention, cuda, dense, experts, fast_cuda, head, norm, rope, router
+from . import attention, cuda, dense, experts, fast_cuda, fused, head, norm, rope, router
 from .registry import KERNEL_CLASSES, register_set
 
 # The fast set's classes whose kernel is the same for both roles; dense, experts and attention differ by role.
@@ -64,7 +64,8 @@ FAST = register_set(
 
 _INVARIANT = {
     "dense": (cuda.dense_invariant, "CPU: F.linear on 64-row tiles; CUDA: Triton GEMM, K chunks and split-K "
-              "fixed per (N, K) for every M (tile size may follow M, same bytes), partials summed in split order; "
+              "fixed per (N, K) for every M (tile size may follow M, same bytes), partials summed in split order "
+              "(projections of one input with matching launches in one grouped pair of launches, same bytes); "
               "quantized weights: fp32 dequantized products, fixed pairwise sum per row (any device)"),
     "router": (cuda.router_any, "64-row tiles (CUDA: the dense Triton GEMM); fp32 softmax; top-k, lower id wins "
                "ties (group-limited: CPU only)"),
@@ -76,7 +77,8 @@ _INVARIANT = {
                   "config), online softmax in order (CUDA: softmax weights rounded to the storage dtype for P·V, "
                   "as FlashAttention-2); an fp8 cache dequantized to fp32 (CUDA: the whole cache, then the fp32 "
                   "kernel)"),
-    "rmsnorm": (cuda.rmsnorm, "64-row tiles (CUDA: one fixed row block per width)"),
+    "rmsnorm": (cuda.rmsnorm, "64-row tiles (CUDA: one fixed row block per width; a layer's q/k norms with their "
+                "RoPE, and each norm after a residual add with the add, in one launch, same bytes)"),
     "rope": (cuda.rope, "cos/sin gathered from a table"),
     "residual": (cuda.residual, "a + b"),
     "lm_head": (cuda.lm_head, "CPU: F.linear on fixed 64-row tiles; CUDA: the dense Triton GEMM"),
@@ -89,5 +91,9 @@ INVARIANT = register_set(
     # grouped_experts: model.moe_block runs all of a layer's experts at once (CUDA; resident or staged whole by
     # an offload store's layer ring), same bytes.
     # tiles_in_kernels: dense and expert kernels fix their own row tiles, so the deep plan hands them whole calls.
-    options={"grouped_experts": cuda.moe_experts, "tiles_in_kernels": True},
+    # qk_norm_rope, dense_group, residual_norm: on CUDA a layer's q/k norms and RoPE in one launch, the
+    # projections whose split-K launches match in one grouped pair, each residual add with the next norm in one
+    # launch (kernels/fused.py), same bytes.
+    options={"grouped_experts": cuda.moe_experts, "tiles_in_kernels": True, "qk_norm_rope": fused.qk_norm_rope,
+             "dense_group": fused.dense_group, "residual_norm": fused.residual_norm},
 )

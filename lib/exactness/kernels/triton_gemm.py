@@ -320,7 +320,9 @@ def _make_plan(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config:
     return _Plan(N, K, tuple((r, _make_launch(x, ws, kind, c)) for r, c in placed), ws)
 
 
-def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> torch.Tensor:
+def plan_for(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> _Plan:
+    """The launches of these weights for calls like x (kept per weight pointer, shape and layout; ValueError from
+    _check for shapes, dtypes or devices that do not match)."""
     pk = (kind, config, x.dtype, x.device, x.dim(), x.shape[-1]) + tuple(
         (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device) for w in ws)
     p = _PLANS.get(pk)
@@ -330,6 +332,17 @@ def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmC
             if len(_PLANS) > 8192:
                 _PLANS.clear()
             _PLANS[pk] = p
+    return p
+
+
+def takes_split(lp: _Launch, M: int, N: int) -> bool:
+    """Whether a call of M rows in this launch runs its splits in parallel programs (_run_split)."""
+    tiles = cdiv(M, lp.cfg.block_m) * cdiv(N, lp.cfg.block_n)
+    return lp.cfg.split_k > 1 and lp.b2 is None and tiles < SPLIT_TILES_BELOW and M <= SPLIT_MAX_ROWS
+
+
+def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> torch.Tensor:
+    p = plan_for(x, ws, kind, config)
     if not x.is_contiguous():
         x = x.contiguous()
     M = x.shape[0]
@@ -345,10 +358,10 @@ def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmC
         a, key = descriptor(x, [lp.cfg.block_m, lp.cfg.block_k]), lp.key
     else:
         a, key = x, (lp.key, x.data_ptr() % 16 == 0)
-    tiles = cdiv(M, lp.cfg.block_m) * cdiv(p.N, lp.cfg.block_n)
-    if lp.cfg.split_k > 1 and lp.b2 is None and tiles < SPLIT_TILES_BELOW and M <= SPLIT_MAX_ROWS:
+    if takes_split(lp, M, p.N):
         _run_split(lp, a, out, M, p.N, p.K, key)
         return out
+    tiles = cdiv(M, lp.cfg.block_m) * cdiv(p.N, lp.cfg.block_n)
     args = (a, lp.b, lp.b2 if lp.b2 is not None else out, out, M, p.N, p.K, p.K, p.K, p.N)   # contiguous strides
     grid = (min(lp.sms, tiles),) if lp.cfg.persistent else (tiles,)
     launch(lp.kernel, grid, args, lp.consts, key=key, **lp.opts)

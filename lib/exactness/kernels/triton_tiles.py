@@ -175,13 +175,12 @@ def _gemm_persistent_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, str
         _store_tile(c_ptr, acc, acc2, pid_m * BM, pid_n * BN, M, N, stride_cm, BM, BN, GATE_UP, EMULATE)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemm_split_kernel(a_src, b_src, ws_ptr, M, N, K, stride_am, stride_bn, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
-                       EMULATE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
-    """One program per (output tile, split): the split's fp32 partial (_k_range from zero) stored to ws[split]."""
-    pdl_start(PDL)
-    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+@triton.jit
+def _split_partial(a_src, b_src, ws_ptr, tile, M, N, K, stride_am, stride_bn, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+                   EMULATE: tl.constexpr, SPLIT: tl.constexpr):
+    """Output tile ``tile``'s split program_id(1): its fp32 partial (_k_range from zero) stored to ws[split]."""
+    pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     s = tl.program_id(1)
     lo, hi = _split_bounds(K, s, BK, SPLIT)
     acc, _ = _k_range(a_src, b_src, b_src, pid_m * BM, pid_n * BN, lo, hi, M, N, K, stride_am, stride_bn,
@@ -193,10 +192,42 @@ def _gemm_split_kernel(a_src, b_src, ws_ptr, M, N, K, stride_am, stride_bn, BM: 
 
 
 @triton.jit(do_not_specialize=["M"])
-def _split_reduce_kernel(ws_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                         EMULATE: tl.constexpr, PDL: tl.constexpr):
-    """The splits' partials added in split order to a zero total (as _tile_product), rounded once and stored."""
+def _gemm_split_kernel(a_src, b_src, ws_ptr, M, N, K, stride_am, stride_bn, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+                       EMULATE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """One program per (output tile, split): the split's fp32 partial (_k_range from zero) stored to ws[split]."""
     pdl_start(PDL)
+    _split_partial(a_src, b_src, ws_ptr, tl.program_id(0), M, N, K, stride_am, stride_bn, BM, BN, BK, GROUP_M, TMA,
+                   PRECISION, EMULATE, SPLIT)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_split_group_kernel(a_src, b0_src, b1_src, b2_src, ws_ptr, M, N0, N1, N2, K, BM: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
+                             PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr,
+                             NB: tl.constexpr, PDL: tl.constexpr):
+    """_gemm_split_kernel for NB (2 or 3) weights [N_i, K] of one config, weight program_id(2): its partials at
+    ws[sum of SPLIT * M * N_j for j < i]; a program past its weight's tiles does nothing."""
+    pdl_start(PDL)
+    t = tl.program_id(0)
+    b = tl.program_id(2)
+    if b == 0:
+        if t < tl.cdiv(M, BM) * tl.cdiv(N0, BN):
+            _split_partial(a_src, b0_src, ws_ptr, t, M, N0, K, K, K, BM, BN, BK, GROUP_M, TMA, PRECISION, EMULATE,
+                           SPLIT)
+    elif b == 1:
+        if t < tl.cdiv(M, BM) * tl.cdiv(N1, BN):
+            _split_partial(a_src, b1_src, ws_ptr + (SPLIT * M * N0).to(tl.int64), t, M, N1, K, K, K, BM, BN, BK,
+                           GROUP_M, TMA, PRECISION, EMULATE, SPLIT)
+    elif NB > 2:
+        if t < tl.cdiv(M, BM) * tl.cdiv(N2, BN):
+            _split_partial(a_src, b2_src, ws_ptr + (SPLIT * M * (N0 + N1)).to(tl.int64), t, M, N2, K, K, K, BM, BN,
+                           BK, GROUP_M, TMA, PRECISION, EMULATE, SPLIT)
+
+
+@triton.jit
+def _reduce_tile(ws_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                 EMULATE: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -204,3 +235,25 @@ def _split_reduce_kernel(ws_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr
     for s in tl.static_range(SPLIT):
         acc = acc + tl.load(ws_ptr + (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :], mask=mask, other=0.0)
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], round_to(acc, c_ptr.dtype.element_ty, EMULATE), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_reduce_kernel(ws_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                         EMULATE: tl.constexpr, PDL: tl.constexpr):
+    """The splits' partials added in split order to a zero total (as _tile_product), rounded once and stored."""
+    pdl_start(PDL)
+    _reduce_tile(ws_ptr, c_ptr, M, N, BM, BN, SPLIT, EMULATE)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_reduce_group_kernel(ws_ptr, c0_ptr, c1_ptr, c2_ptr, M, N0, N1, N2, BM: tl.constexpr, BN: tl.constexpr,
+                               SPLIT: tl.constexpr, EMULATE: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
+    """_split_reduce_kernel for _gemm_split_group_kernel's partials, weight program_id(2) into its output c_i."""
+    pdl_start(PDL)
+    b = tl.program_id(2)
+    if b == 0:
+        _reduce_tile(ws_ptr, c0_ptr, M, N0, BM, BN, SPLIT, EMULATE)
+    elif b == 1:
+        _reduce_tile(ws_ptr + (SPLIT * M * N0).to(tl.int64), c1_ptr, M, N1, BM, BN, SPLIT, EMULATE)
+    elif NB > 2:
+        _reduce_tile(ws_ptr + (SPLIT * M * (N0 + N1)).to(tl.int64), c2_ptr, M, N2, BM, BN, SPLIT, EMULATE)

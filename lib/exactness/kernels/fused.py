@@ -1,0 +1,71 @@
+"""The invariant set's options that run several kernel calls in fewer launches with the same bytes (CUDA; on other
+devices they serve nothing and the engine calls the kernels one by one).
+
+Each option names the kernels whose bytes it gives in ``stands_for`` ((class, kernel) pairs): model.Ops uses it only
+for a set whose kernels of those classes are those very callables, so a set that replaces one of them (a planted
+fault, a user's kernel) runs its own kernels.
+
+- ``qk_norm_rope(q, k, wq, wk, eps, positions, theta) -> (q, k) | None``: per-head RMSNorm then RoPE of a layer's
+  queries and keys in one launch (triton_fused), for cuda.rmsnorm then cuda.rope.
+- ``residual_norm(a, b, w, eps) -> (x, h) | None``: the residual add and the next RMSNorm of its sum in one launch
+  (triton_fused), for cuda.residual then cuda.rmsnorm.
+- ``dense_group(x, ws) -> tuple | None``: x @ w^T for several weights of one input, those whose split-K launches
+  match in one grouped pair of launches (triton_group), for cuda.dense_invariant.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cuda
+from . import rope as _rope
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
+                 positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rope(rmsnorm(q, wq)), rope(rmsnorm(k, wk))) with cuda.rmsnorm's and cuda.rope's bytes in one launch.
+
+    Args:
+        q: [M, Hq, D]; k: [M, Hk, D]; wq, wk: [D]; positions: [M] int64; theta: RoPE base.
+    Returns:
+        (q, k) in q's dtype, or None where not served (CPU tensors, or inputs triton_fused.serves refuses).
+    """
+    if not (q.is_cuda and torch.is_tensor(wq) and torch.is_tensor(wk)):
+        return None
+    cos, sin = _rope._table(q.shape[-1], theta, 1, q.device, q.dtype)                # [L, D], as cuda.rope
+    tq = cuda._tk("triton_fused")
+    if not tq.serves(q, k, wq, wk, positions, cos):
+        return None
+    return tq.qk_norm_rope(q, k, wq, wk, eps, positions, cos, sin)
+
+
+def residual_norm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(a + b, rmsnorm(a + b, w, eps)) with cuda.residual's and cuda.rmsnorm's bytes in one launch.
+
+    Args:
+        a, b: [..., H]; w: [H]. Returns: (x, h) of a's shape and dtype, or None where not served (not all CUDA
+        tensors of one float dtype and those shapes).
+    """
+    if not (a.is_cuda and torch.is_tensor(w) and a.shape == b.shape and w.shape == a.shape[-1:]
+            and all(t.dtype == a.dtype and t.device == a.device for t in (b, w))
+            and a.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return None
+    return cuda._tk("triton_fused").residual_norm(a, b, w, eps)
+
+
+def dense_group(x: torch.Tensor, ws: tuple) -> tuple[torch.Tensor, ...] | None:
+    """(cuda.dense_invariant(x, w) for w in ws), the bytes of each, in fewer launches (triton_group.linear_many).
+
+    Args:
+        x: [M, K]; ws: weights [N_i, K] of x's dtype.
+    Returns:
+        one [M, N_i] per weight, or None where not served (CPU tensors, or a weight that is not a plain tensor).
+    """
+    if not (x.is_cuda and all(torch.is_tensor(w) for w in ws)):
+        return None
+    return cuda._tk("triton_group").linear_many(x, tuple(ws))
+
+
+qk_norm_rope.stands_for = (("rmsnorm", cuda.rmsnorm), ("rope", cuda.rope))
+dense_group.stands_for = (("dense", cuda.dense_invariant),)
+residual_norm.stands_for = (("residual", cuda.residual), ("rmsnorm", cuda.rmsnorm))

@@ -1,0 +1,254 @@
+"""Offline compile of every Triton kernel a preset launches (no GPU needed): ``compile_report(capability)`` builds
+each kernel for that architecture with the configs, placements and tables the engine would use there, and reports
+registers, spills, shared memory, the MMA kind, TMA and programmatic dependent launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import torch
+
+from .cuda import _tk
+
+_SMEM_LIMIT = {9: 232448, 12: 101376}   # max dynamic shared memory per block (bytes): sm_90 / sm_120 (CUDA guide)
+
+
+def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[tuple]:
+    """(name, jit fn, signature, constexprs, options) of every Triton kernel the preset ``cfg`` launches."""
+    ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    H, D, I = cfg.hidden, cfg.head_dim, cfg.expert_inter
+    shapes = {"q": (cfg.n_heads * D, H), "k/v": (cfg.n_kv_heads * D, H), "o": (H, cfg.n_heads * D),
+              "router": (cfg.n_experts, H), "down": (H, I), "lm_head": (cfg.vocab_size, H), "gate_up": (I, H)}
+    specs = []
+    for name, (N, K) in shapes.items():
+        kind = "gate_up" if name == "gate_up" else "linear"
+        specs += _gemm_specs(name, kind, N, K, dtype, capability, ty)
+        if name == "k/v":                  # keys and values: one shape, so one config, grouped (triton_group)
+            specs += _group_specs(name, N, K, dtype, capability, ty)
+    return specs + _attention_and_row_specs(cfg, dtype, capability, ty)
+
+
+def _group_specs(name: str, N: int, K: int, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list:
+    """The grouped split-K partials and sum of two weights of one shape, in each placement that splits K."""
+    tg, tt = _tk("triton_gemm"), _tk("triton_tiles")
+    p, i32, specs = f"*{ty}", "i32", []
+    placed = [c for _, c in tg.placements("linear", N, K, dtype, capability) if c.split_k > 1]
+    for c in placed:
+        tma = c.tma and capability[0] >= 9
+        a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
+        b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
+        sig = dict(a_src=a, b0_src=b, b1_src=b, b2_src=b, ws_ptr="*fp32", M=i32, N0=i32, N1=i32, N2=i32, K=i32)
+        const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, TMA=tma,
+                     PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False, SPLIT=c.split_k, NB=2)
+        specs.append((f"gemm {name} x2 grouped split-K partials [{c.label()}]", tt._gemm_split_group_kernel, sig,
+                      const, dict(num_warps=c.num_warps, num_stages=c.num_stages)))
+    for split in sorted({c.split_k for c in placed}):
+        specs.append((f"gemm {name} x2 grouped split-K sum", tt._split_reduce_group_kernel,
+                      dict(ws_ptr="*fp32", c0_ptr=p, c1_ptr=p, c2_ptr=p, M=i32, N0=i32, N1=i32, N2=i32),
+                      dict(**tg._REDUCE, SPLIT=split, EMULATE=False, NB=2), dict(num_warps=4)))
+    return specs
+
+
+def _gemm_specs(name: str, kind: str, N: int, K: int, dtype: torch.dtype, capability: tuple[int, int],
+                ty: str) -> list[tuple]:
+    """One weight shape's GEMM kernels in every placement (triton_gemm.placements), with their split-K pairs."""
+    tg = _tk("triton_gemm")
+    p, i32, specs = f"*{ty}", "i32", []
+    placed = [c for _, c in tg.placements(kind, N, K, dtype, capability)]
+    for c in placed:
+        tma = c.tma and capability[0] >= 9
+        a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
+        b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
+        sig = dict(a_src=a, b_src=b, b2_src=b, c_ptr=p, M=i32, N=i32, K=i32, stride_am=i32, stride_bn=i32,
+                   stride_cm=i32)
+        const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, GATE_UP=kind == "gate_up",
+                     TMA=tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False,
+                     SPLIT=c.split_k, SPLIT_LOOP=tg.SPLIT_LOOPS.index(c.split_loop))
+        fn = tg._gemm_kernel
+        if c.persistent:
+            fn, const = tg._gemm_persistent_kernel, const | dict(NUM_SMS=132, WS=c.warp_specialize)
+        opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
+        specs.append((f"gemm {name} {N}x{K} [{c.label()}]", fn, sig, const, opts))
+        if c.split_k > 1 and kind == "linear":
+            specs.append(_split_partials_spec(name, N, K, c, sig, const, opts))
+    if placed[-1].split_k > 1 and kind == "linear":        # one sum per shape: its launch has no tile of its own
+        specs.append((f"gemm {name} split-K sum", tg._split_reduce_kernel,
+                      dict(ws_ptr="*fp32", c_ptr=p, M=i32, N=i32),
+                      dict(**tg._REDUCE, SPLIT=placed[-1].split_k, EMULATE=False), dict(num_warps=4)))
+    return specs
+
+
+def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:
+    """The attention, row-wise and grouped MoE kernels of the preset ``cfg``."""
+    ta, tr = _tk("triton_attention"), _tk("triton_rows")
+    p, i32, f32, specs = f"*{ty}", "i32", "fp32", []
+    H, D = cfg.hidden, cfg.head_dim
+    ac = ta.config_for(D, dtype, capability)
+    kv_tma = capability[0] >= 9 and D == triton_next_pow2(D)
+    kv = f"tensordesc<{ty}[1, {ac.block_n}, {D}]>" if kv_tma else p
+    sig = dict(q_ptr=p, k_src=kv, v_src=kv, o_ptr=p, pos_ptr="*i64", rows_ptr="*i64", tstart_ptr="*i64",
+               tlen_ptr="*i64", tslot_ptr="*i64", M=i32, n_tiles=i32, T=i32, sq_m=i32, sq_h=i32, sk_s=i32,
+               sk_t=i32, sk_h=i32, scale=f32)
+    const = dict(G=cfg.n_heads // cfg.n_kv_heads, D=D, BD=triton_next_pow2(D), BM=ac.block_m, BN=ac.block_n,
+                 CH=ac.chunk, GROUPED=0, KV_TMA=kv_tma, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                 EMULATE=False)
+    aopts = dict(num_warps=ac.num_warps, num_stages=ac.num_stages, enable_fp_fusion=False)
+    specs.append((f"attention D={D} [{ac.label()}]", ta._attn_kernel, sig, const, aopts))
+    split_sig = {**{k: v for k, v in sig.items() if k != "o_ptr"}, "ws_ptr": "*fp32", "ml_ptr": "*fp32", "NC": i32}
+    order = ["q_ptr", "k_src", "v_src", "ws_ptr", "ml_ptr", "pos_ptr", "rows_ptr", "tstart_ptr", "tlen_ptr",
+             "tslot_ptr", "M", "n_tiles", "T", "NC", "sq_m", "sq_h", "sk_s", "sk_t", "sk_h", "scale"]
+    for grouped, hpp in ((0, 1), (0, const["G"]), (2, const["G"])):   # packed heads: one slot, one row per tile
+        specs.append((f"attention split-KV D={D} [{ac.label()}] tiles {grouped} heads/program {hpp}",
+                      ta._attn_split_kernel, {k: split_sig[k] for k in order}, const | dict(GROUPED=grouped, HPP=hpp),
+                      aopts))
+    for rows, over in ta.SPLIT_PLACEMENTS.get(ta._key(D, dtype, capability), ()):   # few rows: packed heads
+        pc = dataclasses.replace(ac, **over)
+        for grouped in (0, 2):
+            specs.append((f"attention split-KV D={D} [{pc.label()}] calls of <= {rows} rows, tiles {grouped}",
+                          ta._attn_split_kernel, {k: split_sig[k] for k in order},
+                          const | dict(BM=pc.block_m, GROUPED=grouped, HPP=const["G"]),
+                          dict(aopts, num_warps=pc.num_warps, num_stages=pc.num_stages)))
+    specs.append((f"attention chunk combine D={D}", ta._combine_kernel,
+                  dict(ws_ptr="*fp32", ml_ptr="*fp32", o_ptr=p, pos_ptr="*i64", M=i32, NC=i32, sq_m=i32, sq_h=i32),
+                  dict(D=D, BD=triton_next_pow2(D), BR=ta.COMBINE_ROWS, CH=ac.chunk, STAGES=ta.COMBINE_STAGES,
+                       EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
+    tc, it = _tk("triton_cache"), "i32" if dtype == torch.float32 else "i16"      # the store copies integers
+    specs.append(("KV cache store", tc._kv_store_kernel,
+                  dict(k_ptr=f"*{it}", v_ptr=f"*{it}", kc_ptr=f"*{it}", vc_ptr=f"*{it}", s_ptr="*i64", p_ptr="*i64",
+                       S=i32, T=i32, W=i32), dict(BW=triton_next_pow2(cfg.n_kv_heads * D)), dict(num_warps=4)))
+    for width in (H, D):
+        br, bh, warps = tr._row_block(width)
+        specs.append((f"rmsnorm H={width}", tr._rmsnorm_kernel,
+                      dict(x_ptr=p, w_ptr=p, o_ptr=p, R=i32, H=i32, eps=f32),
+                      dict(BR=br, BH=bh, EMULATE=False), dict(num_warps=warps, enable_fp_fusion=False)))
+    br, bh, warps = tr._row_block(H)
+    specs.append((f"residual + rmsnorm H={H}", _tk("triton_fused")._residual_norm_kernel,
+                  dict(a_ptr=p, b_ptr=p, w_ptr=p, x_ptr=p, h_ptr=p, R=i32, H=i32, eps=f32),
+                  dict(BR=br, BH=bh, EMULATE=False), dict(num_warps=warps, enable_fp_fusion=False)))
+    br, bd, warps = tr._row_block(D)
+    specs.append(("q/k rmsnorm + rope", _tk("triton_fused")._qk_norm_rope_kernel,
+                  dict(q_ptr=p, k_ptr=p, wq_ptr=p, wk_ptr=p, qo_ptr=p, ko_ptr=p, pos_ptr="*i64", cos_ptr=p, sin_ptr=p,
+                       M=i32, HQ=i32, HK=i32, D=i32, L=i32, eps=f32),
+                  dict(BR=br, BD=bd, EMULATE=False), dict(num_warps=warps, enable_fp_fusion=False)))
+    specs.append(("rope", tr._rope_kernel, dict(x_ptr=p, pos_ptr="*i64", cos_ptr=p, sin_ptr=p, o_ptr=p, M=i32,
+                                                  L=i32, NH=i32, D=i32, HALF=i32),
+                  dict(BHN=triton_next_pow2(cfg.n_heads), BHALF=triton_next_pow2(D // 2), EMULATE=False),
+                  dict(num_warps=4, enable_fp_fusion=False)))
+    specs.append(("router softmax/top-k", tr._softmax_topk_kernel,
+                  dict(l_ptr=p, w_ptr=p, i_ptr="*i64", M=i32, E=i32),
+                  dict(TOPK=cfg.top_k, NORM=cfg.norm_topk_prob, BR=8, BE=triton_next_pow2(cfg.n_experts),
+                       BK=triton_next_pow2(cfg.top_k), EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
+    specs += _grouped_specs(cfg, dtype, capability, ty)
+    specs.append(("moe combine", tr._combine_kernel, dict(y_ptr=p, w_ptr=p, s_ptr=p, o_ptr=p, M=i32, H=i32),
+                  dict(K=cfg.top_k, HAS_SHARED=cfg.shared_expert_inter > 0, BH=min(1024, triton_next_pow2(H)),
+                       EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
+    return specs
+
+
+def _split_partials_spec(name: str, N: int, K: int, c, sig: dict, const: dict, opts: dict) -> tuple:
+    """The per-split partials kernel of a linear shape whose config splits K, in config ``c``."""
+    tg = _tk("triton_gemm")
+    ssig = dict(a_src=sig["a_src"], b_src=sig["b_src"], ws_ptr="*fp32", M="i32", N="i32", K="i32", stride_am="i32",
+                stride_bn="i32")
+    sconst = {k: v for k, v in const.items() if k in ("BM", "BN", "BK", "GROUP_M", "TMA", "PRECISION", "EMULATE",
+                                                       "SPLIT")}
+    return (f"gemm {name} {N}x{K} split-K partials [{c.label()}]", tg._gemm_split_kernel, ssig, sconst, opts)
+
+
+def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:
+    """The grouped invariant MoE kernels (triton_moe.py): the route kernel and the gate/up and down GEMMs over the
+    stacked [E*N, K] expert weights, in every placement (triton_moe.expert_placements)."""
+    tm = _tk("triton_moe")
+    p, i32 = f"*{ty}", "i32"
+    E, H, I = cfg.n_experts, cfg.hidden, cfg.expert_inter
+    specs = []
+    placed = tm.expert_placements(I, H, dtype, capability)
+    gemms = [("gate_up", I, H, gu) for _, gu, _ in placed] + [("linear", H, I, dn) for _, _, dn in placed]
+    for kind, N, K, c in gemms:
+        tma = c.tma and capability[0] >= 9
+        a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
+        b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
+        sig = dict(a_src=a, b_src=b, b2_src=b, c_ptr=p, tile_e_ptr="*i32", dest_ptr="*i32", n_rows=i32, N=i32, K=i32,
+                   stride_am=i32, stride_bn=i32, stride_cm=i32)
+        const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GATE_UP=kind == "gate_up", SCATTER=kind == "linear",
+                     TMA=tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False,
+                     SPLIT=c.split_k)
+        specs.append((f"grouped moe {kind} {E}x{N}x{K} [{c.label()}]", tm._grouped_kernel, sig, const,
+                      dict(num_warps=c.num_warps, num_stages=c.num_stages)))
+    sig = dict(h_ptr=p, ids_ptr="*i64", sorted_ptr="*i64", order_ptr="*i64", xs_ptr=p, dest_ptr="*i32",
+               tile_e_ptr="*i32", n_pairs=i32, n_iter=i32, E=i32, H=i32)
+    for bm in sorted({gu.block_m for _, gu, _ in placed}):
+        const = dict(TOPK=cfg.top_k, BM=bm, BE=triton_next_pow2(E), BH=min(tm.ROUTE_COLUMNS, triton_next_pow2(H)),
+                     SMALL=True, BP=triton_next_pow2(tm.SMALL_PAIRS))
+        specs.append((f"grouped moe route {bm}-row tiles", tm._route_kernel, sig, const, dict(num_warps=4)))
+    return specs
+
+
+def triton_next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def compile_report(capability: tuple[int, int] = (12, 0), dtype: torch.dtype = torch.bfloat16,
+                   preset: str = "small", pdl: bool | None = None) -> list[dict]:
+    """Compile every Triton kernel the preset launches for ``capability`` without that GPU being present.
+
+    Uses ``triton.compile(ASTSource(...), target=GPUTarget("cuda", major*10+minor, 32))`` (LLVM -> PTX -> ptxas ->
+    cubin on this machine) and reads registers/stack from the cubin with the cuobjdump that ships with Triton.
+
+    Returns:
+        One dict per kernel: kernel, target, shared (bytes), smem_ok (shared <= the architecture's per-block limit),
+        regs, stack (bytes of local memory per thread: spills), mma ("wgmma" / "mma.sync" / "fma"), tma (PTX uses
+        cp.async.bulk.tensor), pdl (the PTX waits with griddepcontrol.wait before its first global, TMA or
+        mbarrier instruction: programmatic dependent launch), seconds (compile time). ``pdl``: compile the kernels
+        with programmatic dependent launch (None: as launch() does, on sm_90 and newer).
+    Raises:
+        RuntimeError: Triton missing; ValueError: unknown preset or dtype.
+    """
+    import subprocess
+    import tempfile
+    import time
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ..config import get_preset
+    cfg = get_preset(preset)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    rows = []
+    pdl = _tk("triton_rows").pdl_arch(capability) if pdl is None else pdl
+    for name, fn, sig, const, opts in _kernel_specs(cfg, dtype, capability):
+        const, opts = const | {"PDL": pdl}, opts | ({"launch_pdl": True} if pdl else {})
+        t0 = time.perf_counter()
+        k = triton.compile(ASTSource(fn=fn, signature=sig | {c: "constexpr" for c in const}, constexprs=const),
+                           target=target, options=opts)
+        secs = time.perf_counter() - t0
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                                   text=True).stdout if os.path.exists(cuobjdump) else ""
+        reg = re.search(r"REG:(\d+)", usage)
+        stack = re.search(r"STACK:(\d+)", usage)
+        ptx = k.asm["ptx"]
+        mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
+        rows.append(dict(kernel=name, target=f"sm_{target.arch}", shared=k.metadata.shared,
+                         smem_ok=k.metadata.shared <= _SMEM_LIMIT.get(capability[0], 101376),
+                         regs=int(reg.group(1)) if reg else None, stack=int(stack.group(1)) if stack else None,
+                         mma=mma, tma="cp.async.bulk.tensor" in ptx, pdl=_waits_first(ptx),
+                         seconds=round(secs, 2)))
+    return rows
+
+
+_MEMORY_OPS = re.compile(r"\b(ld\.global|st\.global|atom\.global|red\.global|cp\.async|mbarrier|tensormap)")
+
+
+def _waits_first(ptx: str) -> bool:
+    """Whether the PTX's griddepcontrol.wait comes before its first global, TMA or mbarrier instruction."""
+    wait = ptx.find("griddepcontrol.wait")
+    first = _MEMORY_OPS.search(ptx)
+    return wait >= 0 and (first is None or wait < first.start())

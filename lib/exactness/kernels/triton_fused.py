@@ -1,0 +1,173 @@
+"""Row kernels that run two kernel classes' calls in one Triton launch (CUDA), with the bytes of the two:
+
+- ``qk_norm_rope``: per-head query/key RMSNorm then RoPE, triton_rows.rmsnorm then triton_rows.rope on the queries
+  and on the keys, where those take four launches;
+- ``residual_norm``: the residual add then the next RMSNorm (norm.residual_add, then triton_rows.rmsnorm of the
+  sum), where those take two.
+
+Each normalises a row on the rmsnorm kernel's block (triton_rows._row_block of the row width: the same rows per
+program, block width and warps, loads of the same shape and the same ``tl.sum``), so that its mean of squares is
+summed in that kernel's order; that Triton lays both out alike is checked, not guaranteed: the GPU tests compare
+every row's bytes (tests/test_fused_options.py). Everything after that sum is elementwise with contraction off,
+so its bytes follow from the operations. qk_norm_rope rounds and weights the normalised halves as rmsnorm does and
+rotates them with the rope kernel's products and sums; the queries' and the keys' programs share one launch (the
+first programs take query rows, the rest key rows). residual_norm rounds each sum to the storage dtype as the add
+does (fp32 sum, rounded once), stores it, and normalises it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_rows import _NO_FMA, INTERPRET, _row_block, cdiv, launch, pdl_start, round_to
+
+
+@triton.jit
+def _head_rows(x_ptr, w_ptr, o_ptr, pos_ptr, cos_ptr, sin_ptr, tile, R, NH, D, L, eps,
+               BR: tl.constexpr, BD: tl.constexpr, EMULATE: tl.constexpr):
+    """Rows tile*BR .. of x [R = M*NH, D]: rmsnorm (as triton_rows._rmsnorm_kernel) then rope (as _rope_kernel)."""
+    rows = tile * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BD)
+    mask = (rows[:, None] < R) & (cols[None, :] < D)
+    dt = o_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)   # [BR, BD]
+    var = tl.math.div_rn(tl.sum(x * x, axis=1), D * 1.0)                              # [BR] mean sq
+    r = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))[:, None]                                # rsqrt
+    HALF = D // 2
+    d = tl.arange(0, BD // 2)
+    hmask = (rows[:, None] < R) & (d[None, :] < HALF)
+    base = rows[:, None] * D + d[None, :]
+    w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    x1 = tl.load(x_ptr + base, mask=hmask, other=0.0).to(tl.float32)                    # [BR, D/2]
+    x2 = tl.load(x_ptr + base + HALF, mask=hmask, other=0.0).to(tl.float32)
+    n1 = round_to(w1 * round_to(x1 * r, dt, EMULATE).to(tl.float32), dt, EMULATE).to(tl.float32)
+    n2 = round_to(w2 * round_to(x2 * r, dt, EMULATE).to(tl.float32), dt, EMULATE).to(tl.float32)
+    p = tl.load(pos_ptr + rows // NH, mask=rows < R, other=0)                                  # [BR]
+    ok = (p >= 0) & (p < L)
+    p = tl.where(ok, p, 0)[:, None]
+    c1 = tl.load(cos_ptr + p * D + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + p * D + HALF + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + p * D + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + p * D + HALF + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+    o1 = round_to(n1 * c1, dt, EMULATE).to(tl.float32) + round_to(-n2 * s1, dt, EMULATE).to(tl.float32)
+    o2 = round_to(n2 * c2, dt, EMULATE).to(tl.float32) + round_to(n1 * s2, dt, EMULATE).to(tl.float32)
+    nan = float("nan")
+    o1 = tl.where(ok[:, None], o1, nan)
+    o2 = tl.where(ok[:, None], o2, nan)
+    tl.store(o_ptr + base, round_to(o1, dt, EMULATE), mask=hmask)
+    tl.store(o_ptr + base + HALF, round_to(o2, dt, EMULATE), mask=hmask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, M, HQ, HK, D, L,
+                         eps, BR: tl.constexpr, BD: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
+    tile = tl.program_id(0)
+    q_tiles = tl.cdiv(M * HQ, BR)
+    if tile < q_tiles:
+        _head_rows(q_ptr, wq_ptr, qo_ptr, pos_ptr, cos_ptr, sin_ptr, tile, M * HQ, HQ, D, L, eps, BR, BD, EMULATE)
+    else:
+        _head_rows(k_ptr, wk_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, tile - q_tiles, M * HK, HK, D, L, eps, BR, BD,
+                   EMULATE)
+
+
+def serves(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, positions: torch.Tensor,
+           cos: torch.Tensor) -> bool:
+    """Whether qk_norm_rope takes these: q [M, Hq, D] and k [M, Hk, D] (D even) of one float dtype on one CUDA device
+    (the CPU under the interpreter), weights [D] of that dtype, positions [M] int64, tables [L, D] of that dtype."""
+    if q.dim() != 3 or k.dim() != 3:
+        return False
+    M, _, D = q.shape
+    ts = (q, k, wq, wk, cos)
+    return ((q.is_cuda or INTERPRET) and all(t.device == q.device and t.dtype == q.dtype for t in ts)
+            and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 2 == 0 and k.shape[0] == M
+            and k.shape[2] == D and wq.shape == (D,) and wk.shape == (D,) and cos.dim() == 2 and cos.shape[1] == D
+            and positions.shape == (M,) and positions.dtype == torch.int64 and positions.device == q.device)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
+                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rope(rmsnorm(q, wq, eps)), rope(rmsnorm(k, wk, eps))) of triton_rows, bytes and all, in one launch.
+
+    Args:
+        q: [M, Hq, D]; k: [M, Hk, D]; wq, wk: [D]; positions: [M] int64; cos, sin: [L, D] tables (rope._table); a
+            position outside 0..L-1 yields NaN rows, as triton_rows.rope.
+    Returns:
+        q, k normalised and rotated, [M, Hq, D] and [M, Hk, D] in q's dtype.
+    Raises:
+        ValueError: tensors serves() does not take (it names their shapes, dtypes and devices).
+    """
+    if not serves(q, k, wq, wk, positions, cos) or sin.shape != cos.shape or sin.dtype != cos.dtype:
+        got = ", ".join(f"{n} {tuple(t.shape)} {t.dtype} {t.device}" for n, t in
+                        (("q", q), ("k", k), ("wq", wq), ("wk", wk), ("positions", positions), ("cos", cos),
+                         ("sin", sin)))
+        raise ValueError("qk_norm_rope takes q [M, Hq, D] and k [M, Hk, D] (D even) of one float dtype on one CUDA "
+                         f"device, weights [D], positions [M] int64 and cos/sin [L, D] of that dtype; got {got}")
+    M, HQ, D = q.shape
+    HK = k.shape[1]
+    qc, kc = q.contiguous(), k.contiguous()
+    qo, ko = torch.empty_like(qc), torch.empty_like(kc)
+    if M:
+        br, bd, warps = _row_block(D)
+        args = (qc, kc, wq.contiguous(), wk.contiguous(), qo, ko, positions.contiguous(), cos, sin, M, HQ, HK, D,
+                cos.shape[0], float(eps))
+        key = (_qk_norm_rope_kernel, q.dtype, HQ, HK, D, cos.shape[0] % 16 == 0, cos.shape[0] == 1) + tuple(
+            t.data_ptr() % 16 == 0 for t in args[:9])                                     # M: any
+        launch(_qk_norm_rope_kernel, (cdiv(M * HQ, br) + cdiv(M * HK, br),), args,
+               dict(BR=br, BD=bd, EMULATE=INTERPRET), key=key, num_warps=warps, **_NO_FMA)
+    return qo, ko
+
+
+
+@triton.jit(do_not_specialize=["R"])
+def _residual_norm_kernel(a_ptr, b_ptr, w_ptr, x_ptr, h_ptr, R, H, eps, BR: tl.constexpr, BH: tl.constexpr,
+                          EMULATE: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BH)
+    mask = (rows[:, None] < R) & (cols[None, :] < H)
+    dt = x_ptr.dtype.element_ty
+    offs = rows[:, None] * H + cols[None, :]
+    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)                           # [BR, BH]
+    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = round_to(a + b, dt, EMULATE)
+    tl.store(x_ptr + offs, s, mask=mask)
+    x = s.to(tl.float32)
+    var = tl.math.div_rn(tl.sum(x * x, axis=1), H * 1.0)                              # [BR] mean sq
+    r = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))                                        # rsqrt
+    y = round_to(x * r[:, None], dt, EMULATE).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(h_ptr + offs, round_to(w[None, :] * y, dt, EMULATE), mask=mask)
+
+
+def residual_norm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, h) = (a + b, rmsnorm(a + b, w, eps)), the bytes of norm.residual_add then triton_rows.rmsnorm, in one
+    launch.
+
+    Args:
+        a, b: [..., H] of one float dtype on one CUDA device (the CPU under the interpreter); w: [H] of that dtype.
+    Returns:
+        x and h, both of a's shape and dtype.
+    Raises:
+        ValueError: tensors of other shapes, dtypes or devices (named).
+    """
+    ok = (a.shape == b.shape and a.dim() >= 1 and w.shape == a.shape[-1:] and (a.is_cuda or INTERPRET)
+          and all(t.dtype == a.dtype and t.device == a.device for t in (b, w))
+          and a.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    if not ok:
+        got = ", ".join(f"{n} {tuple(t.shape)} {t.dtype} {t.device}" for n, t in (("a", a), ("b", b), ("w", w)))
+        raise ValueError(f"residual_norm takes a and b [..., H] and w [H] of one float dtype on one CUDA device; "
+                         f"got {got}")
+    H = a.shape[-1]
+    ac, bc = a.reshape(-1, H).contiguous(), b.reshape(-1, H).contiguous()                       # [R, H]
+    x, h = torch.empty_like(ac), torch.empty_like(ac)
+    R = ac.shape[0]
+    if R:
+        br, bh, warps = _row_block(H)
+        wc = w.contiguous()
+        key = (_residual_norm_kernel, a.dtype, H) + tuple(t.data_ptr() % 16 == 0 for t in (ac, bc, wc))  # R: any
+        launch(_residual_norm_kernel, (cdiv(R, br),), (ac, bc, wc, x, h, R, H, float(eps)),
+               dict(BR=br, BH=bh, EMULATE=INTERPRET), key=key, num_warps=warps, **_NO_FMA)
+    return x.reshape(a.shape), h.reshape(a.shape)

@@ -1,0 +1,110 @@
+"""Several batch-invariant GEMMs of one input in two launches (CUDA): ``linear_group(x, ws)`` gives each weight the
+bytes of ``triton_gemm.linear(x, w)``.
+
+Where every weight's launch for the call's row count runs split-K in parallel programs (triton_gemm.takes_split)
+with the same launch constants (tile, BLOCK_K, split_k, warps, stages, TMA), one launch computes every weight's
+partials (program_id(2) picks the weight) and one launch adds them: the programs of _gemm_split_kernel and
+_split_reduce_kernel, with the same arithmetic, side by side. A decode step's keys and values (one weight shape, so
+one config) then take two launches instead of four. Anything else (other launches, large calls) is not served:
+the caller runs linear() per weight.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import triton_gemm as tg
+from .triton_rows import INTERPRET, cdiv, intern_key, launch
+from .triton_tiles import _gemm_split_group_kernel, _split_reduce_group_kernel
+
+MAX_WEIGHTS = 3
+_KEYS: dict[tuple, tuple[int, int]] = {}
+
+
+def _launch_of(x: torch.Tensor, w: torch.Tensor):
+    """(plan, launch for x's rows, group key) of one weight; the key is None where it cannot join a group."""
+    if not torch.is_tensor(w) or w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != x.dtype or \
+            w.device != x.device:
+        return None, None, None
+    p = tg.plan_for(x, (w,), "linear", None)
+    M = x.shape[0]
+    lp = next(lp for rows, lp in p.launches if M <= rows)
+    if M == 0 or p.N == 0 or p.K == 0 or not tg.takes_split(lp, M, p.N):
+        return p, lp, None
+    return p, lp, (tuple(sorted(lp.split_consts.items())), tuple(sorted(lp.opts.items())), lp.use_tma)
+
+
+def _launches(x: torch.Tensor, ws: tuple[torch.Tensor, ...]):
+    """(per-weight plans, per-weight launches for x's rows) if one grouped launch serves them, else None."""
+    if not 2 <= len(ws) <= MAX_WEIGHTS or x.dim() != 2 or not (x.is_cuda or INTERPRET):
+        return None
+    found = [_launch_of(x, w) for w in ws]
+    if found[0][2] is None or any(f[2] != found[0][2] for f in found):
+        return None
+    return [f[0] for f in found], [f[1] for f in found]
+
+
+def serves(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> bool:
+    """Whether linear_group computes these weights in one grouped pair of launches (see the module docstring)."""
+    return _launches(x, ws) is not None
+
+
+def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """(triton_gemm.linear(x, w) for w in ws): the weights whose launches match (up to MAX_WEIGHTS of them) in a
+    grouped pair of launches (linear_group), the others one by one; in the order of ws.
+
+    Raises:
+        ValueError: as triton_gemm.linear, for a weight it refuses.
+    """
+    groups: dict = {}
+    if x.dim() == 2 and (x.is_cuda or INTERPRET):
+        for i, w in enumerate(ws):
+            key = _launch_of(x, w)[2]
+            if key is not None:
+                groups.setdefault(key, []).append(i)
+    out: list = [None] * len(ws)
+    for members in groups.values():
+        for part in (members[j:j + MAX_WEIGHTS] for j in range(0, len(members), MAX_WEIGHTS)):
+            if len(part) > 1:
+                for i, y in zip(part, linear_group(x, tuple(ws[i] for i in part))):
+                    out[i] = y
+    return tuple(y if y is not None else tg.linear(x, w) for y, w in zip(out, ws))
+
+
+def linear_group(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+    """(x @ w^T for w in ws), each the bytes of triton_gemm.linear(x, w), in two launches; None where not served.
+
+    Args:
+        x: [M, K] bf16/fp16/fp32 on CUDA (the CPU under the interpreter); ws: 2 or 3 weights [N_i, K] of x's dtype.
+    Returns:
+        one [M, N_i] tensor per weight, or None (serves() is False: the caller runs linear() per weight).
+    """
+    found = _launches(x, ws)
+    if found is None:
+        return None
+    plans, lps = found
+    x = x.contiguous()
+    lp, M, K, Ns = lps[0], x.shape[0], plans[0].K, [p.N for p in plans]
+    cfg, nb = lp.cfg, len(ws)
+    if lp.use_tma:
+        if x.data_ptr() % 16:
+            x = x.clone()
+        a, aligned = tg.descriptor(x, [cfg.block_m, cfg.block_k]), True
+    else:
+        a, aligned = x, x.data_ptr() % 16 == 0
+    kk = (tuple(p.split_key for p in lps), aligned, x.dtype)
+    keys = _KEYS.get(kk)
+    if keys is None:
+        keys = _KEYS[kk] = (intern_key((_gemm_split_group_kernel,) + kk),
+                            intern_key((_split_reduce_group_kernel, nb, cfg.split_k, tuple(Ns), x.dtype, x.device)))
+    part = torch.empty(cfg.split_k * M * sum(Ns), dtype=torch.float32, device=x.device)
+    outs = tuple(torch.empty(M, n, dtype=x.dtype, device=x.device) for n in Ns)
+    bs = [p.b for p in lps] + [lps[-1].b] * (MAX_WEIGHTS - nb)
+    N3 = Ns + [0] * (MAX_WEIGHTS - nb)
+    tiles = max(cdiv(M, cfg.block_m) * cdiv(n, cfg.block_n) for n in Ns)
+    launch(_gemm_split_group_kernel, (tiles, cfg.split_k, nb), (a, *bs, part, M, *N3, K),
+           dict(lp.split_consts, NB=nb), key=keys[0], **lp.opts)
+    c3 = list(outs) + [outs[-1]] * (MAX_WEIGHTS - nb)
+    red = tg._REDUCE
+    launch(_split_reduce_group_kernel, (cdiv(M, red["BM"]), cdiv(max(Ns), red["BN"]), nb), (part, *c3, M, *N3),
+           dict(**red, SPLIT=cfg.split_k, EMULATE=INTERPRET, NB=nb), key=keys[1], num_warps=4)
+    return outs

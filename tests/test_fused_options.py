@@ -1,0 +1,243 @@
+"""The invariant set's fused options (kernels/fused.py): a layer's q/k RMSNorm and RoPE in one launch and a
+residual add with the next RMSNorm in one (triton_fused), and projections of one input in a grouped pair of launches
+(triton_group) give the bytes of the kernels they stand in for, and the engine uses an option only over a set's own
+kernels of those classes.
+
+Byte claims compare integer views; every comparison has a planted fault (a norm weight one ULP off, a projection
+weight's element doubled) that the same comparison must catch. The GPU tests run the small preset's shapes, the
+interpreter test the tiny shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from exactness.cache import KVCache
+from exactness.kernels import fused, get_set, imported
+from exactness.kernels import norm as _norm
+from exactness.model import BATCHED, DECODE, forward, tapping
+from interpreted import HAS_TRITON, NEEDS_TRITON, interpreted_rows
+
+GPU = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and Triton")
+_INTS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements whose bytes differ (a and b of one float dtype and shape)."""
+    return int((a.view(_INTS[a.dtype]) != b.view(_INTS[b.dtype])).sum())
+
+
+def one_ulp_up(w: torch.Tensor, at: int = 0) -> torch.Tensor:
+    """A copy of w with element ``at`` (flattened) one ULP up."""
+    bad = w.clone()
+    flat = bad.view(-1).view(_INTS[w.dtype])
+    flat[at] += 1
+    return bad
+
+
+def qk_case(dtype, device, M=5, HQ=32, HK=4, D=128, seed=0):
+    """(q [M, HQ, D], k [M, HK, D], wq [D], wk [D], positions [M]) with rows of several scales."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(-2, 2, M * HQ).view(M, HQ, 1)
+    q = (torch.randn(M, HQ, D, generator=g) * scale).to(dtype).to(device)
+    k = (torch.randn(M, HK, D, generator=g) * 3).to(dtype).to(device)
+    wq, wk = (torch.randn(D, generator=g).to(dtype).to(device) for _ in range(2))
+    pos = torch.randint(0, 30000, (M,), generator=g).to(device)
+    return q, k, wq, wk, pos
+
+
+def qk_mismatches(run_fused, run_rms, run_rope, case, cos, sin, fault: bool = False) -> int:
+    """Elements where the fused q/k (weights with a planted fault if asked) differ from rmsnorm then rope."""
+    q, k, wq, wk, pos = case
+    rq = run_rope(run_rms(q, wq, 1e-6), pos, cos, sin)
+    rk = run_rope(run_rms(k, wk, 1e-6), pos, cos, sin)
+    fq, fk = run_fused(q, k, one_ulp_up(wq, 7) if fault else wq, wk, 1e-6, pos, cos, sin)
+    return mismatches(fq, rq) + mismatches(fk, rk)
+
+
+def doubled(w: torch.Tensor, at: int = 5) -> torch.Tensor:
+    """A copy of w with element ``at`` (flattened) doubled: one product of a column off by itself."""
+    bad = w.clone()
+    bad.view(-1)[at] *= 2
+    return bad
+
+
+def residual_case(dtype, device, R=5, H=2048, seed=0):
+    """(a [R, H], b [R, H], w [H]): a residual stream and a block output of other scales."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(R, H, generator=g) * 4).to(dtype).to(device)
+    b = (torch.randn(R, H, generator=g) * torch.logspace(-3, 1, R).view(R, 1)).to(dtype).to(device)
+    return a, b, torch.randn(H, generator=g).to(dtype).to(device)
+
+
+def residual_mismatches(run_fused, run_rms, case, fault: bool = False) -> int:
+    """Elements where the fused (x, h) (norm weight with a planted fault if asked) differ from a + b then rmsnorm."""
+    a, b, w = case
+    x = _norm.residual_add(a, b)
+    fx, fh = run_fused(a, b, one_ulp_up(w, 3) if fault else w, 1e-6)
+    return mismatches(fx, x) + mismatches(fh, run_rms(x, w, 1e-6))
+
+
+def group_mismatches(linear, linear_many, x, ws, fault: bool = False) -> int:
+    """Elements where linear_many's outputs (the last weight with a planted fault if asked: doubled) differ from
+    linear's."""
+    got = linear_many(x, tuple(ws[:-1]) + ((doubled(ws[-1]),) if fault else (ws[-1],)))
+    return sum(mismatches(g, linear(x, w)) for g, w in zip(got, ws))
+
+
+# ------------------------------------------------------------------------------------------------ any machine
+
+def test_options_serve_nothing_on_the_cpu():
+    q, k, wq, wk, pos = qk_case(torch.bfloat16, "cpu", HQ=4, HK=2, D=16)
+    assert fused.qk_norm_rope(q, k, wq, wk, 1e-6, pos, 10000.0) is None
+    x, wt = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(3, 16, dtype=torch.bfloat16)
+    assert fused.dense_group(x, (wt,)) is None
+    assert fused.residual_norm(x, x, wt[0], 1e-6) is None
+
+
+def _recording(base, calls: list, **replaced):
+    """``base`` with options that record each call and decline it (None: the kernels run) and the given classes'
+    kernels replaced by equal-bytes wrappers (other callables)."""
+    def rec(name, fn):
+        def option(*args):
+            calls.append(name)
+            return None
+        option.stands_for = fn.stands_for
+        return option
+
+    tabs = {r: {c: (dataclasses.replace(s, fn=lambda *a, _f=s.fn: _f(*a)) if c in replaced else s)
+                for c, s in getattr(base, r).items()} for r in ("decode", "prompt")}
+    opts = {**base.options, "qk_norm_rope": rec("qk", fused.qk_norm_rope),
+            "dense_group": rec("group", fused.dense_group), "residual_norm": rec("res", fused.residual_norm)}
+    return dataclasses.replace(base, name="invariant+recording", options=opts, **tabs)
+
+
+@pytest.mark.parametrize("replaced, used", [((), {"qk", "group", "res"}), (("rmsnorm",), {"group"}),
+                                            (("rope",), {"group", "res"}), (("dense",), {"qk", "res"}),
+                                            (("residual",), {"qk", "group"})])
+def test_the_engine_uses_an_option_only_over_the_sets_own_kernels(tiny_weights, replaced, used):
+    w, inv = tiny_weights, get_set("invariant")
+    ids = torch.arange(6) + 3
+    ref_cache, cache = KVCache(w.cfg, 16, 1, w.dtype), KVCache(w.cfg, 16, 1, w.dtype)
+    ref = forward(w, ids, torch.arange(6), ref_cache, inv, BATCHED).logits
+    calls: list = []
+    ks = _recording(inv, calls, **{c: True for c in replaced})
+    out = forward(w, ids, torch.arange(6), cache, ks, BATCHED).logits
+    per_forward = {"qk": 1, "group": 1, "res": 2}                       # per layer: the residual after each block
+    assert set(calls) == used and len(calls) == sum(per_forward[u] for u in used) * w.cfg.n_layers
+    assert mismatches(out, ref) == 0
+    n = len(calls)
+    with tapping(type("R", (), {"record": lambda self, **k: None})()):
+        forward(w, ids[:1], torch.tensor([6]), cache, ks, DECODE)
+    assert len(calls) == n                                     # taps see every class's kernel: no option ran
+
+
+def test_an_imported_set_with_its_own_rmsnorm_loses_the_fused_options():
+    inv = get_set("invariant")
+    own = {r: {**getattr(inv, r),
+               "rmsnorm": dataclasses.replace(getattr(inv, r)["rmsnorm"], fn=_norm.rmsnorm_invariant)}
+           for r in ("decode", "prompt")}
+    ks, dropped = imported.drop_bypassing_options(dataclasses.replace(inv, name="user", **own))
+    assert set(dropped) == {"qk_norm_rope", "residual_norm"} and ks.options.qk_norm_rope is None
+    assert ks.options.dense_group is fused.dense_group and ks.options.grouped_experts is inv.options.grouped_experts
+    assert imported.drop_bypassing_options(inv)[1] == {}
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, M, D", [(torch.bfloat16, 1, 128), (torch.bfloat16, 333, 128),
+                                         (torch.float32, 7, 128), (torch.bfloat16, 9, 64)])
+def test_gpu_qk_norm_rope_gives_rmsnorm_then_rope_bytes_and_a_planted_fault_is_caught(dtype, M, D):
+    from exactness.kernels import rope as _rope
+    from exactness.kernels import triton_fused, triton_rows
+    cos, sin = _rope._table(D, 1e6, 1, torch.device("cuda"), dtype)
+    case = qk_case(dtype, "cuda", M=M, D=D, seed=M)
+    args = (triton_fused.qk_norm_rope, triton_rows.rmsnorm, triton_rows.rope, case, cos, sin)
+    assert qk_mismatches(*args) == 0
+    assert qk_mismatches(*args, fault=True) > 0
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, R, H", [(torch.bfloat16, 1, 2048), (torch.bfloat16, 333, 2048),
+                                         (torch.float32, 7, 2048), (torch.bfloat16, 9, 64)])
+def test_gpu_residual_norm_gives_the_add_then_rmsnorm_bytes_and_a_planted_fault_is_caught(dtype, R, H):
+    from exactness.kernels import triton_fused, triton_rows
+    case = residual_case(dtype, "cuda", R=R, H=H, seed=R)
+    assert residual_mismatches(triton_fused.residual_norm, triton_rows.rmsnorm, case) == 0
+    assert residual_mismatches(triton_fused.residual_norm, triton_rows.rmsnorm, case, fault=True) > 0
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 64, 512, 600])
+def test_gpu_grouped_projections_give_each_weights_linear_bytes_and_a_planted_fault_is_caught(M):
+    from exactness.kernels import triton_gemm, triton_group
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 2048, generator=g).to(torch.bfloat16).cuda()
+    ws = [(torch.randn(n, 2048, generator=g) * 0.02).to(torch.bfloat16).cuda() for n in (4096, 512, 512)]
+    if M == 1:
+        assert triton_group.serves(x, tuple(ws[1:]))                          # the grouped kernels ran
+    args = (triton_gemm.linear, triton_group.linear_many, x, ws)
+    assert group_mismatches(*args) == 0
+    assert group_mismatches(*args, fault=True) > 0
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_forward_with_the_fused_options_equals_the_forward_without():
+    from exactness.config import get_preset
+    from exactness.graphs import GraphDecoder
+    from exactness.weights import device_random_weights
+    w = device_random_weights(get_preset("small").replace(n_layers=2), torch.bfloat16, "cuda", seed=2)
+    inv = get_set("invariant")
+    plain = dataclasses.replace(inv, name="invariant-unfused",
+                                options=inv.options.without("qk_norm_rope", "dense_group", "residual_norm"))
+    ids = torch.randint(0, 258, (300,), generator=torch.Generator().manual_seed(4)).cuda()
+    res = {}
+    for ks in (inv, plain):
+        cache = KVCache(w.cfg, 320, 1, torch.bfloat16, w.device)
+        pre = forward(w, ids, torch.arange(300, device="cuda"), cache, ks, BATCHED).logits
+        dec = [forward(w, ids[i:i + 1], torch.tensor([300 + i], device="cuda"), cache, ks, DECODE).logits
+               for i in range(2)]
+        gd = GraphDecoder(w, cache, ks)
+        graph = [gd.step(ids[i:i + 1], [302 + i], [0]).clone() for i in range(3)]
+        res[ks.name] = (pre, *dec, *graph, *cache.k, *cache.v)
+    a, b = res.values()
+    assert [mismatches(x, y) for x, y in zip(a, b)] == [0] * len(a)
+    bad = res[inv.name][0].clone()
+    bad.view(torch.int32)[0, 0] += 1                                          # the comparison catches one ULP
+    assert mismatches(bad, res[plain.name][0]) == 1
+
+
+_INTERP = """
+import torch
+from test_fused_options import qk_case, qk_mismatches, group_mismatches, residual_case, residual_mismatches
+from exactness.kernels import rope as _rope, triton_gemm as tg, triton_group, triton_fused, triton_rows
+for dt in (torch.bfloat16, torch.float32):
+    cos, sin = _rope._table(16, 1e4, 1, torch.device("cpu"), dt)
+    case = qk_case(dt, "cpu", M=3, HQ=4, HK=2, D=16)
+    args = (triton_fused.qk_norm_rope, triton_rows.rmsnorm, triton_rows.rope, case, cos, sin)
+    print("qk", qk_mismatches(*args), qk_mismatches(*args, fault=True))
+    case = residual_case(dt, "cpu", R=3, H=64)
+    print("res", residual_mismatches(triton_fused.residual_norm, triton_rows.rmsnorm, case),
+          residual_mismatches(triton_fused.residual_norm, triton_rows.rmsnorm, case, fault=True))
+for n in (48, 40):
+    tg.with_config("linear", n, 64, torch.bfloat16, "interp", tg.GemmConfig(16, 16, 16, 1, 4, split_k=2, tma=False))
+x = torch.randn(2, 64).to(torch.bfloat16)
+ws = [torch.randn(n, 64).to(torch.bfloat16) for n in (48, 40, 40)]
+print("group", int(triton_group.serves(x, tuple(ws))), group_mismatches(tg.linear, triton_group.linear_many, x, ws),
+      group_mismatches(tg.linear, triton_group.linear_many, x, ws, fault=True))
+"""
+
+
+@NEEDS_TRITON
+def test_interpreter_fused_kernels_give_the_kernels_bytes_and_planted_faults_are_caught():
+    rows = interpreted_rows(_INTERP)
+    assert [r[0] for r in rows] == ["qk", "res", "qk", "res", "group"]
+    assert all(int(r[1]) == 0 and int(r[2]) > 0 for r in rows[:4])
+    assert rows[4][1:3] == ["1", "0"] and int(rows[4][3]) > 0
