@@ -1,5 +1,9 @@
 """Run a test's script in a fresh Python under Triton's CPU interpreter (TRITON_INTERPRET is read at import, so
-the interpreted kernels need their own process); the script may import the test modules beside this file."""
+the interpreted kernels need their own process); the script may import the test modules beside this file.
+
+Triton 3.6's interpreter turns a scalar (a one-element array, e.g. from a program id) into a loop bound with
+int(array), which NumPy 2.4 refuses for arrays of one dimension; the script runs with that conversion made through
+the array's one element instead (index_of_one_element: the same value)."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,11 +17,24 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
+def index_of_one_element() -> None:
+    """Make Triton's interpreter convert one-element arrays to indices by their element (see the module docstring)."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interpreter._patch_lang_tensor = patched
+
+
 def interpreted_rows(script: str) -> list[list[str]]:
     """The whitespace-split lines the script printed; fails the test (with its stderr) if it exits non-zero."""
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", f"import sys\nsys.path.insert(0, {tests!r})\n{script}"], env=env,
-                       capture_output=True, text=True, timeout=300)
+    prelude = f"import sys\nsys.path.insert(0, {tests!r})\nimport interpreted\ninterpreted.index_of_one_element()\n"
+    r = subprocess.run([sys.executable, "-c", prelude + script], env=env, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return [line.split() for line in r.stdout.splitlines()]
