@@ -222,9 +222,10 @@ class KernelOptions(Mapping):
             weight of one input, same bytes, in fewer launches (model.attention_block: keys and values, queries).
         residual_norm: None, or ``fn(a [..., H], b, w [H], eps) -> (a + b, rmsnorm(a + b, w, eps)) | None``: the
             set's residual then rmsnorm, same bytes, in fewer launches (each block's residual and the next norm).
-        An option that computes rows instead of some classes' kernels (grouped_experts and the three above)
-        may name them in an attribute ``stands_for`` ((class, kernel callable) pairs): model.Ops then uses it only
-        for a set whose kernels of those classes are those callables.
+        Each of the three above may name the kernels it stands in for in an attribute ``stands_for`` ((class,
+        kernel callable) pairs): model.Ops then uses it only for a set whose kernels of those classes are those
+        callables. grouped_experts has no such check in the engine: a set imported by reference loses it (and the
+        three) where its kernels of those classes are not the built-in set's (imported.drop_bypassing_options).
 
     A Mapping of the options that are set (not their defaults), so a set can be built from another's:
     ``KernelOptions.of({**base.options, "expert_id_aware": True})``.
