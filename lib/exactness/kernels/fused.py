@@ -32,10 +32,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.T
     if not (q.is_cuda and torch.is_tensor(wq) and torch.is_tensor(wk)):
         return None
     cos, sin = _rope._table(q.shape[-1], theta, 1, q.device, q.dtype)                # [L, D], as cuda.rope
-    tq = cuda._tk("triton_fused")
-    if not tq.serves(q, k, wq, wk, positions, cos):
-        return None
-    return tq.qk_norm_rope(q, k, wq, wk, eps, positions, cos, sin)
+    return cuda._tk("triton_fused").try_qk_norm_rope(q, k, wq, wk, eps, positions, cos, sin)
 
 
 def residual_norm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float
@@ -43,14 +40,12 @@ def residual_norm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float
     """(a + b, rmsnorm(a + b, w, eps)) with cuda.residual's and cuda.rmsnorm's bytes in one launch.
 
     Args:
-        a, b: [..., H]; w: [H]. Returns: (x, h) of a's shape and dtype, or None where not served (not all CUDA
-        tensors of one float dtype and those shapes).
+        a, b: [..., H]; w: [H]. Returns: (x, h) of a's shape and dtype, or None where not served (CPU tensors, or
+        inputs triton_fused.try_residual_norm refuses).
     """
-    if not (a.is_cuda and torch.is_tensor(w) and a.shape == b.shape and w.shape == a.shape[-1:]
-            and all(t.dtype == a.dtype and t.device == a.device for t in (b, w))
-            and a.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+    if not (a.is_cuda and torch.is_tensor(w)):
         return None
-    return cuda._tk("triton_fused").residual_norm(a, b, w, eps)
+    return cuda._tk("triton_fused").try_residual_norm(a, b, w, eps)
 
 
 def dense_group(x: torch.Tensor, ws: tuple) -> tuple[torch.Tensor, ...] | None:

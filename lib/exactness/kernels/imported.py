@@ -26,9 +26,14 @@ _IMPORTED: dict[str, KernelSet] = {}   # reference -> its set, resolved once (a 
 _REFS: dict[str, str] = {}             # set name -> the reference it was imported from
 _DROPPED: dict[str, dict[str, str]] = {}  # set name -> option dropped on import -> why (one line)
 # Options that compute some classes' rows instead of the set's kernels of those classes (model.moe_block): option ->
-# the classes whose kernels (decode and prompt) it stands in for.
-_STANDS_IN = {"grouped_experts": ("expert_gate_up", "expert_down"), "qk_norm_rope": ("rmsnorm", "rope"),
-              "dense_group": ("dense",), "residual_norm": ("residual", "rmsnorm")}
+# the classes whose kernels (decode and prompt) it stands in for. An option whose callable names its kernels in
+# ``stands_for`` ((class, kernel) pairs: kernels/fused.py) stands in for those classes without an entry here.
+_STANDS_IN = {"grouped_experts": ("expert_gate_up", "expert_down")}
+
+
+def _stands_in(opt: str, value) -> tuple:
+    """The classes option ``opt`` (set to ``value``) computes instead of the set's kernels; () for none."""
+    return _STANDS_IN.get(opt) or tuple(c for c, _ in getattr(value, "stands_for", ()))
 
 
 def one_line(e: BaseException) -> str:
@@ -129,9 +134,10 @@ def drop_bypassing_options(ks: KernelSet) -> tuple[KernelSet, dict[str, str]]:
         (the set, maybe with fewer options; option -> one line on why it was dropped). Raises nothing.
     """
     dropped = {}
-    for opt, classes in _STANDS_IN.items():
+    for opt in ks.options:
         value = getattr(ks.options, opt)
-        if value is None:
+        classes = _stands_in(opt, value)
+        if not classes:
             continue
         owners = [b for n, b in KERNEL_SETS.items() if n not in _REFS and getattr(b.options, opt) is value]
         if owners and not any(_same_kernels(ks, b, classes) for b in owners):

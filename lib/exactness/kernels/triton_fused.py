@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rows import _NO_FMA, INTERPRET, _row_block, cdiv, launch, pdl_start, round_to
+from .triton_rows import (_NO_FMA, INTERPRET, _row_block, cdiv, launch, pdl_start, rms_scale, rotate_half,
+                          round_to, scale_rows)
 
 
 @triton.jit
@@ -32,8 +33,7 @@ def _head_rows(x_ptr, w_ptr, o_ptr, pos_ptr, cos_ptr, sin_ptr, tile, R, NH, D, L
     mask = (rows[:, None] < R) & (cols[None, :] < D)
     dt = o_ptr.dtype.element_ty
     x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)   # [BR, BD]
-    var = tl.math.div_rn(tl.sum(x * x, axis=1), D * 1.0)                              # [BR] mean sq
-    r = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))[:, None]                                # rsqrt
+    r = rms_scale(x, D, eps)                                                                   # [BR, 1]
     HALF = D // 2
     d = tl.arange(0, BD // 2)
     hmask = (rows[:, None] < R) & (d[None, :] < HALF)
@@ -42,8 +42,8 @@ def _head_rows(x_ptr, w_ptr, o_ptr, pos_ptr, cos_ptr, sin_ptr, tile, R, NH, D, L
     w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
     x1 = tl.load(x_ptr + base, mask=hmask, other=0.0).to(tl.float32)                    # [BR, D/2]
     x2 = tl.load(x_ptr + base + HALF, mask=hmask, other=0.0).to(tl.float32)
-    n1 = round_to(w1 * round_to(x1 * r, dt, EMULATE).to(tl.float32), dt, EMULATE).to(tl.float32)
-    n2 = round_to(w2 * round_to(x2 * r, dt, EMULATE).to(tl.float32), dt, EMULATE).to(tl.float32)
+    n1 = scale_rows(x1, r, w1, dt, EMULATE).to(tl.float32)
+    n2 = scale_rows(x2, r, w2, dt, EMULATE).to(tl.float32)
     p = tl.load(pos_ptr + rows // NH, mask=rows < R, other=0)                                  # [BR]
     ok = (p >= 0) & (p < L)
     p = tl.where(ok, p, 0)[:, None]
@@ -51,8 +51,7 @@ def _head_rows(x_ptr, w_ptr, o_ptr, pos_ptr, cos_ptr, sin_ptr, tile, R, NH, D, L
     c2 = tl.load(cos_ptr + p * D + HALF + d[None, :], mask=hmask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + p * D + d[None, :], mask=hmask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + p * D + HALF + d[None, :], mask=hmask, other=0.0).to(tl.float32)
-    o1 = round_to(n1 * c1, dt, EMULATE).to(tl.float32) + round_to(-n2 * s1, dt, EMULATE).to(tl.float32)
-    o2 = round_to(n2 * c2, dt, EMULATE).to(tl.float32) + round_to(n1 * s2, dt, EMULATE).to(tl.float32)
+    o1, o2 = rotate_half(n1, n2, c1, c2, s1, s2, dt, EMULATE)
     nan = float("nan")
     o1 = tl.where(ok[:, None], o1, nan)
     o2 = tl.where(ok[:, None], o2, nan)
@@ -74,37 +73,26 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, pos_ptr, 
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, positions: torch.Tensor,
-           cos: torch.Tensor) -> bool:
+           cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether qk_norm_rope takes these: q [M, Hq, D] and k [M, Hk, D] (D even) of one float dtype on one CUDA device
-    (the CPU under the interpreter), weights [D] of that dtype, positions [M] int64, tables [L, D] of that dtype."""
+    (the CPU under the interpreter), weights [D] and tables cos, sin [L, D] of that dtype, positions [M] int64."""
     if q.dim() != 3 or k.dim() != 3:
         return False
     M, _, D = q.shape
-    ts = (q, k, wq, wk, cos)
+    ts = (q, k, wq, wk, cos, sin)
     return ((q.is_cuda or INTERPRET) and all(t.device == q.device and t.dtype == q.dtype for t in ts)
             and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and D % 2 == 0 and k.shape[0] == M
             and k.shape[2] == D and wq.shape == (D,) and wk.shape == (D,) and cos.dim() == 2 and cos.shape[1] == D
-            and positions.shape == (M,) and positions.dtype == torch.int64 and positions.device == q.device)
+            and sin.shape == cos.shape and positions.shape == (M,) and positions.dtype == torch.int64
+            and positions.device == q.device)
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
-                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rope(rmsnorm(q, wq, eps)), rope(rmsnorm(k, wk, eps))) of triton_rows, bytes and all, in one launch.
-
-    Args:
-        q: [M, Hq, D]; k: [M, Hk, D]; wq, wk: [D]; positions: [M] int64; cos, sin: [L, D] tables (rope._table); a
-            position outside 0..L-1 yields NaN rows, as triton_rows.rope.
-    Returns:
-        q, k normalised and rotated, [M, Hq, D] and [M, Hk, D] in q's dtype.
-    Raises:
-        ValueError: tensors serves() does not take (it names their shapes, dtypes and devices).
-    """
-    if not serves(q, k, wq, wk, positions, cos) or sin.shape != cos.shape or sin.dtype != cos.dtype:
-        got = ", ".join(f"{n} {tuple(t.shape)} {t.dtype} {t.device}" for n, t in
-                        (("q", q), ("k", k), ("wq", wq), ("wk", wk), ("positions", positions), ("cos", cos),
-                         ("sin", sin)))
-        raise ValueError("qk_norm_rope takes q [M, Hq, D] and k [M, Hk, D] (D even) of one float dtype on one CUDA "
-                         f"device, weights [D], positions [M] int64 and cos/sin [L, D] of that dtype; got {got}")
+def try_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
+                     positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """qk_norm_rope where serves() takes the tensors, else None (nothing launched)."""
+    if not serves(q, k, wq, wk, positions, cos, sin):
+        return None
     M, HQ, D = q.shape
     HK = k.shape[1]
     qc, kc = q.contiguous(), k.contiguous()
@@ -119,6 +107,27 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.T
                dict(BR=br, BD=bd, EMULATE=INTERPRET), key=key, num_warps=warps, **_NO_FMA)
     return qo, ko
 
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
+                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rope(rmsnorm(q, wq, eps)), rope(rmsnorm(k, wk, eps))) of triton_rows, bytes and all, in one launch.
+
+    Args:
+        q: [M, Hq, D]; k: [M, Hk, D]; wq, wk: [D]; positions: [M] int64; cos, sin: [L, D] tables (rope._table); a
+            position outside 0..L-1 yields NaN rows, as triton_rows.rope.
+    Returns:
+        q, k normalised and rotated, [M, Hq, D] and [M, Hk, D] in q's dtype.
+    Raises:
+        ValueError: tensors serves() does not take (it names their shapes, dtypes and devices).
+    """
+    out = try_qk_norm_rope(q, k, wq, wk, eps, positions, cos, sin)
+    if out is None:
+        got = ", ".join(f"{n} {tuple(t.shape)} {t.dtype} {t.device}" for n, t in
+                        (("q", q), ("k", k), ("wq", wq), ("wk", wk), ("positions", positions), ("cos", cos),
+                         ("sin", sin)))
+        raise ValueError("qk_norm_rope takes q [M, Hq, D] and k [M, Hk, D] (D even) of one float dtype on one CUDA "
+                         f"device, weights [D], positions [M] int64 and cos/sin [L, D] of that dtype; got {got}")
+    return out
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -135,11 +144,29 @@ def _residual_norm_kernel(a_ptr, b_ptr, w_ptr, x_ptr, h_ptr, R, H, eps, BR: tl.c
     s = round_to(a + b, dt, EMULATE)
     tl.store(x_ptr + offs, s, mask=mask)
     x = s.to(tl.float32)
-    var = tl.math.div_rn(tl.sum(x * x, axis=1), H * 1.0)                              # [BR] mean sq
-    r = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))                                        # rsqrt
-    y = round_to(x * r[:, None], dt, EMULATE).to(tl.float32)
+    r = rms_scale(x, H, eps)                                                                   # [BR, 1]
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    tl.store(h_ptr + offs, round_to(w[None, :] * y, dt, EMULATE), mask=mask)
+    tl.store(h_ptr + offs, scale_rows(x, r, w[None, :], dt, EMULATE), mask=mask)
+
+
+def try_residual_norm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """residual_norm where it takes the tensors (see there), else None (nothing launched)."""
+    if not (a.shape == b.shape and a.dim() >= 1 and w.shape == a.shape[-1:] and (a.is_cuda or INTERPRET)
+            and all(t.dtype == a.dtype and t.device == a.device for t in (b, w))
+            and a.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return None
+    H = a.shape[-1]
+    ac, bc = a.reshape(-1, H).contiguous(), b.reshape(-1, H).contiguous()                       # [R, H]
+    x, h = torch.empty_like(ac), torch.empty_like(ac)
+    R = ac.shape[0]
+    if R:
+        br, bh, warps = _row_block(H)
+        wc = w.contiguous()
+        key = (_residual_norm_kernel, a.dtype, H) + tuple(t.data_ptr() % 16 == 0 for t in (ac, bc, wc))  # R: any
+        launch(_residual_norm_kernel, (cdiv(R, br),), (ac, bc, wc, x, h, R, H, float(eps)),
+               dict(BR=br, BH=bh, EMULATE=INTERPRET), key=key, num_warps=warps, **_NO_FMA)
+    return x.reshape(a.shape), h.reshape(a.shape)
 
 
 def residual_norm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,21 +180,9 @@ def residual_norm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float)
     Raises:
         ValueError: tensors of other shapes, dtypes or devices (named).
     """
-    ok = (a.shape == b.shape and a.dim() >= 1 and w.shape == a.shape[-1:] and (a.is_cuda or INTERPRET)
-          and all(t.dtype == a.dtype and t.device == a.device for t in (b, w))
-          and a.dtype in (torch.bfloat16, torch.float16, torch.float32))
-    if not ok:
+    out = try_residual_norm(a, b, w, eps)
+    if out is None:
         got = ", ".join(f"{n} {tuple(t.shape)} {t.dtype} {t.device}" for n, t in (("a", a), ("b", b), ("w", w)))
         raise ValueError(f"residual_norm takes a and b [..., H] and w [H] of one float dtype on one CUDA device; "
                          f"got {got}")
-    H = a.shape[-1]
-    ac, bc = a.reshape(-1, H).contiguous(), b.reshape(-1, H).contiguous()                       # [R, H]
-    x, h = torch.empty_like(ac), torch.empty_like(ac)
-    R = ac.shape[0]
-    if R:
-        br, bh, warps = _row_block(H)
-        wc = w.contiguous()
-        key = (_residual_norm_kernel, a.dtype, H) + tuple(t.data_ptr() % 16 == 0 for t in (ac, bc, wc))  # R: any
-        launch(_residual_norm_kernel, (cdiv(R, br),), (ac, bc, wc, x, h, R, H, float(eps)),
-               dict(BR=br, BH=bh, EMULATE=INTERPRET), key=key, num_warps=warps, **_NO_FMA)
-    return x.reshape(a.shape), h.reshape(a.shape)
+    return out

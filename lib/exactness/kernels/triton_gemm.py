@@ -335,6 +335,15 @@ def plan_for(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: G
     return p
 
 
+def a_operand(x: torch.Tensor, lp: _Launch) -> tuple:
+    """(x as this launch loads it: a TMA descriptor of x, or of a 16-byte-aligned copy, or x itself; whether that
+    base is 16-byte aligned). x: [M, K] contiguous."""
+    if lp.use_tma:
+        x = x if x.data_ptr() % 16 == 0 else x.clone()
+        return descriptor(x, [lp.cfg.block_m, lp.cfg.block_k]), True
+    return x, x.data_ptr() % 16 == 0
+
+
 def takes_split(lp: _Launch, M: int, N: int) -> bool:
     """Whether a call of M rows in this launch runs its splits in parallel programs (_run_split)."""
     tiles = cdiv(M, lp.cfg.block_m) * cdiv(N, lp.cfg.block_n)
@@ -352,12 +361,8 @@ def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmC
     if p.K == 0:                                    # an empty sum: no kernel needed (nor defined for split runs)
         return out.zero_()
     lp = next(lp for rows, lp in p.launches if M <= rows)
-    if lp.use_tma:
-        if x.data_ptr() % 16:
-            x = x.clone()
-        a, key = descriptor(x, [lp.cfg.block_m, lp.cfg.block_k]), lp.key
-    else:
-        a, key = x, (lp.key, x.data_ptr() % 16 == 0)
+    a, aligned = a_operand(x, lp)
+    key = lp.key if lp.use_tma else (lp.key, aligned)
     if takes_split(lp, M, p.N):
         _run_split(lp, a, out, M, p.N, p.K, key)
         return out

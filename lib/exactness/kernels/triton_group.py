@@ -56,16 +56,16 @@ def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.Te
         ValueError: as triton_gemm.linear, for a weight it refuses.
     """
     groups: dict = {}
-    if x.dim() == 2 and (x.is_cuda or INTERPRET):
-        for i, w in enumerate(ws):
-            key = _launch_of(x, w)[2]
-            if key is not None:
-                groups.setdefault(key, []).append(i)
+    found = [_launch_of(x, w) for w in ws] if x.dim() == 2 and (x.is_cuda or INTERPRET) else []
+    for i, (_, _, key) in enumerate(found):
+        if key is not None:
+            groups.setdefault(key, []).append(i)
     out: list = [None] * len(ws)
     for members in groups.values():
         for part in (members[j:j + MAX_WEIGHTS] for j in range(0, len(members), MAX_WEIGHTS)):
             if len(part) > 1:
-                for i, y in zip(part, linear_group(x, tuple(ws[i] for i in part))):
+                ys = _grouped(x, [found[i][0] for i in part], [found[i][1] for i in part])
+                for i, y in zip(part, ys):
                     out[i] = y
     return tuple(y if y is not None else tg.linear(x, w) for y, w in zip(out, ws))
 
@@ -79,18 +79,14 @@ def linear_group(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.T
         one [M, N_i] tensor per weight, or None (serves() is False: the caller runs linear() per weight).
     """
     found = _launches(x, ws)
-    if found is None:
-        return None
-    plans, lps = found
-    x = x.contiguous()
+    return None if found is None else _grouped(x, *found)
+
+
+def _grouped(x: torch.Tensor, plans: list, lps: list) -> tuple[torch.Tensor, ...]:
+    """The grouped pair of launches for weights whose launches for x's rows match (_launch_of's key)."""
     lp, M, K, Ns = lps[0], x.shape[0], plans[0].K, [p.N for p in plans]
-    cfg, nb = lp.cfg, len(ws)
-    if lp.use_tma:
-        if x.data_ptr() % 16:
-            x = x.clone()
-        a, aligned = tg.descriptor(x, [cfg.block_m, cfg.block_k]), True
-    else:
-        a, aligned = x, x.data_ptr() % 16 == 0
+    cfg, nb = lp.cfg, len(plans)
+    a, aligned = tg.a_operand(x.contiguous(), lp)
     kk = (tuple(p.split_key for p in lps), aligned, x.dtype)
     keys = _KEYS.get(kk)
     if keys is None:

@@ -223,6 +223,29 @@ def _row_block(width: int) -> tuple[int, int, int]:
     return rows, bw, warps
 
 
+@triton.jit
+def rms_scale(x, H, eps):
+    """1 / sqrt(mean(x^2) + eps) per row of fp32 x [BR, BH] (zeros past H), IEEE division and root: [BR, 1]. The
+    row sum's order is x's layout's: kernels that claim rmsnorm's bytes call it on a load of rmsnorm's block."""
+    var = tl.math.div_rn(tl.sum(x * x, axis=1), H * 1.0)                              # [BR] mean sq
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))[:, None]                           # rsqrt
+
+
+@triton.jit
+def scale_rows(x, r, w, dt: tl.constexpr, EMULATE: tl.constexpr):
+    """rmsnorm's rounding points: w * (x * r).to(dt), rounded to dt; fp32 x, r [BR, 1], w [1, BH]."""
+    return round_to(w * round_to(x * r, dt, EMULATE).to(tl.float32), dt, EMULATE)
+
+
+@triton.jit
+def rotate_half(x1, x2, c1, c2, s1, s2, dt: tl.constexpr, EMULATE: tl.constexpr):
+    """RoPE of halves x1, x2 (fp32 of dt values) by cos/sin halves: x*cos + rotate_half(x)*sin, each product and
+    the sum rounded to dt (fp32 results of the sums, not yet rounded)."""
+    o1 = round_to(x1 * c1, dt, EMULATE).to(tl.float32) + round_to(-x2 * s1, dt, EMULATE).to(tl.float32)
+    o2 = round_to(x2 * c2, dt, EMULATE).to(tl.float32) + round_to(x1 * s2, dt, EMULATE).to(tl.float32)
+    return o1, o2
+
+
 @triton.jit(do_not_specialize=["R"])
 def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, R, H, eps, BR: tl.constexpr, BH: tl.constexpr, EMULATE: tl.constexpr,
                     PDL: tl.constexpr):
@@ -232,11 +255,9 @@ def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, R, H, eps, BR: tl.constexpr, BH: tl.con
     mask = (rows[:, None] < R) & (cols[None, :] < H)
     dt = o_ptr.dtype.element_ty
     x = tl.load(x_ptr + rows[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)   # [BR, BH]
-    var = tl.math.div_rn(tl.sum(x * x, axis=1), H * 1.0)                              # [BR] mean sq
-    r = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))                                        # rsqrt
-    y = round_to(x * r[:, None], dt, EMULATE).to(tl.float32)
+    r = rms_scale(x, H, eps)                                                                   # [BR, 1]
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    tl.store(o_ptr + rows[:, None] * H + cols[None, :], round_to(w[None, :] * y, dt, EMULATE), mask=mask)
+    tl.store(o_ptr + rows[:, None] * H + cols[None, :], scale_rows(x, r, w[None, :], dt, EMULATE), mask=mask)
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -284,8 +305,7 @@ def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, o_ptr, M, L, NH, D, HALF,
     c2 = tl.load(cos_ptr + p * D + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sin_ptr + p * D + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + p * D + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-    o1 = round_to(x1 * c1, dt, EMULATE).to(tl.float32) + round_to(-x2 * s1, dt, EMULATE).to(tl.float32)
-    o2 = round_to(x2 * c2, dt, EMULATE).to(tl.float32) + round_to(x1 * s2, dt, EMULATE).to(tl.float32)
+    o1, o2 = rotate_half(x1, x2, c1, c2, s1, s2, dt, EMULATE)
     nan = float("nan")
     o1 = tl.where(ok, o1, nan)
     o2 = tl.where(ok, o2, nan)
