@@ -6,28 +6,31 @@ positions [M]) -> o [M, Hq, D]`` in the storage dtype; row m attends to keys 0..
 Invariance device: rows are grouped by slot into tiles of BLOCK_M rows (on the device, over a bound on the tile
 count, so no call reads the slots on the host; a single-slot cache needs no grouping, and a call with no more rows
 than the cache has slots, a decode step of concurrent streams, runs one row per tile with its slot read by the
-kernel, a launch fixed by the row count that a CUDA graph records). Keys are cut into
-fixed chunks of CHUNK keys from key 0, and each chunk into BLOCK_N-key blocks. A row's chunk state (m, l, acc) is
-computed from a fresh start over the chunk's blocks in ascending order with the online softmax (Milakov & Gimelshein
-2018, arXiv 1805.02867) in fp32: s = (q k^T) * 1/sqrt(D) (Vaswani et al. 2017), keys after the row's position masked
-to -inf, m/l/acc rescaled per block; the chunk states are then merged in ascending chunk order by the two-state
-combine (m = max(m1, m2), l = l1 e^(m1-m) + l2 e^(m2-m), acc likewise), and o = acc / l is rounded once. Prompt
-calls run one program per (tile, query head) that merges each chunk as it ends; decode-sized calls run one program
-per (tile, KV head, chunk), the KV head's G query heads packed into the tile's lanes beside its rows (split-KV: a
-4,096-key decode row becomes 8 parallel programs instead of one serial one, each reading its keys once for G heads)
-and a combine kernel that merges the stored fp32 states with the same operations in the same order. In a block
-holding none of a row's keys (one a tile visits only for its later rows) the row keeps m and l (as the CPU kernel's
-``active`` mask), its rescale factor is exactly 1 and all its probabilities are exactly 0, so its state's bytes stay
-unchanged; a chunk holding none of a row's keys is not merged. The tile config and chunk size are fixed per (D,
-dtype, arch) (a split call of few rows may run its programs in fewer lanes and warps, SPLIT_PLACEMENTS: the same
-bytes, measured), the row count is not specialized and floating-point contraction is off, so a one-row decode call and
-an M-row prompt call give every row the same bytes whichever of the two kernels runs (tests/test_cuda_kernels.py
-compares them). With one chunk (contexts up to CHUNK keys) the merge returns the chunk state itself: the plain
-online softmax.
+kernel, a launch fixed by the row count that a CUDA graph records). Keys are cut into fixed chunks of CHUNK keys from
+key 0, and each chunk into BLOCK_N-key blocks. A row's chunk state (m, l, acc) is computed from a fresh start over
+the chunk's blocks in ascending order with the online softmax (Milakov & Gimelshein 2018, arXiv 1805.02867) in fp32,
+in base 2 as FlashAttention-2 computes it: s = (q k^T) * (log2(e)/sqrt(D)) in one multiply by that constant rounded
+once to fp32 (Vaswani et al. 2017's scale), so exp2(s - m) = e^((q k^T)/sqrt(D) - m ln 2), keys after the row's
+position masked to -inf, m/l/acc rescaled per block with exp2; the chunk states are then merged in ascending chunk
+order by the two-state combine (m = max(m1, m2), l = l1 2^(m1-m) + l2 2^(m2-m), acc likewise), and o = acc / l is
+rounded once. Prompt calls run one program per (query head, tile), last tile first, that merges each chunk as it
+ends; decode-sized calls run one program per (tile, KV head, chunk), the KV head's G query heads packed into the
+tile's lanes beside its rows (split-KV: a 4,096-key decode row becomes 8 parallel programs instead of one serial one,
+each reading its keys once for G heads) and a combine kernel that merges the stored fp32 states with the same
+operations in the same order. In a block holding none of a row's keys (one a tile visits only for its later rows) the
+row keeps m and l (as the CPU kernel's ``active`` mask), its rescale factor is exactly 1 and all its probabilities
+are exactly 0, so its state's bytes stay unchanged; a chunk holding none of a row's keys is not merged. A block every
+row of the tile sees whole runs without the masks, whose selections would leave every value as it is there, so a row
+gets the same bytes whether a call masks its block (a prompt tile's diagonal) or not (a decode row). The tile config
+and chunk size are fixed per (D, dtype, arch) (a split call of few rows may run its programs in fewer lanes and
+warps, SPLIT_PLACEMENTS: the same bytes, measured), the row count is not specialized and floating-point contraction
+is off, so a one-row decode call and an M-row prompt call give every row the same bytes whichever of the two kernels
+runs (tests/test_cuda_kernels.py compares them). With one chunk (contexts up to CHUNK keys) the merge returns the
+chunk state itself: the plain online softmax.
 
 Precision: q k^T on tensor cores with fp32 accumulation; the probabilities are rounded to the storage dtype for
-the p @ v product (as FlashAttention-2 does; fp32 storage keeps fp32 with ``input_precision="ieee"``); exp is
-Triton's ex2-based exp; the final division is IEEE.
+the p @ v product (as FlashAttention-2 does; fp32 storage keeps fp32 with ``input_precision="ieee"``); exp2 is
+Triton's (ex2.approx); the final division is IEEE.
 """
 from __future__ import annotations
 
@@ -74,6 +77,7 @@ _DEFAULTS: dict[tuple[str, str], AttnConfig] = {
     ("fp32", "interp"): AttnConfig(16, 16, 4, 1, 32),
 }
 SHAPE_CONFIGS: dict[tuple[int, str, str], AttnConfig] = {}
+LOG2E = 1.0 / math.log(2.0)  # scores in base 2: exp2(s log2(e)) = e^s
 SPLIT_BELOW_PROGRAMS = 264   # (tile, head) programs under which the chunks run in parallel (2 per H200 SM)
 COMBINE_ROWS = 16            # rows per program of the chunk combine
 COMBINE_STAGES = 3           # chunk states the combine loads ahead (software pipelining; the merges stay in order)
@@ -157,31 +161,61 @@ def _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M, j, RPT:
 
 
 @triton.jit
-def _chunk_state(q, k_src, v_src, slot, kvh, kv_off, pos, c0, c1, d, T, sk_t, scale, D: tl.constexpr,
+def _block_step(q, k_src, v_src, slot, kvh, kv_off, pos, b0, m_i, l_i, acc, d, T, sk_t, scale, D: tl.constexpr,
+                BD: tl.constexpr, BN: tl.constexpr, KV_TMA: tl.constexpr, PRECISION: tl.constexpr,
+                EMULATE: tl.constexpr, MASKED: tl.constexpr):
+    """The online-softmax state after keys b0..b0+BN-1. MASKED = False only for a block whose keys every lane may see:
+    there the masks select every element unchanged (s stays s, m is finite so m_safe = m, every lane is active), so
+    leaving them out gives the masked step's bytes."""
+    keys = b0 + tl.arange(0, BN)
+    k = _kv_block(k_src, slot, b0, kvh, kv_off, keys, d, T, sk_t, D, BN, BD, KV_TMA)              # [BN, BD]
+    s = tl.dot(dot_operand(q, EMULATE), dot_operand(k, EMULATE).T, input_precision=PRECISION) * scale
+    if MASKED:
+        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))                          # [BM, BN] fp32
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = m_new
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    v = _kv_block(v_src, slot, b0, kvh, kv_off, keys, d, T, sk_t, D, BN, BD, KV_TMA)              # [BN, BD]
+    active = pos >= b0                                                                         # a key here
+    if MASKED:
+        alpha = tl.where(active, alpha, 1.0)
+    pv = dot_operand(round_to(p, v.dtype, EMULATE), EMULATE)                                   # 0 if inactive
+    acc = tl.dot(pv, dot_operand(v, EMULATE), acc * alpha[:, None], input_precision=PRECISION)
+    if MASKED:
+        m_new = tl.where(active, m_new, m_i)
+        l_new = tl.where(active, l_new, l_i)
+    return m_new, l_new, acc
+
+
+@triton.jit
+def _seen_by_all(pos, BN: tl.constexpr):
+    """The end of the leading blocks of BN keys that every valid lane (pos >= 0) may see whole: BN * floor((min pos
+    + 1) / BN); 2^30 where no lane is valid."""
+    lo = tl.min(tl.where(pos >= 0, pos, 1 << 30), axis=0)
+    return tl.where(lo == 1 << 30, lo, (lo + 1) // BN * BN)
+
+
+@triton.jit
+def _chunk_state(q, k_src, v_src, slot, kvh, kv_off, pos, c0, c1, full, d, T, sk_t, scale, D: tl.constexpr,
                  BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KV_TMA: tl.constexpr,
                  PRECISION: tl.constexpr, EMULATE: tl.constexpr):
     """Online-softmax state (m [BM], l [BM], acc [BM, BD], fp32) of keys c0..c1-1 from a fresh start, in BN-key
-    blocks ascending; a block holding none of a row's keys leaves the row's state bytes unchanged."""
+    blocks ascending; a block holding none of a row's keys leaves the row's state bytes unchanged. Blocks before
+    ``full`` (_seen_by_all) run without masks."""
     m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, BD), dtype=tl.float32)
-    for b0 in range(c0, c1, BN):
-        keys = b0 + tl.arange(0, BN)
-        k = _kv_block(k_src, slot, b0, kvh, kv_off, keys, d, T, sk_t, D, BN, BD, KV_TMA)          # [BN, BD]
-        s = tl.dot(dot_operand(q, EMULATE), dot_operand(k, EMULATE).T, input_precision=PRECISION) * scale
-        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))                          # [BM, BN] fp32
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_new = l_i * alpha + tl.sum(p, axis=1)
-        v = _kv_block(v_src, slot, b0, kvh, kv_off, keys, d, T, sk_t, D, BN, BD, KV_TMA)          # [BN, BD]
-        active = pos >= b0                                                                     # a key here
-        alpha = tl.where(active, alpha, 1.0)
-        pv = dot_operand(round_to(p, v.dtype, EMULATE), EMULATE)                               # 0 if inactive
-        acc = tl.dot(pv, dot_operand(v, EMULATE), acc * alpha[:, None], input_precision=PRECISION)
-        m_i = tl.where(active, m_new, m_i)
-        l_i = tl.where(active, l_new, l_i)
+    split = tl.maximum(c0, tl.minimum(c1, full))
+    for b0 in range(c0, split, BN):
+        m_i, l_i, acc = _block_step(q, k_src, v_src, slot, kvh, kv_off, pos, b0, m_i, l_i, acc, d, T, sk_t, scale,
+                                    D, BD, BN, KV_TMA, PRECISION, EMULATE, False)
+    for b0 in range(split, c1, BN):
+        m_i, l_i, acc = _block_step(q, k_src, v_src, slot, kvh, kv_off, pos, b0, m_i, l_i, acc, d, T, sk_t, scale,
+                                    D, BD, BN, KV_TMA, PRECISION, EMULATE, True)
     return m_i, l_i, acc
 
 
@@ -190,8 +224,8 @@ def _merge(m_g, l_g, acc_g, m_c, l_c, acc_c, active):
     """Fold a chunk's state into the running one (rows where ``active``; the others keep theirs): the two-state
     combine of the online softmax (Milakov & Gimelshein 2018), the same fp32 operations wherever it runs."""
     m_new = tl.maximum(m_g, m_c)
-    a_g = tl.exp(m_g - m_new)
-    a_c = tl.exp(m_c - m_new)
+    a_g = tl.exp2(m_g - m_new)
+    a_c = tl.exp2(m_c - m_new)
     l_new = l_g * a_g + l_c * a_c
     acc_new = acc_g * a_g[:, None] + acc_c * a_c[:, None]
     return tl.where(active, m_new, m_g), tl.where(active, l_new, l_g), tl.where(active[:, None], acc_new, acc_g)
@@ -202,10 +236,11 @@ def _attn_kernel(q_ptr, k_src, v_src, o_ptr, pos_ptr, rows_ptr, tstart_ptr, tlen
                  sq_m, sq_h, sk_s, sk_t, sk_h, scale, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, GROUPED: tl.constexpr,
                  KV_TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
-    """One program per (tile, query head): the chunks of CH keys in ascending order, each merged as it ends."""
+    """One program per (query head, tile): the chunks of CH keys in ascending order, each merged as it ends. Tiles
+    run last first (in a causal prompt the last rows see the most keys: the longest programs start first)."""
     pdl_start(PDL)
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(0)
+    t = n_tiles - 1 - tl.program_id(1)
     rows, valid, pos, slot = _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M,
                                         tl.arange(0, BM), BM, GROUPED)
     d = tl.arange(0, BD)
@@ -217,9 +252,10 @@ def _attn_kernel(q_ptr, k_src, v_src, o_ptr, pos_ptr, rows_ptr, tstart_ptr, tlen
     l_i = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, BD), dtype=tl.float32)
     hi = tl.max(pos, axis=0) + 1
+    full = _seen_by_all(pos, BN)
     for c0 in range(0, hi, CH):
-        m_c, l_c, acc_c = _chunk_state(q, k_src, v_src, slot, kvh, kv_off, pos, c0, tl.minimum(c0 + CH, hi), d, T,
-                                       sk_t, scale, D, BD, BM, BN, KV_TMA, PRECISION, EMULATE)
+        m_c, l_c, acc_c = _chunk_state(q, k_src, v_src, slot, kvh, kv_off, pos, c0, tl.minimum(c0 + CH, hi), full, d,
+                                       T, sk_t, scale, D, BD, BM, BN, KV_TMA, PRECISION, EMULATE)
         m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c, pos >= c0)
     out = tl.math.div_rn(acc, l_i[:, None])
     tl.store(o_ptr + rows[:, None] * sq_m + h * sq_h + d[None, :], round_to(out, o_ptr.dtype.element_ty, EMULATE),
@@ -251,8 +287,8 @@ def _attn_split_kernel(q_ptr, k_src, v_src, ws_ptr, ml_ptr, pos_ptr, rows_ptr, t
                     mask=valid[:, None] & (d[None, :] < D), other=0.0)
         kvh = tl.program_id(1) * HPP // G
         m_c, l_c, acc_c = _chunk_state(q, k_src, v_src, slot, kvh, slot * sk_s + kvh * sk_h, pos, c0,
-                                       tl.minimum(c0 + CH, hi), d, T, sk_t, scale, D, BD, BM, BN, KV_TMA, PRECISION,
-                                       EMULATE)
+                                       tl.minimum(c0 + CH, hi), _seen_by_all(pos, BN), d, T, sk_t, scale, D, BD,
+                                       BM, BN, KV_TMA, PRECISION, EMULATE)
         idx = (rows * (tl.num_programs(1) * HPP) + h) * NC + tl.program_id(2)                  # [BM]
         tl.store(ml_ptr + idx * 2, m_c, mask=valid)
         tl.store(ml_ptr + idx * 2 + 1, l_c, mask=valid)
@@ -364,8 +400,9 @@ def _row_tiles(slots: torch.Tensor, pos: torch.Tensor, S: int, rpt: int) -> tupl
 
 
 def _launch_parts(qc, kc, vc, slots, pos, cfg: AttnConfig, hpp: int, scale: float) -> tuple:
-    """What both attention kernels take (tiles of cfg.block_m // hpp rows): (grid's tile count, the row and KV
-    arguments after the output(s), constexprs, launch options)."""
+    """What both attention kernels take (tiles of cfg.block_m // hpp rows; ``scale`` the softmax scale, passed
+    times log2(e) in fp32): (grid's tile count, the row and KV arguments after the output(s), constexprs, launch
+    options)."""
     M, Hq, D = qc.shape
     S, T, Hkv, _ = kc.shape
     cap = capability(qc.device)
@@ -374,7 +411,7 @@ def _launch_parts(qc, kc, vc, slots, pos, cfg: AttnConfig, hpp: int, scale: floa
               and D * qc.element_size() >= 16)                                     # TMA box rules
     srcs = tuple(_kv_descriptor(c, cfg.block_n) for c in (kc, vc)) if kv_tma else (kc, vc)
     tiles = (pos, rows, tstart, tlen, tslot, M, n_tiles, T)
-    strides = (qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), scale)
+    strides = (qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), scale * LOG2E)
     consts = dict(G=Hq // Hkv, D=D, BD=next_pow2(D), BM=cfg.block_m, BN=cfg.block_n, CH=cfg.chunk,
                   GROUPED=grouped, KV_TMA=kv_tma, PRECISION="ieee" if qc.dtype == torch.float32 else "tf32",
                   EMULATE=INTERPRET)
@@ -389,8 +426,9 @@ def chunk_states(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     Args as ``attention`` (checked there), contiguous; cfg: the tiling to run (split_placement's); pack: as
     attention's; scale: the score scale (default 1/sqrt(D)).
     Returns:
-        (acc [M * Hq * NC, BD] fp32, (m, l) [M * Hq * NC * 2] fp32), entry (row * Hq + head) * NC + chunk, NC =
-        ceil(T / chunk); entries of chunks past a row's position are not written.
+        (acc [M * Hq * NC, BD] fp32, (m, l) [M * Hq * NC * 2] fp32, m in base-2 units: scores times log2(e)),
+        entry (row * Hq + head) * NC + chunk, NC = ceil(T / chunk); entries of chunks past a row's position are not
+        written.
     """
     M, Hq, D = q.shape
     G = Hq // k_cache.shape[2]
@@ -436,7 +474,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
     if not split:
         n_tiles, srcs, tiles, strides, consts, opts = _launch_parts(qc, kc, vc, slots, pos, cfg, 1,
                                                                     1.0 / math.sqrt(D))
-        launch(_attn_kernel, (n_tiles, Hq), (qc, *srcs, out) + tiles + strides, consts, **opts)
+        launch(_attn_kernel, (Hq, n_tiles), (qc, *srcs, out) + tiles + strides, consts, **opts)
         return out
     placed = config or split_placement(D, q.dtype, capability(q.device), M)
     ws, ml = chunk_states(qc, kc, vc, slots, pos, placed, pack)
