@@ -680,11 +680,12 @@ def test_every_launched_kernel_waits_for_its_predecessor_first():
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib", "exactness", "kernels")
     sources = {m: open(os.path.join(root, m)).read() for m in sorted(os.listdir(root))
                if m.startswith("triton_") and m.endswith(".py")}
-    assert {"triton_attention.py", "triton_moe.py", "triton_rows.py", "triton_tiles.py"} <= set(sources)
+    assert {"triton_attention.py", "triton_attn_programs.py", "triton_moe.py", "triton_rows.py",
+            "triton_tiles.py"} <= set(sources)
     bad, kernels = pdl_violations(sources)
     assert bad == []
     assert {"_rmsnorm_kernel", "_gemm_kernel", "_gemm_persistent_kernel", "_gemm_split_kernel", "_grouped_kernel",
-            "_attn_split_kernel", "_route_kernel"} <= kernels
+            "_attn_kernel", "_attn_split_kernel", "_combine_kernel", "_route_kernel"} <= kernels
     rows = sources["triton_rows.py"]
     head = "    pdl_start(PDL)\n    rows = tl.program_id(0) * BR + tl.arange(0, BR)\n    cols = tl.arange(0, BH)\n"
     assert rows.count(head) == 1                                              # _rmsnorm_kernel's first lines
