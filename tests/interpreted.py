@@ -3,7 +3,12 @@ the interpreted kernels need their own process); the script may import the test 
 
 Triton 3.6's interpreter turns a scalar (a one-element array, e.g. from a program id) into a loop bound with
 int(array), which NumPy 2.4 refuses for arrays of one dimension; the script runs with that conversion made through
-the array's one element instead (index_of_one_element: the same value)."""
+the array's one element instead (index_of_one_element: the same value).
+
+The interpreter's tl.dot is NumPy's matmul, whose BLAS gives a row of an fp32 product a result that depends on the
+row's place in the block (its micro-kernels sum the same row in other orders); an MMA on the GPU does not.
+dot_by_row computes each row of a dot on its own, so a row's bytes depend on its own data only, as on the GPU, and a
+row-invariance check tests the kernel's reduction order rather than the BLAS."""
 from __future__ import annotations
 
 import importlib.util
@@ -29,11 +34,29 @@ def index_of_one_element() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def dot_by_row() -> None:
+    """Make Triton's interpreter compute a 2-D tl.dot one row at a time (see the module docstring)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def by_row(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.ndim != 2:
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        rows = [dot(self, interpreter.TensorHandle(a.data[i:i + 1], a.dtype),
+                    b, interpreter.TensorHandle(d.data[i:i + 1], d.dtype), input_precision,
+                    max_num_imprecise_acc).data for i in range(a.data.shape[0])]
+        return interpreter.TensorHandle(np.concatenate(rows), d.dtype)
+    interpreter.InterpreterBuilder.create_dot = by_row
+
+
 def interpreted_rows(script: str) -> list[list[str]]:
     """The whitespace-split lines the script printed; fails the test (with its stderr) if it exits non-zero."""
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    prelude = f"import sys\nsys.path.insert(0, {tests!r})\nimport interpreted\ninterpreted.index_of_one_element()\n"
+    prelude = (f"import sys\nsys.path.insert(0, {tests!r})\nimport interpreted\ninterpreted.index_of_one_element()\n"
+               "interpreted.dot_by_row()\n")
     r = subprocess.run([sys.executable, "-c", prelude + script], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
