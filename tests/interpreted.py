@@ -52,12 +52,14 @@ def dot_by_row() -> None:
 
 
 def interpreted_rows(script: str) -> list[list[str]]:
-    """The whitespace-split lines the script printed; fails the test (with its stderr) if it exits non-zero."""
+    """The whitespace-split lines the script printed (run with lib/ and this folder importable and both shims on);
+    fails the test, with the script's output, if it exits non-zero."""
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    paths = [os.path.join(tests, "..", "lib")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(paths)}
     prelude = (f"import sys\nsys.path.insert(0, {tests!r})\nimport interpreted\ninterpreted.index_of_one_element()\n"
                "interpreted.dot_by_row()\n")
     r = subprocess.run([sys.executable, "-c", prelude + script], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [line.split() for line in r.stdout.splitlines()]

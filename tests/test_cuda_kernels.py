@@ -2,22 +2,21 @@
 
 GPU tests (skipped without CUDA) call the kernels on the ``small`` preset's shapes. CPU tests run the same kernels
 under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess so that flag is set before Triton compiles anything)
-on small shapes; they are skipped when Triton is not installed or its interpreter cannot run here. Byte claims
-compare ``.view(int16/int32)``; error claims compare ||out - ref|| / ||ref|| against a bound (fp64 reference).
+on small shapes; they are skipped when Triton is not installed. Byte claims compare ``.view(int16/int32)``; error
+claims compare ||out - ref|| / ||ref|| against a bound (fp64 reference).
 Every exactness check has a negative control that must be caught. A check of the kernels' source (no Triton needed)
 holds every kernel to programmatic dependent launch's rule: the wait before anything else.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from interpreted import HAS_TRITON, NEEDS_TRITON, interpreted_rows
+
 GPU = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and Triton")
 _IV = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -450,11 +449,8 @@ def test_gpu_grouped_experts_planted_fault_is_caught():
 # ------------------------------------------------------------------------------------------------ CPU interpreter
 
 def _interp_main() -> int:
-    """Interpreter checks (run in a subprocess with TRITON_INTERPRET=1, under interpreted.py's shims: one-element
-    arrays as indices, tl.dot a row at a time). Exit 0 pass, 1 fail."""
-    import interpreted
-    interpreted.index_of_one_element()
-    interpreted.dot_by_row()
+    """Interpreter checks (run in a subprocess with TRITON_INTERPRET=1 and interpreted.py's shims: interpreted_rows,
+    or this file as a script). Exit 0 pass, 1 fail."""
     from exactness.kernels import attention as cpu_attn
     from exactness.kernels import experts, rope
     from exactness.kernels import triton_attention as ta
@@ -618,18 +614,14 @@ def _interp_placements(x, w, we, route, ye) -> dict:
             "placed grouped experts == config rows": tiles == {16} and int(differing_rows(few, ye[:4]).sum()) == 0}
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@NEEDS_TRITON
 def test_interpreter_kernels_row_invariant_and_exact():
     """Under TRITON_INTERPRET=1 on the CPU: rows of a block equal M=1 rows; rounding points as the CPU kernels."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    lib = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib")
-    env["PYTHONPATH"] = os.pathsep.join([lib] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    rows = interpreted_rows("import test_cuda_kernels\nsys.exit(test_cuda_kernels._interp_main())")
+    assert rows and all(r[0] == "ok" for r in rows), rows
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@NEEDS_TRITON
 def test_launch_settings_restore_both_on_error():
     """triton_rows.launch_settings sets FAST_LAUNCH and PDL for its block and restores both when the block raises,
     including changes the block made itself. Inside the block the values differ from the saved ones, so a block
@@ -698,7 +690,10 @@ def test_every_launched_kernel_waits_for_its_predecessor_first():
 
 
 if __name__ == "__main__":
-    os.environ["TRITON_INTERPRET"] = "1"            # before Triton compiles anything (no-op under the pytest test)
+    os.environ["TRITON_INTERPRET"] = "1"            # before Triton compiles anything
+    import interpreted
+    interpreted.index_of_one_element()
+    interpreted.dot_by_row()
     sys.exit(_interp_main())
 
 
