@@ -273,7 +273,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
     if not split:
         n_tiles, srcs, tiles, strides, consts, opts = _launch_parts(qc, kc, vc, slots, pos, cfg, 1,
                                                                     1.0 / math.sqrt(D))
-        launch(_attn_kernel, (Hq, n_tiles), (qc, *srcs, out) + tiles + strides, consts, **opts)
+        launch(_attn_kernel, (Hq * n_tiles,), (qc, *srcs, out) + tiles + strides, consts, **opts)
         return out
     placed = config or split_placement(D, q.dtype, capability(q.device), M)
     ws, ml = chunk_states(qc, kc, vc, slots, pos, placed, pack)

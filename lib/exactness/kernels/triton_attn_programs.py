@@ -82,9 +82,9 @@ def _block_step(q, k_src, v_src, slot, kvh, kv_off, pos, b0, m_i, l_i, acc, d, T
 @triton.jit
 def _seen_by_all(pos, BN: tl.constexpr):
     """The end of the leading blocks of BN keys that every valid lane (pos >= 0) may see whole: BN * floor((min pos
-    + 1) / BN); 2^30 where no lane is valid."""
+    + 1) / BN); 2^30 where no lane is valid (a tile that runs no block)."""
     lo = tl.min(tl.where(pos >= 0, pos, 1 << 30), axis=0)
-    return tl.where(lo == 1 << 30, lo, (lo + 1) // BN * BN)
+    return (lo + 1) // BN * BN
 
 
 @triton.jit
@@ -124,11 +124,13 @@ def _attn_kernel(q_ptr, k_src, v_src, o_ptr, pos_ptr, rows_ptr, tstart_ptr, tlen
                  sq_m, sq_h, sk_s, sk_t, sk_h, scale, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, GROUPED: tl.constexpr,
                  KV_TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
-    """One program per (query head, tile): the chunks of CH keys in ascending order, each merged as it ends. Tiles
-    run last first (in a causal prompt the last rows see the most keys: the longest programs start first)."""
+    """One program per (query head, tile), on one grid axis (no 65,535 limit on the tiles) with the heads fastest:
+    the chunks of CH keys in ascending order, each merged as it ends. Tiles run last first (in a causal prompt the
+    last rows see the most keys: the longest programs start first)."""
     pdl_start(PDL)
-    h = tl.program_id(0)
-    t = n_tiles - 1 - tl.program_id(1)
+    hq = tl.num_programs(0) // n_tiles
+    h = tl.program_id(0) % hq
+    t = n_tiles - 1 - tl.program_id(0) // hq
     rows, valid, pos, slot = _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M,
                                         tl.arange(0, BM), BM, GROUPED)
     d = tl.arange(0, BD)
