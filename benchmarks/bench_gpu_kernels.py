@@ -288,6 +288,7 @@ def attention(args) -> dict:
 
 def rows(_args) -> dict:
     """Row kernels at 16384 rows: invariant Triton vs the fast set's torch ops."""
+    from exactness.kernels import triton_moe_rows as mr
     from exactness.kernels import triton_rows as tr
     cfgm = get_preset("small")
     M, H, Hq, D, k, E = 16384, cfgm.hidden, cfgm.n_heads, cfgm.head_dim, cfgm.top_k, cfgm.n_experts
@@ -299,8 +300,8 @@ def rows(_args) -> dict:
     logits = _rand(M, E, scale=3.0)
     cases = [("rmsnorm [16384, 2048]", lambda: tr.rmsnorm(x, w, 1e-6), lambda: norm.rmsnorm_fast(x, w, 1e-6)),
              ("rope [16384, 32, 128]", lambda: tr.rope(qh, pos, cos, sin), lambda: rope.rope_fast(qh, pos, 1e6)),
-             ("combine [16384, 8, 2048]", lambda: tr.combine(y, wts, None), lambda: experts.combine_fast(y, wts, None)),
-             ("softmax/top-8 [16384, 128]", lambda: tr.softmax_topk(logits, k, True),
+             ("combine [16384, 8, 2048]", lambda: mr.combine(y, wts, None), lambda: experts.combine_fast(y, wts, None)),
+             ("softmax/top-8 [16384, 128]", lambda: mr.softmax_topk(logits, k, True),
               lambda: router._softmax_topk_tile(logits, k, True))]
     res = [{"case": n, "fast_us": ms(f) * 1e3, "invariant_us": ms(i) * 1e3} for n, i, f in cases]
     for r in res:

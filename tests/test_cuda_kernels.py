@@ -293,6 +293,7 @@ def test_gpu_attention_multi_slot_and_negative_control():
 @pytest.mark.gpu
 def test_gpu_row_kernels_invariant_and_close_to_cpu():
     from exactness.kernels import experts, norm, rope, router
+    from exactness.kernels import triton_moe_rows as mr
     from exactness.kernels import triton_rows as tr
     g = torch.Generator(device="cuda").manual_seed(5)
     M = 333
@@ -308,15 +309,15 @@ def test_gpu_row_kernels_invariant_and_close_to_cpu():
     assert torch.equal(bits(ro), bits(rope.rope_invariant(qh, pos, 1e6)))               # same rounding points
     y = torch.randn(M, 8, 2048, generator=g, device="cuda").bfloat16()
     wt = torch.rand(M, 8, device="cuda").bfloat16()
-    c = tr.combine(y, wt, None)
+    c = mr.combine(y, wt, None)
     assert torch.equal(bits(c), bits(experts.combine_invariant(y, wt, None)))
     lg = (torch.randn(M, 128, generator=g, device="cuda") * 3).bfloat16()
     lg[:, 7] = lg[:, 3] = lg.max(dim=1).values + 1                                       # exact tie for first place
-    wts, idx = tr.softmax_topk(lg, 8, True)
+    wts, idx = mr.softmax_topk(lg, 8, True)
     assert bool((idx[:, 0] == 3).all() and (idx[:, 1] == 7).all())                        # lower id wins the tie
     cw, ci = router._softmax_topk_tile(lg, 8, True)
     assert torch.equal(idx, ci) and rel_err(wts, cw) < 1e-2
-    w1 = [tr.softmax_topk(lg[m:m + 1], 8, True) for m in range(M)]
+    w1 = [mr.softmax_topk(lg[m:m + 1], 8, True) for m in range(M)]
     assert row_mismatches(wts, [a for a, _ in w1]) == 0 and row_mismatches(idx, [b for _, b in w1]) == 0
 
 
@@ -456,6 +457,7 @@ def _interp_main() -> int:
     from exactness.kernels import triton_attention as ta
     from exactness.kernels import triton_gemm as tg
     from exactness.kernels import triton_moe as tm
+    from exactness.kernels import triton_moe_rows as mr
     from exactness.kernels import triton_rows as tr
     from dataclasses import replace
     torch.manual_seed(0)
@@ -560,11 +562,11 @@ def _interp_main() -> int:
     checks["rope == CPU bytes"] = torch.equal(bits(tr.rope(q[:3], p, cos, sin)), bits(rope.rope_invariant(q[:3], p,
                                                                                                           1e4)))
     yy, ww = torch.randn(4, 3, 24).to(bf), torch.rand(4, 3).to(bf)
-    checks["combine == CPU bytes"] = torch.equal(bits(tr.combine(yy, ww, yy[:, 0])),
+    checks["combine == CPU bytes"] = torch.equal(bits(mr.combine(yy, ww, yy[:, 0])),
                                                  bits(experts.combine_invariant(yy, ww, yy[:, 0])))
     lg = torch.randn(6, 16).to(bf)
     lg[:, 9] = lg[:, 4] = lg.max(dim=1).values + 1
-    _, idx = tr.softmax_topk(lg, 3, True)
+    _, idx = mr.softmax_topk(lg, 3, True)
     checks["top-k tie -> lower id"] = bool((idx[:, 0] == 4).all() and (idx[:, 1] == 9).all())
     from exactness.exact import differing_rows
     from exactness.kernels import triton_moe as tm

@@ -3,12 +3,12 @@
 Every function here has its kernel class's signature (kernels/registry.py). On a CPU tensor it calls exactly the CPU
 invariant kernel (dense.tile_linear, router.router_invariant, experts.*_invariant, attention.attention_invariant,
 norm.rmsnorm_invariant, rope.rope_invariant, head.lm_head_invariant), looked up at call time so a patched module
-function is honoured. On a CUDA tensor it calls the Triton kernels of triton_gemm.py, triton_attention.py and
-triton_rows.py, which keep the CPU kernels' semantics (storage-dtype outputs, fp32 accumulation, the RoPE table,
-stable top-k with lower-id tie-break, fp32 combine in slot order, online softmax over fixed KV blocks in ascending
-order, 1/sqrt(D) scale, causal by position per slot) and whose bytes per row do not depend on the row count: decode
-(M = 1) and prompt rows run the same reduction order (a GEMM's K chunks and split-K fixed per weight shape; its tile
-may follow M, triton_gemm's placements, without changing a byte).
+function is honoured. On a CUDA tensor it calls the Triton kernels of triton_gemm.py, triton_attention.py,
+triton_moe.py, triton_moe_rows.py and triton_rows.py, which keep the CPU kernels' semantics (storage-dtype outputs,
+fp32 accumulation, the RoPE table, stable top-k with lower-id tie-break, fp32 combine in slot order, online softmax
+over fixed KV blocks in ascending order, 1/sqrt(D) scale, causal by position per slot) and whose bytes per row do
+not depend on the row count: decode (M = 1) and prompt rows run the same reduction order (a GEMM's K chunks and
+split-K fixed per weight shape; its tile may follow M, triton_gemm's placements, without changing a byte).
 
 ``residual`` (one rounded add per element) and ``argmax`` (first maximal index, lowest id on ties) are row-invariant
 on any device and run the same torch code on both.
@@ -39,7 +39,7 @@ def _gpu(t: torch.Tensor) -> bool:
 
 
 def _tk(name: str):
-    """The Triton module ``name`` (triton_gemm, triton_attention, triton_rows or triton_moe), imported on first use.
+    """The Triton module ``name`` (kernels/triton_*.py, e.g. triton_gemm or triton_rows), imported on first use.
 
     Raises:
         RuntimeError: Triton cannot be imported.
@@ -64,11 +64,11 @@ def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def router(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool):
     """(weights [M, k] storage dtype, idx [M, k] int64, logits [M, E] storage dtype); ties go to the lower id.
 
-    CPU: router.router_invariant. CUDA: triton_gemm.linear for the logits, triton_rows.softmax_topk for the rest.
+    CPU: router.router_invariant. CUDA: triton_gemm.linear for the logits, triton_moe_rows.softmax_topk for the rest.
     """
     if _gpu(x):
         logits = _tk("triton_gemm").linear(x, w)                                  # [M, E] storage dtype
-        weights, idx = _tk("triton_rows").softmax_topk(logits, top_k, norm)
+        weights, idx = _tk("triton_moe_rows").softmax_topk(logits, top_k, norm)
         return weights, idx, logits
     return _router.router_invariant(x, w, top_k, norm)
 
@@ -114,7 +114,7 @@ moe_experts.serves = moe_experts_serve   # model.moe_block hands it to the exper
 def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
     """fp32 sum over slots 0..k-1 of w*y (+ shared) -> [M, H] (CPU: experts.combine_invariant; CUDA: Triton)."""
     if _gpu(y):
-        return _tk("triton_rows").combine(y, weights, shared)
+        return _tk("triton_moe_rows").combine(y, weights, shared)
     return _experts.combine_invariant(y, weights, shared)
 
 

@@ -82,7 +82,7 @@ def _gemm_specs(name: str, kind: str, N: int, K: int, dtype: torch.dtype, capabi
 
 def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:
     """The attention, row-wise and grouped MoE kernels of the preset ``cfg``."""
-    ta, tr = _tk("triton_attention"), _tk("triton_rows")
+    ta, tr, mr = _tk("triton_attention"), _tk("triton_rows"), _tk("triton_moe_rows")
     p, i32, f32, specs = f"*{ty}", "i32", "fp32", []
     H, D = cfg.hidden, cfg.head_dim
     ac = ta.config_for(D, dtype, capability)
@@ -136,12 +136,12 @@ def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int
                                                   L=i32, NH=i32, D=i32, HALF=i32),
                   dict(BHN=triton_next_pow2(cfg.n_heads), BHALF=triton_next_pow2(D // 2), EMULATE=False),
                   dict(num_warps=4, enable_fp_fusion=False)))
-    specs.append(("router softmax/top-k", tr._softmax_topk_kernel,
+    specs.append(("router softmax/top-k", mr._softmax_topk_kernel,
                   dict(l_ptr=p, w_ptr=p, i_ptr="*i64", M=i32, E=i32),
                   dict(TOPK=cfg.top_k, NORM=cfg.norm_topk_prob, BR=8, BE=triton_next_pow2(cfg.n_experts),
                        BK=triton_next_pow2(cfg.top_k), EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
     specs += _grouped_specs(cfg, dtype, capability, ty)
-    specs.append(("moe combine", tr._combine_kernel, dict(y_ptr=p, w_ptr=p, s_ptr=p, o_ptr=p, M=i32, H=i32),
+    specs.append(("moe combine", mr._combine_kernel, dict(y_ptr=p, w_ptr=p, s_ptr=p, o_ptr=p, M=i32, H=i32),
                   dict(K=cfg.top_k, HAS_SHARED=cfg.shared_expert_inter > 0, BH=min(1024, triton_next_pow2(H)),
                        EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
     return specs
