@@ -300,7 +300,8 @@ def rows(_args) -> dict:
     logits = _rand(M, E, scale=3.0)
     cases = [("rmsnorm [16384, 2048]", lambda: tr.rmsnorm(x, w, 1e-6), lambda: norm.rmsnorm_fast(x, w, 1e-6)),
              ("rope [16384, 32, 128]", lambda: tr.rope(qh, pos, cos, sin), lambda: rope.rope_fast(qh, pos, 1e6)),
-             ("combine [16384, 8, 2048]", lambda: mr.combine(y, wts, None), lambda: experts.combine_fast(y, wts, None)),
+             ("combine [16384, 8, 2048]", lambda: mr.combine(y, wts, None),
+              lambda: experts.combine_fast(y, wts, None)),
              ("softmax/top-8 [16384, 128]", lambda: mr.softmax_topk(logits, k, True),
               lambda: router._softmax_topk_tile(logits, k, True))]
     res = [{"case": n, "fast_us": ms(f) * 1e3, "invariant_us": ms(i) * 1e3} for n, i, f in cases]
@@ -514,7 +515,8 @@ def _step_kernels(label: str, step, top: int = 8) -> dict:
     rows = [{"kernel": k[:70], "calls": n, "us": t} for k, n, t in evs[:top]]
     total = sum(t for _, _, t in evs)
     n = sum(c for _, c, _ in evs)
-    _print_rows(f"{label}: one step's kernels: {n} launches, {total:.0f} us GPU, {wall * 1e6:.0f} us wall (profiled)", rows)
+    _print_rows(f"{label}: one step's kernels: {n} launches, {total:.0f} us GPU, {wall * 1e6:.0f} us wall "
+                "(profiled)", rows)
     return {"gpu_us": total, "launches": n, "wall_us": wall * 1e6, "top": rows}
 
 

@@ -51,14 +51,19 @@ def dot_by_row() -> None:
     interpreter.InterpreterBuilder.create_dot = by_row
 
 
+def shims() -> None:
+    """Both shims of the module docstring (index_of_one_element, dot_by_row): what an interpreted script runs under."""
+    index_of_one_element()
+    dot_by_row()
+
+
 def interpreted_rows(script: str) -> list[list[str]]:
-    """The whitespace-split lines the script printed (run with lib/ and this folder importable and both shims on);
+    """The whitespace-split lines the script printed (run with lib/ and this folder importable, under shims());
     fails the test, with the script's output, if it exits non-zero."""
     tests = os.path.dirname(os.path.abspath(__file__))
     paths = [os.path.join(tests, "..", "lib")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(paths)}
-    prelude = (f"import sys\nsys.path.insert(0, {tests!r})\nimport interpreted\ninterpreted.index_of_one_element()\n"
-               "interpreted.dot_by_row()\n")
+    prelude = f"import sys\nsys.path.insert(0, {tests!r})\nimport interpreted\ninterpreted.shims()\n"
     r = subprocess.run([sys.executable, "-c", prelude + script], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

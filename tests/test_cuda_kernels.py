@@ -569,7 +569,6 @@ def _interp_main() -> int:
     _, idx = mr.softmax_topk(lg, 3, True)
     checks["top-k tie -> lower id"] = bool((idx[:, 0] == 4).all() and (idx[:, 1] == 9).all())
     from exactness.exact import differing_rows
-    from exactness.kernels import triton_moe as tm
     we = [(torch.randn(6, a, b) / 7).to(bf) for a, b in ((40, 48), (40, 48), (48, 40))]
     route = torch.stack([torch.randperm(6)[:2] for _ in range(37)])
     route[:20] = torch.tensor([1, 3])                                       # expert 1 and 3: > 1 tile of 32
@@ -670,12 +669,12 @@ def test_every_launched_kernel_waits_for_its_predecessor_first():
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib", "exactness", "kernels")
     sources = {m: open(os.path.join(root, m)).read() for m in sorted(os.listdir(root))
                if m.startswith("triton_") and m.endswith(".py")}
-    assert {"triton_attention.py", "triton_attn_programs.py", "triton_moe.py", "triton_rows.py",
+    assert {"triton_attention.py", "triton_attn_programs.py", "triton_moe.py", "triton_moe_rows.py", "triton_rows.py",
             "triton_tiles.py"} <= set(sources)
     bad, kernels = pdl_violations(sources)
     assert bad == []
     assert {"_rmsnorm_kernel", "_gemm_kernel", "_gemm_persistent_kernel", "_gemm_split_kernel", "_grouped_kernel",
-            "_attn_kernel", "_attn_split_kernel", "_combine_kernel", "_route_kernel"} <= kernels
+            "_attn_kernel", "_attn_split_kernel", "_combine_kernel", "_route_kernel", "_softmax_topk_kernel"} <= kernels
     rows = sources["triton_rows.py"]
     head = "    pdl_start(PDL)\n    rows = tl.program_id(0) * BR + tl.arange(0, BR)\n    cols = tl.arange(0, BH)\n"
     assert rows.count(head) == 1                                              # _rmsnorm_kernel's first lines
@@ -694,8 +693,7 @@ def test_every_launched_kernel_waits_for_its_predecessor_first():
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"            # before Triton compiles anything
     import interpreted
-    interpreted.index_of_one_element()
-    interpreted.dot_by_row()
+    interpreted.shims()
     sys.exit(_interp_main())
 
 
