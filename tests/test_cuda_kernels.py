@@ -189,10 +189,11 @@ def _state_mismatches(a: tuple, b: tuple, pos: torch.Tensor, Hq: int, chunk: int
 @pytest.mark.gpu
 @pytest.mark.parametrize("hkv", [4, 8])
 def test_gpu_every_attention_placement_gives_each_lane_the_configs_chunk_state(hkv):
-    """Every entry of triton_attention.SPLIT_PLACEMENTS (fewer lanes and warps for split calls of few rows) gives
-    every row, head and chunk the fp32 chunk state (m, l, acc) the config gives it, byte for byte: the softmax sum's
-    order shows there before a bf16 output can hide it. One slot (4,100 rows, 9 chunks), one row per tile (two
-    slots) and rows grouped by slot. Control: the placement with the score scale one part in 2^20 off differs."""
+    """Every entry of triton_attention.SPLIT_PLACEMENTS (fewer lanes and warps for split calls of few rows), and
+    placements outside it whose warps split the keys (16 lanes in 2 and 8 warps, 32 in 4), give every row, head and
+    chunk the fp32 chunk state (m, l, acc) the config gives it, byte for byte: the softmax sum's order shows there
+    before a bf16 output can hide it. One slot (4,100 rows, 9 chunks), one row per tile (two slots) and rows grouped
+    by slot. Control: the placement with the score scale one part in 2^20 off differs."""
     from dataclasses import replace
     from exactness.kernels import triton_attention as ta
     cap = torch.cuda.get_device_capability()
@@ -204,10 +205,11 @@ def test_gpu_every_attention_placement_gives_each_lane_the_configs_chunk_state(h
     q2, kc2, vc2, slots2, pos2 = _attn_inputs(1100, 2, torch.bfloat16, 6, Hkv=hkv)
     calls = [(q, kc, vc, slots, pos)] + [(q2[i], kc2, vc2, slots2[i], pos2[i])
                                          for i in (torch.tensor([1099, 1800]), torch.tensor([3, 1100, 1500, 600, 2199]))]
-    for rows, over in entries:
+    outside = [dict(block_m=16, num_warps=2), dict(block_m=16, num_warps=8), dict(block_m=32, num_warps=4)]
+    for rows, over in list(entries) + [(None, o) for o in outside]:
         c = replace(base, **over)
-        assert (c.block_n, c.chunk) == (base.block_n, base.chunk) and ta.split_placement(128, torch.bfloat16, cap,
-                                                                                         rows) == c
+        assert (c.block_n, c.chunk) == (base.block_n, base.chunk)
+        assert rows is None or ta.split_placement(128, torch.bfloat16, cap, rows) == c
         for qq, k, v, sl, ps in calls:
             want = ta.chunk_states(qq, k, v, sl, ps, base)
             assert _state_mismatches(ta.chunk_states(qq, k, v, sl, ps, c), want, ps, 32, base.chunk) == 0, \

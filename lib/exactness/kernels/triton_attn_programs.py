@@ -49,6 +49,15 @@ def _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M, j, RPT:
 
 
 @triton.jit
+def _row_sum(pv, BN: tl.constexpr, PRECISION: tl.constexpr):
+    """[BM] sums of the rows of pv [BM, BN] (the rounded softmax weights) through the MMA: each lane's sum runs over
+    the keys in the MMA's K order inside one warp, whatever the tile's warps and lanes (a tl.sum would add across
+    warps in an order its layout sets). The 16 columns of pv @ ones are equal; max picks one exactly."""
+    ones = tl.full((BN, 16), 1.0, dtype=pv.dtype)
+    return tl.max(tl.dot(pv, ones, input_precision=PRECISION), axis=1)
+
+
+@triton.jit
 def _block_step(q, k_src, v_src, slot, kvh, kv_off, pos, b0, m_i, l_i, acc, d, T, sk_t, scale, D: tl.constexpr,
                 BD: tl.constexpr, BN: tl.constexpr, KV_TMA: tl.constexpr, PRECISION: tl.constexpr,
                 EMULATE: tl.constexpr, MASKED: tl.constexpr):
@@ -66,12 +75,12 @@ def _block_step(q, k_src, v_src, slot, kvh, kv_off, pos, b0, m_i, l_i, acc, d, T
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    l_new = l_i * alpha + tl.sum(p, axis=1)
     v = _kv_block(v_src, slot, b0, kvh, kv_off, keys, d, T, sk_t, D, BN, BD, KV_TMA)              # [BN, BD]
+    pv = dot_operand(round_to(p, v.dtype, EMULATE), EMULATE)                                   # 0 if inactive
+    l_new = l_i * alpha + _row_sum(pv, BN, PRECISION)
     active = pos >= b0                                                                         # a key here
     if MASKED:
         alpha = tl.where(active, alpha, 1.0)
-    pv = dot_operand(round_to(p, v.dtype, EMULATE), EMULATE)                                   # 0 if inactive
     acc = tl.dot(pv, dot_operand(v, EMULATE), acc * alpha[:, None], input_precision=PRECISION)
     if MASKED:
         m_new = tl.where(active, m_new, m_i)
