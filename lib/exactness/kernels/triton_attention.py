@@ -22,11 +22,11 @@ row keeps m and l (as the CPU kernel's ``active`` mask), its rescale factor is e
 are exactly 0, so its state's bytes stay unchanged; a chunk holding none of a row's keys is not merged. A block every
 row of the tile sees whole runs without the masks, whose selections would leave every value as it is there, so a row
 gets the same bytes whether a call masks its block (a prompt tile's diagonal) or not (a decode row). The tile config
-and chunk size are fixed per (D, dtype, arch) (a split call of few rows may run its programs in fewer lanes and
-warps, SPLIT_PLACEMENTS: the same bytes, as every sum over keys runs in one warp's MMA), the row count is not specialized and floating-point contraction
-is off, so a one-row decode call and an M-row prompt call give every row the same bytes whichever of the two kernels
-runs (tests/test_cuda_kernels.py compares them). With one chunk (contexts up to CHUNK keys) the merge returns the
-chunk state itself: the plain online softmax.
+and chunk size are fixed per (D, dtype, arch) (a split call of few rows may run its programs in other lanes and
+warps, SPLIT_PLACEMENTS: the same bytes, as no sum over keys crosses a warp; Precision), the row count is not
+specialized and floating-point contraction is off, so a one-row decode call and an M-row prompt call give every
+row the same bytes whichever of the two kernels runs (tests/test_cuda_kernels.py compares them). With one chunk
+(contexts up to CHUNK keys) the merge returns the chunk state itself: the plain online softmax.
 
 Precision: q k^T on tensor cores with fp32 accumulation; the probabilities are rounded to the storage dtype for
 the p @ v product (as FlashAttention-2 does; fp32 storage keeps fp32 with ``input_precision="ieee"``), and a block's
@@ -68,7 +68,7 @@ class AttnConfig:
 
 
 _DEFAULTS: dict[tuple[str, str], AttnConfig] = {
-    ("16bit", "sm90"): AttnConfig(128, 64, 8, 3),       # H200 sweep: best prefill (4k and 16k tokens)
+    ("16bit", "sm90"): AttnConfig(128, 64, 8, 3),       # 128-key blocks exceed 232 KB of shared memory
     ("16bit", "sm120"): AttnConfig(64, 64, 8, 2),       # offline ptxas: 192 registers, no spill (4 warps spill)
     ("16bit", "other"): AttnConfig(64, 64, 4, 2),
     ("fp32", "sm90"): AttnConfig(32, 32, 4, 2),
@@ -85,10 +85,10 @@ COMBINE_STAGES = 3           # chunk states the combine loads ahead (software pi
 # Per (D, dtype key, arch): (rows, overrides) in ascending rows; a split call of at most ``rows`` rows runs its chunk
 # programs with the config's fields replaced by the overrides (only PLACEMENT_FIELDS: the lanes of a tile, its warps
 # and stages; never block_n or chunk, the arithmetic). A decode row's G packed heads fill 8 of a 128-lane tile; a
-# 16-lane tile does an eighth of the MMA work for them, its warps splitting the keys of q k^T and the columns of
-# p @ v. A placement changes no byte because no sum crosses a warp: the maximum over keys is exact in any order and
-# the softmax sum, like every MMA output, adds over the keys inside one warp (_row_sum). Every entry must still pass
-# the GPU test that compares each lane's fp32 chunk state (m, l, acc) with the config's (tests/test_cuda_kernels.py).
+# 16-lane tile does an eighth of the MMA work for them. A placement changes no byte (the module docstring's
+# Precision: the maximum over keys is exact in any order, every sum over keys runs inside one warp's MMA); every
+# entry must still pass the GPU test that compares each lane's fp32 chunk state (m, l, acc) with the config's
+# (tests/test_cuda_kernels.py).
 # Chosen on an H200 by the split kernel's GPU time at 4,096 keys: 4 warps for one row, 1 for up to 8 (streams).
 PLACEMENT_FIELDS = ("block_m", "num_warps", "num_stages")
 SPLIT_PLACEMENTS: dict[tuple[int, str, str], tuple[tuple[int, dict], ...]] = {

@@ -50,9 +50,9 @@ def _tile_rows(pos_ptr, rows_ptr, tstart_ptr, tlen_ptr, tslot_ptr, t, M, j, RPT:
 
 @triton.jit
 def _row_sum(pv, BN: tl.constexpr, PRECISION: tl.constexpr):
-    """[BM] sums of the rows of pv [BM, BN] (the rounded softmax weights) through the MMA: each lane's sum runs over
-    the keys in the MMA's K order inside one warp, whatever the tile's warps and lanes (a tl.sum would add across
-    warps in an order its layout sets). The 16 columns of pv @ ones are equal; max picks one exactly."""
+    """[BM] fp32 sums of the rows of pv [BM, BN] (the rounded softmax weights) as pv @ ones [BN, 16] (the smallest
+    MMA width), so the sum keeps the MMA's order whatever the tile's warps (triton_attention's Precision); its 16
+    columns are equal and max picks one exactly."""
     ones = tl.full((BN, 16), 1.0, dtype=pv.dtype)
     return tl.max(tl.dot(pv, ones, input_precision=PRECISION), axis=1)
 
