@@ -394,9 +394,11 @@ def decode_step(args) -> dict:
 
     The invariant set runs eagerly with Triton fast launch on and off (triton_rows.FAST_LAUNCH); both give the same
     logits. On graphs it runs with programmatic dependent launch on and off (triton_rows.PDL, fixed when the graph is
-    captured), and without the set's fused options (qk_norm_rope, dense_group, residual_norm: kernels/fused.py);
-    every other row with PDL and the options on (the defaults on sm_90). A graph step's logits are compared as bytes
-    with the eager step's at the same position.
+    captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm: kernels/fused.py), with
+    split-K partials summed by a second launch instead of each tile's last split (triton_gemm.COUNT_SLOTS = 0 while
+    captured), and without the split programs' L2 prefetch (triton_gemm.PREFETCH_L2); every other row with PDL and
+    the options on (the defaults on sm_90). A graph step's logits are compared as bytes with the eager step's at the
+    same position.
     """
     from exactness.cache import KVCache
     from exactness.exact import bytes_equal
@@ -434,6 +436,18 @@ def decode_step(args) -> dict:
               and graph_same["invariant (unfused)"]}
     _print_rows("invariant decode step on graphs, fused options (q/k norm + RoPE, residual + norm, grouped k/v "
                 "projections) on vs off, median wall time", [fusion])
+    sums = med["invariant (sum launches) (graphs)"]
+    split_sum = {"in_split_ms": on * 1e3, "sum_launch_ms": sums * 1e3, "in_split/sum_launch": on / sums,
+                 "same_logits": bytes_equal(logits["invariant"], logits["invariant (sum launches)"])
+                 and graph_same["invariant (sum launches)"]}
+    _print_rows("invariant decode step on graphs, split-K partials summed by each tile's last split vs by a second "
+                "launch (triton_gemm.split_counts), median wall time", [split_sum])
+    bare = med["invariant (no L2 prefetch) (graphs)"]
+    prefetch = {"prefetch_ms": on * 1e3, "none_ms": bare * 1e3, "prefetch/none": on / bare,
+                "same_logits": bytes_equal(logits["invariant"], logits["invariant (no L2 prefetch)"])
+                and graph_same["invariant (no L2 prefetch)"]}
+    _print_rows("invariant decode step on graphs, split programs' weights prefetched to L2 before the PDL wait vs "
+                "not (triton_gemm.PREFETCH_L2), median wall time", [prefetch])
     _print_rows(f"decode step, small preset ({args.e2e_weights} weights), median wall time; fast launch on/off "
                 f"logits identical: {same}", out)
     _print_rows("decode step with CUDA graphs (graphs.GraphDecoder) vs eager, same run", graph_rows)
@@ -445,8 +459,11 @@ def decode_step(args) -> dict:
         "invariant (PDL off) (graphs)", lambda: dec["invariant (PDL off)"].step(tok, [P], [0]))
     kernels["invariant (unfused, PDL off) (graphs)"] = _step_kernels(
         "invariant (unfused, PDL off) (graphs)", lambda: dec["invariant (unfused, PDL off)"].step(tok, [P], [0]))
+    kernels["invariant (sum launches, PDL off) (graphs)"] = _step_kernels(
+        "invariant (sum launches, PDL off) (graphs)", lambda: dec["invariant (sum launches, PDL off)"].step(
+            tok, [P], [0]))
     return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "pdl": pdl, "fusion": fusion,
-            "kernels": kernels}
+            "split_sum": split_sum, "prefetch": prefetch, "kernels": kernels}
 
 
 def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
@@ -456,6 +473,7 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     from exactness.exact import bytes_equal
     from exactness.graphs import GraphDecoder
     from exactness.kernels import get_set
+    from exactness.kernels import triton_gemm as tg
     from exactness.kernels import triton_rows as tr
     logits = {}
     for fl in (False, True):
@@ -464,20 +482,31 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     inv = get_set("invariant")
     unfused = dataclasses.replace(inv, name="invariant-unfused", options=inv.options.without(
         "qk_norm_rope", "dense_group", "residual_norm"))
-    dec, graph_same = {}, {}
-    for name, ks, pdl in (("fast", "fast", True), ("invariant", "invariant", True),
-                          ("invariant (PDL off)", "invariant", False), ("invariant (unfused)", unfused, True),
-                          ("invariant (unfused, PDL off)", unfused, False)):
+    dec, graph_same, saved = {}, {}, (tg.COUNT_SLOTS, tg.PREFETCH_L2)
+    sums, no_prefetch = dict(COUNT_SLOTS=0), dict(PREFETCH_L2=False)       # split sums in a second launch; no hint
+    for name, ks, pdl, gemm in (
+            ("fast", "fast", True, {}), ("invariant", "invariant", True, {}),
+            ("invariant (PDL off)", "invariant", False, {}), ("invariant (unfused)", unfused, True, {}),
+            ("invariant (unfused, PDL off)", unfused, False, {}),
+            ("invariant (sum launches)", "invariant", True, sums),
+            ("invariant (sum launches, PDL off)", "invariant", False, sums),
+            ("invariant (no L2 prefetch)", "invariant", True, no_prefetch)):
         tr.PDL = pdl                                                         # captured into the graph
-        eager = eager_step(w, cache, tok, pos0, slots, ks).clone()
-        dec[name] = GraphDecoder(w, cache, ks)
-        dec[name].step(tok, [P], [0])                                        # eager warm-up, then capture
-        replay = dec[name].step(tok, [P], [0])                               # the first replay
+        for k, v in gemm.items():
+            setattr(tg, k, v)
+        try:
+            eager = eager_step(w, cache, tok, pos0, slots, ks).clone()
+            dec[name] = GraphDecoder(w, cache, ks)
+            dec[name].step(tok, [P], [0])                                    # eager warm-up, then capture
+            replay = dec[name].step(tok, [P], [0])                           # the first replay
+        finally:
+            tg.COUNT_SLOTS, tg.PREFETCH_L2 = saved
         graph_same[name] = bytes_equal(eager, replay)
         logits[name] = replay.clone()
     tr.PDL = True
     times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
-             "invariant (graphs)": [], "invariant (PDL off) (graphs)": [], "invariant (unfused) (graphs)": []}
+             "invariant (graphs)": [], "invariant (PDL off) (graphs)": [], "invariant (unfused) (graphs)": [],
+             "invariant (sum launches) (graphs)": [], "invariant (no L2 prefetch) (graphs)": []}
     for rnd in range(5):
         for ks in times:
             tr.FAST_LAUNCH = ks != "invariant (fast launch off)"

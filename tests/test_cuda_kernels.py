@@ -85,6 +85,51 @@ def test_gpu_linear_negative_control_is_caught():
 
 @GPU
 @pytest.mark.gpu
+def test_gpu_split_sums_in_each_tiles_last_split_equal_a_sum_launch_and_a_planted_count_is_caught():
+    """Split calls sum their partials in each tile's last split (triton_gemm.split_counts): over 30 rounds of every
+    split shape of the small preset at M = 1, 3, 16, 64 and 200, alone and the k/v pair grouped, each call gives the
+    bytes of the sum in a second launch, and the counts are back at zero after each round. Control: a count planted
+    at split_k for tile 0 (no split of it counts last) leaves that tile unsummed in an output filled with NaN."""
+    from exactness.kernels import triton_gemm as tg
+    from exactness.kernels import triton_group as tgr
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ws = {n: (torch.randn(*SMALL[n], generator=g, device="cuda") / SMALL[n][1] ** 0.5).bfloat16()
+          for n in ("q", "k/v", "o", "router", "lm_head")}
+    kv2 = (torch.randn(*SMALL["k/v"], generator=g, device="cuda") * 0.02).bfloat16()
+    xs = {K: torch.randn(200, K, generator=g, device="cuda").bfloat16() for K in (2048, 4096)}
+
+    def run() -> list:
+        out = []
+        for M in (1, 3, 16, 64, 200):
+            out += [tg.linear(xs[w.shape[1]][:M], w) for w in ws.values()]
+            out += list(tgr.linear_group(xs[2048][:M], (ws["k/v"], kv2)) or [])
+        return out
+    slots, tg.COUNT_SLOTS = tg.COUNT_SLOTS, 0
+    try:
+        ref = run()                                                           # the sums in second launches
+    finally:
+        tg.COUNT_SLOTS = slots
+    counts = tg.split_counts(xs[2048].device, 1)
+    for _ in range(30):
+        got = run()
+        assert len(got) == len(ref) and [row_mismatches(a, [b]) for a, b in zip(got, ref)] == [0] * len(ref)
+        assert int(counts.count_nonzero()) == 0
+    w, M, N, K = ws["q"], 1, *SMALL["q"]
+    plan = tg.plan_for(xs[K][:M], (w,), "linear", None)
+    lp = next(lp for rows, lp in plan.launches if M <= rows)
+    assert tg.takes_split(lp, M, N)
+    a, aligned = tg.a_operand(xs[K][:M].contiguous(), lp)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    counts[0] = lp.cfg.split_k                              # planted: no split of tile 0 counts split_k - 1
+    try:
+        tg._run_split(lp, a, plan.weights[0], out, M, N, K, lp.key if lp.use_tma else (lp.key, aligned))
+    finally:
+        counts.zero_()
+    assert row_mismatches(out, [tg.linear(xs[K][:M], w)]) > 0
+
+
+@GPU
+@pytest.mark.gpu
 def test_gpu_gate_up_rows_and_rounding_points():
     from exactness.kernels import triton_gemm as tg
     N, K = SMALL["gate|up"]
@@ -481,6 +526,20 @@ def _interp_main() -> int:
     finally:
         tg.SPLIT_TILES_BELOW = below
     checks["split-K parallel == in turn"] = row_mismatches(par, [turn]) == 0
+    slots, tg.COUNT_SLOTS = tg.COUNT_SLOTS, 0
+    try:
+        summed = tg.linear(xf, wf, c3)                                          # the sum in a second launch
+    finally:
+        tg.COUNT_SLOTS = slots
+    checks["split-K sum by each tile's last split == sum launch"] = row_mismatches(par, [summed]) == 0
+    xg, counts = torch.randn(37, 96), tg.split_counts(xf.device, 4)
+    counts[0] = c3.split_k - 1                  # planted: tile 0's first split counts as its last, sums too early
+    try:
+        early = tg.linear(xg, wf, c3)
+    finally:
+        counts.zero_()
+    checks["split-K sum before the partials (planted count) caught"] = row_mismatches(early, [tg.linear(xg, wf,
+                                                                                                    c3)]) > 0
     checks["split-K M=1 rows"] = row_mismatches(turn, [tg.linear(xf[m:m + 1], wf, c3) for m in range(37)]) == 0
     checks["split-K error < 1e-5"] = rel_err(par, xf.double() @ wf.double().T) < 1e-5
     checks["split-K control (one run) caught"] = row_mismatches(tg.linear(xf, wf, replace(c3, split_k=1)),
@@ -643,7 +702,8 @@ def pdl_violations(sources: dict[str, str]) -> tuple[list[str], set[str]]:
     """What breaks the rule that lets triton_rows.launch() use programmatic dependent launch: every kernel (a
     ``@triton.jit`` function that no jit function calls: what a launch starts) takes ``PDL`` as its last parameter
     and has ``pdl_start(PDL)`` as its first statement (after its docstring), so nothing is read or written before
-    the wait. Returns (violations, the kernels' names)."""
+    the wait; only calls of L2 prefetches (``prefetch_l2_*``: cache hints that read no value) may come before it.
+    Returns (violations, the kernels' names)."""
     import ast
     jit, called = {}, set()
     for name, src in sources.items():
@@ -657,6 +717,9 @@ def pdl_violations(sources: dict[str, str]) -> tuple[list[str], set[str]]:
         fn = jit[where, k]
         doc = fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
         body = fn.body[1:] if doc else fn.body
+        while body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Call) and \
+                ast.unparse(body[0].value.func).startswith("prefetch_l2_"):
+            body = body[1:]
         if not fn.args.args or fn.args.args[-1].arg != "PDL":
             bad.append(f"{where}:{k}: PDL is not its last parameter")
         if not body or ast.unparse(body[0]) != "pdl_start(PDL)":

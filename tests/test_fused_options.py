@@ -232,12 +232,15 @@ x = torch.randn(2, 64).to(torch.bfloat16)
 ws = [torch.randn(n, 64).to(torch.bfloat16) for n in (48, 40, 40)]
 print("group", int(triton_group.serves(x, tuple(ws))), group_mismatches(tg.linear, triton_group.linear_many, x, ws),
       group_mismatches(tg.linear, triton_group.linear_many, x, ws, fault=True))
+tg.COUNT_SLOTS = 0                                    # the sums in second launches
+print("group", int(triton_group.serves(x, tuple(ws))), group_mismatches(tg.linear, triton_group.linear_many, x, ws),
+      group_mismatches(tg.linear, triton_group.linear_many, x, ws, fault=True))
 """
 
 
 @NEEDS_TRITON
 def test_interpreter_fused_kernels_give_the_kernels_bytes_and_planted_faults_are_caught():
     rows = interpreted_rows(_INTERP)
-    assert [r[0] for r in rows] == ["qk", "res", "qk", "res", "group"]
+    assert [r[0] for r in rows] == ["qk", "res", "qk", "res", "group", "group"]
     assert all(int(r[1]) == 0 and int(r[2]) > 0 for r in rows[:4])
-    assert rows[4][1:3] == ["1", "0"] and int(rows[4][3]) > 0
+    assert all(r[1:3] == ["1", "0"] and int(r[3]) > 0 for r in rows[4:])

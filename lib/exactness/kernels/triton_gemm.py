@@ -3,10 +3,10 @@
 Invariance device: a row's arithmetic is fixed per weight shape. The shape's config (from (N, K), the dtype and the
 GPU architecture, never from M) fixes BLOCK_K and split_k: each output tile's K chunks are accumulated in ascending
 order in fp32, either in one run or, where split_k > 1, in split_k fixed runs whose partials (each from zero) are
-added in run order -- by parallel programs and a reduce kernel for small M, by one program in turn for large M:
-the same operations, hence the same bytes. ``M`` is marked ``do_not_specialize``, so one binary serves M = 1 and
-M = 16384 alike. A row's bytes therefore depend only on the row and the weights: a decode call (M = 1) reproduces
-the row of a prompt call (M rows) bit for bit.
+added in run order -- by parallel programs for small M (each tile's last run to finish adds them: split_counts),
+by one program in turn for large M: the same operations, hence the same bytes. ``M`` is marked
+``do_not_specialize``, so one binary serves M = 1 and M = 16384 alike. A row's bytes therefore depend only on the
+row and the weights: a decode call (M = 1) reproduces the row of a prompt call (M rows) bit for bit.
 
 Tile placement may depend on M: which program computes which tile, the persistent grid, and on sm_90 the tile's
 rows and columns, warps and pipeline stages (PLACEMENTS: small-M bf16 calls take smaller tiles). A placement
@@ -54,7 +54,7 @@ class GemmConfig:
         tma: load through TMA tensor descriptors (sm_90+ only).
         warp_specialize: ask Triton to warp-specialize the persistent loop (experimental on Hopper).
         split_k: K is cut into this many runs of whole BLOCK_K chunks; each run's partial is accumulated from zero
-            and the partials are added in run order in fp32 (no atomics), whether the runs go to parallel programs
+            and the partials are added in run order in fp32 (no atomic adds), whether the runs go to parallel programs
             (small M: more programs than tiles) or one program does them in turn (large M: no partial buffer).
             Part of the shape's fixed config, so decode and prompt rows share it.
         split_loop: how one program does its runs in turn (the same operations in the same order, so the same
@@ -364,7 +364,7 @@ def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmC
     a, aligned = a_operand(x, lp)
     key = lp.key if lp.use_tma else (lp.key, aligned)
     if takes_split(lp, M, p.N):
-        _run_split(lp, a, out, M, p.N, p.K, key)
+        _run_split(lp, a, p.weights[0], out, M, p.N, p.K, key)
         return out
     tiles = cdiv(M, lp.cfg.block_m) * cdiv(p.N, lp.cfg.block_n)
     args = (a, lp.b, lp.b2 if lp.b2 is not None else out, out, M, p.N, p.K, p.K, p.K, p.N)   # contiguous strides
@@ -382,14 +382,52 @@ SPLIT_MAX_ROWS = 512      # ... for calls of up to this many rows (the range mea
 _REDUCE = dict(BM=32, BN=128)
 
 
-def _run_split(lp: _Launch, a, out: torch.Tensor, M: int, N: int, K: int, key) -> None:
-    """The splits in parallel programs (partials [split_k, M, N] fp32), then their fixed-order sum, rounded."""
+_COUNTS: dict[tuple, torch.Tensor] = {}
+COUNT_SLOTS = 4096
+
+
+def split_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The int32 counts [COUNT_SLOTS] by which a split call's programs find each tile's last split (_sum_if_last):
+    one buffer per device and CUDA stream, zero between calls (the last split of a tile sets its count back), so
+    calls on one stream, which run one after another, share it. Never freed: a captured CUDA graph keeps its
+    address. None where ``tiles`` exceed it, or while a CUDA graph is captured and the stream has none yet (its
+    zeros would not be written before the first replay): the caller sums in a second launch (_split_reduce_kernel,
+    the same bytes)."""
+    if tiles > COUNT_SLOTS:
+        return None
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
+    c = _COUNTS.get(key)
+    if c is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        c = _COUNTS[key] = torch.zeros(COUNT_SLOTS, dtype=torch.int32, device=device)
+    return c
+
+
+# Split programs ask L2 for their weights before the PDL wait (triton_tiles.prefetch_l2_split: a hint, no byte
+# can change), so a decode step's weights stream in while the kernel before runs; not under the interpreter.
+PREFETCH_L2 = not INTERPRET
+
+
+def prefetch_lines(cfg: GemmConfig, elem: int) -> int:
+    """128-byte lines per weight row of one BLOCK_K chunk that a split program prefetches (0: none)."""
+    row = cfg.block_k * elem
+    return row // 128 if PREFETCH_L2 and row % 128 == 0 else 0
+
+
+def _run_split(lp: _Launch, a, w: torch.Tensor, out: torch.Tensor, M: int, N: int, K: int, key) -> None:
+    """The splits in parallel programs (partials [split_k, M, N] fp32) and their fixed-order sum, rounded: in the
+    same launch by each tile's last split where split_counts serves, else by a second launch. w: [N, K], the
+    weights lp loads."""
     ws = torch.empty(lp.cfg.split_k, M, N, dtype=torch.float32, device=out.device)
-    skey = lp.split_key if key == lp.key else (lp.split_key, key[1])
-    launch(_gemm_split_kernel, (cdiv(M, lp.cfg.block_m) * cdiv(N, lp.cfg.block_n), lp.cfg.split_k),
-           (a, lp.b, ws, M, N, K, K, K), lp.split_consts, key=skey, **lp.opts)
-    launch(_split_reduce_kernel, (cdiv(M, _REDUCE["BM"]), cdiv(N, _REDUCE["BN"])), (ws, out, M, N),
-           dict(**_REDUCE, SPLIT=lp.cfg.split_k, EMULATE=INTERPRET), num_warps=4)
+    tiles = cdiv(M, lp.cfg.block_m) * cdiv(N, lp.cfg.block_n)
+    counts = split_counts(out.device, tiles)
+    lines = prefetch_lines(lp.cfg, w.element_size())
+    skey = (lp.split_key if key == lp.key else (lp.split_key, key[1]), counts is not None, lines)
+    launch(_gemm_split_kernel, (tiles, lp.cfg.split_k), (a, lp.b, w, ws, out, ws if counts is None else counts,
+                                                         M, N, K, K, K),
+           dict(lp.split_consts, SUM=counts is not None, LINES=lines), key=skey, **lp.opts)
+    if counts is None:
+        launch(_split_reduce_kernel, (cdiv(M, _REDUCE["BM"]), cdiv(N, _REDUCE["BN"])), (ws, out, M, N),
+               dict(**_REDUCE, SPLIT=lp.cfg.split_k, EMULATE=INTERPRET), num_warps=4)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:

@@ -1,12 +1,12 @@
-"""Several batch-invariant GEMMs of one input in two launches (CUDA): ``linear_group(x, ws)`` gives each weight the
+"""Several batch-invariant GEMMs of one input in one launch (CUDA): ``linear_group(x, ws)`` gives each weight the
 bytes of ``triton_gemm.linear(x, w)``.
 
 Where every weight's launch for the call's row count runs split-K in parallel programs (triton_gemm.takes_split)
-with the same launch constants (tile, BLOCK_K, split_k, warps, stages, TMA), one launch computes every weight's
-partials (program_id(2) picks the weight) and one launch adds them: the programs of _gemm_split_kernel and
-_split_reduce_kernel, with the same arithmetic, side by side. A decode step's keys and values (one weight shape, so
-one config) then take two launches instead of four. Anything else (other launches, large calls) is not served:
-the caller runs linear() per weight.
+with the same launch constants (tile, BLOCK_K, split_k, warps, stages, TMA), one launch runs the programs of
+_gemm_split_kernel for every weight side by side (program_id(2) picks the weight), with the same arithmetic: each
+tile's last split adds its partials (a second launch does, where triton_gemm.split_counts does not serve). A decode
+step's keys and values (one weight shape, so one config) then take one launch instead of two. Anything else (other
+launches, large calls) is not served: the caller runs linear() per weight.
 """
 from __future__ import annotations
 
@@ -44,13 +44,13 @@ def _launches(x: torch.Tensor, ws: tuple[torch.Tensor, ...]):
 
 
 def serves(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> bool:
-    """Whether linear_group computes these weights in one grouped pair of launches (see the module docstring)."""
+    """Whether linear_group computes these weights in one grouped launch (see the module docstring)."""
     return _launches(x, ws) is not None
 
 
 def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """(triton_gemm.linear(x, w) for w in ws): the weights whose launches match (up to MAX_WEIGHTS of them) in a
-    grouped pair of launches (linear_group), the others one by one; in the order of ws.
+    grouped launch (linear_group), the others one by one; in the order of ws.
 
     Raises:
         ValueError: as triton_gemm.linear, for a weight it refuses.
@@ -71,7 +71,7 @@ def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.Te
 
 
 def linear_group(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
-    """(x @ w^T for w in ws), each the bytes of triton_gemm.linear(x, w), in two launches; None where not served.
+    """(x @ w^T for w in ws), each the bytes of triton_gemm.linear(x, w), in one launch; None where not served.
 
     Args:
         x: [M, K] bf16/fp16/fp32 on CUDA (the CPU under the interpreter); ws: 2 or 3 weights [N_i, K] of x's dtype.
@@ -83,7 +83,7 @@ def linear_group(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.T
 
 
 def _grouped(x: torch.Tensor, plans: list, lps: list) -> tuple[torch.Tensor, ...]:
-    """The grouped pair of launches for weights whose launches for x's rows match (_launch_of's key)."""
+    """The grouped launch for weights whose launches for x's rows match (_launch_of's key)."""
     lp, M, K, Ns = lps[0], x.shape[0], plans[0].K, [p.N for p in plans]
     cfg, nb = lp.cfg, len(plans)
     a, aligned = tg.a_operand(x.contiguous(), lp)
@@ -95,12 +95,19 @@ def _grouped(x: torch.Tensor, plans: list, lps: list) -> tuple[torch.Tensor, ...
     part = torch.empty(cfg.split_k * M * sum(Ns), dtype=torch.float32, device=x.device)
     outs = tuple(torch.empty(M, n, dtype=x.dtype, device=x.device) for n in Ns)
     bs = [p.b for p in lps] + [lps[-1].b] * (MAX_WEIGHTS - nb)
+    c3 = list(outs) + [outs[-1]] * (MAX_WEIGHTS - nb)
     N3 = Ns + [0] * (MAX_WEIGHTS - nb)
     tiles = max(cdiv(M, cfg.block_m) * cdiv(n, cfg.block_n) for n in Ns)
-    launch(_gemm_split_group_kernel, (tiles, cfg.split_k, nb), (a, *bs, part, M, *N3, K),
-           dict(lp.split_consts, NB=nb), key=keys[0], **lp.opts)
-    c3 = list(outs) + [outs[-1]] * (MAX_WEIGHTS - nb)
-    red = tg._REDUCE
-    launch(_split_reduce_group_kernel, (cdiv(M, red["BM"]), cdiv(max(Ns), red["BN"]), nb), (part, *c3, M, *N3),
-           dict(**red, SPLIT=cfg.split_k, EMULATE=INTERPRET, NB=nb), key=keys[1], num_warps=4)
+    counts = tg.split_counts(x.device, tiles * nb)
+    w3 = [p.weights[0] for p in plans] + [plans[-1].weights[0]] * (MAX_WEIGHTS - nb)
+    lines = tg.prefetch_lines(cfg, x.element_size())
+    launch(_gemm_split_group_kernel, (tiles, cfg.split_k, nb),
+           (a, *bs, *w3, part, *c3, part if counts is None else counts, M, *N3, K),
+           dict(lp.split_consts, NB=nb, SUM=counts is not None, LINES=lines), key=(keys[0], counts is not None, lines),
+           **lp.opts)
+    if counts is None:
+        red = tg._REDUCE
+        launch(_split_reduce_group_kernel, (cdiv(M, red["BM"]), cdiv(max(Ns), red["BN"]), nb),
+               (part, *c3, M, *N3), dict(**red, SPLIT=cfg.split_k, EMULATE=INTERPRET, NB=nb), key=keys[1],
+               num_warps=4)
     return outs

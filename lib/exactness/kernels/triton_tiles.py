@@ -1,6 +1,7 @@
 """The Triton programs of triton_gemm's batch-invariant GEMMs: tile loads, the K loop (in one run or split_k runs
 added in run order), the rounding epilogue, and the kernels built from them (one program per tile, persistent,
-and the parallel split-K pair). triton_gemm.py holds the configs and the launch wrappers and documents the
+and the parallel split-K kernel, whose last program per tile adds the partials, with the reduce kernel that adds
+them where no counts serve). triton_gemm.py holds the configs and the launch wrappers and documents the
 invariance device; triton_moe.py builds its grouped expert kernel from the same tile functions.
 """
 from __future__ import annotations
@@ -176,10 +177,45 @@ def _gemm_persistent_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, str
 
 
 @triton.jit
-def _split_partial(a_src, b_src, ws_ptr, tile, M, N, K, stride_am, stride_bn, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
-                   EMULATE: tl.constexpr, SPLIT: tl.constexpr):
-    """Output tile ``tile``'s split program_id(1): its fp32 partial (_k_range from zero) stored to ws[split]."""
+def prefetch_l2_split(w_ptr, tile, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GROUP_M: tl.constexpr, SPLIT: tl.constexpr, LINES: tl.constexpr):
+    """Ask L2 for the weight rows w [N, K] that tile ``tile``'s split program_id(1) will load: one prefetch.global.L2
+    per 128-byte line (LINES per row of a BK chunk; 0: none). A cache hint that reads no value, and L2 serves every
+    SM coherently, so it may precede the PDL wait: the weights stream in while the previous kernel runs."""
+    if LINES > 0:
+        pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+        lo, hi = _split_bounds(K, tl.program_id(1), BK, SPLIT)
+        rows = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1).to(tl.int64) * K
+        for ki in range(lo, hi):
+            p = w_ptr + rows[:, None] + (ki * BK + tl.arange(0, LINES) * (BK // LINES))[None, :]
+            tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [p], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_l2_group(w0_ptr, w1_ptr, w2_ptr, M, N0, N1, N2, K, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, NB: tl.constexpr,
+                      LINES: tl.constexpr):
+    """prefetch_l2_split for _gemm_split_group_kernel's program: weight program_id(2), tiles within its own."""
+    t = tl.program_id(0)
+    b = tl.program_id(2)
+    if b == 0:
+        if t < tl.cdiv(M, BM) * tl.cdiv(N0, BN):
+            prefetch_l2_split(w0_ptr, t, M, N0, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
+    elif b == 1:
+        if t < tl.cdiv(M, BM) * tl.cdiv(N1, BN):
+            prefetch_l2_split(w1_ptr, t, M, N1, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
+    elif NB > 2:
+        if t < tl.cdiv(M, BM) * tl.cdiv(N2, BN):
+            prefetch_l2_split(w2_ptr, t, M, N2, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
+
+
+@triton.jit
+def _split_partial(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, tile, M, N, K, stride_am, stride_bn, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
+                   PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr, SUM: tl.constexpr):
+    """Output tile ``tile``'s split program_id(1): its fp32 partial (_k_range from zero) stored to ws[split]; with
+    SUM, the tile's last split to finish also sums the partials into c (_sum_if_last, count at cnt_ptr[tile])."""
     pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     s = tl.program_id(1)
     lo, hi = _split_bounds(K, s, BK, SPLIT)
@@ -189,52 +225,82 @@ def _split_partial(a_src, b_src, ws_ptr, tile, M, N, K, stride_am, stride_bn, BM
     rn = pid_n * BN + tl.arange(0, BN)
     tl.store(ws_ptr + (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc,
              mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit(do_not_specialize=["M"])
-def _gemm_split_kernel(a_src, b_src, ws_ptr, M, N, K, stride_am, stride_bn, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
-                       EMULATE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
-    """One program per (output tile, split): the split's fp32 partial (_k_range from zero) stored to ws[split]."""
-    pdl_start(PDL)
-    _split_partial(a_src, b_src, ws_ptr, tl.program_id(0), M, N, K, stride_am, stride_bn, BM, BN, BK, GROUP_M, TMA,
-                   PRECISION, EMULATE, SPLIT)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _gemm_split_group_kernel(a_src, b0_src, b1_src, b2_src, ws_ptr, M, N0, N1, N2, K, BM: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
-                             PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr,
-                             NB: tl.constexpr, PDL: tl.constexpr):
-    """_gemm_split_kernel for NB (2 or 3) weights [N_i, K] of one config, weight program_id(2): its partials at
-    ws[sum of SPLIT * M * N_j for j < i]; a program past its weight's tiles does nothing."""
-    pdl_start(PDL)
-    t = tl.program_id(0)
-    b = tl.program_id(2)
-    if b == 0:
-        if t < tl.cdiv(M, BM) * tl.cdiv(N0, BN):
-            _split_partial(a_src, b0_src, ws_ptr, t, M, N0, K, K, K, BM, BN, BK, GROUP_M, TMA, PRECISION, EMULATE,
-                           SPLIT)
-    elif b == 1:
-        if t < tl.cdiv(M, BM) * tl.cdiv(N1, BN):
-            _split_partial(a_src, b1_src, ws_ptr + (SPLIT * M * N0).to(tl.int64), t, M, N1, K, K, K, BM, BN, BK,
-                           GROUP_M, TMA, PRECISION, EMULATE, SPLIT)
-    elif NB > 2:
-        if t < tl.cdiv(M, BM) * tl.cdiv(N2, BN):
-            _split_partial(a_src, b2_src, ws_ptr + (SPLIT * M * (N0 + N1)).to(tl.int64), t, M, N2, K, K, K, BM, BN,
-                           BK, GROUP_M, TMA, PRECISION, EMULATE, SPLIT)
+    if SUM:
+        _sum_if_last(ws_ptr, c_ptr, cnt_ptr + tile, pid_m * BM, pid_n * BN, M, N, BM, BN, SPLIT, EMULATE)
 
 
 @triton.jit
-def _reduce_tile(ws_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                 EMULATE: tl.constexpr):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc = acc + tl.load(ws_ptr + (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :], mask=mask, other=0.0)
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], round_to(acc, c_ptr.dtype.element_ty, EMULATE), mask=mask)
+def _sum_if_last(ws_ptr, c_ptr, cnt_ptr, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr,
+                 SPLIT: tl.constexpr, EMULATE: tl.constexpr):
+    """Count this program's stored partial at cnt_ptr (int32, 0 before the tile's first split counts); the program
+    that counts SPLIT - 1 sees every split's partial and sums them (_sum_tile, the reduce kernel's arithmetic), then
+    sets the count back to 0 for the next call. The barrier puts every thread's stores before the count, whose
+    acq_rel at GPU scope publishes them to (and, in the last program, acquires the others' from) the other SMs; the
+    sum's loads bypass L1 (.cg), which other SMs' stores do not update."""
+    tl.debug_barrier()
+    n = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if n == SPLIT - 1:
+        _sum_tile(ws_ptr, c_ptr, off_m, off_n, M, N, BM, BN, SPLIT, EMULATE, 16)
+        tl.store(cnt_ptr, 0)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_split_kernel(a_src, b_src, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, stride_am, stride_bn, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
+                       PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr, SUM: tl.constexpr,
+                       LINES: tl.constexpr, PDL: tl.constexpr):
+    """One program per (output tile, split): the split's fp32 partial (_k_range from zero) stored to ws[split];
+    with SUM the tile's last split sums them into c (else _split_reduce_kernel does). w_ptr: the weights b_src
+    loads, as a pointer (for the L2 prefetch)."""
+    prefetch_l2_split(w_ptr, tl.program_id(0), M, N, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
+    pdl_start(PDL)
+    _split_partial(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, tl.program_id(0), M, N, K, stride_am, stride_bn, BM, BN, BK,
+                   GROUP_M, TMA, PRECISION, EMULATE, SPLIT, SUM)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_split_group_kernel(a_src, b0_src, b1_src, b2_src, w0_ptr, w1_ptr, w2_ptr, ws_ptr, c0_ptr, c1_ptr, c2_ptr,
+                             cnt_ptr, M, N0, N1, N2, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+                             EMULATE: tl.constexpr, SPLIT: tl.constexpr, NB: tl.constexpr, SUM: tl.constexpr,
+                             LINES: tl.constexpr, PDL: tl.constexpr):
+    """_gemm_split_kernel for NB (2 or 3) weights [N_i, K] of one config, weight program_id(2): its partials at
+    ws[sum of SPLIT * M * N_j for j < i], its counts from cnt[i * num_programs(0)]; a program past its weight's
+    tiles does nothing."""
+    prefetch_l2_group(w0_ptr, w1_ptr, w2_ptr, M, N0, N1, N2, K, BM, BN, BK, GROUP_M, SPLIT, NB, LINES)
+    pdl_start(PDL)
+    t = tl.program_id(0)
+    b = tl.program_id(2)
+    cnt = cnt_ptr + b * tl.num_programs(0)
+    if b == 0:
+        if t < tl.cdiv(M, BM) * tl.cdiv(N0, BN):
+            _split_partial(a_src, b0_src, ws_ptr, c0_ptr, cnt, t, M, N0, K, K, K, BM, BN, BK, GROUP_M, TMA,
+                           PRECISION, EMULATE, SPLIT, SUM)
+    elif b == 1:
+        if t < tl.cdiv(M, BM) * tl.cdiv(N1, BN):
+            _split_partial(a_src, b1_src, ws_ptr + (SPLIT * M * N0).to(tl.int64), c1_ptr, cnt, t, M, N1, K, K, K,
+                           BM, BN, BK, GROUP_M, TMA, PRECISION, EMULATE, SPLIT, SUM)
+    elif NB > 2:
+        if t < tl.cdiv(M, BM) * tl.cdiv(N2, BN):
+            _split_partial(a_src, b2_src, ws_ptr + (SPLIT * M * (N0 + N1)).to(tl.int64), c2_ptr, cnt, t, M, N2, K,
+                           K, K, BM, BN, BK, GROUP_M, TMA, PRECISION, EMULATE, SPLIT, SUM)
+
+
+@triton.jit
+def _sum_tile(ws_ptr, c_ptr, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+              EMULATE: tl.constexpr, SLAB: tl.constexpr):
+    """The [BM, BN] tile at (off_m, off_n), SLAB rows at a time (fewer live registers than the whole tile): the
+    splits' partials ws [SPLIT, M, N] added in split order to a zero total (as _tile_product), rounded once and
+    stored to c [M, N]."""
+    rn = off_n + tl.arange(0, BN)
+    for r0 in tl.static_range(0, BM, SLAB):
+        rm = off_m + r0 + tl.arange(0, SLAB)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        acc = tl.zeros((SLAB, BN), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc = acc + tl.load(ws_ptr + (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :], mask=mask,
+                                other=0.0, cache_modifier=".cg")
+        tl.store(c_ptr + rm[:, None] * N + rn[None, :], round_to(acc, c_ptr.dtype.element_ty, EMULATE), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -242,7 +308,7 @@ def _split_reduce_kernel(ws_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr
                          EMULATE: tl.constexpr, PDL: tl.constexpr):
     """The splits' partials added in split order to a zero total (as _tile_product), rounded once and stored."""
     pdl_start(PDL)
-    _reduce_tile(ws_ptr, c_ptr, M, N, BM, BN, SPLIT, EMULATE)
+    _sum_tile(ws_ptr, c_ptr, tl.program_id(0) * BM, tl.program_id(1) * BN, M, N, BM, BN, SPLIT, EMULATE, BM)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -251,9 +317,10 @@ def _split_reduce_group_kernel(ws_ptr, c0_ptr, c1_ptr, c2_ptr, M, N0, N1, N2, BM
     """_split_reduce_kernel for _gemm_split_group_kernel's partials, weight program_id(2) into its output c_i."""
     pdl_start(PDL)
     b = tl.program_id(2)
+    om, on = tl.program_id(0) * BM, tl.program_id(1) * BN
     if b == 0:
-        _reduce_tile(ws_ptr, c0_ptr, M, N0, BM, BN, SPLIT, EMULATE)
+        _sum_tile(ws_ptr, c0_ptr, om, on, M, N0, BM, BN, SPLIT, EMULATE, BM)
     elif b == 1:
-        _reduce_tile(ws_ptr + (SPLIT * M * N0).to(tl.int64), c1_ptr, M, N1, BM, BN, SPLIT, EMULATE)
+        _sum_tile(ws_ptr + (SPLIT * M * N0).to(tl.int64), c1_ptr, om, on, M, N1, BM, BN, SPLIT, EMULATE, BM)
     elif NB > 2:
-        _reduce_tile(ws_ptr + (SPLIT * M * (N0 + N1)).to(tl.int64), c2_ptr, M, N2, BM, BN, SPLIT, EMULATE)
+        _sum_tile(ws_ptr + (SPLIT * M * (N0 + N1)).to(tl.int64), c2_ptr, om, on, M, N2, BM, BN, SPLIT, EMULATE, BM)
