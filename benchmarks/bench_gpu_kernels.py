@@ -396,8 +396,9 @@ def decode_step(args) -> dict:
     logits. On graphs it runs with programmatic dependent launch on and off (triton_rows.PDL, fixed when the graph is
     captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm: kernels/fused.py), with
     split-K partials summed by a second launch instead of each tile's last split (triton_gemm.COUNT_SLOTS = 0 while
-    captured), and without the split programs' L2 prefetch (triton_gemm.PREFETCH_L2); every other row with PDL and
-    the options on (the defaults on sm_90). A graph step's logits are compared as bytes with the eager step's at the
+    captured), without the split programs' L2 prefetch (triton_gemm.PREFETCH_L2), and with each kernel letting the
+    next one in only after its own wait (triton_rows.EARLY_DEPENDENTS); every other row with PDL and the options on
+    (the defaults on sm_90). A graph step's logits are compared as bytes with the eager step's at the
     same position.
     """
     from exactness.cache import KVCache
@@ -448,6 +449,12 @@ def decode_step(args) -> dict:
                 and graph_same["invariant (no L2 prefetch)"]}
     _print_rows("invariant decode step on graphs, split programs' weights prefetched to L2 before the PDL wait vs "
                 "not (triton_gemm.PREFETCH_L2), median wall time", [prefetch])
+    after = med["invariant (next kernel placed after the wait) (graphs)"]
+    early = {"before_ms": on * 1e3, "after_ms": after * 1e3, "before/after": on / after,
+             "same_logits": bytes_equal(logits["invariant"], logits["invariant (next kernel placed after the wait)"])
+             and graph_same["invariant (next kernel placed after the wait)"]}
+    _print_rows("invariant decode step on graphs, the next kernel placed before each kernel's PDL wait vs after it "
+                "(triton_rows.EARLY_DEPENDENTS), median wall time", [early])
     _print_rows(f"decode step, small preset ({args.e2e_weights} weights), median wall time; fast launch on/off "
                 f"logits identical: {same}", out)
     _print_rows("decode step with CUDA graphs (graphs.GraphDecoder) vs eager, same run", graph_rows)
@@ -463,7 +470,7 @@ def decode_step(args) -> dict:
         "invariant (sum launches, PDL off) (graphs)", lambda: dec["invariant (sum launches, PDL off)"].step(
             tok, [P], [0]))
     return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "pdl": pdl, "fusion": fusion,
-            "split_sum": split_sum, "prefetch": prefetch, "kernels": kernels}
+            "split_sum": split_sum, "prefetch": prefetch, "early_dependents": early, "kernels": kernels}
 
 
 def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
@@ -482,31 +489,34 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     inv = get_set("invariant")
     unfused = dataclasses.replace(inv, name="invariant-unfused", options=inv.options.without(
         "qk_norm_rope", "dense_group", "residual_norm"))
-    dec, graph_same, saved = {}, {}, (tg.COUNT_SLOTS, tg.PREFETCH_L2)
+    dec, graph_same, saved = {}, {}, (tg.COUNT_SLOTS, tg.PREFETCH_L2, tr.EARLY_DEPENDENTS)
     sums, no_prefetch = dict(COUNT_SLOTS=0), dict(PREFETCH_L2=False)       # split sums in a second launch; no hint
+    late = dict(EARLY_DEPENDENTS=False)                                     # the next kernel placed after the wait
     for name, ks, pdl, gemm in (
             ("fast", "fast", True, {}), ("invariant", "invariant", True, {}),
             ("invariant (PDL off)", "invariant", False, {}), ("invariant (unfused)", unfused, True, {}),
             ("invariant (unfused, PDL off)", unfused, False, {}),
             ("invariant (sum launches)", "invariant", True, sums),
             ("invariant (sum launches, PDL off)", "invariant", False, sums),
-            ("invariant (no L2 prefetch)", "invariant", True, no_prefetch)):
+            ("invariant (no L2 prefetch)", "invariant", True, no_prefetch),
+            ("invariant (next kernel placed after the wait)", "invariant", True, late)):
         tr.PDL = pdl                                                         # captured into the graph
         for k, v in gemm.items():
-            setattr(tg, k, v)
+            setattr(tr if k == "EARLY_DEPENDENTS" else tg, k, v)
         try:
             eager = eager_step(w, cache, tok, pos0, slots, ks).clone()
             dec[name] = GraphDecoder(w, cache, ks)
             dec[name].step(tok, [P], [0])                                    # eager warm-up, then capture
             replay = dec[name].step(tok, [P], [0])                           # the first replay
         finally:
-            tg.COUNT_SLOTS, tg.PREFETCH_L2 = saved
+            tg.COUNT_SLOTS, tg.PREFETCH_L2, tr.EARLY_DEPENDENTS = saved
         graph_same[name] = bytes_equal(eager, replay)
         logits[name] = replay.clone()
     tr.PDL = True
     times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
              "invariant (graphs)": [], "invariant (PDL off) (graphs)": [], "invariant (unfused) (graphs)": [],
-             "invariant (sum launches) (graphs)": [], "invariant (no L2 prefetch) (graphs)": []}
+             "invariant (sum launches) (graphs)": [], "invariant (no L2 prefetch) (graphs)": [],
+             "invariant (next kernel placed after the wait) (graphs)": []}
     for rnd in range(5):
         for ks in times:
             tr.FAST_LAUNCH = ks != "invariant (fast launch off)"
