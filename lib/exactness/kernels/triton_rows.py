@@ -37,11 +37,11 @@ _COMPILED: dict = {}
 # before the wait, so no byte changes; what it saves is the launch gap between dependent kernels. PDL = False
 # launches as before (benchmarks time both).
 PDL = not INTERPRET
-# With PDL, a kernel lets the next one be placed before it waits itself (True) or after (False). The wait is for the
-# previous grid's completion whenever it is called, so the bytes are the same; placed early, a chain of kernels'
-# programs sits resident as far as the SMs hold them, each prefetching its weights to L2 (prefetch_l2_*) until its
-# predecessor completes.
-EARLY_DEPENDENTS = True
+# With PDL, a kernel lets the next one be placed after its own wait (False) or before it (True: a chain of kernels'
+# programs then sits resident as far as the SMs hold them, each prefetching its weights to L2 until its predecessor
+# completes). The wait is for the previous grid's completion either way, so the bytes are the same; placed early,
+# the waiting programs slowed the H200's decode step by a quarter (benchmarks/bench_gpu_kernels.py decode_step).
+EARLY_DEPENDENTS = False
 
 
 _CAPS: dict[int, tuple[int, int]] = {}
