@@ -388,6 +388,9 @@ def _weights(kind: str):
     return _WEIGHTS[kind]
 
 
+FLIPPED = "invariant (EARLY_DEPENDENTS flipped)"     # decode_step's row with triton_rows.EARLY_DEPENDENTS flipped
+
+
 def decode_step(args) -> dict:
     """Wall time of one decode step (small preset, 1 stream) after a 4096-token prompt: invariant vs fast set, each
     eager and replayed from a CUDA graph (graphs.GraphDecoder), all timed side by side in one loop.
@@ -397,9 +400,9 @@ def decode_step(args) -> dict:
     captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm: kernels/fused.py), with
     split-K partials summed by a second launch instead of each tile's last split (triton_gemm.COUNT_SLOTS = 0 while
     captured), without the split programs' L2 prefetch (triton_gemm.PREFETCH_L2), and with each kernel letting the
-    next one in only after its own wait (triton_rows.EARLY_DEPENDENTS); every other row with PDL and the options on
-    (the defaults on sm_90). A graph step's logits are compared as bytes with the eager step's at the
-    same position.
+    next one in on the other side of its own wait than the default (triton_rows.EARLY_DEPENDENTS flipped); every
+    other row with PDL and the options on (the defaults on sm_90). A graph step's logits are compared as bytes with
+    the eager step's at the same position.
     """
     from exactness.cache import KVCache
     from exactness.exact import bytes_equal
@@ -449,12 +452,13 @@ def decode_step(args) -> dict:
                 and graph_same["invariant (no L2 prefetch)"]}
     _print_rows("invariant decode step on graphs, split programs' weights prefetched to L2 before the PDL wait vs "
                 "not (triton_gemm.PREFETCH_L2), median wall time", [prefetch])
-    after = med["invariant (next kernel placed after the wait) (graphs)"]
-    early = {"before_ms": on * 1e3, "after_ms": after * 1e3, "before/after": on / after,
-             "same_logits": bytes_equal(logits["invariant"], logits["invariant (next kernel placed after the wait)"])
-             and graph_same["invariant (next kernel placed after the wait)"]}
-    _print_rows("invariant decode step on graphs, the next kernel placed before each kernel's PDL wait vs after it "
-                "(triton_rows.EARLY_DEPENDENTS), median wall time", [early])
+    flip = med[f"{FLIPPED} (graphs)"]
+    early = {"early_dependents": tr.EARLY_DEPENDENTS, "default_ms": on * 1e3, "flipped_ms": flip * 1e3,
+             "default/flipped": on / flip,
+             "same_logits": bytes_equal(logits["invariant"], logits[FLIPPED]) and graph_same[FLIPPED]}
+    side = "before" if tr.EARLY_DEPENDENTS else "after"
+    _print_rows(f"invariant decode step on graphs, the next kernel placed {side} each kernel's PDL wait (the default, "
+                "triton_rows.EARLY_DEPENDENTS) vs the other way, median wall time", [early])
     _print_rows(f"decode step, small preset ({args.e2e_weights} weights), median wall time; fast launch on/off "
                 f"logits identical: {same}", out)
     _print_rows("decode step with CUDA graphs (graphs.GraphDecoder) vs eager, same run", graph_rows)
@@ -476,7 +480,8 @@ def decode_step(args) -> dict:
 def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     """decode_step's runs: (eager logits with fast launch off/on and first-replay logits per graph, the graph
     decoders, their first replays equal the eager step's, wall times per row). Sets triton_rows.FAST_LAUNCH and
-    PDL as each row asks (the caller restores them: triton_rows.launch_settings)."""
+    PDL as each row asks (the caller restores them: triton_rows.launch_settings); a row's triton_gemm.COUNT_SLOTS,
+    PREFETCH_L2 and triton_rows.EARLY_DEPENDENTS are restored once its graph is captured."""
     from exactness.exact import bytes_equal
     from exactness.graphs import GraphDecoder
     from exactness.kernels import get_set
@@ -491,7 +496,7 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
         "qk_norm_rope", "dense_group", "residual_norm"))
     dec, graph_same, saved = {}, {}, (tg.COUNT_SLOTS, tg.PREFETCH_L2, tr.EARLY_DEPENDENTS)
     sums, no_prefetch = dict(COUNT_SLOTS=0), dict(PREFETCH_L2=False)       # split sums in a second launch; no hint
-    late = dict(EARLY_DEPENDENTS=False)                                     # the next kernel placed after the wait
+    flipped = dict(EARLY_DEPENDENTS=not tr.EARLY_DEPENDENTS)              # the next kernel placed the other way
     for name, ks, pdl, gemm in (
             ("fast", "fast", True, {}), ("invariant", "invariant", True, {}),
             ("invariant (PDL off)", "invariant", False, {}), ("invariant (unfused)", unfused, True, {}),
@@ -499,7 +504,7 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
             ("invariant (sum launches)", "invariant", True, sums),
             ("invariant (sum launches, PDL off)", "invariant", False, sums),
             ("invariant (no L2 prefetch)", "invariant", True, no_prefetch),
-            ("invariant (next kernel placed after the wait)", "invariant", True, late)):
+            (FLIPPED, "invariant", True, flipped)):
         tr.PDL = pdl                                                         # captured into the graph
         for k, v in gemm.items():
             setattr(tr if k == "EARLY_DEPENDENTS" else tg, k, v)
@@ -516,7 +521,7 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
              "invariant (graphs)": [], "invariant (PDL off) (graphs)": [], "invariant (unfused) (graphs)": [],
              "invariant (sum launches) (graphs)": [], "invariant (no L2 prefetch) (graphs)": [],
-             "invariant (next kernel placed after the wait) (graphs)": []}
+             f"{FLIPPED} (graphs)": []}
     for rnd in range(5):
         for ks in times:
             tr.FAST_LAUNCH = ks != "invariant (fast launch off)"

@@ -283,6 +283,20 @@ def test_git_state_outside_a_repo(tmp_path, monkeypatch):
     assert env_module.git_state(tmp_path)["sha"] is None
 
 
+def test_a_stated_commit_that_the_record_cannot_hold_is_refused_before_the_run():
+    """preflight.check_run refuses a short or malformed EXACTNESS_GIT_SHA and an EXACTNESS_GIT_DIRTY other than 0/1
+    (git_state would pass over them for git's own view), naming the value; a full SHA, or none, passes."""
+    from exactness.receipt.preflight import PreflightError, check_stated_commit
+    check_stated_commit({})
+    check_stated_commit({"EXACTNESS_GIT_SHA": "ab" * 20, "EXACTNESS_GIT_DIRTY": "1"})
+    with pytest.raises(PreflightError, match=r"^EXACTNESS_GIT_SHA='d69a1af': the full commit is needed, 40 "):
+        check_stated_commit({"EXACTNESS_GIT_SHA": "d69a1af"})
+    with pytest.raises(PreflightError, match=r"^EXACTNESS_GIT_SHA='AB"):
+        check_stated_commit({"EXACTNESS_GIT_SHA": "AB" * 20})
+    with pytest.raises(PreflightError, match=r"^EXACTNESS_GIT_DIRTY='no': 0 .* or 1 .* is allowed$"):
+        check_stated_commit({"EXACTNESS_GIT_SHA": "ab" * 20, "EXACTNESS_GIT_DIRTY": "no"})
+
+
 def test_environment_record():
     env = receipt.environment()
     assert set(env["numerics"]) == {"cuda_matmul_allow_tf32", "cudnn_allow_tf32", "deterministic_algorithms",

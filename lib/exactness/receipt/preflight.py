@@ -1,7 +1,8 @@
 """Checks that a run can run, made before anything runs: the checkpoint folder (it exists and its config.json
 parses), that every section of the run takes the checkpoint it is given, that prompt + generated tokens and the
-bench's cold-prefill lengths fit the model's ``max_positions``, and that each kernel set named by reference runs on
-tiny inputs; and that the engines under test can be opened.
+bench's cold-prefill lengths fit the model's ``max_positions``, that each kernel set named by reference runs on
+tiny inputs, and that a commit stated for the record (EXACTNESS_GIT_SHA) is a full one; and that the engines under
+test can be opened.
 
 The receipt runner (``receipt.plan_parameters``) and the per-section command line (``cli.section_parameters``)
 call :func:`check_run`, and :func:`probe_engines` where engines will run (each engine's model file header or
@@ -130,6 +131,27 @@ def probe_engines(params: dict, sections: list[str]) -> None:
             raise PreflightError(str(e)) from None
 
 
+def check_stated_commit(environ=None) -> None:
+    """The commit a caller states for a tree git cannot see (env.git_state): EXACTNESS_GIT_SHA, when set, the full
+    40 hexadecimal digits (not a short SHA, which the record would otherwise pass over for git's own view), and
+    EXACTNESS_GIT_DIRTY, when set, 0 or 1. ``environ``: the variables (default os.environ).
+
+    Raises:
+        PreflightError: a value of either that the record cannot hold (one line).
+    """
+    import os
+    import re
+
+    env = os.environ if environ is None else environ
+    sha, dirty = env.get("EXACTNESS_GIT_SHA", ""), env.get("EXACTNESS_GIT_DIRTY", "")
+    if sha and not re.fullmatch(r"[0-9a-f]{40}", sha):
+        raise PreflightError(f"EXACTNESS_GIT_SHA={sha!r}: the full commit is needed, 40 lowercase hexadecimal "
+                             "digits (git rev-parse HEAD); unset it to record what git says")
+    if dirty and dirty not in ("0", "1"):
+        raise PreflightError(f"EXACTNESS_GIT_DIRTY={dirty!r}: 0 (the tree is the stated commit) or 1 (it has "
+                             "changes) is allowed")
+
+
 def check_run(params: dict, sections: list[str]) -> None:
     """Every check of this module for a run of ``sections`` with ``params`` (run after the type and value checks of
     the common fields).
@@ -137,6 +159,7 @@ def check_run(params: dict, sections: list[str]) -> None:
     Raises:
         PreflightError: the first failed check, one line.
     """
+    check_stated_commit()
     if params.get("checkpoint") or params.get("preset"):   # no model named: nothing to measure lengths against
         cfg, tokenizer, model = model_config(params)       # a missing or broken checkpoint is named first
         check_checkpoint_sections(params, sections)
