@@ -428,37 +428,27 @@ def decode_step(args) -> dict:
                    "reason": dec[ks].reason, "same_logits": graph_same[ks], "goal_ms": 1.0,
                    "met": med[f"{ks} (graphs)"] * 1e3 <= 1.0} for ks in ("fast", "invariant")]
     same = torch.equal(logits[False].view(torch.int32), logits[True].view(torch.int32))
-    on, off = med["invariant (graphs)"], med["invariant (PDL off) (graphs)"]
-    pdl = {"on_ms": on * 1e3, "off_ms": off * 1e3, "on/off": on / off,
-           "same_logits": bytes_equal(logits["invariant"], logits["invariant (PDL off)"])
-           and graph_same["invariant (PDL off)"]}
-    _print_rows("invariant decode step on graphs, programmatic dependent launch on vs off (triton_rows.PDL), "
-                "median wall time", [pdl])
-    unfused = med["invariant (unfused) (graphs)"]
-    fusion = {"fused_ms": on * 1e3, "unfused_ms": unfused * 1e3, "fused/unfused": on / unfused,
-              "same_logits": bytes_equal(logits["invariant"], logits["invariant (unfused)"])
-              and graph_same["invariant (unfused)"]}
-    _print_rows("invariant decode step on graphs, fused options (q/k norm + RoPE, residual + norm, grouped k/v "
-                "projections) on vs off, median wall time", [fusion])
-    sums = med["invariant (sum launches) (graphs)"]
-    split_sum = {"in_split_ms": on * 1e3, "sum_launch_ms": sums * 1e3, "in_split/sum_launch": on / sums,
-                 "same_logits": bytes_equal(logits["invariant"], logits["invariant (sum launches)"])
-                 and graph_same["invariant (sum launches)"]}
-    _print_rows("invariant decode step on graphs, split-K partials summed by each tile's last split vs by a second "
-                "launch (triton_gemm.split_counts), median wall time", [split_sum])
-    bare = med["invariant (no L2 prefetch) (graphs)"]
-    prefetch = {"prefetch_ms": on * 1e3, "none_ms": bare * 1e3, "prefetch/none": on / bare,
-                "same_logits": bytes_equal(logits["invariant"], logits["invariant (no L2 prefetch)"])
-                and graph_same["invariant (no L2 prefetch)"]}
-    _print_rows("invariant decode step on graphs, split programs' weights prefetched to L2 before the PDL wait vs "
-                "not (triton_gemm.PREFETCH_L2), median wall time", [prefetch])
-    flip = med[f"{FLIPPED} (graphs)"]
-    early = {"early_dependents": tr.EARLY_DEPENDENTS, "default_ms": on * 1e3, "flipped_ms": flip * 1e3,
-             "default/flipped": on / flip,
-             "same_logits": bytes_equal(logits["invariant"], logits[FLIPPED]) and graph_same[FLIPPED]}
+    on = med["invariant (graphs)"]
+
+    def versus(name: str, keys: tuple[str, str], title: str) -> dict:
+        """The default invariant graph step (keys[0]) against the row ``name`` (keys[1]), side by side: both median
+        wall times (ms), their ratio, and whether both give the same logit bytes; printed under ``title``."""
+        other = med[f"{name} (graphs)"]
+        row = {f"{keys[0]}_ms": on * 1e3, f"{keys[1]}_ms": other * 1e3, f"{keys[0]}/{keys[1]}": on / other,
+               "same_logits": bytes_equal(logits["invariant"], logits[name]) and graph_same[name]}
+        _print_rows(f"invariant decode step on graphs, {title}, median wall time", [row])
+        return row
+    pdl = versus("invariant (PDL off)", ("on", "off"), "programmatic dependent launch on vs off (triton_rows.PDL)")
+    fusion = versus("invariant (unfused)", ("fused", "unfused"), "fused options (q/k norm + RoPE, residual + norm, "
+                    "grouped k/v projections) on vs off")
+    split_sum = versus("invariant (sum launches)", ("in_split", "sum_launch"), "split-K partials summed by each "
+                       "tile's last split vs by a second launch (triton_gemm.split_counts)")
+    prefetch = versus("invariant (no L2 prefetch)", ("prefetch", "none"), "split programs' weights prefetched to L2 "
+                      "before the PDL wait vs not (triton_gemm.PREFETCH_L2)")
     side = "before" if tr.EARLY_DEPENDENTS else "after"
-    _print_rows(f"invariant decode step on graphs, the next kernel placed {side} each kernel's PDL wait (the default, "
-                "triton_rows.EARLY_DEPENDENTS) vs the other way, median wall time", [early])
+    early = {"early_dependents": tr.EARLY_DEPENDENTS, **versus(
+        FLIPPED, ("default", "flipped"), f"the next kernel placed {side} each kernel's PDL wait (the default, "
+        "triton_rows.EARLY_DEPENDENTS) vs the other way")}
     _print_rows(f"decode step, small preset ({args.e2e_weights} weights), median wall time; fast launch on/off "
                 f"logits identical: {same}", out)
     _print_rows("decode step with CUDA graphs (graphs.GraphDecoder) vs eager, same run", graph_rows)
