@@ -398,8 +398,8 @@ def decode_step(args) -> dict:
     The invariant set runs eagerly with Triton fast launch on and off (triton_rows.FAST_LAUNCH); both give the same
     logits. On graphs it runs with programmatic dependent launch on and off (triton_rows.PDL, fixed when the graph is
     captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm: kernels/fused.py), with
-    split-K partials summed by a second launch instead of each tile's last split (triton_gemm.COUNT_SLOTS = 0 while
-    captured), without the split programs' L2 prefetch (triton_gemm.PREFETCH_L2), and with each kernel letting the
+    split-K partials summed by a second launch instead of each tile's last split (triton_split.COUNT_SLOTS = 0 while
+    captured), without the split programs' L2 prefetch (triton_split.PREFETCH_L2), and with each kernel letting the
     next one in on the other side of its own wait than the default (triton_rows.EARLY_DEPENDENTS flipped); every
     other row with PDL and the options on (the defaults on sm_90). A graph step's logits are compared as bytes with
     the eager step's at the same position.
@@ -442,9 +442,9 @@ def decode_step(args) -> dict:
     fusion = versus("invariant (unfused)", ("fused", "unfused"), "fused options (q/k norm + RoPE, residual + norm, "
                     "grouped k/v projections) on vs off")
     split_sum = versus("invariant (sum launches)", ("in_split", "sum_launch"), "split-K partials summed by each "
-                       "tile's last split vs by a second launch (triton_gemm.split_counts)")
+                       "tile's last split vs by a second launch (triton_split.split_counts)")
     prefetch = versus("invariant (no L2 prefetch)", ("prefetch", "none"), "split programs' weights prefetched to L2 "
-                      "before the PDL wait vs not (triton_gemm.PREFETCH_L2)")
+                      "before the PDL wait vs not (triton_split.PREFETCH_L2)")
     side = "before" if tr.EARLY_DEPENDENTS else "after"
     early = {"early_dependents": tr.EARLY_DEPENDENTS, **versus(
         FLIPPED, ("default", "flipped"), f"the next kernel placed {side} each kernel's PDL wait (the default, "
@@ -470,13 +470,13 @@ def decode_step(args) -> dict:
 def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     """decode_step's runs: (eager logits with fast launch off/on and first-replay logits per graph, the graph
     decoders, their first replays equal the eager step's, wall times per row). Sets triton_rows.FAST_LAUNCH and
-    PDL as each row asks (the caller restores them: triton_rows.launch_settings); a row's triton_gemm.COUNT_SLOTS,
+    PDL as each row asks (the caller restores them: triton_rows.launch_settings); a row's triton_split.COUNT_SLOTS,
     PREFETCH_L2 and triton_rows.EARLY_DEPENDENTS are restored once its graph is captured."""
     from exactness.exact import bytes_equal
     from exactness.graphs import GraphDecoder
     from exactness.kernels import get_set
-    from exactness.kernels import triton_gemm as tg
     from exactness.kernels import triton_rows as tr
+    from exactness.kernels import triton_split as ts
     logits = {}
     for fl in (False, True):
         tr.FAST_LAUNCH = fl
@@ -484,7 +484,7 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     inv = get_set("invariant")
     unfused = dataclasses.replace(inv, name="invariant-unfused", options=inv.options.without(
         "qk_norm_rope", "dense_group", "residual_norm"))
-    dec, graph_same, saved = {}, {}, (tg.COUNT_SLOTS, tg.PREFETCH_L2, tr.EARLY_DEPENDENTS)
+    dec, graph_same, saved = {}, {}, (ts.COUNT_SLOTS, ts.PREFETCH_L2, tr.EARLY_DEPENDENTS)
     sums, no_prefetch = dict(COUNT_SLOTS=0), dict(PREFETCH_L2=False)       # split sums in a second launch; no hint
     flipped = dict(EARLY_DEPENDENTS=not tr.EARLY_DEPENDENTS)              # the next kernel placed the other way
     for name, ks, pdl, gemm in (
@@ -497,14 +497,14 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
             (FLIPPED, "invariant", True, flipped)):
         tr.PDL = pdl                                                         # captured into the graph
         for k, v in gemm.items():
-            setattr(tr if k == "EARLY_DEPENDENTS" else tg, k, v)
+            setattr(tr if k == "EARLY_DEPENDENTS" else ts, k, v)
         try:
             eager = eager_step(w, cache, tok, pos0, slots, ks).clone()
             dec[name] = GraphDecoder(w, cache, ks)
             dec[name].step(tok, [P], [0])                                    # eager warm-up, then capture
             replay = dec[name].step(tok, [P], [0])                           # the first replay
         finally:
-            tg.COUNT_SLOTS, tg.PREFETCH_L2, tr.EARLY_DEPENDENTS = saved
+            ts.COUNT_SLOTS, ts.PREFETCH_L2, tr.EARLY_DEPENDENTS = saved
         graph_same[name] = bytes_equal(eager, replay)
         logits[name] = replay.clone()
     tr.PDL = True

@@ -12,7 +12,7 @@ Run from the repository root on the GPU machine:
 flat, pipeline stages) as GPU time (CUDA-graph replay) / cuBLAS, and whether its output equals the configured
 config's bytes ("DIFF" where not). ``rows``: at M = 1 to 512, a split shape's runs in parallel programs (fp32
 partials and their reduce) against one program per tile running them in turn, as GPU time / cuBLAS, and whether
-the two outputs are equal bytes; the crossover sets triton_gemm.SPLIT_TILES_BELOW and SPLIT_MAX_ROWS.
+the two outputs are equal bytes; the crossover sets triton_split.SPLIT_TILES_BELOW and SPLIT_MAX_ROWS.
 ``placements``: per shape and M (1 to 512), the shape's config, the wrapper's choice and every candidate placement
 (rows 16 / 64 / 128, columns, 4 warps 4 stages or 8 warps 3 stages) as GPU time / cuBLAS, each candidate's output
 compared with the shape config's bytes at M = 1 to 600 ("DIFF" where a row differs). ``experts``: the grouped
@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "lib"))
 
 import bench_gpu_kernels as bg  # noqa: E402
 from exactness.kernels import triton_gemm as tg  # noqa: E402
+from exactness.kernels import triton_split as ts  # noqa: E402
 
 SM90 = (9, 0)
 
@@ -75,16 +76,16 @@ def rows() -> None:
         for M in (1, 16, 64, 128, 192, 256, 384, 512):
             x = bg._rand(M, K)
             cub = bg.graph_ms(lambda: torch.nn.functional.linear(x, w))
-            below, most = tg.SPLIT_TILES_BELOW, tg.SPLIT_MAX_ROWS
+            below, most = ts.SPLIT_TILES_BELOW, ts.SPLIT_MAX_ROWS
             try:
-                tg.SPLIT_TILES_BELOW, tg.SPLIT_MAX_ROWS = 10 ** 9, 10 ** 9      # every call: parallel runs
+                ts.SPLIT_TILES_BELOW, ts.SPLIT_MAX_ROWS = 10 ** 9, 10 ** 9      # every call: parallel runs
                 par = tg.linear(x, w)
                 tp = bg.graph_ms(lambda: tg.linear(x, w))
-                tg.SPLIT_TILES_BELOW = 0                                       # every call: runs in turn
+                ts.SPLIT_TILES_BELOW = 0                                       # every call: runs in turn
                 turn = tg.linear(x, w)
                 tt = bg.graph_ms(lambda: tg.linear(x, w))
             finally:
-                tg.SPLIT_TILES_BELOW, tg.SPLIT_MAX_ROWS = below, most
+                ts.SPLIT_TILES_BELOW, ts.SPLIT_MAX_ROWS = below, most
             print(f"{name:7s} {cfg.label():34s} M={M:4d} parallel {tp / cub:5.2f}x  in turn {tt / cub:5.2f}x  "
                   f"{'=' if _same(par, turn) else 'DIFF'}", flush=True)
 

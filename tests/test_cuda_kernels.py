@@ -86,12 +86,13 @@ def test_gpu_linear_negative_control_is_caught():
 @GPU
 @pytest.mark.gpu
 def test_gpu_split_sums_in_each_tiles_last_split_equal_a_sum_launch_and_a_planted_count_is_caught():
-    """Split calls sum their partials in each tile's last split (triton_gemm.split_counts): over 30 rounds of every
+    """Split calls sum their partials in each tile's last split (triton_split.split_counts): over 30 rounds of every
     split shape of the small preset at M = 1, 3, 16, 64 and 200, alone and the k/v pair grouped, each call gives the
     bytes of the sum in a second launch, and the counts are back at zero after each round. Control: a count planted
     at split_k for tile 0 (no split of it counts last) leaves that tile unsummed in an output filled with NaN."""
     from exactness.kernels import triton_gemm as tg
     from exactness.kernels import triton_group as tgr
+    from exactness.kernels import triton_split as ts
     g = torch.Generator(device="cuda").manual_seed(5)
     ws = {n: (torch.randn(*SMALL[n], generator=g, device="cuda") / SMALL[n][1] ** 0.5).bfloat16()
           for n in ("q", "k/v", "o", "router", "lm_head")}
@@ -104,12 +105,12 @@ def test_gpu_split_sums_in_each_tiles_last_split_equal_a_sum_launch_and_a_plante
             out += [tg.linear(xs[w.shape[1]][:M], w) for w in ws.values()]
             out += list(tgr.linear_group(xs[2048][:M], (ws["k/v"], kv2)) or [])
         return out
-    slots, tg.COUNT_SLOTS = tg.COUNT_SLOTS, 0
+    slots, ts.COUNT_SLOTS = ts.COUNT_SLOTS, 0
     try:
         ref = run()                                                           # the sums in second launches
     finally:
-        tg.COUNT_SLOTS = slots
-    counts = tg.split_counts(xs[2048].device, 1)
+        ts.COUNT_SLOTS = slots
+    counts = ts.split_counts(xs[2048].device, 1)
     for _ in range(30):
         got = run()
         assert len(got) == len(ref) and [row_mismatches(a, [b]) for a, b in zip(got, ref)] == [0] * len(ref)
@@ -117,12 +118,12 @@ def test_gpu_split_sums_in_each_tiles_last_split_equal_a_sum_launch_and_a_plante
     w, M, N, K = ws["q"], 1, *SMALL["q"]
     plan = tg.plan_for(xs[K][:M], (w,), "linear", None)
     lp = next(lp for rows, lp in plan.launches if M <= rows)
-    assert tg.takes_split(lp, M, N)
+    assert ts.takes_split(lp, M, N)
     a, aligned = tg.a_operand(xs[K][:M].contiguous(), lp)
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     counts[0] = lp.cfg.split_k                              # planted: no split of tile 0 counts split_k - 1
     try:
-        tg._run_split(lp, a, plan.weights[0], out, M, N, K, lp.key if lp.use_tma else (lp.key, aligned))
+        ts.run_split(lp, a, plan.weights[0], out, M, N, K, lp.key if lp.use_tma else (lp.key, aligned))
     finally:
         counts.zero_()
     assert row_mismatches(out, [tg.linear(xs[K][:M], w)]) > 0
@@ -506,6 +507,7 @@ def _interp_main() -> int:
     from exactness.kernels import triton_moe as tm
     from exactness.kernels import triton_moe_rows as mr
     from exactness.kernels import triton_rows as tr
+    from exactness.kernels import triton_split as ts
     from dataclasses import replace
     torch.manual_seed(0)
     bf = torch.bfloat16
@@ -520,19 +522,19 @@ def _interp_main() -> int:
     xf, wf = torch.randn(37, 96), torch.randn(40, 96) / 7                    # fp32: K = 96, 6 chunks of 16
     c3 = tg.GemmConfig(32, 32, 16, 1, 4, split_k=3)
     par = tg.linear(xf, wf, c3)                                                 # 4 tiles: runs in parallel
-    below, tg.SPLIT_TILES_BELOW = tg.SPLIT_TILES_BELOW, 0
+    below, ts.SPLIT_TILES_BELOW = ts.SPLIT_TILES_BELOW, 0
     try:
         turn = tg.linear(xf, wf, c3)                                            # one program per tile
     finally:
-        tg.SPLIT_TILES_BELOW = below
+        ts.SPLIT_TILES_BELOW = below
     checks["split-K parallel == in turn"] = row_mismatches(par, [turn]) == 0
-    slots, tg.COUNT_SLOTS = tg.COUNT_SLOTS, 0
+    slots, ts.COUNT_SLOTS = ts.COUNT_SLOTS, 0
     try:
         summed = tg.linear(xf, wf, c3)                                          # the sum in a second launch
     finally:
-        tg.COUNT_SLOTS = slots
+        ts.COUNT_SLOTS = slots
     checks["split-K sum by each tile's last split == sum launch"] = row_mismatches(par, [summed]) == 0
-    xg, counts = torch.randn(37, 96), tg.split_counts(xf.device, 4)
+    xg, counts = torch.randn(37, 96), ts.split_counts(xf.device, 4)
     counts[0] = c3.split_k - 1                  # planted: tile 0's first split counts as its last, sums too early
     try:
         early = tg.linear(xg, wf, c3)
@@ -549,12 +551,12 @@ def _interp_main() -> int:
     x7, w7 = torch.randn(37, 112), torch.randn(40, 112) / 7                    # 7 chunks at split 3: 3, 3, 1
     par7 = tg.linear(x7, w7, c3)
     for loop in ("fold", "flat"):
-        tg.SPLIT_TILES_BELOW = 0
+        ts.SPLIT_TILES_BELOW = 0
         try:
             turns = [tg.linear(a, b, replace(c, split_loop=loop)) for a, b, c in ((xf, wf, c3), (xf, wf, c4),
                                                                                  (x7, w7, c3))]
         finally:
-            tg.SPLIT_TILES_BELOW = below
+            ts.SPLIT_TILES_BELOW = below
         checks[f"split-K in turn, {loop} loop == parallel"] = row_mismatches(par, turns[:1]) == 0
         checks[f"split-K with an empty run, {loop} loop == parallel"] = row_mismatches(par4, turns[1:2]) == 0
         checks[f"split-K with a short last run, {loop} loop == parallel"] = row_mismatches(par7, turns[2:]) == 0

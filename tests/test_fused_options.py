@@ -217,7 +217,7 @@ def test_gpu_forward_with_the_fused_options_equals_the_forward_without():
 _INTERP = """
 import torch
 from test_fused_options import qk_case, qk_mismatches, group_mismatches, residual_case, residual_mismatches
-from exactness.kernels import rope as _rope, triton_gemm as tg, triton_group, triton_fused, triton_rows
+from exactness.kernels import rope as _rope, triton_gemm as tg, triton_group, triton_fused, triton_rows, triton_split
 for dt in (torch.bfloat16, torch.float32):
     cos, sin = _rope._table(16, 1e4, 1, torch.device("cpu"), dt)
     case = qk_case(dt, "cpu", M=3, HQ=4, HK=2, D=16)
@@ -232,7 +232,7 @@ x = torch.randn(2, 64).to(torch.bfloat16)
 ws = [torch.randn(n, 64).to(torch.bfloat16) for n in (48, 40, 40)]
 print("group", int(triton_group.serves(x, tuple(ws))), group_mismatches(tg.linear, triton_group.linear_many, x, ws),
       group_mismatches(tg.linear, triton_group.linear_many, x, ws, fault=True))
-tg.COUNT_SLOTS = 0                                    # the sums in second launches
+triton_split.COUNT_SLOTS = 0                          # the sums in second launches
 print("group", int(triton_group.serves(x, tuple(ws))), group_mismatches(tg.linear, triton_group.linear_many, x, ws),
       group_mismatches(tg.linear, triton_group.linear_many, x, ws, fault=True))
 """

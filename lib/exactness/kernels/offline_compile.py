@@ -49,7 +49,7 @@ def _group_specs(name: str, N: int, K: int, dtype: torch.dtype, capability: tupl
     for split in sorted({c.split_k for c in placed}):
         specs.append((f"gemm {name} x2 grouped split-K sum", tt._split_reduce_group_kernel,
                       dict(ws_ptr="*fp32", c0_ptr=p, c1_ptr=p, c2_ptr=p, M=i32, N0=i32, N1=i32, N2=i32),
-                      dict(**tg._REDUCE, SPLIT=split, EMULATE=False, NB=2), dict(num_warps=4)))
+                      dict(**_tk("triton_split").REDUCE, SPLIT=split, EMULATE=False, NB=2), dict(num_warps=4)))
     return specs
 
 
@@ -76,9 +76,9 @@ def _gemm_specs(name: str, kind: str, N: int, K: int, dtype: torch.dtype, capabi
         if c.split_k > 1 and kind == "linear":
             specs.append(_split_partials_spec(name, N, K, c, sig, const | dict(LINES=_prefetch_lines(c, dtype)), opts))
     if placed[-1].split_k > 1 and kind == "linear":        # one sum per shape: its launch has no tile of its own
-        specs.append((f"gemm {name} split-K sum", tg._split_reduce_kernel,
+        specs.append((f"gemm {name} split-K sum", _tk("triton_tiles")._split_reduce_kernel,
                       dict(ws_ptr="*fp32", c_ptr=p, M=i32, N=i32),
-                      dict(**tg._REDUCE, SPLIT=placed[-1].split_k, EMULATE=False), dict(num_warps=4)))
+                      dict(**_tk("triton_split").REDUCE, SPLIT=placed[-1].split_k, EMULATE=False), dict(num_warps=4)))
     return specs
 
 
@@ -150,8 +150,8 @@ def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int
 
 
 def _prefetch_lines(c, dtype: torch.dtype) -> int:
-    """The L2 prefetch lines a split launch of config ``c`` takes on the GPU (triton_gemm.prefetch_lines)."""
-    return _tk("triton_gemm").prefetch_lines(c, dtype.itemsize)
+    """The L2 prefetch lines a split launch of config ``c`` takes on the GPU (triton_split.prefetch_lines)."""
+    return _tk("triton_split").prefetch_lines(c, dtype.itemsize)
 
 
 def _split_partials_spec(name: str, N: int, K: int, c, sig: dict, const: dict, opts: dict) -> tuple:

@@ -3,7 +3,7 @@
 Invariance device: a row's arithmetic is fixed per weight shape. The shape's config (from (N, K), the dtype and the
 GPU architecture, never from M) fixes BLOCK_K and split_k: each output tile's K chunks are accumulated in ascending
 order in fp32, either in one run or, where split_k > 1, in split_k fixed runs whose partials (each from zero) are
-added in run order -- by parallel programs for small M (each tile's last run to finish adds them: split_counts),
+added in run order -- by parallel programs for small M (triton_split: each tile's last run to finish adds them),
 by one program in turn for large M: the same operations, hence the same bytes. ``M`` is marked
 ``do_not_specialize``, so one binary serves M = 1 and M = 16384 alike. A row's bytes therefore depend only on the
 row and the weights: a decode call (M = 1) reproduces the row of a prompt call (M rows) bit for bit.
@@ -32,8 +32,9 @@ from dataclasses import dataclass, replace
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import triton_split
 from .triton_rows import INTERPRET, _spec, capability, cdiv, intern_key, launch
-from .triton_tiles import _gemm_kernel, _gemm_persistent_kernel, _gemm_split_kernel, _split_reduce_kernel
+from .triton_tiles import _gemm_kernel, _gemm_persistent_kernel, _gemm_split_kernel
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -344,12 +345,6 @@ def a_operand(x: torch.Tensor, lp: _Launch) -> tuple:
     return x, x.data_ptr() % 16 == 0
 
 
-def takes_split(lp: _Launch, M: int, N: int) -> bool:
-    """Whether a call of M rows in this launch runs its splits in parallel programs (_run_split)."""
-    tiles = cdiv(M, lp.cfg.block_m) * cdiv(N, lp.cfg.block_n)
-    return lp.cfg.split_k > 1 and lp.b2 is None and tiles < SPLIT_TILES_BELOW and M <= SPLIT_MAX_ROWS
-
-
 def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> torch.Tensor:
     p = plan_for(x, ws, kind, config)
     if not x.is_contiguous():
@@ -363,71 +358,14 @@ def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmC
     lp = next(lp for rows, lp in p.launches if M <= rows)
     a, aligned = a_operand(x, lp)
     key = lp.key if lp.use_tma else (lp.key, aligned)
-    if takes_split(lp, M, p.N):
-        _run_split(lp, a, p.weights[0], out, M, p.N, p.K, key)
+    if triton_split.takes_split(lp, M, p.N):
+        triton_split.run_split(lp, a, p.weights[0], out, M, p.N, p.K, key)
         return out
     tiles = cdiv(M, lp.cfg.block_m) * cdiv(p.N, lp.cfg.block_n)
     args = (a, lp.b, lp.b2 if lp.b2 is not None else out, out, M, p.N, p.K, p.K, p.K, p.N)   # contiguous strides
     grid = (min(lp.sms, tiles),) if lp.cfg.persistent else (tiles,)
     launch(lp.kernel, grid, args, lp.consts, key=key, **lp.opts)
     return out
-
-
-# Where a split-K config runs its splits in parallel programs rather than in turn (the same bytes either way): below
-# this many output tiles the in-turn programs leave most SMs idle, above it the parallel runs' fp32 partials and
-# their reduce cost more (the crossover measured for every split shape of the small preset on the H200 by
-# benchmarks/bench_split_k.py --part rows) ...
-SPLIT_TILES_BELOW = 40
-SPLIT_MAX_ROWS = 512      # ... for calls of up to this many rows (the range measured)
-_REDUCE = dict(BM=32, BN=128)
-
-
-_COUNTS: dict[tuple, torch.Tensor] = {}
-COUNT_SLOTS = 4096
-
-
-def split_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The int32 counts [COUNT_SLOTS] by which a split call's programs find each tile's last split (_sum_if_last):
-    one buffer per device and CUDA stream, zero between calls (the last split of a tile sets its count back), so
-    calls on one stream, which run one after another, share it. Never freed: a captured CUDA graph keeps its
-    address. None where ``tiles`` exceed it, or while a CUDA graph is captured and the stream has none yet (its
-    zeros would not be written before the first replay): the caller sums in a second launch (_split_reduce_kernel,
-    the same bytes)."""
-    if tiles > COUNT_SLOTS:
-        return None
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
-    c = _COUNTS.get(key)
-    if c is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        c = _COUNTS[key] = torch.zeros(COUNT_SLOTS, dtype=torch.int32, device=device)
-    return c
-
-
-# Split programs ask L2 for their weights before the PDL wait (triton_tiles.prefetch_l2_split: a hint, no byte
-# can change), so a decode step's weights stream in while the kernel before runs; not under the interpreter.
-PREFETCH_L2 = not INTERPRET
-
-
-def prefetch_lines(cfg: GemmConfig, elem: int) -> int:
-    """128-byte lines per weight row of one BLOCK_K chunk that a split program prefetches (0: none)."""
-    row = cfg.block_k * elem
-    return row // 128 if PREFETCH_L2 and row % 128 == 0 else 0
-
-
-def _run_split(lp: _Launch, a, w: torch.Tensor, out: torch.Tensor, M: int, N: int, K: int, key) -> None:
-    """The splits in parallel programs (partials [split_k, M, N] fp32) and their fixed-order sum, rounded: in the
-    same launch by each tile's last split where split_counts serves, else by a second launch. w: [N, K], the
-    weights lp loads."""
-    ws = torch.empty(lp.cfg.split_k, M, N, dtype=torch.float32, device=out.device)
-    tiles = cdiv(M, lp.cfg.block_m) * cdiv(N, lp.cfg.block_n)
-    counts = split_counts(out.device, tiles)
-    lines = prefetch_lines(lp.cfg, w.element_size())
-    skey = (lp.split_key if key == lp.key else (lp.split_key, key[1]), counts is not None, lines)
-    launch(_gemm_split_kernel, (tiles, lp.cfg.split_k), (a, lp.b, w, ws, out, ws if counts is None else counts,
-                                                         M, N, K, K, K),
-           dict(lp.split_consts, SUM=counts is not None, LINES=lines), key=skey, **lp.opts)
-    if counts is None:
-        launch(_split_reduce_kernel, (cdiv(M, _REDUCE["BM"]), cdiv(N, _REDUCE["BN"])), (ws, out, M, N),
-               dict(**_REDUCE, SPLIT=lp.cfg.split_k, EMULATE=INTERPRET), num_warps=4)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:

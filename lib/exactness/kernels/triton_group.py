@@ -1,10 +1,10 @@
 """Several batch-invariant GEMMs of one input in one launch (CUDA): ``linear_group(x, ws)`` gives each weight the
 bytes of ``triton_gemm.linear(x, w)``.
 
-Where every weight's launch for the call's row count runs split-K in parallel programs (triton_gemm.takes_split)
+Where every weight's launch for the call's row count runs split-K in parallel programs (triton_split.takes_split)
 with the same launch constants (tile, BLOCK_K, split_k, warps, stages, TMA), one launch runs the programs of
 _gemm_split_kernel for every weight side by side (program_id(2) picks the weight), with the same arithmetic: each
-tile's last split adds its partials (a second launch does, where triton_gemm.split_counts does not serve). A decode
+tile's last split adds its partials (a second launch does, where triton_split.split_counts does not serve). A decode
 step's keys and values (one weight shape, so one config) then take one launch instead of two. Anything else (other
 launches, large calls) is not served: the caller runs linear() per weight.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import triton_gemm as tg
+from . import triton_split as ts
 from .triton_rows import INTERPRET, cdiv, intern_key, launch
 from .triton_tiles import _gemm_split_group_kernel, _split_reduce_group_kernel
 
@@ -28,7 +29,7 @@ def _launch_of(x: torch.Tensor, w: torch.Tensor):
     p = tg.plan_for(x, (w,), "linear", None)
     M = x.shape[0]
     lp = next(lp for rows, lp in p.launches if M <= rows)
-    if M == 0 or p.N == 0 or p.K == 0 or not tg.takes_split(lp, M, p.N):
+    if M == 0 or p.N == 0 or p.K == 0 or not ts.takes_split(lp, M, p.N):
         return p, lp, None
     return p, lp, (tuple(sorted(lp.split_consts.items())), tuple(sorted(lp.opts.items())), lp.use_tma)
 
@@ -98,15 +99,15 @@ def _grouped(x: torch.Tensor, plans: list, lps: list) -> tuple[torch.Tensor, ...
     c3 = list(outs) + [outs[-1]] * (MAX_WEIGHTS - nb)
     N3 = Ns + [0] * (MAX_WEIGHTS - nb)
     tiles = max(cdiv(M, cfg.block_m) * cdiv(n, cfg.block_n) for n in Ns)
-    counts = tg.split_counts(x.device, tiles * nb)
+    counts = ts.split_counts(x.device, tiles * nb)
     w3 = [p.weights[0] for p in plans] + [plans[-1].weights[0]] * (MAX_WEIGHTS - nb)
-    lines = tg.prefetch_lines(cfg, x.element_size())
+    lines = ts.prefetch_lines(cfg, x.element_size())
     launch(_gemm_split_group_kernel, (tiles, cfg.split_k, nb),
            (a, *bs, *w3, part, *c3, part if counts is None else counts, M, *N3, K),
            dict(lp.split_consts, NB=nb, SUM=counts is not None, LINES=lines), key=(keys[0], counts is not None, lines),
            **lp.opts)
     if counts is None:
-        red = tg._REDUCE
+        red = ts.REDUCE
         launch(_split_reduce_group_kernel, (cdiv(M, red["BM"]), cdiv(max(Ns), red["BN"]), nb),
                (part, *c3, M, *N3), dict(**red, SPLIT=cfg.split_k, EMULATE=INTERPRET, NB=nb), key=keys[1],
                num_warps=4)

@@ -2,7 +2,8 @@
 added in run order), the rounding epilogue, and the kernels built from them (one program per tile, persistent,
 and the parallel split-K kernel, whose last program per tile adds the partials, with the reduce kernel that adds
 them where no counts serve). triton_gemm.py holds the configs and the launch wrappers and documents the
-invariance device; triton_moe.py builds its grouped expert kernel from the same tile functions.
+invariance device, triton_split.py launches the parallel split-K programs; triton_moe.py builds its grouped expert
+kernel from the same tile functions.
 """
 from __future__ import annotations
 
