@@ -394,9 +394,6 @@ def _weights(kind: str):
     return _WEIGHTS[kind]
 
 
-FLIPPED = "invariant (EARLY_DEPENDENTS flipped)"     # decode_step's row with triton_rows.EARLY_DEPENDENTS flipped
-
-
 def decode_step(args) -> dict:
     """Wall time of one decode step (small preset, 1 stream) after a 4096-token prompt: invariant vs fast set, each
     eager and replayed from a CUDA graph (graphs.GraphDecoder), all timed side by side in one loop.
@@ -405,9 +402,8 @@ def decode_step(args) -> dict:
     logits. On graphs it runs with programmatic dependent launch on and off (triton_rows.PDL, fixed when the graph is
     captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm: kernels/fused.py), with
     split-K partials summed by a second launch instead of each tile's last split (triton_split.COUNT_SLOTS = 0 while
-    captured), without the split programs' L2 prefetch (triton_split.PREFETCH_L2), and with each kernel letting the
-    next one in on the other side of its own wait than the default (triton_rows.EARLY_DEPENDENTS flipped); every
-    other row with PDL and the options on (the defaults on sm_90). A graph step's logits are compared as bytes with
+    captured), and without the split programs' L2 prefetch (triton_split.PREFETCH_L2); every other row with PDL and
+    the options on (the defaults on sm_90). A graph step's logits are compared as bytes with
     the eager step's at the same position.
     """
     from exactness.cache import KVCache
@@ -451,10 +447,6 @@ def decode_step(args) -> dict:
                        "tile's last split vs by a second launch (triton_split.split_counts)")
     prefetch = versus("invariant (no L2 prefetch)", ("prefetch", "none"), "split programs' weights prefetched to L2 "
                       "before the PDL wait vs not (triton_split.PREFETCH_L2)")
-    side = "before" if tr.EARLY_DEPENDENTS else "after"
-    early = {"early_dependents": tr.EARLY_DEPENDENTS, **versus(
-        FLIPPED, ("default", "flipped"), f"the next kernel placed {side} each kernel's PDL wait (the default, "
-        "triton_rows.EARLY_DEPENDENTS) vs the other way")}
     _print_rows(f"decode step, small preset ({args.e2e_weights} weights), median wall time; fast launch on/off "
                 f"logits identical: {same}", out)
     _print_rows("decode step with CUDA graphs (graphs.GraphDecoder) vs eager, same run", graph_rows)
@@ -470,14 +462,14 @@ def decode_step(args) -> dict:
         "invariant (sum launches, PDL off) (graphs)", lambda: dec["invariant (sum launches, PDL off)"].step(
             tok, [P], [0]))
     return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "pdl": pdl, "fusion": fusion,
-            "split_sum": split_sum, "prefetch": prefetch, "early_dependents": early, "kernels": kernels}
+            "split_sum": split_sum, "prefetch": prefetch, "kernels": kernels}
 
 
 def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     """decode_step's runs: (eager logits with fast launch off/on and first-replay logits per graph, the graph
     decoders, their first replays equal the eager step's, wall times per row). Sets triton_rows.FAST_LAUNCH and
-    PDL as each row asks (the caller restores them: triton_rows.launch_settings); a row's triton_split.COUNT_SLOTS,
-    PREFETCH_L2 and triton_rows.EARLY_DEPENDENTS are restored once its graph is captured."""
+    PDL as each row asks (the caller restores them: triton_rows.launch_settings); a row's triton_split.COUNT_SLOTS
+    and PREFETCH_L2 are restored once its graph is captured."""
     from exactness.exact import bytes_equal
     from exactness.graphs import GraphDecoder
     from exactness.kernels import get_set
@@ -490,34 +482,31 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     inv = get_set("invariant")
     unfused = dataclasses.replace(inv, name="invariant-unfused", options=inv.options.without(
         "qk_norm_rope", "dense_group", "residual_norm"))
-    dec, graph_same, saved = {}, {}, (ts.COUNT_SLOTS, ts.PREFETCH_L2, tr.EARLY_DEPENDENTS)
+    dec, graph_same, saved = {}, {}, (ts.COUNT_SLOTS, ts.PREFETCH_L2)
     sums, no_prefetch = dict(COUNT_SLOTS=0), dict(PREFETCH_L2=False)       # split sums in a second launch; no hint
-    flipped = dict(EARLY_DEPENDENTS=not tr.EARLY_DEPENDENTS)              # the next kernel placed the other way
     for name, ks, pdl, gemm in (
             ("fast", "fast", True, {}), ("invariant", "invariant", True, {}),
             ("invariant (PDL off)", "invariant", False, {}), ("invariant (unfused)", unfused, True, {}),
             ("invariant (unfused, PDL off)", unfused, False, {}),
             ("invariant (sum launches)", "invariant", True, sums),
             ("invariant (sum launches, PDL off)", "invariant", False, sums),
-            ("invariant (no L2 prefetch)", "invariant", True, no_prefetch),
-            (FLIPPED, "invariant", True, flipped)):
+            ("invariant (no L2 prefetch)", "invariant", True, no_prefetch)):
         tr.PDL = pdl                                                         # captured into the graph
         for k, v in gemm.items():
-            setattr(tr if k == "EARLY_DEPENDENTS" else ts, k, v)
+            setattr(ts, k, v)
         try:
             eager = eager_step(w, cache, tok, pos0, slots, ks).clone()
             dec[name] = GraphDecoder(w, cache, ks)
             dec[name].step(tok, [P], [0])                                    # eager warm-up, then capture
             replay = dec[name].step(tok, [P], [0])                           # the first replay
         finally:
-            ts.COUNT_SLOTS, ts.PREFETCH_L2, tr.EARLY_DEPENDENTS = saved
+            ts.COUNT_SLOTS, ts.PREFETCH_L2 = saved
         graph_same[name] = bytes_equal(eager, replay)
         logits[name] = replay.clone()
     tr.PDL = True
     times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
              "invariant (graphs)": [], "invariant (PDL off) (graphs)": [], "invariant (unfused) (graphs)": [],
-             "invariant (sum launches) (graphs)": [], "invariant (no L2 prefetch) (graphs)": [],
-             f"{FLIPPED} (graphs)": []}
+             "invariant (sum launches) (graphs)": [], "invariant (no L2 prefetch) (graphs)": []}
     for rnd in range(5):
         for ks in times:
             tr.FAST_LAUNCH = ks != "invariant (fast launch off)"

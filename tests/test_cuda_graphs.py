@@ -442,26 +442,23 @@ def test_gpu_drafted_on_graphs_bytes_equal_eager(gpu_weights, prompt, kernels, d
 @pytest.mark.gpu
 @pytest.mark.parametrize("sched", ["decode", "batched"])
 def test_gpu_programmatic_dependent_launch_keeps_every_byte(gpu_weights, prompt, sched, monkeypatch):
-    """The invariant set's kernels launched without PDL, and with it (launch_pdl: sm_90+) letting the next kernel in
-    after their griddepcontrol.wait (mode 1) or before it (mode 2, triton_rows.EARLY_DEPENDENTS): prompt logits,
-    tokens, generated logits and KV bytes equal, eagerly and on graphs. Each arm's launches are checked to have
-    taken its mode (the fast launcher's cache, emptied per arm). That the driver runs the PDL
+    """The invariant set's kernels launched with PDL (launch_pdl, griddepcontrol.wait first: sm_90+) and without:
+    prompt logits, tokens, generated logits and KV bytes equal, eagerly and on graphs. Each arm's launches are
+    checked to have taken its setting (the fast launcher's cache, emptied per arm). That the driver runs the PDL
     launches early is not asserted here: benchmarks/bench_gpu_kernels.py times it. Negative control: a stale device
     position in the PDL graph run is caught by the same comparison."""
     from exactness.kernels import triton_rows as tr
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90 or newer")
     runs = {}
-    for mode in (0, 1, 2):
-        monkeypatch.setattr(tr, "PDL", mode > 0)
-        monkeypatch.setattr(tr, "EARLY_DEPENDENTS", mode == 2)
+    for pdl in (False, True):
+        monkeypatch.setattr(tr, "PDL", pdl)
         monkeypatch.setattr(tr, "_COMPILED", {})
         for g in (False, True):
-            runs[mode, g] = generate(gpu_weights, prompt, GEN, "invariant", Schedule(sched), keep_cache=True,
-                                     graphs=g)
-        assert tr._COMPILED and {key[2] for key in tr._COMPILED} == {mode}
-        assert runs[mode, True].graphs["served"] and runs[mode, True].graphs["reason"] is None
-    ref = runs[0, False]
+            runs[pdl, g] = generate(gpu_weights, prompt, GEN, "invariant", Schedule(sched), keep_cache=True, graphs=g)
+        assert tr._COMPILED and {key[2] for key in tr._COMPILED} == {pdl}
+        assert runs[pdl, True].graphs["served"] and runs[pdl, True].graphs["reason"] is None
+    ref = runs[False, False]
     assert ref.prompt_logits is not None
     for k, run in runs.items():
         assert same_decode_run(ref, run), k

@@ -686,18 +686,18 @@ def test_interpreter_kernels_row_invariant_and_exact():
 
 
 @NEEDS_TRITON
-def test_launch_settings_restore_all_on_error():
-    """triton_rows.launch_settings sets FAST_LAUNCH, PDL and EARLY_DEPENDENTS for its block and restores all three
-    when the block raises, including changes the block made itself. Inside the block the values differ from the
-    saved ones, so a block that did not restore them would fail the last assertion."""
+def test_launch_settings_restore_both_on_error():
+    """triton_rows.launch_settings sets FAST_LAUNCH and PDL for its block and restores both when the block raises,
+    including changes the block made itself. Inside the block the values differ from the saved ones, so a block
+    that did not restore them would fail the last assertion."""
     from exactness.kernels import triton_rows as tr
-    before = tr.FAST_LAUNCH, tr.PDL, tr.EARLY_DEPENDENTS
+    before = tr.FAST_LAUNCH, tr.PDL
     with pytest.raises(RuntimeError):
-        with tr.launch_settings(fast_launch=not before[0], early=not before[2]):
-            assert (tr.FAST_LAUNCH, tr.PDL, tr.EARLY_DEPENDENTS) == (not before[0], before[1], not before[2])
+        with tr.launch_settings(fast_launch=not before[0]):
+            assert (tr.FAST_LAUNCH, tr.PDL) == (not before[0], before[1])
             tr.PDL = not before[1]
             raise RuntimeError("planted")
-    assert (tr.FAST_LAUNCH, tr.PDL, tr.EARLY_DEPENDENTS) == before
+    assert (tr.FAST_LAUNCH, tr.PDL) == before
 
 
 def pdl_violations(sources: dict[str, str]) -> tuple[list[str], set[str]]:

@@ -230,8 +230,7 @@ def compile_report(capability: tuple[int, int] = (12, 0), dtype: torch.dtype = t
     rows = []
     pdl = _tk("triton_rows").pdl_arch(capability) if pdl is None else pdl
     for name, fn, sig, const, opts in _kernel_specs(cfg, dtype, capability):
-        mode = (2 if _tk("triton_rows").EARLY_DEPENDENTS else 1) if pdl else 0       # as launch() passes it
-        const, opts = const | {"PDL": mode}, opts | ({"launch_pdl": True} if pdl else {})
+        const, opts = const | {"PDL": pdl}, opts | ({"launch_pdl": True} if pdl else {})
         t0 = time.perf_counter()
         k = triton.compile(ASTSource(fn=fn, signature=sig | {c: "constexpr" for c in const}, constexprs=const),
                            target=target, options=opts)

@@ -37,11 +37,6 @@ _COMPILED: dict = {}
 # before the wait, so no byte changes; what it saves is the launch gap between dependent kernels. PDL = False
 # launches as before (benchmarks time both).
 PDL = not INTERPRET
-# With PDL, a kernel lets the next one be placed after its own wait (False) or before it (True: a chain of kernels'
-# programs then sits resident as far as the SMs hold them, each prefetching its weights to L2 until its predecessor
-# completes). The wait is for the previous grid's completion either way, so the bytes are the same; placed early,
-# the waiting programs slowed the H200's decode step by a quarter (benchmarks/bench_gpu_kernels.py decode_step).
-EARLY_DEPENDENTS = False
 
 
 _CAPS: dict[int, tuple[int, int]] = {}
@@ -99,7 +94,7 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, key: tuple | None = N
             state builds it once, which saves building it per call); None = built here from the arguments.
     """
     dev = -1 if INTERPRET else torch.cuda.current_device()
-    pdl = (2 if EARLY_DEPENDENTS else 1) if _pdl(dev) else 0
+    pdl = _pdl(dev)
     if not FAST_LAUNCH or _hooked(_knobs().runtime):
         kernel[grid](*args, **consts, PDL=pdl, **opts, **_PDL_OPT[pdl])
         return
@@ -114,22 +109,21 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, key: tuple | None = N
     run(g[0], g[1], g[2], _raw_stream(dev), fn, meta, None, None, None, *args, *const_vals)
 
 
-_PDL_OPT = {0: {}, 1: {"launch_pdl": True}, 2: {"launch_pdl": True}}
+_PDL_OPT = {False: {}, True: {"launch_pdl": True}}
 
 
 @contextlib.contextmanager
-def launch_settings(fast_launch: bool | None = None, pdl: bool | None = None, early: bool | None = None):
-    """FAST_LAUNCH, PDL and EARLY_DEPENDENTS set for the block (None: as they are), all restored when it exits, on
-    error too; the block may change them further (benchmarks that time both ways)."""
-    global FAST_LAUNCH, PDL, EARLY_DEPENDENTS
-    saved = FAST_LAUNCH, PDL, EARLY_DEPENDENTS
+def launch_settings(fast_launch: bool | None = None, pdl: bool | None = None):
+    """FAST_LAUNCH and PDL set for the block (None: as they are), both restored when it exits, on error too; the
+    block may change them further (benchmarks that time both ways)."""
+    global FAST_LAUNCH, PDL
+    saved = FAST_LAUNCH, PDL
     FAST_LAUNCH = saved[0] if fast_launch is None else fast_launch
     PDL = saved[1] if pdl is None else pdl
-    EARLY_DEPENDENTS = saved[2] if early is None else early
     try:
         yield
     finally:
-        FAST_LAUNCH, PDL, EARLY_DEPENDENTS = saved
+        FAST_LAUNCH, PDL = saved
 
 
 def pdl_arch(capability: tuple[int, int]) -> bool:
@@ -145,13 +139,9 @@ def _pdl(dev: int) -> bool:
 
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
-    """Every kernel's first statement (after L2 prefetches): with PDL, wait for the previous grid (complete, writes
-    visible) and let the next one be placed: PDL 1 (or True) waits first, PDL 2 lets the next one in first
-    (EARLY_DEPENDENTS)."""
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif PDL:
+    """Every kernel's first statement (after L2 prefetches, which read no value): with PDL, wait for the previous
+    grid (complete, writes visible), then let the next one be placed."""
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
