@@ -46,10 +46,23 @@ def git_state(path: Path | str = REPO_ROOT) -> dict:
         msg = getattr(e, "stderr", None) or str(e)
         said = {"sha": None, "short": None, "dirty": None, "error": msg.strip().splitlines()[-1] if msg else "?"}
     stated = os.environ.get("EXACTNESS_GIT_SHA", "")
-    if re.fullmatch(r"[0-9a-f]{40}", stated):
+    if stated and stated_commit_problem({"EXACTNESS_GIT_SHA": stated}) is None:
         return {"sha": stated, "short": stated[:7], "dirty": os.environ.get("EXACTNESS_GIT_DIRTY") == "1",
                 "source": "EXACTNESS_GIT_SHA", "git_said": said}
     return said
+
+
+def stated_commit_problem(environ) -> str | None:
+    """What keeps ``environ``'s stated commit (git_state) out of the record, in one line, or None: EXACTNESS_GIT_SHA,
+    when set, must be the full 40 lowercase hexadecimal digits (a short SHA is not taken), EXACTNESS_GIT_DIRTY, when
+    set, 0 or 1."""
+    sha, dirty = environ.get("EXACTNESS_GIT_SHA", ""), environ.get("EXACTNESS_GIT_DIRTY", "")
+    if sha and not re.fullmatch(r"[0-9a-f]{40}", sha):
+        return (f"EXACTNESS_GIT_SHA={sha!r}: the full commit is needed, 40 lowercase hexadecimal digits "
+                "(git rev-parse HEAD); unset it to record what git says")
+    if dirty and dirty not in ("0", "1"):
+        return f"EXACTNESS_GIT_DIRTY={dirty!r}: 0 (the tree is the stated commit) or 1 (it has changes) is allowed"
+    return None
 
 
 # oneDNN's name for the instruction set that torch's ATEN_CPU_CAPABILITY names.

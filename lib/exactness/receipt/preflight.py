@@ -132,24 +132,18 @@ def probe_engines(params: dict, sections: list[str]) -> None:
 
 
 def check_stated_commit(environ=None) -> None:
-    """The commit a caller states for a tree git cannot see (env.git_state): EXACTNESS_GIT_SHA, when set, the full
-    40 hexadecimal digits (not a short SHA, which the record would otherwise pass over for git's own view), and
-    EXACTNESS_GIT_DIRTY, when set, 0 or 1. ``environ``: the variables (default os.environ).
+    """The commit a caller states for a tree git cannot see (env.stated_commit_problem). ``environ``: the variables
+    (default os.environ).
 
     Raises:
-        PreflightError: a value of either that the record cannot hold (one line).
+        PreflightError: a value the record cannot hold (one line).
     """
     import os
-    import re
 
-    env = os.environ if environ is None else environ
-    sha, dirty = env.get("EXACTNESS_GIT_SHA", ""), env.get("EXACTNESS_GIT_DIRTY", "")
-    if sha and not re.fullmatch(r"[0-9a-f]{40}", sha):
-        raise PreflightError(f"EXACTNESS_GIT_SHA={sha!r}: the full commit is needed, 40 lowercase hexadecimal "
-                             "digits (git rev-parse HEAD); unset it to record what git says")
-    if dirty and dirty not in ("0", "1"):
-        raise PreflightError(f"EXACTNESS_GIT_DIRTY={dirty!r}: 0 (the tree is the stated commit) or 1 (it has "
-                             "changes) is allowed")
+    from .env import stated_commit_problem
+    problem = stated_commit_problem(os.environ if environ is None else environ)
+    if problem:
+        raise PreflightError(problem)
 
 
 def check_run(params: dict, sections: list[str]) -> None:
