@@ -402,8 +402,9 @@ def decode_step(args) -> dict:
     logits. On graphs it runs with programmatic dependent launch on and off (triton_rows.PDL, fixed when the graph is
     captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm: kernels/fused.py), with
     split-K partials summed by a second launch instead of each tile's last split (triton_split.COUNT_SLOTS = 0 while
-    captured), and without the split programs' L2 prefetch (triton_split.PREFETCH_L2); every other row with PDL and
-    the options on (the defaults on sm_90). A graph step's logits are compared as bytes with
+    captured), with the queries' projection in a launch of its own rather than grouped with the keys' and values'
+    (triton_group.MIXED), and without the split programs' L2 prefetch (triton_split.PREFETCH_L2); every other row
+    with PDL and the options on (the defaults on sm_90). A graph step's logits are compared as bytes with
     the eager step's at the same position.
     """
     from exactness.cache import KVCache
@@ -442,9 +443,11 @@ def decode_step(args) -> dict:
         return row
     pdl = versus("invariant (PDL off)", ("on", "off"), "programmatic dependent launch on vs off (triton_rows.PDL)")
     fusion = versus("invariant (unfused)", ("fused", "unfused"), "fused options (q/k norm + RoPE, residual + norm, "
-                    "grouped k/v projections) on vs off")
+                    "grouped q, k, v projections) on vs off")
     split_sum = versus("invariant (sum launches)", ("in_split", "sum_launch"), "split-K partials summed by each "
                        "tile's last split vs by a second launch (triton_split.split_counts)")
+    mixed = versus("invariant (q apart)", ("qkv", "q_apart"), "q, k and v projections in one grouped launch vs q "
+                   "alone and k, v grouped (triton_group.MIXED)")
     prefetch = versus("invariant (no L2 prefetch)", ("prefetch", "none"), "split programs' weights prefetched to L2 "
                       "before the PDL wait vs not (triton_split.PREFETCH_L2)")
     _print_rows(f"decode step, small preset ({args.e2e_weights} weights), median wall time; fast launch on/off "
@@ -458,21 +461,24 @@ def decode_step(args) -> dict:
         "invariant (PDL off) (graphs)", lambda: dec["invariant (PDL off)"].step(tok, [P], [0]))
     kernels["invariant (unfused, PDL off) (graphs)"] = _step_kernels(
         "invariant (unfused, PDL off) (graphs)", lambda: dec["invariant (unfused, PDL off)"].step(tok, [P], [0]))
+    kernels["invariant (q apart, PDL off) (graphs)"] = _step_kernels(
+        "invariant (q apart, PDL off) (graphs)", lambda: dec["invariant (q apart, PDL off)"].step(tok, [P], [0]))
     kernels["invariant (sum launches, PDL off) (graphs)"] = _step_kernels(
         "invariant (sum launches, PDL off) (graphs)", lambda: dec["invariant (sum launches, PDL off)"].step(
             tok, [P], [0]))
     return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "pdl": pdl, "fusion": fusion,
-            "split_sum": split_sum, "prefetch": prefetch, "kernels": kernels}
+            "split_sum": split_sum, "mixed": mixed, "prefetch": prefetch, "kernels": kernels}
 
 
 def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     """decode_step's runs: (eager logits with fast launch off/on and first-replay logits per graph, the graph
     decoders, their first replays equal the eager step's, wall times per row). Sets triton_rows.FAST_LAUNCH and
     PDL as each row asks (the caller restores them: triton_rows.launch_settings); a row's triton_split.COUNT_SLOTS
-    and PREFETCH_L2 are restored once its graph is captured."""
+    and PREFETCH_L2 and triton_group.MIXED are restored once its graph is captured."""
     from exactness.exact import bytes_equal
     from exactness.graphs import GraphDecoder
     from exactness.kernels import get_set
+    from exactness.kernels import triton_group as tgr
     from exactness.kernels import triton_rows as tr
     from exactness.kernels import triton_split as ts
     logits = {}
@@ -482,31 +488,35 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     inv = get_set("invariant")
     unfused = dataclasses.replace(inv, name="invariant-unfused", options=inv.options.without(
         "qk_norm_rope", "dense_group", "residual_norm"))
-    dec, graph_same, saved = {}, {}, (ts.COUNT_SLOTS, ts.PREFETCH_L2)
-    sums, no_prefetch = dict(COUNT_SLOTS=0), dict(PREFETCH_L2=False)       # split sums in a second launch; no hint
-    for name, ks, pdl, gemm in (
+    dec, graph_same, saved = {}, {}, (ts.COUNT_SLOTS, ts.PREFETCH_L2, tgr.MIXED)
+    sums, no_prefetch = {(ts, "COUNT_SLOTS"): 0}, {(ts, "PREFETCH_L2"): False}   # sums in a second launch; no hint
+    apart = {(tgr, "MIXED"): False}                                              # q alone, k and v grouped
+    for name, ks, pdl, settings in (
             ("fast", "fast", True, {}), ("invariant", "invariant", True, {}),
             ("invariant (PDL off)", "invariant", False, {}), ("invariant (unfused)", unfused, True, {}),
             ("invariant (unfused, PDL off)", unfused, False, {}),
             ("invariant (sum launches)", "invariant", True, sums),
             ("invariant (sum launches, PDL off)", "invariant", False, sums),
+            ("invariant (q apart, PDL off)", "invariant", False, apart),
+            ("invariant (q apart)", "invariant", True, apart),
             ("invariant (no L2 prefetch)", "invariant", True, no_prefetch)):
         tr.PDL = pdl                                                         # captured into the graph
-        for k, v in gemm.items():
-            setattr(ts, k, v)
+        for (mod, k), v in settings.items():
+            setattr(mod, k, v)
         try:
             eager = eager_step(w, cache, tok, pos0, slots, ks).clone()
             dec[name] = GraphDecoder(w, cache, ks)
             dec[name].step(tok, [P], [0])                                    # eager warm-up, then capture
             replay = dec[name].step(tok, [P], [0])                           # the first replay
         finally:
-            ts.COUNT_SLOTS, ts.PREFETCH_L2 = saved
+            ts.COUNT_SLOTS, ts.PREFETCH_L2, tgr.MIXED = saved
         graph_same[name] = bytes_equal(eager, replay)
         logits[name] = replay.clone()
     tr.PDL = True
     times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
              "invariant (graphs)": [], "invariant (PDL off) (graphs)": [], "invariant (unfused) (graphs)": [],
-             "invariant (sum launches) (graphs)": [], "invariant (no L2 prefetch) (graphs)": []}
+             "invariant (sum launches) (graphs)": [], "invariant (q apart) (graphs)": [],
+             "invariant (no L2 prefetch) (graphs)": []}
     for rnd in range(5):
         for ks in times:
             tr.FAST_LAUNCH = ks != "invariant (fast launch off)"

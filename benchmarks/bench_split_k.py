@@ -7,6 +7,7 @@ Run from the repository root on the GPU machine:
     PYTHONPATH=lib python3 benchmarks/bench_split_k.py --part rows         # parallel runs against runs in turn
     PYTHONPATH=lib python3 benchmarks/bench_split_k.py --part placements   # small-M tiles (triton_gemm.PLACEMENTS)
     PYTHONPATH=lib python3 benchmarks/bench_split_k.py --part experts      # (triton_moe.EXPERT_PLACEMENTS)
+    PYTHONPATH=lib python3 benchmarks/bench_split_k.py --part stages       # the decode step at other depths
 
 ``configs``: per shape and M (1 to 16,384), each candidate config (persistent or not, ``split_loop`` runs / fold /
 flat, pipeline stages) as GPU time (CUDA-graph replay) / cuBLAS, and whether its output equals the configured
@@ -17,6 +18,8 @@ the two outputs are equal bytes; the crossover sets triton_split.SPLIT_TILES_BEL
 (rows 16 / 64 / 128, columns, 4 warps 4 stages or 8 warps 3 stages) as GPU time / cuBLAS, each candidate's output
 compared with the shape config's bytes at M = 1 to 600 ("DIFF" where a row differs). ``experts``: the grouped
 experts of one layer (top-8 of 128) at 1, 8 and 64 rows, the same candidates for both GEMMs, in microseconds.
+``stages``: the invariant decode step on CUDA graphs with the decode-size placements' pipeline depth changed (the
+GEMMs', the grouped experts'), side by side, and whether its logits keep their bytes.
 """
 from __future__ import annotations
 
@@ -151,14 +154,75 @@ def experts() -> None:
         tm._PLANS.clear()
 
 
+def _with_depth(dense: int | None, experts: int | None) -> None:
+    """The decode-size placements (entries of at most 16 rows) of every GEMM shape run ``dense`` pipeline stages,
+    the grouped experts' ``experts`` (None: the table's; plans rebuilt; placements change no byte)."""
+    from exactness.kernels import triton_moe as tm
+    for key, entries in tg.PLACEMENTS.items():
+        tg.PLACEMENTS[key] = tuple((r, dict(o, num_stages=dense) if r <= 16 and dense else o) for r, o in entries)
+    for key, entries in tm.EXPERT_PLACEMENTS.items():
+        tm.EXPERT_PLACEMENTS[key] = tuple((r, dict(g, num_stages=experts), dict(d, num_stages=experts))
+                                          if r <= 16 and experts else (r, g, d) for r, g, d in entries)
+    tg._PLANS.clear()
+    tm._PLANS.clear()
+
+
+def stages() -> None:
+    """The invariant decode step (small preset, 4,096 context, CUDA graphs) with its decode-size GEMM placements
+    and its grouped experts at other pipeline depths, side by side: median wall ms, and whether the logits equal
+    the tables' own (a placement changes no byte)."""
+    import statistics
+    import time
+
+    from exactness.cache import KVCache
+    from exactness.graphs import GraphDecoder
+    from exactness.kernels import triton_moe as tm
+    w, P = bg._weights("device"), 4096
+    cache = KVCache(w.cfg, P + 64, 1, torch.bfloat16, w.device)
+    ids = torch.randint(0, 256, (P,), generator=torch.Generator().manual_seed(0))
+    bg.paths.prefill(w, cache, ids, "fast", bg.paths.Schedule("batched", 4096))
+    tok = ids[-1:].to(w.device)
+    saved = dict(tg.PLACEMENTS), dict(tm.EXPERT_PLACEMENTS)
+    variants = [(None, None), (3, None), (6, None), (None, 4), (None, 5), (None, 7), (None, 8)]
+    dec, logits, times = {}, {}, {}
+    try:
+        for dense, experts in variants:
+            tg.PLACEMENTS.update(saved[0])
+            tm.EXPERT_PLACEMENTS.update(saved[1])
+            _with_depth(dense, experts)
+            dec[dense, experts] = GraphDecoder(w, cache, "invariant")
+            dec[dense, experts].step(tok, [P], [0])                                  # eager warm-up, capture
+            logits[dense, experts] = dec[dense, experts].step(tok, [P], [0]).clone()
+            times[dense, experts] = []
+    finally:
+        tg.PLACEMENTS.update(saved[0])
+        tm.EXPERT_PLACEMENTS.update(saved[1])
+        tg._PLANS.clear()
+        tm._PLANS.clear()
+    for rnd in range(6):
+        for v in variants:
+            for i in range(8):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dec[v].step(tok, [P + i], [0])
+                torch.cuda.synchronize()
+                if rnd:
+                    times[v].append(time.perf_counter() - t0)
+    base = statistics.median(times[None, None])
+    for v in variants:
+        t = statistics.median(times[v])
+        print(f"dense stages {v[0] or 'table'}, expert stages {v[1] or 'table'}: {t * 1e3:.4f} ms "
+              f"({t / base:.3f}), logits {'=' if _same(logits[v], logits[None, None]) else 'DIFF'}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("configs", "rows", "placements", "experts"), required=True)
+    ap.add_argument("--part", choices=("configs", "rows", "placements", "experts", "stages"), required=True)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_split_k needs a CUDA device")
     torch.manual_seed(0)
-    {"configs": configs, "rows": rows, "placements": placements, "experts": experts}[a.part]()
+    {"configs": configs, "rows": rows, "placements": placements, "experts": experts, "stages": stages}[a.part]()
     return 0
 
 

@@ -87,9 +87,10 @@ def test_gpu_linear_negative_control_is_caught():
 @pytest.mark.gpu
 def test_gpu_split_sums_in_each_tiles_last_split_equal_a_sum_launch_and_a_planted_count_is_caught():
     """Split calls sum their partials in each tile's last split (triton_split.split_counts): over 30 rounds of every
-    split shape of the small preset at M = 1, 3, 16, 64 and 200, alone and the k/v pair grouped, each call gives the
-    bytes of the sum in a second launch, and the counts are back at zero after each round. Control: a count planted
-    at split_k for tile 0 (no split of it counts last) leaves that tile unsummed in an output filled with NaN."""
+    split shape of the small preset at M = 1, 3, 16, 64 and 200, alone, the k/v pair grouped and q in the group
+    (its own tile columns and split_k), each call gives the bytes of the sum in a second launch, and the counts are
+    back at zero after each round. Control: a count planted at split_k for tile 0 (no split of it counts last)
+    leaves that tile unsummed in an output filled with NaN."""
     from exactness.kernels import triton_gemm as tg
     from exactness.kernels import triton_group as tgr
     from exactness.kernels import triton_split as ts
@@ -104,6 +105,7 @@ def test_gpu_split_sums_in_each_tiles_last_split_equal_a_sum_launch_and_a_plante
         for M in (1, 3, 16, 64, 200):
             out += [tg.linear(xs[w.shape[1]][:M], w) for w in ws.values()]
             out += list(tgr.linear_group(xs[2048][:M], (ws["k/v"], kv2)) or [])
+            out += list(tgr.linear_group(xs[2048][:M], (ws["k/v"], ws["q"], kv2)) or [])    # q its own tiles
         return out
     slots, ts.COUNT_SLOTS = ts.COUNT_SLOTS, 0
     try:

@@ -181,7 +181,7 @@ def test_gpu_grouped_projections_give_each_weights_linear_bytes_and_a_planted_fa
     x = torch.randn(M, 2048, generator=g).to(torch.bfloat16).cuda()
     ws = [(torch.randn(n, 2048, generator=g) * 0.02).to(torch.bfloat16).cuda() for n in (4096, 512, 512)]
     if M == 1:
-        assert triton_group.serves(x, tuple(ws[1:]))                          # the grouped kernels ran
+        assert triton_group.serves(x, tuple(ws))                              # q, k and v in one launch
     args = (triton_gemm.linear, triton_group.linear_many, x, ws)
     assert group_mismatches(*args) == 0
     assert group_mismatches(*args, fault=True) > 0
@@ -230,17 +230,35 @@ for n in (48, 40):
     tg.with_config("linear", n, 64, torch.bfloat16, "interp", tg.GemmConfig(16, 16, 16, 1, 4, split_k=2, tma=False))
 x = torch.randn(2, 64).to(torch.bfloat16)
 ws = [torch.randn(n, 64).to(torch.bfloat16) for n in (48, 40, 40)]
-print("group", int(triton_group.serves(x, tuple(ws))), group_mismatches(tg.linear, triton_group.linear_many, x, ws),
-      group_mismatches(tg.linear, triton_group.linear_many, x, ws, fault=True))
+
+
+def group(ws):
+    print("group", int(triton_group.serves(x, tuple(ws))), group_mismatches(tg.linear, triton_group.linear_many, x,
+                                                                             ws),
+          group_mismatches(tg.linear, triton_group.linear_many, x, ws, fault=True))
+group(ws)                                             # one config
+tg.with_config("linear", 48, 64, torch.bfloat16, "interp", tg.GemmConfig(16, 32, 16, 1, 4, split_k=3, tma=False))
+tg._PLANS.clear()
+group(ws)                                             # the first weight's own tile columns and split_k
+group([ws[1], ws[0], ws[2]])                          # ... the second's (launched first)
+w56 = torch.randn(56, 64).to(torch.bfloat16)          # a third tile columns and split_k: no grouped launch
+tg.with_config("linear", 56, 64, torch.bfloat16, "interp", tg.GemmConfig(16, 64, 16, 1, 4, split_k=4, tma=False))
+print("apart", int(triton_group.serves(x, (ws[0], ws[1], w56))), group_mismatches(
+    tg.linear, triton_group.linear_many, x, [ws[0], ws[1], w56]))
+triton_group.MIXED = False                            # one config per launch: the pair of 40 rows alone
+print("unmixed", int(triton_group.serves(x, tuple(ws))), int(triton_group.serves(x, tuple(ws[1:]))),
+      group_mismatches(tg.linear, triton_group.linear_many, x, ws))
+triton_group.MIXED = True
 triton_split.COUNT_SLOTS = 0                          # the sums in second launches
-print("group", int(triton_group.serves(x, tuple(ws))), group_mismatches(tg.linear, triton_group.linear_many, x, ws),
-      group_mismatches(tg.linear, triton_group.linear_many, x, ws, fault=True))
+group(ws)
+group([ws[1], ws[0], ws[2]])
 """
 
 
 @NEEDS_TRITON
 def test_interpreter_fused_kernels_give_the_kernels_bytes_and_planted_faults_are_caught():
     rows = interpreted_rows(_INTERP)
-    assert [r[0] for r in rows] == ["qk", "res", "qk", "res", "group", "group"]
+    assert [r[0] for r in rows] == ["qk", "res", "qk", "res"] + ["group"] * 3 + ["apart", "unmixed"] + ["group"] * 2
     assert all(int(r[1]) == 0 and int(r[2]) > 0 for r in rows[:4])
-    assert all(r[1:3] == ["1", "0"] and int(r[3]) > 0 for r in rows[4:])
+    assert all(r[1:3] == ["1", "0"] and int(r[3]) > 0 for r in rows if r[0] == "group")
+    assert rows[7][1:] == ["0", "0"] and rows[8][1:] == ["0", "1", "0"]

@@ -10,7 +10,7 @@ fault, a user's kernel) runs its own kernels.
 - ``residual_norm(a, b, w, eps) -> (x, h) | None``: the residual add and the next RMSNorm of its sum in one launch
   (triton_fused), for cuda.residual then cuda.rmsnorm.
 - ``dense_group(x, ws) -> tuple | None``: x @ w^T for several weights of one input, those whose split-K launches
-  match in one grouped pair of launches (triton_group), for cuda.dense_invariant.
+  can share one in one grouped launch (triton_group: a decode step's q, k and v), for cuda.dense_invariant.
 """
 from __future__ import annotations
 

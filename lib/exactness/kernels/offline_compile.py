@@ -25,31 +25,48 @@ def _kernel_specs(cfg, dtype: torch.dtype, capability: tuple[int, int]) -> list[
     for name, (N, K) in shapes.items():
         kind = "gate_up" if name == "gate_up" else "linear"
         specs += _gemm_specs(name, kind, N, K, dtype, capability, ty)
-        if name == "k/v":                  # keys and values: one shape, so one config, grouped (triton_group)
-            specs += _group_specs(name, N, K, dtype, capability, ty)
+        if name == "k/v":                  # keys and values (one shape, so one config), with q (triton_group)
+            specs += _group_specs(name, N, K, dtype, capability, ty, ("q", shapes["q"][0]))
     return specs + _attention_and_row_specs(cfg, dtype, capability, ty)
 
 
-def _group_specs(name: str, N: int, K: int, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list:
-    """The grouped split-K partials and sum of two weights of one shape, in each placement that splits K."""
+def _group_specs(name: str, N: int, K: int, dtype: torch.dtype, capability: tuple[int, int], ty: str,
+                 first: tuple[str, int] | None = None) -> list:
+    """The grouped split-K partials and sum of two weights of one shape, in each placement that splits K; with
+    ``first`` (name, N of a weight of the same K), also of that weight then the two, where its placement for the
+    same rows splits K with the same launch constants but its own tile columns and split_k (triton_group)."""
     tg, tt = _tk("triton_gemm"), _tk("triton_tiles")
     p, i32, specs = f"*{ty}", "i32", []
-    placed = [c for _, c in tg.placements("linear", N, K, dtype, capability) if c.split_k > 1]
-    for c in placed:
+    rows_cfg = [(r, c) for r, c in tg.placements("linear", N, K, dtype, capability) if c.split_k > 1]
+    heads = dict(tg.placements("linear", first[1], K, dtype, capability)) if first else {}
+    shared = ("block_m", "block_k", "group_m", "tma", "num_warps", "num_stages")   # triton_group's key
+    for r, c in rows_cfg:
         tma = c.tma and capability[0] >= 9
         a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
         b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
         sig = dict(a_src=a, b0_src=b, b1_src=b, b2_src=b, w0_ptr=p, w1_ptr=p, w2_ptr=p, ws_ptr="*fp32", c0_ptr=p,
                    c1_ptr=p, c2_ptr=p, cnt_ptr="*i32", M=i32, N0=i32, N1=i32, N2=i32, K=i32)
-        const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, TMA=tma,
-                     PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False, SPLIT=c.split_k, NB=2,
-                     SUM=True, LINES=_prefetch_lines(c, dtype))
+        const = dict(BM=c.block_m, BN0=c.block_n, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, TMA=tma,
+                     PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False, SPLIT0=c.split_k,
+                     SPLIT=c.split_k, NB=2, SUM=True, LINES=_prefetch_lines(c, dtype))
+        opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
         specs.append((f"gemm {name} x2 grouped split-K partials and sum [{c.label()}]", tt._gemm_split_group_kernel,
-                      sig, const, dict(num_warps=c.num_warps, num_stages=c.num_stages)))
-    for split in sorted({c.split_k for c in placed}):
+                      sig, const, opts))
+        h = heads.get(r)
+        if h is not None and h.split_k > 1 and all(getattr(h, f) == getattr(c, f) for f in shared):
+            b0 = f"tensordesc<{ty}[{h.block_n}, {h.block_k}]>" if tma else p
+            specs.append((f"gemm {first[0]}, {name} x2 grouped split-K partials and sum [{h.label()}; {c.label()}]",
+                          tt._gemm_split_group_kernel, dict(sig, b0_src=b0),
+                          dict(const, BN0=h.block_n, SPLIT0=h.split_k, NB=3), opts))
+            specs.append((f"gemm {first[0]}, {name} x2 grouped split-K sum", tt._split_reduce_group_kernel,
+                          dict(ws_ptr="*fp32", c0_ptr=p, c1_ptr=p, c2_ptr=p, M=i32, N0=i32, N1=i32, N2=i32),
+                          dict(**_tk("triton_split").REDUCE, SPLIT0=h.split_k, SPLIT=c.split_k, EMULATE=False, NB=3),
+                          dict(num_warps=4)))
+    for split in sorted({c.split_k for _, c in rows_cfg}):
         specs.append((f"gemm {name} x2 grouped split-K sum", tt._split_reduce_group_kernel,
                       dict(ws_ptr="*fp32", c0_ptr=p, c1_ptr=p, c2_ptr=p, M=i32, N0=i32, N1=i32, N2=i32),
-                      dict(**_tk("triton_split").REDUCE, SPLIT=split, EMULATE=False, NB=2), dict(num_warps=4)))
+                      dict(**_tk("triton_split").REDUCE, SPLIT0=split, SPLIT=split, EMULATE=False, NB=2),
+                      dict(num_warps=4)))
     return specs
 
 

@@ -173,9 +173,10 @@ ROUTE_COLUMNS = 128  # columns of h per route program: [BLOCK_M, 128] stays in r
 # Per (I, H, "bf16", arch): (rows per expert, gate/up overrides, down overrides) in ascending rows; a call whose pairs
 # average at most that many rows per expert takes the shapes' configs with those fields replaced (one block_m for
 # both: a tile holds one expert's rows in both GEMMs). Chosen on an H200 by GPU time at 1, 8 and 64 rows of top-8
-# over 128 experts, at most 4 rows per expert (benchmarks/bench_split_k.py --part experts; docs/figures.md); the
-# GPU test compares bytes up to 16 rows per expert.
-_TILE16 = dict(block_m=16, num_warps=4, num_stages=4)
+# over 128 experts, at most 4 rows per expert (benchmarks/bench_split_k.py --part experts), the pipeline depth by
+# the decode step's wall time (--part stages; docs/figures.md); the GPU test compares bytes up to 16 rows per
+# expert.
+_TILE16 = dict(block_m=16, num_warps=4, num_stages=6)
 EXPERT_PLACEMENTS: dict[tuple[int, int, str, str], tuple[tuple[int, dict, dict], ...]] = {
     (768, 2048, "bf16", "sm90"): ((16, dict(_TILE16, block_n=64), dict(_TILE16, block_n=128)),),
 }

@@ -178,14 +178,14 @@ def _gemm_persistent_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, str
 
 
 @triton.jit
-def prefetch_l2_split(w_ptr, tile, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def prefetch_l2_split(w_ptr, tile, s, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for the weight rows w [N, K] that tile ``tile``'s split program_id(1) will load: one prefetch.global.L2
-    per 128-byte line (LINES per row of a BK chunk; 0: none). A cache hint that reads no value, and L2 serves every
-    SM coherently, so it may precede the PDL wait: the weights stream in while the previous kernel runs."""
+    """Ask L2 for the weight rows w [N, K] that tile ``tile``'s split s will load: one prefetch.global.L2 per
+    128-byte line (LINES per row of a BK chunk; 0: none). A cache hint that reads no value, and L2 serves every SM
+    coherently, so it may precede the PDL wait: the weights stream in while the previous kernel runs."""
     if LINES > 0:
         pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
-        lo, hi = _split_bounds(K, tl.program_id(1), BK, SPLIT)
+        lo, hi = _split_bounds(K, s, BK, SPLIT)
         rows = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1).to(tl.int64) * K
         for ki in range(lo, hi):
             p = w_ptr + rows[:, None] + (ki * BK + tl.arange(0, LINES) * (BK // LINES))[None, :]
@@ -194,31 +194,41 @@ def prefetch_l2_split(w_ptr, tile, M, N, K, BM: tl.constexpr, BN: tl.constexpr, 
 
 
 @triton.jit
-def prefetch_l2_group(w0_ptr, w1_ptr, w2_ptr, M, N0, N1, N2, K, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, NB: tl.constexpr,
-                      LINES: tl.constexpr):
-    """prefetch_l2_split for _gemm_split_group_kernel's program: weight program_id(2), tiles within its own."""
-    t = tl.program_id(0)
-    b = tl.program_id(2)
-    if b == 0:
-        if t < tl.cdiv(M, BM) * tl.cdiv(N0, BN):
-            prefetch_l2_split(w0_ptr, t, M, N0, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
-    elif b == 1:
-        if t < tl.cdiv(M, BM) * tl.cdiv(N1, BN):
-            prefetch_l2_split(w1_ptr, t, M, N1, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
-    elif NB > 2:
-        if t < tl.cdiv(M, BM) * tl.cdiv(N2, BN):
-            prefetch_l2_split(w2_ptr, t, M, N2, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
+def _group_member(M, N0, N1, BM: tl.constexpr, BN0: tl.constexpr, BN: tl.constexpr, SPLIT0: tl.constexpr,
+                  SPLIT: tl.constexpr):
+    """(weight b, output tile, split) of _gemm_split_group_kernel's program: weight 0's (tile, split) programs
+    first (BN0 columns, SPLIT0 splits), then weight 1's and weight 2's (BN, SPLIT); a weight's splits of one tile
+    side by side."""
+    p = tl.program_id(0)
+    p0 = tl.cdiv(M, BM) * tl.cdiv(N0, BN0) * SPLIT0
+    p1 = tl.cdiv(M, BM) * tl.cdiv(N1, BN) * SPLIT
+    b = (p >= p0).to(tl.int32) + (p >= p0 + p1).to(tl.int32)
+    q = p - tl.where(b > 0, p0, 0) - tl.where(b > 1, p1, 0)
+    split = tl.where(b == 0, SPLIT0, SPLIT)
+    return b, q // split, q % split
 
 
 @triton.jit
-def _split_partial(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, tile, M, N, K, stride_am, stride_bn, BM: tl.constexpr,
+def prefetch_l2_group(w0_ptr, w1_ptr, w2_ptr, M, N0, N1, N2, K, BM: tl.constexpr, BN0: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT0: tl.constexpr,
+                      SPLIT: tl.constexpr, NB: tl.constexpr, LINES: tl.constexpr):
+    """prefetch_l2_split for _gemm_split_group_kernel's program (_group_member)."""
+    b, tile, s = _group_member(M, N0, N1, BM, BN0, BN, SPLIT0, SPLIT)
+    if b == 0:
+        prefetch_l2_split(w0_ptr, tile, s, M, N0, K, BM, BN0, BK, GROUP_M, SPLIT0, LINES)
+    elif b == 1:
+        prefetch_l2_split(w1_ptr, tile, s, M, N1, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
+    elif NB > 2:
+        prefetch_l2_split(w2_ptr, tile, s, M, N2, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
+
+
+@triton.jit
+def _split_partial(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, tile, s, M, N, K, stride_am, stride_bn, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
                    PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr, SUM: tl.constexpr):
-    """Output tile ``tile``'s split program_id(1): its fp32 partial (_k_range from zero) stored to ws[split]; with
-    SUM, the tile's last split to finish also sums the partials into c (_sum_if_last, count at cnt_ptr[tile])."""
+    """Output tile ``tile``'s split s: its fp32 partial (_k_range from zero) stored to ws[s]; with SUM, the tile's
+    last split to finish also sums the partials into c (_sum_if_last, count at cnt_ptr[tile])."""
     pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
-    s = tl.program_id(1)
     lo, hi = _split_bounds(K, s, BK, SPLIT)
     acc, _ = _k_range(a_src, b_src, b_src, pid_m * BM, pid_n * BN, lo, hi, M, N, K, stride_am, stride_bn,
                       BM, BN, BK, False, TMA, PRECISION, EMULATE)
@@ -253,38 +263,35 @@ def _gemm_split_kernel(a_src, b_src, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, str
     """One program per (output tile, split): the split's fp32 partial (_k_range from zero) stored to ws[split];
     with SUM the tile's last split sums them into c (else _split_reduce_kernel does). w_ptr: the weights b_src
     loads, as a pointer (for the L2 prefetch)."""
-    prefetch_l2_split(w_ptr, tl.program_id(0), M, N, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
+    prefetch_l2_split(w_ptr, tl.program_id(0), tl.program_id(1), M, N, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
     pdl_start(PDL)
-    _split_partial(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, tl.program_id(0), M, N, K, stride_am, stride_bn, BM, BN, BK,
-                   GROUP_M, TMA, PRECISION, EMULATE, SPLIT, SUM)
+    _split_partial(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), M, N, K, stride_am,
+                   stride_bn, BM, BN, BK, GROUP_M, TMA, PRECISION, EMULATE, SPLIT, SUM)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemm_split_group_kernel(a_src, b0_src, b1_src, b2_src, w0_ptr, w1_ptr, w2_ptr, ws_ptr, c0_ptr, c1_ptr, c2_ptr,
-                             cnt_ptr, M, N0, N1, N2, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
-                             EMULATE: tl.constexpr, SPLIT: tl.constexpr, NB: tl.constexpr, SUM: tl.constexpr,
-                             LINES: tl.constexpr, PDL: tl.constexpr):
-    """_gemm_split_kernel for NB (2 or 3) weights [N_i, K] of one config, weight program_id(2): its partials at
-    ws[sum of SPLIT * M * N_j for j < i], its counts from cnt[i * num_programs(0)]; a program past its weight's
-    tiles does nothing."""
-    prefetch_l2_group(w0_ptr, w1_ptr, w2_ptr, M, N0, N1, N2, K, BM, BN, BK, GROUP_M, SPLIT, NB, LINES)
+                             cnt_ptr, M, N0, N1, N2, K, BM: tl.constexpr, BN0: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+                             EMULATE: tl.constexpr, SPLIT0: tl.constexpr, SPLIT: tl.constexpr, NB: tl.constexpr,
+                             SUM: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr):
+    """_gemm_split_kernel for NB (2 or 3) weights [N_i, K] of x, one program per (weight, tile, split) on one axis
+    (_group_member): weight 0 in tiles of BN0 columns and SPLIT0 splits, the others in BN and SPLIT (the rest of
+    the config is one). Weight i's partials follow weight i-1's in ws, its tiles' counts follow its tiles'."""
+    prefetch_l2_group(w0_ptr, w1_ptr, w2_ptr, M, N0, N1, N2, K, BM, BN0, BN, BK, GROUP_M, SPLIT0, SPLIT, NB, LINES)
     pdl_start(PDL)
-    t = tl.program_id(0)
-    b = tl.program_id(2)
-    cnt = cnt_ptr + b * tl.num_programs(0)
+    b, tile, s = _group_member(M, N0, N1, BM, BN0, BN, SPLIT0, SPLIT)
+    tiles0 = tl.cdiv(M, BM) * tl.cdiv(N0, BN0)
     if b == 0:
-        if t < tl.cdiv(M, BM) * tl.cdiv(N0, BN):
-            _split_partial(a_src, b0_src, ws_ptr, c0_ptr, cnt, t, M, N0, K, K, K, BM, BN, BK, GROUP_M, TMA,
-                           PRECISION, EMULATE, SPLIT, SUM)
+        _split_partial(a_src, b0_src, ws_ptr, c0_ptr, cnt_ptr, tile, s, M, N0, K, K, K, BM, BN0, BK, GROUP_M, TMA,
+                       PRECISION, EMULATE, SPLIT0, SUM)
     elif b == 1:
-        if t < tl.cdiv(M, BM) * tl.cdiv(N1, BN):
-            _split_partial(a_src, b1_src, ws_ptr + (SPLIT * M * N0).to(tl.int64), c1_ptr, cnt, t, M, N1, K, K, K,
-                           BM, BN, BK, GROUP_M, TMA, PRECISION, EMULATE, SPLIT, SUM)
+        _split_partial(a_src, b1_src, ws_ptr + (SPLIT0 * M * N0).to(tl.int64), c1_ptr, cnt_ptr + tiles0, tile, s, M,
+                       N1, K, K, K, BM, BN, BK, GROUP_M, TMA, PRECISION, EMULATE, SPLIT, SUM)
     elif NB > 2:
-        if t < tl.cdiv(M, BM) * tl.cdiv(N2, BN):
-            _split_partial(a_src, b2_src, ws_ptr + (SPLIT * M * (N0 + N1)).to(tl.int64), c2_ptr, cnt, t, M, N2, K,
-                           K, K, BM, BN, BK, GROUP_M, TMA, PRECISION, EMULATE, SPLIT, SUM)
+        _split_partial(a_src, b2_src, ws_ptr + (SPLIT0 * M * N0 + SPLIT * M * N1).to(tl.int64), c2_ptr,
+                       cnt_ptr + tiles0 + tl.cdiv(M, BM) * tl.cdiv(N1, BN), tile, s, M, N2, K, K, K, BM, BN, BK,
+                       GROUP_M, TMA, PRECISION, EMULATE, SPLIT, SUM)
 
 
 @triton.jit
@@ -314,14 +321,17 @@ def _split_reduce_kernel(ws_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr
 
 @triton.jit(do_not_specialize=["M"])
 def _split_reduce_group_kernel(ws_ptr, c0_ptr, c1_ptr, c2_ptr, M, N0, N1, N2, BM: tl.constexpr, BN: tl.constexpr,
-                               SPLIT: tl.constexpr, EMULATE: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
-    """_split_reduce_kernel for _gemm_split_group_kernel's partials, weight program_id(2) into its output c_i."""
+                               SPLIT0: tl.constexpr, SPLIT: tl.constexpr, EMULATE: tl.constexpr, NB: tl.constexpr,
+                               PDL: tl.constexpr):
+    """_split_reduce_kernel for _gemm_split_group_kernel's partials (weight 0's SPLIT0, the others' SPLIT), weight
+    program_id(2) into its output c_i."""
     pdl_start(PDL)
     b = tl.program_id(2)
     om, on = tl.program_id(0) * BM, tl.program_id(1) * BN
     if b == 0:
-        _sum_tile(ws_ptr, c0_ptr, om, on, M, N0, BM, BN, SPLIT, EMULATE, BM)
+        _sum_tile(ws_ptr, c0_ptr, om, on, M, N0, BM, BN, SPLIT0, EMULATE, BM)
     elif b == 1:
-        _sum_tile(ws_ptr + (SPLIT * M * N0).to(tl.int64), c1_ptr, om, on, M, N1, BM, BN, SPLIT, EMULATE, BM)
+        _sum_tile(ws_ptr + (SPLIT0 * M * N0).to(tl.int64), c1_ptr, om, on, M, N1, BM, BN, SPLIT, EMULATE, BM)
     elif NB > 2:
-        _sum_tile(ws_ptr + (SPLIT * M * (N0 + N1)).to(tl.int64), c2_ptr, om, on, M, N2, BM, BN, SPLIT, EMULATE, BM)
+        _sum_tile(ws_ptr + (SPLIT0 * M * N0 + SPLIT * M * N1).to(tl.int64), c2_ptr, om, on, M, N2, BM, BN, SPLIT,
+                  EMULATE, BM)
