@@ -403,13 +403,14 @@ def decode_step(args) -> dict:
     captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm: kernels/fused.py), with
     split-K partials summed by a second launch instead of each tile's last split (triton_split.COUNT_SLOTS = 0 while
     captured), with the queries' projection in a launch of its own rather than grouped with the keys' and values'
-    (triton_group.MIXED), and without the split programs' L2 prefetch (triton_split.PREFETCH_L2); every other row
-    with PDL and the options on (the defaults on sm_90). A graph step's logits are compared as bytes with
+    (triton_group.MIXED), and with the split programs' L2 prefetch flipped (triton_split.PREFETCH_L2); every other
+    row with PDL and the options on (the defaults on sm_90). A graph step's logits are compared as bytes with
     the eager step's at the same position.
     """
     from exactness.cache import KVCache
     from exactness.exact import bytes_equal
     from exactness.kernels import triton_rows as tr
+    from exactness.kernels import triton_split as ts
     w = _weights(args.e2e_weights)
     out, P = [], 4096
     cache = KVCache(w.cfg, P + 64, 1, BF16, w.device)
@@ -448,8 +449,9 @@ def decode_step(args) -> dict:
                        "tile's last split vs by a second launch (triton_split.split_counts)")
     mixed = versus("invariant (q apart)", ("qkv", "q_apart"), "q, k and v projections in one grouped launch vs q "
                    "alone and k, v grouped (triton_group.MIXED)")
-    prefetch = versus("invariant (no L2 prefetch)", ("prefetch", "none"), "split programs' weights prefetched to L2 "
-                      "before the PDL wait vs not (triton_split.PREFETCH_L2)")
+    prefetch = versus("invariant (L2 prefetch flipped)", ("default", "flipped"), "split programs' weights "
+                      f"prefetched to L2 before the PDL wait: the default (triton_split.PREFETCH_L2 = "
+                      f"{ts.PREFETCH_L2}) vs flipped")
     _print_rows(f"decode step, small preset ({args.e2e_weights} weights), median wall time; fast launch on/off "
                 f"logits identical: {same}", out)
     _print_rows("decode step with CUDA graphs (graphs.GraphDecoder) vs eager, same run", graph_rows)
@@ -489,7 +491,7 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     unfused = dataclasses.replace(inv, name="invariant-unfused", options=inv.options.without(
         "qk_norm_rope", "dense_group", "residual_norm"))
     dec, graph_same, saved = {}, {}, (ts.COUNT_SLOTS, ts.PREFETCH_L2, tgr.MIXED)
-    sums, no_prefetch = {(ts, "COUNT_SLOTS"): 0}, {(ts, "PREFETCH_L2"): False}   # sums in a second launch; no hint
+    sums, flip = {(ts, "COUNT_SLOTS"): 0}, {(ts, "PREFETCH_L2"): not ts.PREFETCH_L2}  # sums in a second launch
     apart = {(tgr, "MIXED"): False}                                              # q alone, k and v grouped
     for name, ks, pdl, settings in (
             ("fast", "fast", True, {}), ("invariant", "invariant", True, {}),
@@ -499,7 +501,7 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
             ("invariant (sum launches, PDL off)", "invariant", False, sums),
             ("invariant (q apart, PDL off)", "invariant", False, apart),
             ("invariant (q apart)", "invariant", True, apart),
-            ("invariant (no L2 prefetch)", "invariant", True, no_prefetch)):
+            ("invariant (L2 prefetch flipped)", "invariant", True, flip)):
         tr.PDL = pdl                                                         # captured into the graph
         for (mod, k), v in settings.items():
             setattr(mod, k, v)
@@ -516,7 +518,7 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
              "invariant (graphs)": [], "invariant (PDL off) (graphs)": [], "invariant (unfused) (graphs)": [],
              "invariant (sum launches) (graphs)": [], "invariant (q apart) (graphs)": [],
-             "invariant (no L2 prefetch) (graphs)": []}
+             "invariant (L2 prefetch flipped) (graphs)": []}
     for rnd in range(5):
         for ks in times:
             tr.FAST_LAUNCH = ks != "invariant (fast launch off)"

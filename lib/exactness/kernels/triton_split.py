@@ -23,9 +23,10 @@ SPLIT_MAX_ROWS = 512      # ... for calls of up to this many rows (the range mea
 REDUCE = dict(BM=32, BN=128)   # the second launch's tile
 COUNT_SLOTS = 4096
 _COUNTS: dict[tuple, torch.Tensor] = {}
-# Split programs ask L2 for their weights before the PDL wait (triton_tiles.prefetch_l2_split: a hint, no byte
-# can change), so a decode step's weights stream in while the kernel before runs; not under the interpreter.
-PREFETCH_L2 = not INTERPRET
+# Split programs may ask L2 for their weights before the PDL wait (triton_tiles.prefetch_l2_split: a hint, no byte
+# can change), so a decode step's weights stream in while the kernel before runs. Off: with the grouped experts'
+# 6-stage decode placement the H200's decode step was slower with it (bench_gpu_kernels decode_step flips it).
+PREFETCH_L2 = False
 
 
 def takes_split(lp, M: int, N: int) -> bool:
