@@ -10,8 +10,9 @@ Run from the repository root on a CUDA machine (small preset, bf16, the ~16k-tok
                                                                        # bench_offload's JSON
 
 It runs, in one process and one after the other, bench_gpu_kernels' ceilings, decode_step, gemm, e2e and drafted
-sections, a decode step of STREAMS concurrent streams, and bench_offload (experts in pinned host memory, batched@2048
-vs deep), then the GPU time by kernel of the invariant set's batched and deep prefills (torch.profiler). The fast set
+sections, a decode step of STREAMS concurrent streams, bench_launch_chain's cost of one more chained kernel, and
+bench_offload (experts in pinned host memory, batched@2048 vs deep), then the GPU time by kernel of the invariant
+set's batched and deep prefills (torch.profiler). The fast set
 is the best stock PyTorch offers (cuBLAS, FlashAttention-2, torch._grouped_mm experts, CUDA graphs: kernels/sets.py).
 
 Bounds: a prefill's FLOP bound is its FLOPs / the measured matmul peak; a decode step's memory bound is the bytes it
@@ -314,6 +315,7 @@ def measure(out_dir: str) -> tuple[dict, dict, dict]:
         k[s] = _section(getattr(bg, s), args)
         print(f"[{s}: {time.perf_counter() - t0:.1f} s]", flush=True)
     k["streams"] = _section(streams_step, bg)
+    k["chain"] = _section(chain_floor)
     from exactness.kernels import fast_cuda
     k["fast_kernels"] = dict(fast_cuda.STATUS)       # what served the fast set here (ok, or why its fallback did)
     off_json = os.path.join(out_dir or tempfile.mkdtemp(), "offload.json")
@@ -324,6 +326,15 @@ def measure(out_dir: str) -> tuple[dict, dict, dict]:
             off = json.load(f)
     prof = _section(_prefill_profiles, bg)
     return k, off, prof
+
+
+def chain_floor() -> dict:
+    """What one more kernel costs a CUDA-graph step: bench_launch_chain's slope for kernels of 132 programs launched
+    with PDL (as the invariant set launches on sm_90)."""
+    import bench_launch_chain as bl
+    row = bl.chain_rows(programs=(132,), pdls=(True,))[0]
+    print(f"launch chain: {row['per_kernel_us']:.2f} us a kernel (132 programs, PDL)", flush=True)
+    return row
 
 
 def _prefill_profiles(bg) -> dict:
@@ -347,20 +358,22 @@ def _prefill_profiles(bg) -> dict:
 
 def limits(rows: list[dict], k: dict, prof: dict | None) -> list[str]:
     """The closing note: for each missed goal, its figures against its bound, and the measured kernel profile
-    (the top kernels by GPU time of the step or prefill behind it) where this run has one."""
+    (the top kernels by GPU time of the step or prefill behind it) where this run has one; for the decode step also
+    the part of its wall time its launches account for (_chain_part)."""
     out = []
     dec = (k.get("decode_step") or {}).get("kernels") or {}
     for r in rows:
         if r["met"] != "MISSED":
             continue
         line = f"- {r['measure']}: invariant {r['invariant']}, fast {r['fast']}, bound {r['bound']}"
-        src, how = None, ""
+        src, how, tail = None, "", ""
         if r["measure"].startswith("decode step"):
             src, how = own_times(k, "invariant")
             f = dec.get("fast (graphs)")
             if f:
                 line += (f"; fast GPU {f['gpu_us']:.0f} us in {f['launches']} launches "
                          f"({f['gpu_us'] / f['launches']:.1f} us a launch on average)")
+            tail = _chain_part(k, src)
         elif r["measure"].startswith(("prefill, one chunk", "one-chunk")) and prof and "error" not in prof:
             src = prof.get("invariant batched")
         elif r["measure"].startswith("prefill, deep@one") and prof and "error" not in prof:
@@ -376,8 +389,18 @@ def limits(rows: list[dict], k: dict, prof: dict | None) -> list[str]:
         if src:
             top = ", ".join(f"{t['kernel'][:40]} {t['us']:.0f} us" for t in src["top"][:3])
             line += f"; invariant GPU {src['gpu_us']:.0f} us in {src['launches']} launches{how}, top: {top}"
-        out.append(line)
+        out.append(line + tail)
     return out
+
+
+def _chain_part(k: dict, src: dict | None) -> str:
+    """The decode step's launches times what one more chained kernel costs (chain_floor), where this run has both:
+    the part of the step's wall time its launches alone account for."""
+    c = k.get("chain") or {}
+    if not src or "per_kernel_us" not in c:
+        return ""
+    return (f"; launch chain: {src['launches']} launches x {c['per_kernel_us']:.2f} us = "
+            f"{src['launches'] * c['per_kernel_us']:.0f} us (bench_launch_chain, PDL)")
 
 
 def main(argv=None) -> int:

@@ -72,19 +72,26 @@ def replay_us(n: int, programs: int, pdl: bool) -> float:
     return statistics.median(times) * 1e6
 
 
+def chain_rows(programs=PROGRAMS, pdls=(False, True)) -> list[dict]:
+    """Per (programs per kernel, PDL): the median replay µs of each chain length and per_kernel_us, the slope
+    between the shortest and the longest chain (replay_us's errors)."""
+    rows = []
+    for n_prog in programs:
+        for pdl in pdls:
+            us = {n: replay_us(n, n_prog, pdl) for n in LENGTHS}
+            lo, hi = LENGTHS[0], LENGTHS[-1]
+            rows.append({"programs": n_prog, "pdl": pdl, **{f"{n} kernels_us": us[n] for n in LENGTHS},
+                         "per_kernel_us": (us[hi] - us[lo]) / (hi - lo)})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    rows = []
-    for programs in PROGRAMS:
-        for pdl in (False, True):
-            us = {n: replay_us(n, programs, pdl) for n in LENGTHS}
-            lo, hi = LENGTHS[0], LENGTHS[-1]
-            rows.append({"programs": programs, "pdl": pdl, **{f"{n} kernels_us": us[n] for n in LENGTHS},
-                         "per_kernel_us": (us[hi] - us[lo]) / (hi - lo)})
+    rows = chain_rows()
     print(f"## a graph of chained tiny kernels on {torch.cuda.get_device_name()}: median wall time of one replay "
           f"({REPLAYS} replays)")
     print(tabulate(rows, headers="keys", tablefmt="github", floatfmt=".2f"))

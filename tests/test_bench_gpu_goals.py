@@ -98,3 +98,21 @@ def test_receipt_row_from_a_receipts_notebook_times():
     assert receipt_row({"status": "failed", "side_by_side": 4, "notebooks": nbs})["met"] == "MISSED"
     assert receipt_row({"status": "ok", "side_by_side": 1, "notebooks": nbs})["invariant"] == "490 s"   # in turn
     assert receipt_row(None)["met"] == "—" and "--receipt" in receipt_row(None)["inv/fast"]
+
+
+def test_decode_limit_names_the_launch_chain_where_the_run_measured_it():
+    """The closing note's decode-step line gives the step's launches times the measured cost of one more chained
+    kernel (bench_launch_chain) where the run has both, and leaves it out where it has no chain figure."""
+    import bench_gpu_goals as bgg
+    kernels, offload = _saved()
+    top = [{"kernel": "_grouped_kernel", "calls": 8, "us": 108.0}]
+    kernels["decode_step"]["graphs"][0]["graphs_ms"] = 0.4                               # missed: > 0.25 ms
+    kernels["decode_step"]["kernels"] = {"invariant (PDL off) (graphs)": {"gpu_us": 354.0, "launches": 64,
+                                                                          "top": top}}
+    rows = bgg.goal_rows(kernels, offload)
+    plain = [ln for ln in bgg.limits(rows, kernels, None) if ln.startswith("- decode step")]
+    kernels["chain"] = {"per_kernel_us": 0.75}
+    chained = [ln for ln in bgg.limits(rows, kernels, None) if ln.startswith("- decode step")]
+    assert len(plain) == len(chained) == 1 and "launch chain" not in plain[0]
+    assert chained[0].endswith("; launch chain: 64 launches x 0.75 us = 48 us (bench_launch_chain, PDL)")
+    assert "invariant GPU 354 us in 64 launches" in chained[0]
