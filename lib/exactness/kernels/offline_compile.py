@@ -39,7 +39,7 @@ def _group_specs(name: str, N: int, K: int, dtype: torch.dtype, capability: tupl
     p, i32, specs = f"*{ty}", "i32", []
     rows_cfg = [(r, c) for r, c in tg.placements("linear", N, K, dtype, capability) if c.split_k > 1]
     heads = dict(tg.placements("linear", first[1], K, dtype, capability)) if first else {}
-    shared = ("block_m", "block_k", "group_m", "tma", "num_warps", "num_stages")   # triton_group's key
+    shared = _tk("triton_group").SHARED
     for r, c in rows_cfg:
         tma = c.tma and capability[0] >= 9
         a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p

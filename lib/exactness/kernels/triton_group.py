@@ -2,8 +2,8 @@
 bytes of ``triton_gemm.linear(x, w)``.
 
 Where every weight's launch for the call's row count runs split-K in parallel programs (triton_split.takes_split)
-with the same launch constants (BLOCK_M, BLOCK_K, warps, stages, TMA) except each weight's tile columns and
-split_k, of which at most one weight has its own (it goes first), one launch runs the programs of _gemm_split_kernel
+with one config (SHARED: tile rows, BLOCK_K, tile order, TMA, warps, stages) except the tile columns and split_k
+(OWN), of which at most one weight has its own (it goes first), one launch runs the programs of _gemm_split_kernel
 for every weight side by side, with each weight's own arithmetic: each tile's last split adds its partials (a
 second launch does, where triton_split.split_counts does not serve). A decode step's queries, keys and values then
 take one launch instead of three. Anything else (other launches, large calls) is not served: the caller runs
@@ -19,14 +19,15 @@ from .triton_rows import INTERPRET, cdiv, intern_key, launch
 from .triton_tiles import _gemm_split_group_kernel, _split_reduce_group_kernel
 
 MAX_WEIGHTS = 3
-_OWN = ("BN", "SPLIT")      # the launch constants each weight of a group may have its own of (_order)
+SHARED = ("block_m", "block_k", "group_m", "tma", "num_warps", "num_stages")   # GemmConfig fields one for a group
+OWN = ("block_n", "split_k")  # the fields a weight of a group may have its own of (_order)
 MIXED = True                # one weight of a group may have its own (False: one (tile columns, split_k) per group)
 _KEYS: dict[tuple, tuple[int, int]] = {}
 
 
 def _launch_of(x: torch.Tensor, w: torch.Tensor):
-    """(plan, launch for x's rows, group key) of one weight; the key (the launch constants but the tile columns
-    and split_k) is None where it cannot join a group."""
+    """(plan, launch for x's rows, group key) of one weight; the key (its config's SHARED fields and whether it
+    loads through TMA) is None where it cannot join a group."""
     if not torch.is_tensor(w) or w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != x.dtype or \
             w.device != x.device:
         return None, None, None
@@ -35,13 +36,12 @@ def _launch_of(x: torch.Tensor, w: torch.Tensor):
     lp = next(lp for rows, lp in p.launches if M <= rows)
     if M == 0 or p.N == 0 or p.K == 0 or not ts.takes_split(lp, M, p.N):
         return p, lp, None
-    shared = tuple(sorted((k, v) for k, v in lp.split_consts.items() if k not in _OWN))
-    return p, lp, (shared, tuple(sorted(lp.opts.items())), lp.use_tma)
+    return p, lp, (tuple(getattr(lp.cfg, f) for f in SHARED), lp.use_tma)
 
 
 def _own(lp) -> tuple:
     """A launch's (tile columns, split_k), which a weight of a group may have its own of."""
-    return tuple(lp.split_consts[k] for k in _OWN)
+    return tuple(getattr(lp.cfg, f) for f in OWN)
 
 
 def _order(lps: list) -> list[int] | None:
