@@ -129,10 +129,12 @@ def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int
                           ta._attn_split_kernel, {k: split_sig[k] for k in order},
                           const | dict(BM=pc.block_m, GROUPED=grouped, HPP=const["G"]),
                           dict(aopts, num_warps=pc.num_warps, num_stages=pc.num_stages)))
-    specs.append((f"attention chunk combine D={D}", ta._combine_kernel,
-                  dict(ws_ptr="*fp32", ml_ptr="*fp32", o_ptr=p, pos_ptr="*i64", M=i32, NC=i32, sq_m=i32, sq_h=i32),
-                  dict(D=D, BD=triton_next_pow2(D), BR=ta.COMBINE_ROWS, CH=ac.chunk, STAGES=ta.COMBINE_STAGES,
-                       EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
+    for br in sorted({ta.combine_rows(1), ta.COMBINE_ROWS}):                      # a decode row; the most rows
+        specs.append((f"attention chunk combine D={D}, {br} rows a program", ta._combine_kernel,
+                      dict(ws_ptr="*fp32", ml_ptr="*fp32", o_ptr=p, pos_ptr="*i64", M=i32, NC=i32, sq_m=i32,
+                           sq_h=i32),
+                      dict(D=D, BD=triton_next_pow2(D), BR=br, CH=ac.chunk, STAGES=ta.COMBINE_STAGES, EMULATE=False),
+                      dict(num_warps=4, enable_fp_fusion=False)))
     tc, it = _tk("triton_cache"), "i32" if dtype == torch.float32 else "i16"      # the store copies integers
     specs.append(("KV cache store", tc._kv_store_kernel,
                   dict(k_ptr=f"*{it}", v_ptr=f"*{it}", kc_ptr=f"*{it}", vc_ptr=f"*{it}", s_ptr="*i64", p_ptr="*i64",

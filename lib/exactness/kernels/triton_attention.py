@@ -80,7 +80,10 @@ _DEFAULTS: dict[tuple[str, str], AttnConfig] = {
 SHAPE_CONFIGS: dict[tuple[int, str, str], AttnConfig] = {}
 LOG2E = 1.0 / math.log(2.0)  # scores in base 2: exp2(s log2(e)) = e^s
 SPLIT_BELOW_PROGRAMS = 264   # (tile, head) programs under which the chunks run in parallel (2 per H200 SM)
-COMBINE_ROWS = 16            # rows per program of the chunk combine
+# Rows per program of the chunk combine: the call's rows up to COMBINE_ROWS (combine_rows), so a decode row's program
+# has no idle lanes, which halved a decode step's combine time on the H200 (docs/figures.md); a merge is per row, so
+# the rows per program change no byte.
+COMBINE_ROWS = 16
 COMBINE_STAGES = 3           # chunk states the combine loads ahead (software pipelining; the merges stay in order)
 # Per (D, dtype key, arch): (rows, overrides) in ascending rows; a split call of at most ``rows`` rows runs its chunk
 # programs with the config's fields replaced by the overrides (only PLACEMENT_FIELDS: the lanes of a tile, its warps
@@ -280,8 +283,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
         return out
     placed = config or split_placement(D, q.dtype, capability(q.device), M)
     ws, ml = chunk_states(qc, kc, vc, slots, pos, placed, pack)
-    launch(_combine_kernel, (cdiv(M, COMBINE_ROWS), Hq), (ws, ml, out, pos, M, cdiv(T, cfg.chunk), qc.stride(0),
-                                                         qc.stride(1)),
-           dict(D=D, BD=next_pow2(D), BR=COMBINE_ROWS, CH=cfg.chunk, STAGES=COMBINE_STAGES, EMULATE=INTERPRET),
+    br = combine_rows(M)
+    launch(_combine_kernel, (cdiv(M, br), Hq), (ws, ml, out, pos, M, cdiv(T, cfg.chunk), qc.stride(0), qc.stride(1)),
+           dict(D=D, BD=next_pow2(D), BR=br, CH=cfg.chunk, STAGES=COMBINE_STAGES, EMULATE=INTERPRET),
            num_warps=4, **_NO_FMA)
     return out
+
+
+def combine_rows(M: int) -> int:
+    """Rows per program of the chunk combine of an M-row split call: the power of two >= M, at most
+    COMBINE_ROWS."""
+    return min(COMBINE_ROWS, next_pow2(M))

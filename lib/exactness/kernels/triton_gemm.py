@@ -146,7 +146,7 @@ _SMALL = dict(num_warps=4, num_stages=4, persistent=False)
 # shape's config with those fields replaced, a larger call the config itself. The shape's config has 128-row tiles
 # for prompts; a small call in them does a 128-row tile's MMA work on few programs. Chosen on an H200 by GPU time at
 # M = 1 to 512 (benchmarks/bench_split_k.py --part placements, which also compares every candidate's bytes with the
-# config's; docs/figures.md has the figures).
+# config's; docs/figures.md has the figures); the router's and lm_head's 16-row entries by a decode step's GPU time.
 PLACEMENTS: dict[tuple[str, int, int, str, str], tuple[tuple[int, dict], ...]] = {
     ("linear", 4096, 2048, "bf16", "sm90"): ((16, dict(_SMALL, block_m=16)), (512, dict(_SMALL, block_m=64))),
     ("linear", 512, 2048, "bf16", "sm90"): ((16, dict(_SMALL, block_m=16, block_n=64)),
@@ -154,8 +154,9 @@ PLACEMENTS: dict[tuple[str, int, int, str, str], tuple[tuple[int, dict], ...]] =
     ("linear", 2048, 4096, "bf16", "sm90"): ((16, dict(_SMALL, block_m=16)), (512, dict(_SMALL, block_m=64))),
     ("linear", 768, 2048, "bf16", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
     ("linear", 2048, 768, "bf16", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
-    ("linear", 128, 2048, "bf16", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
-    ("linear", 258, 2048, "bf16", "sm90"): ((256, dict(_SMALL, block_m=64)),),
+    ("linear", 128, 2048, "bf16", "sm90"): ((16, dict(_SMALL, block_m=16, block_n=64)),
+                                           (512, dict(_SMALL, block_m=64, block_n=64))),
+    ("linear", 258, 2048, "bf16", "sm90"): ((16, dict(_SMALL, block_m=16)), (256, dict(_SMALL, block_m=64))),
     ("gate_up", 768, 2048, "bf16", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=32)),),
 }
 
