@@ -64,9 +64,13 @@ def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def router(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool):
     """(weights [M, k] storage dtype, idx [M, k] int64, logits [M, E] storage dtype); ties go to the lower id.
 
-    CPU: router.router_invariant. CUDA: triton_gemm.linear for the logits, triton_moe_rows.softmax_topk for the rest.
+    CPU: router.router_invariant. CUDA: triton_gemm.linear for the logits, triton_moe_rows.softmax_topk for the rest;
+    both in one launch where triton_router serves (decode-size calls), with the same bytes.
     """
     if _gpu(x):
+        one = _tk("triton_router").router(x, w, top_k, norm)
+        if one is not None:
+            return one
         logits = _tk("triton_gemm").linear(x, w)                                  # [M, E] storage dtype
         weights, idx = _tk("triton_moe_rows").softmax_topk(logits, top_k, norm)
         return weights, idx, logits

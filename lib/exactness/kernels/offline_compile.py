@@ -99,6 +99,26 @@ def _gemm_specs(name: str, kind: str, N: int, K: int, dtype: torch.dtype, capabi
     return specs
 
 
+def _router_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:
+    """The router's logits and softmax/top-k in one launch (triton_router), in each placement it fits."""
+    tg, trt, mr = _tk("triton_gemm"), _tk("triton_router"), _tk("triton_moe_rows")
+    p, i32, specs, E = f"*{ty}", "i32", [], cfg.n_experts
+    for _, c in tg.placements("linear", E, cfg.hidden, dtype, capability):
+        if not trt.fits(c, E, cfg.top_k):
+            continue
+        tma = c.tma and capability[0] >= 9
+        sig = dict(a_src=f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p,
+                   b_src=f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p, ws_ptr="*fp32", c_ptr=p,
+                   cnt_ptr="*i32", w_ptr=p, i_ptr="*i64", M=i32, N=i32, K=i32)
+        const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, TMA=tma,
+                     PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False, SPLIT=c.split_k,
+                     TOPK=cfg.top_k, NORM=cfg.norm_topk_prob, BR=mr.ROWS, BE=triton_next_pow2(E),
+                     BKK=triton_next_pow2(cfg.top_k))
+        specs.append((f"router logits and softmax/top-k in one launch [{c.label()}]", trt._router_split_kernel, sig,
+                      const, dict(num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=False)))
+    return specs
+
+
 def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:
     """The attention, row-wise and grouped MoE kernels of the preset ``cfg``."""
     ta, tr, mr = _tk("triton_attention"), _tk("triton_rows"), _tk("triton_moe_rows")
@@ -159,8 +179,10 @@ def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int
                   dict(num_warps=4, enable_fp_fusion=False)))
     specs.append(("router softmax/top-k", mr._softmax_topk_kernel,
                   dict(l_ptr=p, w_ptr=p, i_ptr="*i64", M=i32, E=i32),
-                  dict(TOPK=cfg.top_k, NORM=cfg.norm_topk_prob, BR=8, BE=triton_next_pow2(cfg.n_experts),
-                       BK=triton_next_pow2(cfg.top_k), EMULATE=False), dict(num_warps=4, enable_fp_fusion=False)))
+                  dict(TOPK=cfg.top_k, NORM=cfg.norm_topk_prob, BR=mr.ROWS, BE=triton_next_pow2(cfg.n_experts),
+                       BK=triton_next_pow2(cfg.top_k), EMULATE=False),
+                  dict(num_warps=mr.WARPS, enable_fp_fusion=False)))
+    specs += _router_specs(cfg, dtype, capability, ty)
     specs += _grouped_specs(cfg, dtype, capability, ty)
     specs.append(("moe combine", mr._combine_kernel, dict(y_ptr=p, w_ptr=p, s_ptr=p, o_ptr=p, M=i32, H=i32),
                   dict(K=cfg.top_k, HAS_SHARED=cfg.shared_expert_inter > 0, BH=min(1024, triton_next_pow2(H)),

@@ -154,7 +154,7 @@ PLACEMENTS: dict[tuple[str, int, int, str, str], tuple[tuple[int, dict], ...]] =
     ("linear", 2048, 4096, "bf16", "sm90"): ((16, dict(_SMALL, block_m=16)), (512, dict(_SMALL, block_m=64))),
     ("linear", 768, 2048, "bf16", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
     ("linear", 2048, 768, "bf16", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=64)),),
-    ("linear", 128, 2048, "bf16", "sm90"): ((16, dict(_SMALL, block_m=16, block_n=64)),
+    ("linear", 128, 2048, "bf16", "sm90"): ((16, dict(_SMALL, block_m=16, block_n=128)),    # one tile: triton_router
                                            (512, dict(_SMALL, block_m=64, block_n=64))),
     ("linear", 258, 2048, "bf16", "sm90"): ((16, dict(_SMALL, block_m=16)), (256, dict(_SMALL, block_m=64))),
     ("gate_up", 768, 2048, "bf16", "sm90"): ((512, dict(_SMALL, block_m=64, block_n=32)),),

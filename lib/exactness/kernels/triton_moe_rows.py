@@ -11,12 +11,18 @@ import triton.language as tl
 from .triton_rows import _NO_FMA, INTERPRET, _check_float, cdiv, launch, next_pow2, pdl_start, round_to
 
 
-@triton.jit(do_not_specialize=["M"])
-def _softmax_topk_kernel(l_ptr, w_ptr, i_ptr, M, E, TOPK: tl.constexpr, NORM: tl.constexpr,
-                         BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr,
-                         PDL: tl.constexpr):
-    pdl_start(PDL)
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+# Rows and warps of a softmax/top-k program: they fix how its reductions along a row are laid out over lanes, and so
+# the sum's order; triton_router runs the same rows in the same warps.
+ROWS = 8
+WARPS = 4
+
+
+@triton.jit
+def _topk_rows(l_ptr, w_ptr, i_ptr, r0, M, E, TOPK: tl.constexpr, NORM: tl.constexpr, BR: tl.constexpr,
+               BE: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr):
+    """The router tail of rows r0..r0+BR-1 of logits l [M, E]: fp32 softmax, top-k, optional renorm, stored to
+    w [M, TOPK] (l's dtype) and i [M, TOPK] int64; rows >= M are left alone."""
+    rows = r0 + tl.arange(0, BR)
     cols = tl.arange(0, BE)
     kk = tl.arange(0, BK)
     rmask = rows < M
@@ -45,6 +51,14 @@ def _softmax_topk_kernel(l_ptr, w_ptr, i_ptr, M, E, TOPK: tl.constexpr, NORM: tl
     tl.store(i_ptr + rows[:, None] * TOPK + kk[None, :], idxs, mask=omask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _softmax_topk_kernel(l_ptr, w_ptr, i_ptr, M, E, TOPK: tl.constexpr, NORM: tl.constexpr,
+                         BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_start(PDL)
+    _topk_rows(l_ptr, w_ptr, i_ptr, tl.program_id(0) * BR, M, E, TOPK, NORM, BR, BE, BK, EMULATE)
+
+
 def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router tail as router.router_invariant: fp32 softmax, top-k (ties: lower expert id), optional renorm.
 
@@ -63,10 +77,9 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Te
     w = torch.empty(M, top_k, dtype=logits.dtype, device=logits.device)
     idx = torch.empty(M, top_k, dtype=torch.int64, device=logits.device)
     if M:
-        br = 8
-        launch(_softmax_topk_kernel, (cdiv(M, br),), (lc, w, idx, M, E),
-               dict(TOPK=top_k, NORM=bool(norm), BR=br, BE=next_pow2(E),
-                    BK=next_pow2(top_k), EMULATE=INTERPRET), num_warps=4, **_NO_FMA)
+        launch(_softmax_topk_kernel, (cdiv(M, ROWS),), (lc, w, idx, M, E),
+               dict(TOPK=top_k, NORM=bool(norm), BR=ROWS, BE=next_pow2(E),
+                    BK=next_pow2(top_k), EMULATE=INTERPRET), num_warps=WARPS, **_NO_FMA)
     return w, idx
 
 

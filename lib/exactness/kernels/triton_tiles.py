@@ -227,7 +227,8 @@ def _split_partial(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, tile, s, M, N, K, strid
                    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
                    PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr, SUM: tl.constexpr):
     """Output tile ``tile``'s split s: its fp32 partial (_k_range from zero) stored to ws[s]; with SUM, the tile's
-    last split to finish also sums the partials into c (_sum_if_last, count at cnt_ptr[tile])."""
+    last split to finish also sums the partials into c (_sum_if_last, count at cnt_ptr[tile]). Returns whether this
+    program summed the tile (False without SUM)."""
     pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     lo, hi = _split_bounds(K, s, BK, SPLIT)
     acc, _ = _k_range(a_src, b_src, b_src, pid_m * BM, pid_n * BN, lo, hi, M, N, K, stride_am, stride_bn,
@@ -236,8 +237,10 @@ def _split_partial(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, tile, s, M, N, K, strid
     rn = pid_n * BN + tl.arange(0, BN)
     tl.store(ws_ptr + (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc,
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+    last = False
     if SUM:
-        _sum_if_last(ws_ptr, c_ptr, cnt_ptr + tile, pid_m * BM, pid_n * BN, M, N, BM, BN, SPLIT, EMULATE)
+        last = _sum_if_last(ws_ptr, c_ptr, cnt_ptr + tile, pid_m * BM, pid_n * BN, M, N, BM, BN, SPLIT, EMULATE)
+    return last
 
 
 @triton.jit
@@ -247,12 +250,14 @@ def _sum_if_last(ws_ptr, c_ptr, cnt_ptr, off_m, off_n, M, N, BM: tl.constexpr, B
     that counts SPLIT - 1 sees every split's partial and sums them (_sum_tile, the reduce kernel's arithmetic), then
     sets the count back to 0 for the next call. The barrier puts every thread's stores before the count, whose
     acq_rel at GPU scope publishes them to (and, in the last program, acquires the others' from) the other SMs; the
-    sum's loads bypass L1 (.cg), which other SMs' stores do not update."""
+    sum's loads bypass L1 (.cg), which other SMs' stores do not update. Returns whether this program summed."""
     tl.debug_barrier()
     n = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if n == SPLIT - 1:
+    last = n == SPLIT - 1
+    if last:
         _sum_tile(ws_ptr, c_ptr, off_m, off_n, M, N, BM, BN, SPLIT, EMULATE, 16)
         tl.store(cnt_ptr, 0)
+    return last
 
 
 @triton.jit(do_not_specialize=["M"])
