@@ -402,9 +402,8 @@ def decode_step(args) -> dict:
     logits. On graphs it runs with programmatic dependent launch on and off (triton_rows.PDL, fixed when the graph is
     captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm: kernels/fused.py), with
     split-K partials summed by a second launch instead of each tile's last split (triton_split.COUNT_SLOTS = 0 while
-    captured), with the queries' projection in a launch of its own rather than grouped with the keys' and values'
-    (triton_group.MIXED), and with the split programs' L2 prefetch flipped (triton_split.PREFETCH_L2); every other
-    row with PDL and the options on (the defaults on sm_90). A second capture of the default graph, timed as one
+    captured), and with the queries' projection in a launch of its own rather than grouped with the keys' and
+    values' (triton_group.MIXED); every other row with PDL and the options on (the defaults on sm_90). A second capture of the default graph, timed as one
     more row, gives the noise floor of these side-by-side ratios (two graphs of one step differ by a few percent
     in wall time), and the rows' order turns each round. A graph step's logits are compared as bytes with the eager
     step's at the same position.
@@ -412,7 +411,6 @@ def decode_step(args) -> dict:
     from exactness.cache import KVCache
     from exactness.exact import bytes_equal
     from exactness.kernels import triton_rows as tr
-    from exactness.kernels import triton_split as ts
     w = _weights(args.e2e_weights)
     out, P = [], 4096
     cache = KVCache(w.cfg, P + 64, 1, BF16, w.device)
@@ -452,10 +450,7 @@ def decode_step(args) -> dict:
     mixed = versus("invariant (q apart)", ("qkv", "q_apart"), "q, k and v projections in one grouped launch vs q "
                    "alone and k, v grouped (triton_group.MIXED)")
     control = versus("invariant (again)", ("first", "again"), "the default graph captured twice: the noise floor "
-                     "of the ratios above and below")
-    prefetch = versus("invariant (L2 prefetch flipped)", ("default", "flipped"), "split programs' weights "
-                      f"prefetched to L2 before the PDL wait: the default (triton_split.PREFETCH_L2 = "
-                      f"{ts.PREFETCH_L2}) vs flipped")
+                     "of the ratios above")
     _print_rows(f"decode step, small preset ({args.e2e_weights} weights), median wall time; fast launch on/off "
                 f"logits identical: {same}", out)
     _print_rows("decode step with CUDA graphs (graphs.GraphDecoder) vs eager, same run", graph_rows)
@@ -473,14 +468,14 @@ def decode_step(args) -> dict:
         "invariant (sum launches, PDL off) (graphs)", lambda: dec["invariant (sum launches, PDL off)"].step(
             tok, [P], [0]))
     return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "pdl": pdl, "fusion": fusion,
-            "split_sum": split_sum, "mixed": mixed, "prefetch": prefetch, "control": control, "kernels": kernels}
+            "split_sum": split_sum, "mixed": mixed, "control": control, "kernels": kernels}
 
 
 def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     """decode_step's runs: (eager logits with fast launch off/on and first-replay logits per graph, the graph
     decoders, their first replays equal the eager step's, wall times per row). Sets triton_rows.FAST_LAUNCH and
     PDL as each row asks (the caller restores them: triton_rows.launch_settings); a row's triton_split.COUNT_SLOTS
-    and PREFETCH_L2 and triton_group.MIXED are restored once its graph is captured."""
+    and triton_group.MIXED are restored once its graph is captured."""
     from exactness.exact import bytes_equal
     from exactness.graphs import GraphDecoder
     from exactness.kernels import get_set
@@ -494,8 +489,8 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     inv = get_set("invariant")
     unfused = dataclasses.replace(inv, name="invariant-unfused", options=inv.options.without(
         "qk_norm_rope", "dense_group", "residual_norm"))
-    dec, graph_same, saved = {}, {}, (ts.COUNT_SLOTS, ts.PREFETCH_L2, tgr.MIXED)
-    sums, flip = {(ts, "COUNT_SLOTS"): 0}, {(ts, "PREFETCH_L2"): not ts.PREFETCH_L2}  # sums in a second launch
+    dec, graph_same, saved = {}, {}, (ts.COUNT_SLOTS, tgr.MIXED)
+    sums = {(ts, "COUNT_SLOTS"): 0}                                              # sums in a second launch
     apart = {(tgr, "MIXED"): False}                                              # q alone, k and v grouped
     for name, ks, pdl, settings in (
             ("fast", "fast", True, {}), ("invariant", "invariant", True, {}),
@@ -505,7 +500,6 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
             ("invariant (sum launches, PDL off)", "invariant", False, sums),
             ("invariant (q apart, PDL off)", "invariant", False, apart),
             ("invariant (q apart)", "invariant", True, apart),
-            ("invariant (L2 prefetch flipped)", "invariant", True, flip),
             ("invariant (again)", "invariant", True, {})):
         tr.PDL = pdl                                                         # captured into the graph
         for (mod, k), v in settings.items():
@@ -516,14 +510,14 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
             dec[name].step(tok, [P], [0])                                    # eager warm-up, then capture
             replay = dec[name].step(tok, [P], [0])                           # the first replay
         finally:
-            ts.COUNT_SLOTS, ts.PREFETCH_L2, tgr.MIXED = saved
+            ts.COUNT_SLOTS, tgr.MIXED = saved
         graph_same[name] = bytes_equal(eager, replay)
         logits[name] = replay.clone()
     tr.PDL = True
     times = {"fast": [], "invariant": [], "invariant (fast launch off)": [], "fast (graphs)": [],
              "invariant (graphs)": [], "invariant (PDL off) (graphs)": [], "invariant (unfused) (graphs)": [],
              "invariant (sum launches) (graphs)": [], "invariant (q apart) (graphs)": [],
-             "invariant (L2 prefetch flipped) (graphs)": [], "invariant (again) (graphs)": []}
+             "invariant (again) (graphs)": []}
     rows = list(times)
     for rnd in range(7):
         for ks in rows[rnd:] + rows[:rnd]:                                   # each round starts one row later

@@ -44,11 +44,11 @@ def _group_specs(name: str, N: int, K: int, dtype: torch.dtype, capability: tupl
         tma = c.tma and capability[0] >= 9
         a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
         b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
-        sig = dict(a_src=a, b0_src=b, b1_src=b, b2_src=b, w0_ptr=p, w1_ptr=p, w2_ptr=p, ws_ptr="*fp32", c0_ptr=p,
-                   c1_ptr=p, c2_ptr=p, cnt_ptr="*i32", M=i32, N0=i32, N1=i32, N2=i32, K=i32)
+        sig = dict(a_src=a, b0_src=b, b1_src=b, b2_src=b, ws_ptr="*fp32", c0_ptr=p, c1_ptr=p, c2_ptr=p,
+                   cnt_ptr="*i32", M=i32, N0=i32, N1=i32, N2=i32, K=i32)
         const = dict(BM=c.block_m, BN0=c.block_n, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, TMA=tma,
                      PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False, SPLIT0=c.split_k,
-                     SPLIT=c.split_k, NB=2, SUM=True, LINES=_prefetch_lines(c, dtype))
+                     SPLIT=c.split_k, NB=2, SUM=True)
         opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
         specs.append((f"gemm {name} x2 grouped split-K partials and sum [{c.label()}]", tt._gemm_split_group_kernel,
                       sig, const, opts))
@@ -91,7 +91,7 @@ def _gemm_specs(name: str, kind: str, N: int, K: int, dtype: torch.dtype, capabi
         opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
         specs.append((f"gemm {name} {N}x{K} [{c.label()}]", fn, sig, const, opts))
         if c.split_k > 1 and kind == "linear":
-            specs.append(_split_partials_spec(name, N, K, c, sig, const | dict(LINES=_prefetch_lines(c, dtype)), opts))
+            specs.append(_split_partials_spec(name, N, K, c, sig, const, opts))
     if placed[-1].split_k > 1 and kind == "linear":        # one sum per shape: its launch has no tile of its own
         specs.append((f"gemm {name} split-K sum", _tk("triton_tiles")._split_reduce_kernel,
                       dict(ws_ptr="*fp32", c_ptr=p, M=i32, N=i32),
@@ -190,18 +190,13 @@ def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int
     return specs
 
 
-def _prefetch_lines(c, dtype: torch.dtype) -> int:
-    """The L2 prefetch lines a split launch of config ``c`` takes on the GPU (triton_split.prefetch_lines)."""
-    return _tk("triton_split").prefetch_lines(c, dtype.itemsize)
-
-
 def _split_partials_spec(name: str, N: int, K: int, c, sig: dict, const: dict, opts: dict) -> tuple:
     """The per-split partials kernel of a linear shape whose config splits K, in config ``c``."""
     tg = _tk("triton_gemm")
-    ssig = dict(a_src=sig["a_src"], b_src=sig["b_src"], w_ptr=sig["c_ptr"], ws_ptr="*fp32", c_ptr=sig["c_ptr"],
-                cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_am="i32", stride_bn="i32")
+    ssig = dict(a_src=sig["a_src"], b_src=sig["b_src"], ws_ptr="*fp32", c_ptr=sig["c_ptr"], cnt_ptr="*i32",
+                M="i32", N="i32", K="i32", stride_am="i32", stride_bn="i32")
     sconst = {k: v for k, v in const.items() if k in ("BM", "BN", "BK", "GROUP_M", "TMA", "PRECISION", "EMULATE",
-                                                       "SPLIT", "LINES")}
+                                                       "SPLIT")}
     return (f"gemm {name} {N}x{K} split-K partials and sum [{c.label()}]", tg._gemm_split_kernel, ssig,
             sconst | dict(SUM=True), opts)
 

@@ -360,7 +360,7 @@ def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmC
     a, aligned = a_operand(x, lp)
     key = lp.key if lp.use_tma else (lp.key, aligned)
     if triton_split.takes_split(lp, M, p.N):
-        triton_split.run_split(lp, a, p.weights[0], out, M, p.N, p.K, key)
+        triton_split.run_split(lp, a, out, M, p.N, p.K, key)
         return out
     tiles = cdiv(M, lp.cfg.block_m) * cdiv(p.N, lp.cfg.block_n)
     args = (a, lp.b, lp.b2 if lp.b2 is not None else out, out, M, p.N, p.K, p.K, p.K, p.N)   # contiguous strides

@@ -143,13 +143,10 @@ def _grouped(x: torch.Tensor, plans: list, lps: list, order: list[int]) -> tuple
     N3 = Ns + [0] * (MAX_WEIGHTS - nb)
     tiles = [cdiv(M, q.cfg.block_m) * cdiv(n, q.cfg.block_n) for q, n in zip(lps, Ns)]
     counts = ts.split_counts(x.device, sum(tiles))
-    w3 = [p.weights[0] for p in plans] + [plans[-1].weights[0]] * (MAX_WEIGHTS - nb)
-    lines = ts.prefetch_lines(lp.cfg, x.element_size())
     own = dict(BN0=lp0.cfg.block_n, SPLIT0=lp0.cfg.split_k)
     launch(_gemm_split_group_kernel, (sum(t * q.cfg.split_k for t, q in zip(tiles, lps)),),
-           (a, *bs, *w3, part, *c3, part if counts is None else counts, M, *N3, K),
-           dict(lp.split_consts, **own, NB=nb, SUM=counts is not None, LINES=lines),
-           key=(keys[0], counts is not None, lines), **lp.opts)
+           (a, *bs, part, *c3, part if counts is None else counts, M, *N3, K),
+           dict(lp.split_consts, **own, NB=nb, SUM=counts is not None), key=(keys[0], counts is not None), **lp.opts)
     if counts is None:
         red = ts.REDUCE
         launch(_split_reduce_group_kernel, (cdiv(M, red["BM"]), cdiv(max(Ns), red["BN"]), nb),

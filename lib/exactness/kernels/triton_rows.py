@@ -139,8 +139,8 @@ def _pdl(dev: int) -> bool:
 
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
-    """Every kernel's first statement (after L2 prefetches, which read no value): with PDL, wait for the previous
-    grid (complete, writes visible), then let the next one be placed."""
+    """Every kernel's first statement: with PDL, wait for the previous grid (complete, writes visible), then let
+    the next one be placed."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

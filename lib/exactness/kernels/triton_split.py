@@ -1,6 +1,6 @@
 """Split-K in parallel programs for triton_gemm's small calls: which calls take it (``takes_split``), the launch
-(``run_split``), the per-tile counts by which each tile's last split sums the partials (``split_counts``) and the
-L2 prefetch of the programs' weights (``prefetch_lines``). triton_group runs the same programs for several weights.
+(``run_split``) and the per-tile counts by which each tile's last split sums the partials (``split_counts``).
+triton_group runs the same programs for several weights.
 
 A split call runs one program per (output tile, split): each stores its split's fp32 partial (accumulated from zero
 over its K chunks in ascending order), then counts it for its tile; the program that counts last adds every split's
@@ -23,10 +23,6 @@ SPLIT_MAX_ROWS = 512      # ... for calls of up to this many rows (the range mea
 REDUCE = dict(BM=32, BN=128)   # the second launch's tile
 COUNT_SLOTS = 4096
 _COUNTS: dict[tuple, torch.Tensor] = {}
-# Split programs may ask L2 for their weights before the PDL wait (triton_tiles.prefetch_l2_split: a hint, no byte
-# can change), so a decode step's weights stream in while the kernel before runs. Off: with the grouped experts'
-# 6-stage decode placement the H200's decode step was slower with it (bench_gpu_kernels decode_step flips it).
-PREFETCH_L2 = False
 
 
 def takes_split(lp, M: int, N: int) -> bool:
@@ -51,26 +47,18 @@ def split_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
     return c if c is not None and c.numel() >= tiles else None
 
 
-def prefetch_lines(cfg, elem: int) -> int:
-    """128-byte lines per weight row of one BLOCK_K chunk that a split program of GemmConfig ``cfg`` prefetches
-    (0: none); elem: bytes per weight element."""
-    row = cfg.block_k * elem
-    return row // 128 if PREFETCH_L2 and row % 128 == 0 else 0
-
-
-def run_split(lp, a, w: torch.Tensor, out: torch.Tensor, M: int, N: int, K: int, key) -> None:
+def run_split(lp, a, out: torch.Tensor, M: int, N: int, K: int, key) -> None:
     """triton_gemm launch ``lp``'s splits in parallel programs (partials [split_k, M, N] fp32) and their fixed-order
     sum, rounded into out [M, N]: in the same launch by each tile's last split where split_counts serves, else by
-    a second launch. a: x as lp loads it (triton_gemm.a_operand); w: [N, K], the weights lp loads; key: the call's
-    launch key (lp.key, or (lp.key, aligned) without TMA)."""
+    a second launch. a: x as lp loads it (triton_gemm.a_operand); key: the call's launch key (lp.key, or
+    (lp.key, aligned) without TMA)."""
     ws = torch.empty(lp.cfg.split_k, M, N, dtype=torch.float32, device=out.device)
     tiles = cdiv(M, lp.cfg.block_m) * cdiv(N, lp.cfg.block_n)
     counts = split_counts(out.device, tiles)
-    lines = prefetch_lines(lp.cfg, w.element_size())
-    skey = (lp.split_key if key == lp.key else (lp.split_key, key[1]), counts is not None, lines)
-    launch(_gemm_split_kernel, (tiles, lp.cfg.split_k), (a, lp.b, w, ws, out, ws if counts is None else counts,
+    skey = (lp.split_key if key == lp.key else (lp.split_key, key[1]), counts is not None)
+    launch(_gemm_split_kernel, (tiles, lp.cfg.split_k), (a, lp.b, ws, out, ws if counts is None else counts,
                                                          M, N, K, K, K),
-           dict(lp.split_consts, SUM=counts is not None, LINES=lines), key=skey, **lp.opts)
+           dict(lp.split_consts, SUM=counts is not None), key=skey, **lp.opts)
     if counts is None:
         launch(_split_reduce_kernel, (cdiv(M, REDUCE["BM"]), cdiv(N, REDUCE["BN"])), (ws, out, M, N),
                dict(**REDUCE, SPLIT=lp.cfg.split_k, EMULATE=INTERPRET), num_warps=4)

@@ -178,22 +178,6 @@ def _gemm_persistent_kernel(a_src, b_src, b2_src, c_ptr, M, N, K, stride_am, str
 
 
 @triton.jit
-def prefetch_l2_split(w_ptr, tile, s, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr, SPLIT: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for the weight rows w [N, K] that tile ``tile``'s split s will load: one prefetch.global.L2 per
-    128-byte line (LINES per row of a BK chunk; 0: none). A cache hint that reads no value, and L2 serves every SM
-    coherently, so it may precede the PDL wait: the weights stream in while the previous kernel runs."""
-    if LINES > 0:
-        pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
-        lo, hi = _split_bounds(K, s, BK, SPLIT)
-        rows = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1).to(tl.int64) * K
-        for ki in range(lo, hi):
-            p = w_ptr + rows[:, None] + (ki * BK + tl.arange(0, LINES) * (BK // LINES))[None, :]
-            tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [p], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-
-@triton.jit
 def _group_member(M, N0, N1, BM: tl.constexpr, BN0: tl.constexpr, BN: tl.constexpr, SPLIT0: tl.constexpr,
                   SPLIT: tl.constexpr):
     """(weight b, output tile, split) of _gemm_split_group_kernel's program: weight 0's (tile, split) programs
@@ -206,20 +190,6 @@ def _group_member(M, N0, N1, BM: tl.constexpr, BN0: tl.constexpr, BN: tl.constex
     q = p - tl.where(b > 0, p0, 0) - tl.where(b > 1, p1, 0)
     split = tl.where(b == 0, SPLIT0, SPLIT)
     return b, q // split, q % split
-
-
-@triton.jit
-def prefetch_l2_group(w0_ptr, w1_ptr, w2_ptr, M, N0, N1, N2, K, BM: tl.constexpr, BN0: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT0: tl.constexpr,
-                      SPLIT: tl.constexpr, NB: tl.constexpr, LINES: tl.constexpr):
-    """prefetch_l2_split for _gemm_split_group_kernel's program (_group_member)."""
-    b, tile, s = _group_member(M, N0, N1, BM, BN0, BN, SPLIT0, SPLIT)
-    if b == 0:
-        prefetch_l2_split(w0_ptr, tile, s, M, N0, K, BM, BN0, BK, GROUP_M, SPLIT0, LINES)
-    elif b == 1:
-        prefetch_l2_split(w1_ptr, tile, s, M, N1, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
-    elif NB > 2:
-        prefetch_l2_split(w2_ptr, tile, s, M, N2, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
 
 
 @triton.jit
@@ -261,29 +231,26 @@ def _sum_if_last(ws_ptr, c_ptr, cnt_ptr, off_m, off_n, M, N, BM: tl.constexpr, B
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_split_kernel(a_src, b_src, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, stride_am, stride_bn, BM: tl.constexpr,
+def _gemm_split_kernel(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, M, N, K, stride_am, stride_bn, BM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
                        PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr, SUM: tl.constexpr,
-                       LINES: tl.constexpr, PDL: tl.constexpr):
+                       PDL: tl.constexpr):
     """One program per (output tile, split): the split's fp32 partial (_k_range from zero) stored to ws[split];
-    with SUM the tile's last split sums them into c (else _split_reduce_kernel does). w_ptr: the weights b_src
-    loads, as a pointer (for the L2 prefetch)."""
-    prefetch_l2_split(w_ptr, tl.program_id(0), tl.program_id(1), M, N, K, BM, BN, BK, GROUP_M, SPLIT, LINES)
+    with SUM the tile's last split sums them into c (else _split_reduce_kernel does)."""
     pdl_start(PDL)
     _split_partial(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), M, N, K, stride_am,
                    stride_bn, BM, BN, BK, GROUP_M, TMA, PRECISION, EMULATE, SPLIT, SUM)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_split_group_kernel(a_src, b0_src, b1_src, b2_src, w0_ptr, w1_ptr, w2_ptr, ws_ptr, c0_ptr, c1_ptr, c2_ptr,
-                             cnt_ptr, M, N0, N1, N2, K, BM: tl.constexpr, BN0: tl.constexpr, BN: tl.constexpr,
-                             BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+def _gemm_split_group_kernel(a_src, b0_src, b1_src, b2_src, ws_ptr, c0_ptr, c1_ptr, c2_ptr, cnt_ptr, M, N0, N1, N2,
+                             K, BM: tl.constexpr, BN0: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
                              EMULATE: tl.constexpr, SPLIT0: tl.constexpr, SPLIT: tl.constexpr, NB: tl.constexpr,
-                             SUM: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr):
+                             SUM: tl.constexpr, PDL: tl.constexpr):
     """_gemm_split_kernel for NB (2 or 3) weights [N_i, K] of x, one program per (weight, tile, split) on one axis
     (_group_member): weight 0 in tiles of BN0 columns and SPLIT0 splits, the others in BN and SPLIT (the rest of
     the config is one). Weight i's partials follow weight i-1's in ws, its tiles' counts follow its tiles'."""
-    prefetch_l2_group(w0_ptr, w1_ptr, w2_ptr, M, N0, N1, N2, K, BM, BN0, BN, BK, GROUP_M, SPLIT0, SPLIT, NB, LINES)
     pdl_start(PDL)
     b, tile, s = _group_member(M, N0, N1, BM, BN0, BN, SPLIT0, SPLIT)
     tiles0 = tl.cdiv(M, BM) * tl.cdiv(N0, BN0)
