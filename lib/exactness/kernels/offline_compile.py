@@ -41,33 +41,39 @@ def _group_specs(name: str, N: int, K: int, dtype: torch.dtype, capability: tupl
     heads = dict(tg.placements("linear", first[1], K, dtype, capability)) if first else {}
     shared = _tk("triton_group").SHARED
     for r, c in rows_cfg:
-        tma = c.tma and capability[0] >= 9
-        a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
-        b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
+        a, b, tile = _tile(c, dtype, capability, ty)
         sig = dict(a_src=a, b0_src=b, b1_src=b, b2_src=b, ws_ptr="*fp32", c0_ptr=p, c1_ptr=p, c2_ptr=p,
                    cnt_ptr="*i32", M=i32, N0=i32, N1=i32, N2=i32, K=i32)
-        const = dict(BM=c.block_m, BN0=c.block_n, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, TMA=tma,
-                     PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False, SPLIT0=c.split_k,
-                     SPLIT=c.split_k, NB=2, SUM=True)
+        const = tile | dict(BN0=c.block_n, GROUP_M=c.group_m, SPLIT0=c.split_k, SPLIT=c.split_k, NB=2, SUM=True)
         opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
         specs.append((f"gemm {name} x2 grouped split-K partials and sum [{c.label()}]", tt._gemm_split_group_kernel,
                       sig, const, opts))
         h = heads.get(r)
         if h is not None and h.split_k > 1 and all(getattr(h, f) == getattr(c, f) for f in shared):
-            b0 = f"tensordesc<{ty}[{h.block_n}, {h.block_k}]>" if tma else p
             specs.append((f"gemm {first[0]}, {name} x2 grouped split-K partials and sum [{h.label()}; {c.label()}]",
-                          tt._gemm_split_group_kernel, dict(sig, b0_src=b0),
+                          tt._gemm_split_group_kernel, dict(sig, b0_src=_tile(h, dtype, capability, ty)[1]),
                           dict(const, BN0=h.block_n, SPLIT0=h.split_k, NB=3), opts))
-            specs.append((f"gemm {first[0]}, {name} x2 grouped split-K sum", tt._split_reduce_group_kernel,
-                          dict(ws_ptr="*fp32", c0_ptr=p, c1_ptr=p, c2_ptr=p, M=i32, N0=i32, N1=i32, N2=i32),
-                          dict(**_tk("triton_split").REDUCE, SPLIT0=h.split_k, SPLIT=c.split_k, EMULATE=False, NB=3),
-                          dict(num_warps=4)))
-    for split in sorted({c.split_k for _, c in rows_cfg}):
-        specs.append((f"gemm {name} x2 grouped split-K sum", tt._split_reduce_group_kernel,
-                      dict(ws_ptr="*fp32", c0_ptr=p, c1_ptr=p, c2_ptr=p, M=i32, N0=i32, N1=i32, N2=i32),
-                      dict(**_tk("triton_split").REDUCE, SPLIT0=split, SPLIT=split, EMULATE=False, NB=2),
-                      dict(num_warps=4)))
+            specs.append(_group_sum_spec(f"{first[0]}, {name}", h.split_k, c.split_k, 3, ty))
+    specs += [_group_sum_spec(name, split, split, 2, ty) for split in sorted({c.split_k for _, c in rows_cfg})]
     return specs
+
+
+def _tile(c, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> tuple[str, str, dict]:
+    """A GEMM config's x and weight operand types (TMA descriptors of its tiles where it loads through TMA on
+    sm_90+, else pointers) and the tile constexprs every GEMM kernel takes."""
+    tma = c.tma and capability[0] >= 9
+    a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else f"*{ty}"
+    b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else f"*{ty}"
+    return a, b, dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, TMA=tma,
+                      PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False)
+
+
+def _group_sum_spec(name: str, split0: int, split: int, nb: int, ty: str) -> tuple:
+    """The second-launch sum of a grouped split-K call of nb weights (weight 0's split0 splits, the others')."""
+    p, i32 = f"*{ty}", "i32"
+    return (f"gemm {name} x2 grouped split-K sum", _tk("triton_tiles")._split_reduce_group_kernel,
+            dict(ws_ptr="*fp32", c0_ptr=p, c1_ptr=p, c2_ptr=p, M=i32, N0=i32, N1=i32, N2=i32),
+            dict(**_tk("triton_split").REDUCE, SPLIT0=split0, SPLIT=split, EMULATE=False, NB=nb), dict(num_warps=4))
 
 
 def _gemm_specs(name: str, kind: str, N: int, K: int, dtype: torch.dtype, capability: tuple[int, int],
@@ -77,14 +83,11 @@ def _gemm_specs(name: str, kind: str, N: int, K: int, dtype: torch.dtype, capabi
     p, i32, specs = f"*{ty}", "i32", []
     placed = [c for _, c in tg.placements(kind, N, K, dtype, capability)]
     for c in placed:
-        tma = c.tma and capability[0] >= 9
-        a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
-        b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
+        a, b, tile = _tile(c, dtype, capability, ty)
         sig = dict(a_src=a, b_src=b, b2_src=b, c_ptr=p, M=i32, N=i32, K=i32, stride_am=i32, stride_bn=i32,
                    stride_cm=i32)
-        const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, GATE_UP=kind == "gate_up",
-                     TMA=tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False,
-                     SPLIT=c.split_k, SPLIT_LOOP=tg.SPLIT_LOOPS.index(c.split_loop))
+        const = tile | dict(GROUP_M=c.group_m, GATE_UP=kind == "gate_up", SPLIT=c.split_k,
+                            SPLIT_LOOP=tg.SPLIT_LOOPS.index(c.split_loop))
         fn = tg._gemm_kernel
         if c.persistent:
             fn, const = tg._gemm_persistent_kernel, const | dict(NUM_SMS=132, WS=c.warp_specialize)
@@ -106,14 +109,11 @@ def _router_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str)
     for _, c in tg.placements("linear", E, cfg.hidden, dtype, capability):
         if not trt.fits(c, E, cfg.top_k):
             continue
-        tma = c.tma and capability[0] >= 9
-        sig = dict(a_src=f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p,
-                   b_src=f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p, ws_ptr="*fp32", c_ptr=p,
-                   cnt_ptr="*i32", w_ptr=p, i_ptr="*i64", M=i32, N=i32, K=i32)
-        const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, TMA=tma,
-                     PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False, SPLIT=c.split_k,
-                     TOPK=cfg.top_k, NORM=cfg.norm_topk_prob, BR=mr.ROWS, BE=triton_next_pow2(E),
-                     BKK=triton_next_pow2(cfg.top_k))
+        a, b, tile = _tile(c, dtype, capability, ty)
+        sig = dict(a_src=a, b_src=b, ws_ptr="*fp32", c_ptr=p, cnt_ptr="*i32", w_ptr=p, i_ptr="*i64", M=i32, N=i32,
+                   K=i32)
+        const = tile | dict(GROUP_M=c.group_m, SPLIT=c.split_k, TOPK=cfg.top_k, NORM=cfg.norm_topk_prob, BR=mr.ROWS,
+                            BE=triton_next_pow2(E), BKK=triton_next_pow2(cfg.top_k))
         specs.append((f"router logits and softmax/top-k in one launch [{c.label()}]", trt._router_split_kernel, sig,
                       const, dict(num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=False)))
     return specs
@@ -211,14 +211,10 @@ def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str
     placed = tm.expert_placements(I, H, dtype, capability)
     gemms = [("gate_up", I, H, gu) for _, gu, _ in placed] + [("linear", H, I, dn) for _, _, dn in placed]
     for kind, N, K, c in gemms:
-        tma = c.tma and capability[0] >= 9
-        a = f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if tma else p
-        b = f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if tma else p
+        a, b, tile = _tile(c, dtype, capability, ty)
         sig = dict(a_src=a, b_src=b, b2_src=b, c_ptr=p, tile_e_ptr="*i32", dest_ptr="*i32", n_rows=i32, N=i32, K=i32,
                    stride_am=i32, stride_bn=i32, stride_cm=i32)
-        const = dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GATE_UP=kind == "gate_up", SCATTER=kind == "linear",
-                     TMA=tma, PRECISION="ieee" if dtype == torch.float32 else "tf32", EMULATE=False,
-                     SPLIT=c.split_k)
+        const = tile | dict(GATE_UP=kind == "gate_up", SCATTER=kind == "linear", SPLIT=c.split_k)
         specs.append((f"grouped moe {kind} {E}x{N}x{K} [{c.label()}]", tm._grouped_kernel, sig, const,
                       dict(num_warps=c.num_warps, num_stages=c.num_stages)))
     sig = dict(h_ptr=p, ids_ptr="*i64", sorted_ptr="*i64", order_ptr="*i64", xs_ptr=p, dest_ptr="*i32",
