@@ -400,10 +400,10 @@ def decode_step(args) -> dict:
 
     The invariant set runs eagerly with Triton fast launch on and off (triton_rows.FAST_LAUNCH); both give the same
     logits. On graphs it runs with programmatic dependent launch on and off (triton_rows.PDL, fixed when the graph is
-    captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm: kernels/fused.py), with
-    split-K partials summed by a second launch instead of each tile's last split (triton_split.COUNT_SLOTS = 0 while
-    captured), and with the queries' projection in a launch of its own rather than grouped with the keys' and
-    values' (triton_group.MIXED); every other row with PDL and the options on (the defaults on sm_90). A second
+    captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm, combine_residual_norm:
+    kernels/fused.py), with split-K partials summed by a second launch instead of each tile's last split
+    (triton_split.COUNT_SLOTS = 0 while captured), and with the queries' projection in a launch of its own rather
+    than grouped with the keys' and values' (triton_group.MIXED); every other row with PDL and the options on (the defaults on sm_90). A second
     capture of the default graph, timed as one more row, gives the noise floor of these side-by-side ratios (two
     graphs of one step differ by a few percent in wall time), and the rows' order turns each round. A graph step's
     logits are compared as bytes with the eager step's at the same position.
@@ -488,7 +488,7 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
         logits[fl] = eager_step(w, cache, tok, pos0, slots, "invariant").clone()
     inv = get_set("invariant")
     unfused = dataclasses.replace(inv, name="invariant-unfused", options=inv.options.without(
-        "qk_norm_rope", "dense_group", "residual_norm"))
+        "qk_norm_rope", "dense_group", "residual_norm", "combine_residual_norm"))
     dec, graph_same, saved = {}, {}, (ts.COUNT_SLOTS, tgr.MIXED)
     sums = {(ts, "COUNT_SLOTS"): 0}                                              # sums in a second launch
     apart = {(tgr, "MIXED"): False}                                              # q alone, k and v grouped

@@ -1,10 +1,10 @@
-"""The invariant set's fused options (kernels/fused.py): a layer's q/k RMSNorm and RoPE in one launch and a
-residual add with the next RMSNorm in one (triton_fused), and projections of one input in a grouped pair of launches
+"""The invariant set's fused options (kernels/fused.py): a layer's q/k RMSNorm and RoPE in one launch, a residual
+add with the next RMSNorm in one and the MoE combine with both in one (triton_fused), and projections of one input in a grouped pair of launches
 (triton_group) give the bytes of the kernels they stand in for, and the engine uses an option only over a set's own
 kernels of those classes.
 
-Byte claims compare integer views; every comparison has a planted fault (a norm weight one ULP off, a projection
-weight's element doubled) that the same comparison must catch. The GPU tests run the small preset's shapes, the
+Byte claims compare integer views; every comparison has a planted fault (a norm weight one ULP off, a routing
+weight doubled, a projection weight's element doubled) that the same comparison must catch. The GPU tests run the small preset's shapes, the
 interpreter test the tiny shapes.
 """
 from __future__ import annotations
@@ -80,6 +80,27 @@ def residual_mismatches(run_fused, run_rms, case, fault: bool = False) -> int:
     return mismatches(fx, x) + mismatches(fh, run_rms(x, w, 1e-6))
 
 
+def combine_case(dtype, device, R=5, K=8, H=2048, shared=False, seed=0):
+    """(y [R, K, H], weights [R, K], shared [R, H] or None, a [R, H], w [H]): experts' outputs, their routing
+    weights (in (0, 1)), a residual stream and a norm weight."""
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.randn(R, K, H, generator=g) * torch.logspace(1, -1, R).view(R, 1, 1)).to(dtype).to(device)
+    c = torch.rand(R, K, generator=g).to(dtype).to(device)
+    s = (torch.randn(R, H, generator=g) / 3).to(dtype).to(device) if shared else None
+    return y, c, s, (torch.randn(R, H, generator=g) * 4).to(dtype).to(device), torch.randn(H, generator=g).to(
+        dtype).to(device)
+
+
+def combine_mismatches(run_fused, run_combine, run_rms, case, fault: str = "") -> int:
+    """Elements where the fused (x, h) differ from combine, then a + that, then rmsnorm; fault "weight": the first
+    row's first routing weight doubled, "norm": a norm weight one ULP up."""
+    y, c, s, a, w = case
+    x = _norm.residual_add(a, run_combine(y, c, s))
+    fx, fh = run_fused(y, doubled(c, 0) if fault == "weight" else c, s, a,
+                       one_ulp_up(w, 3) if fault == "norm" else w, 1e-6)
+    return mismatches(fx, x) + mismatches(fh, run_rms(x, w, 1e-6))
+
+
 def group_mismatches(linear, linear_many, x, ws, fault: bool = False) -> int:
     """Elements where linear_many's outputs (the last weight with a planted fault if asked: doubled) differ from
     linear's."""
@@ -95,6 +116,7 @@ def test_options_serve_nothing_on_the_cpu():
     x, wt = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(3, 16, dtype=torch.bfloat16)
     assert fused.dense_group(x, (wt,)) is None
     assert fused.residual_norm(x, x, wt[0], 1e-6) is None
+    assert fused.combine_residual_norm(x[:, None], x[:, :1], None, x, wt[0], 1e-6) is None
 
 
 def _recording(base, calls: list, **replaced):
@@ -110,13 +132,15 @@ def _recording(base, calls: list, **replaced):
     tabs = {r: {c: (dataclasses.replace(s, fn=lambda *a, _f=s.fn: _f(*a)) if c in replaced else s)
                 for c, s in getattr(base, r).items()} for r in ("decode", "prompt")}
     opts = {**base.options, "qk_norm_rope": rec("qk", fused.qk_norm_rope),
-            "dense_group": rec("group", fused.dense_group), "residual_norm": rec("res", fused.residual_norm)}
+            "dense_group": rec("group", fused.dense_group), "residual_norm": rec("res", fused.residual_norm),
+            "combine_residual_norm": rec("comb", fused.combine_residual_norm)}
     return dataclasses.replace(base, name="invariant+recording", options=opts, **tabs)
 
 
-@pytest.mark.parametrize("replaced, used", [((), {"qk", "group", "res"}), (("rmsnorm",), {"group"}),
-                                            (("rope",), {"group", "res"}), (("dense",), {"qk", "res"}),
-                                            (("residual",), {"qk", "group"})])
+@pytest.mark.parametrize("replaced, used", [((), {"qk", "group", "res", "comb"}), (("rmsnorm",), {"group"}),
+                                            (("rope",), {"group", "res", "comb"}),
+                                            (("dense",), {"qk", "res", "comb"}), (("residual",), {"qk", "group"}),
+                                            (("moe_combine",), {"qk", "group", "res"})])
 def test_the_engine_uses_an_option_only_over_the_sets_own_kernels(tiny_weights, replaced, used):
     w, inv = tiny_weights, get_set("invariant")
     ids = torch.arange(6) + 3
@@ -125,7 +149,7 @@ def test_the_engine_uses_an_option_only_over_the_sets_own_kernels(tiny_weights, 
     calls: list = []
     ks = _recording(inv, calls, **{c: True for c in replaced})
     out = forward(w, ids, torch.arange(6), cache, ks, BATCHED).logits
-    per_forward = {"qk": 1, "group": 1, "res": 2}                       # per layer: the residual after each block
+    per_forward = {"qk": 1, "group": 1, "res": 2, "comb": 1}   # per layer: the residual after each block, the MoE's
     assert set(calls) == used and len(calls) == sum(per_forward[u] for u in used) * w.cfg.n_layers
     assert mismatches(out, ref) == 0
     n = len(calls)
@@ -140,7 +164,8 @@ def test_an_imported_set_with_its_own_rmsnorm_loses_the_fused_options():
                "rmsnorm": dataclasses.replace(getattr(inv, r)["rmsnorm"], fn=_norm.rmsnorm_invariant)}
            for r in ("decode", "prompt")}
     ks, dropped = imported.drop_bypassing_options(dataclasses.replace(inv, name="user", **own))
-    assert set(dropped) == {"qk_norm_rope", "residual_norm"} and ks.options.qk_norm_rope is None
+    assert set(dropped) == {"qk_norm_rope", "residual_norm", "combine_residual_norm"}
+    assert ks.options.qk_norm_rope is None
     assert ks.options.dense_group is fused.dense_group and ks.options.grouped_experts is inv.options.grouped_experts
     assert imported.drop_bypassing_options(inv)[1] == {}
 
@@ -174,6 +199,21 @@ def test_gpu_residual_norm_gives_the_add_then_rmsnorm_bytes_and_a_planted_fault_
 
 @GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype, R, K, H, shared", [(torch.bfloat16, 1, 8, 2048, False),
+                                                    (torch.bfloat16, 333, 8, 2048, True),
+                                                    (torch.float32, 7, 8, 2048, False),
+                                                    (torch.bfloat16, 9, 2, 64, True)])
+def test_gpu_combine_residual_norm_gives_the_combine_add_then_rmsnorm_bytes_and_planted_faults_are_caught(
+        dtype, R, K, H, shared):
+    from exactness.kernels import triton_fused, triton_moe_rows, triton_rows
+    case = combine_case(dtype, "cuda", R=R, K=K, H=H, shared=shared, seed=R)
+    args = (triton_fused.combine_residual_norm, triton_moe_rows.combine, triton_rows.rmsnorm, case)
+    assert combine_mismatches(*args) == 0
+    assert combine_mismatches(*args, fault="weight") > 0 and combine_mismatches(*args, fault="norm") > 0
+
+
+@GPU
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 3, 16, 17, 64, 512, 600])
 def test_gpu_grouped_projections_give_each_weights_linear_bytes_and_a_planted_fault_is_caught(M):
     from exactness.kernels import triton_gemm, triton_group
@@ -196,7 +236,8 @@ def test_gpu_forward_with_the_fused_options_equals_the_forward_without():
     w = device_random_weights(get_preset("small").replace(n_layers=2), torch.bfloat16, "cuda", seed=2)
     inv = get_set("invariant")
     plain = dataclasses.replace(inv, name="invariant-unfused",
-                                options=inv.options.without("qk_norm_rope", "dense_group", "residual_norm"))
+                                options=inv.options.without("qk_norm_rope", "dense_group", "residual_norm",
+                                                            "combine_residual_norm"))
     ids = torch.randint(0, 258, (300,), generator=torch.Generator().manual_seed(4)).cuda()
     res = {}
     for ks in (inv, plain):
@@ -216,8 +257,10 @@ def test_gpu_forward_with_the_fused_options_equals_the_forward_without():
 
 _INTERP = """
 import torch
-from test_fused_options import qk_case, qk_mismatches, group_mismatches, residual_case, residual_mismatches
-from exactness.kernels import rope as _rope, triton_gemm as tg, triton_group, triton_fused, triton_rows, triton_split
+from test_fused_options import (qk_case, qk_mismatches, group_mismatches, residual_case, residual_mismatches,
+                                combine_case, combine_mismatches)
+from exactness.kernels import (rope as _rope, triton_gemm as tg, triton_group, triton_fused, triton_moe_rows,
+                               triton_rows, triton_split)
 for dt in (torch.bfloat16, torch.float32):
     cos, sin = _rope._table(16, 1e4, 1, torch.device("cpu"), dt)
     case = qk_case(dt, "cpu", M=3, HQ=4, HK=2, D=16)
@@ -226,6 +269,11 @@ for dt in (torch.bfloat16, torch.float32):
     case = residual_case(dt, "cpu", R=3, H=64)
     print("res", residual_mismatches(triton_fused.residual_norm, triton_rows.rmsnorm, case),
           residual_mismatches(triton_fused.residual_norm, triton_rows.rmsnorm, case, fault=True))
+    for shared in (False, True):
+        case = combine_case(dt, "cpu", R=3, K=3, H=64, shared=shared)
+        args = (triton_fused.combine_residual_norm, triton_moe_rows.combine, triton_rows.rmsnorm, case)
+        print("comb", combine_mismatches(*args), combine_mismatches(*args, fault="weight"),
+              combine_mismatches(*args, fault="norm"))
 for n in (48, 40):
     tg.with_config("linear", n, 64, torch.bfloat16, "interp", tg.GemmConfig(16, 16, 16, 1, 4, split_k=2, tma=False))
 x = torch.randn(2, 64).to(torch.bfloat16)
@@ -258,7 +306,8 @@ group([ws[1], ws[0], ws[2]])
 @NEEDS_TRITON
 def test_interpreter_fused_kernels_give_the_kernels_bytes_and_planted_faults_are_caught():
     rows = interpreted_rows(_INTERP)
-    assert [r[0] for r in rows] == ["qk", "res", "qk", "res"] + ["group"] * 3 + ["apart", "unmixed"] + ["group"] * 2
-    assert all(int(r[1]) == 0 and int(r[2]) > 0 for r in rows[:4])
+    head = ["qk", "res", "comb", "comb"] * 2
+    assert [r[0] for r in rows] == head + ["group"] * 3 + ["apart", "unmixed"] + ["group"] * 2
+    assert all(int(r[1]) == 0 and all(int(v) > 0 for v in r[2:]) for r in rows[:len(head)])
     assert all(r[1:3] == ["1", "0"] and int(r[3]) > 0 for r in rows if r[0] == "group")
-    assert rows[7][1:] == ["0", "0"] and rows[8][1:] == ["0", "1", "0"]
+    assert rows[11][1:] == ["0", "0"] and rows[12][1:] == ["0", "1", "0"]

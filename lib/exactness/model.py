@@ -161,8 +161,9 @@ class Ops:
             if cls in kernels.decode:   # a set registered before a class was added has no kernel of it
                 attr = "_" + cls if callable(getattr(Ops, cls, None)) else cls
                 setattr(self, attr, self._tap(cls, kernels.fn(cls, role)))
-        self._qk, self._group, self._res = (_own_option(kernels, n, role)
-                                            for n in ("qk_norm_rope", "dense_group", "residual_norm"))
+        self._qk, self._group, self._res, self._comb = (
+            _own_option(kernels, n, role) for n in ("qk_norm_rope", "dense_group", "residual_norm",
+                                                    "combine_residual_norm"))
 
     def _tap(self, cls: str, fn):
         if not _TAPS:
@@ -209,6 +210,13 @@ class Ops:
         (same bytes, one launch); else (self.residual(a, b), None): the caller runs the norm where it belongs."""
         out = None if self._res is None or _TAPS else self._res(a, b, w, eps)
         return (self.residual(a, b), None) if out is None else out
+
+    def combine_residual_norm(self, y: torch.Tensor, weights: torch.Tensor, shared, a: torch.Tensor, w,
+                              eps: float) -> tuple[torch.Tensor, object]:
+        """(a + moe_combine(y, weights, shared), its rmsnorm by w or None) by the set's combine_residual_norm option
+        where it serves and no taps are on (same bytes, one launch); else moe_combine, then residual_norm."""
+        out = None if self._comb is None or _TAPS else self._comb(y, weights, shared, a, w, eps)
+        return self.residual_norm(a, self.moe_combine(y, weights, shared), w, eps) if out is None else out
 
     def _whole(self, x: torch.Tensor, tile: int) -> bool:
         """Whether a tiled class gets x's rows in one call (not the deep plan's host tiles)."""
@@ -298,8 +306,9 @@ def moe_block(ops: Ops, lw: LayerWeights, cfg, x, experts: ExpertProvider, layer
     shared = None
     if lw.shared_gate is not None:
         shared = ops.expert(h, lw.shared_gate, lw.shared_up, lw.shared_down)  # shared expert: expert kernels
-    y = ops.moe_combine(y, weights, shared)
-    return (ops.residual(x, y), None) if next_norm is None else ops.residual_norm(x, y, next_norm, cfg.rms_eps)
+    if next_norm is not None:
+        return ops.combine_residual_norm(y, weights, shared, x, next_norm, cfg.rms_eps)
+    return ops.residual(x, ops.moe_combine(y, weights, shared)), None
 
 
 def forward(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,

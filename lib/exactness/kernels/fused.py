@@ -9,6 +9,9 @@ fault, a user's kernel) runs its own kernels.
   queries and keys in one launch (triton_fused), for cuda.rmsnorm then cuda.rope.
 - ``residual_norm(a, b, w, eps) -> (x, h) | None``: the residual add and the next RMSNorm of its sum in one launch
   (triton_fused), for cuda.residual then cuda.rmsnorm.
+- ``combine_residual_norm(y, weights, shared, a, w, eps) -> (x, h) | None``: the MoE combine of the experts'
+  outputs, the residual add and the next RMSNorm in one launch (triton_fused), for cuda.combine, cuda.residual then
+  cuda.rmsnorm.
 - ``dense_group(x, ws) -> tuple | None``: x @ w^T for several weights of one input, those whose split-K launches
   can share one in one grouped launch (triton_group: a decode step's q, k and v), for cuda.dense_invariant.
 """
@@ -48,6 +51,20 @@ def residual_norm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float
     return cuda._tk("triton_fused").try_residual_norm(a, b, w, eps)
 
 
+def combine_residual_norm(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None, a: torch.Tensor,
+                          w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x, h) = (a + combine(y, weights, shared), rmsnorm(x, w, eps)) with cuda.combine's, cuda.residual's and
+    cuda.rmsnorm's bytes in one launch.
+
+    Args:
+        y: [M, k, H]; weights: [M, k]; shared: [M, H] or None; a: [M, H]; w: [H]. Returns: (x, h) [M, H] in a's
+        dtype, or None where not served (CPU tensors, or inputs triton_fused.try_combine_residual_norm refuses).
+    """
+    if not (y.is_cuda and torch.is_tensor(w)):
+        return None
+    return cuda._tk("triton_fused").try_combine_residual_norm(y, weights, shared, a, w, eps)
+
+
 def dense_group(x: torch.Tensor, ws: tuple) -> tuple[torch.Tensor, ...] | None:
     """(cuda.dense_invariant(x, w) for w in ws), the bytes of each, in fewer launches (triton_group.linear_many).
 
@@ -64,3 +81,5 @@ def dense_group(x: torch.Tensor, ws: tuple) -> tuple[torch.Tensor, ...] | None:
 qk_norm_rope.stands_for = (("rmsnorm", cuda.rmsnorm), ("rope", cuda.rope))
 dense_group.stands_for = (("dense", cuda.dense_invariant),)
 residual_norm.stands_for = (("residual", cuda.residual), ("rmsnorm", cuda.rmsnorm))
+combine_residual_norm.stands_for = (("moe_combine", cuda.combine), ("residual", cuda.residual),
+                                    ("rmsnorm", cuda.rmsnorm))

@@ -168,6 +168,10 @@ def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int
     specs.append((f"residual + rmsnorm H={H}", _tk("triton_fused")._residual_norm_kernel,
                   dict(a_ptr=p, b_ptr=p, w_ptr=p, x_ptr=p, h_ptr=p, R=i32, H=i32, eps=f32),
                   dict(BR=br, BH=bh, EMULATE=False), dict(num_warps=warps, enable_fp_fusion=False)))
+    specs.append((f"moe combine + residual + rmsnorm H={H}", _tk("triton_fused")._combine_residual_norm_kernel,
+                  dict(y_ptr=p, c_ptr=p, s_ptr=p, a_ptr=p, w_ptr=p, x_ptr=p, h_ptr=p, R=i32, H=i32, eps=f32),
+                  dict(K=cfg.top_k, HAS_SHARED=cfg.shared_expert_inter > 0, BR=br, BH=bh, EMULATE=False),
+                  dict(num_warps=warps, enable_fp_fusion=False)))
     br, bd, warps = tr._row_block(D)
     specs.append(("q/k rmsnorm + rope", _tk("triton_fused")._qk_norm_rope_kernel,
                   dict(q_ptr=p, k_ptr=p, wq_ptr=p, wk_ptr=p, qo_ptr=p, ko_ptr=p, pos_ptr="*i64", cos_ptr=p, sin_ptr=p,

@@ -222,7 +222,10 @@ class KernelOptions(Mapping):
             weight of one input, same bytes, in fewer launches (model.attention_block: keys and values, queries).
         residual_norm: None, or ``fn(a [..., H], b, w [H], eps) -> (a + b, rmsnorm(a + b, w, eps)) | None``: the
             set's residual then rmsnorm, same bytes, in fewer launches (each block's residual and the next norm).
-        Each of the three above may name the kernels it stands in for in an attribute ``stands_for`` ((class,
+        combine_residual_norm: None, or ``fn(y [M, k, H], weights [M, k], shared [M, H] | None, a [M, H], w [H], eps)
+            -> (a + c, rmsnorm(a + c, w, eps)) | None``, c the set's moe_combine of y: the set's moe_combine, residual
+            then rmsnorm, same bytes, in fewer launches (the MoE block's end).
+        Each of the four above may name the kernels it stands in for in an attribute ``stands_for`` ((class,
         kernel callable) pairs): model.Ops then uses it only for a set whose kernels of those classes are those
         callables. grouped_experts has no such check in the engine: a set imported by reference loses it (and the
         three) where its kernels of those classes are not the built-in set's (imported.drop_bypassing_options).
@@ -237,6 +240,7 @@ class KernelOptions(Mapping):
     qk_norm_rope: Callable | None = None
     dense_group: Callable | None = None
     residual_norm: Callable | None = None
+    combine_residual_norm: Callable | None = None
 
     @classmethod
     def of(cls, options: "KernelOptions | Mapping | None") -> "KernelOptions":

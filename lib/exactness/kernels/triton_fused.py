@@ -1,9 +1,11 @@
-"""Row kernels that run two kernel classes' calls in one Triton launch (CUDA), with the bytes of the two:
+"""Row kernels that run several kernel classes' calls in one Triton launch (CUDA), with the bytes of those calls:
 
 - ``qk_norm_rope``: per-head query/key RMSNorm then RoPE, triton_rows.rmsnorm then triton_rows.rope on the queries
   and on the keys, where those take four launches;
 - ``residual_norm``: the residual add then the next RMSNorm (norm.residual_add, then triton_rows.rmsnorm of the
-  sum), where those take two.
+  sum), where those take two;
+- ``combine_residual_norm``: the MoE combine of the experts' outputs (triton_moe_rows.combine), then the residual add
+  and the next RMSNorm, where those take two (the combine, then residual_norm).
 
 Each normalises a row on the rmsnorm kernel's block (triton_rows._row_block of the row width: the same rows per
 program, block width and warps, loads of the same shape and the same ``tl.sum``), so that its mean of squares is
@@ -12,7 +14,8 @@ every row's bytes (tests/test_fused_options.py). Everything after that sum is el
 so its bytes follow from the operations. qk_norm_rope rounds and weights the normalised halves as rmsnorm does and
 rotates them with the rope kernel's products and sums; the queries' and the keys' programs share one launch (the
 first programs take query rows, the rest key rows). residual_norm rounds each sum to the storage dtype as the add
-does (fp32 sum, rounded once), stores it, and normalises it.
+does (fp32 sum, rounded once), stores it, and normalises it; combine_residual_norm first sums each row's experts'
+outputs as the combine kernel does (elementwise, so any lane order gives its bytes) and rounds that sum once.
 """
 from __future__ import annotations
 
@@ -130,6 +133,19 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.T
     return out
 
 
+@triton.jit
+def _add_norm_rows(a, b, w_ptr, x_ptr, h_ptr, offs, mask, cols, H, eps, EMULATE: tl.constexpr):
+    """Store x = a + b rounded to the storage dtype (norm.residual_add) and h = rmsnorm(x) (triton_rows'), given a
+    and b [BR, BH] fp32 on the rmsnorm kernel's block."""
+    dt = x_ptr.dtype.element_ty
+    s = round_to(a + b, dt, EMULATE)
+    tl.store(x_ptr + offs, s, mask=mask)
+    x = s.to(tl.float32)
+    r = rms_scale(x, H, eps)                                                                   # [BR, 1]
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(h_ptr + offs, scale_rows(x, r, w[None, :], dt, EMULATE), mask=mask)
+
+
 @triton.jit(do_not_specialize=["R"])
 def _residual_norm_kernel(a_ptr, b_ptr, w_ptr, x_ptr, h_ptr, R, H, eps, BR: tl.constexpr, BH: tl.constexpr,
                           EMULATE: tl.constexpr, PDL: tl.constexpr):
@@ -137,16 +153,33 @@ def _residual_norm_kernel(a_ptr, b_ptr, w_ptr, x_ptr, h_ptr, R, H, eps, BR: tl.c
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BH)
     mask = (rows[:, None] < R) & (cols[None, :] < H)
-    dt = x_ptr.dtype.element_ty
     offs = rows[:, None] * H + cols[None, :]
     a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)                           # [BR, BH]
     b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = round_to(a + b, dt, EMULATE)
-    tl.store(x_ptr + offs, s, mask=mask)
-    x = s.to(tl.float32)
-    r = rms_scale(x, H, eps)                                                                   # [BR, 1]
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    tl.store(h_ptr + offs, scale_rows(x, r, w[None, :], dt, EMULATE), mask=mask)
+    _add_norm_rows(a, b, w_ptr, x_ptr, h_ptr, offs, mask, cols, H, eps, EMULATE)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _combine_residual_norm_kernel(y_ptr, c_ptr, s_ptr, a_ptr, w_ptr, x_ptr, h_ptr, R, H, eps, K: tl.constexpr,
+                                  HAS_SHARED: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
+                                  EMULATE: tl.constexpr, PDL: tl.constexpr):
+    """As _residual_norm_kernel with b the MoE combine of each row (triton_moe_rows._combine_kernel's operations):
+    fp32 sum over slots 0..K-1 of c * y (no contraction), + shared, rounded to the storage dtype."""
+    pdl_start(PDL)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BH)
+    mask = (rows[:, None] < R) & (cols[None, :] < H)
+    offs = rows[:, None] * H + cols[None, :]
+    acc = tl.zeros((BR, BH), dtype=tl.float32)
+    for j in tl.static_range(K):
+        cj = tl.load(c_ptr + rows * K + j, mask=rows < R, other=0.0).to(tl.float32)          # [BR]
+        yo = (rows.to(tl.int64)[:, None] * K + j) * H + cols[None, :]
+        acc = acc + cj[:, None] * tl.load(y_ptr + yo, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        acc = acc + tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    b = round_to(acc, x_ptr.dtype.element_ty, EMULATE).to(tl.float32)
+    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    _add_norm_rows(a, b, w_ptr, x_ptr, h_ptr, offs, mask, cols, H, eps, EMULATE)
 
 
 def try_residual_norm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float
@@ -185,4 +218,51 @@ def residual_norm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float)
         got = ", ".join(f"{n} {tuple(t.shape)} {t.dtype} {t.device}" for n, t in (("a", a), ("b", b), ("w", w)))
         raise ValueError(f"residual_norm takes a and b [..., H] and w [H] of one float dtype on one CUDA device; "
                          f"got {got}")
+    return out
+
+
+def try_combine_residual_norm(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None, a: torch.Tensor,
+                              w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """combine_residual_norm where it takes the tensors (see there), else None (nothing launched)."""
+    if y.dim() != 3 or a.dim() != 2:
+        return None
+    M, k, H = y.shape
+    ts = (y, weights, a, w) + (() if shared is None else (shared,))
+    if not (weights.shape == (M, k) and a.shape == (M, H) and w.shape == (H,) and k >= 1
+            and (shared is None or shared.shape == (M, H)) and (y.is_cuda or INTERPRET)
+            and all(t.dtype == y.dtype and t.device == y.device for t in ts)
+            and y.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return None
+    yc, cc, ac, wc = y.contiguous(), weights.contiguous(), a.contiguous(), w.contiguous()
+    sc = ac if shared is None else shared.contiguous()
+    x, h = torch.empty_like(ac), torch.empty_like(ac)
+    if M:
+        br, bh, warps = _row_block(H)
+        key = (_combine_residual_norm_kernel, y.dtype, H, k, shared is None) + tuple(
+            t.data_ptr() % 16 == 0 for t in (yc, cc, sc, ac, wc))                                  # M: any
+        launch(_combine_residual_norm_kernel, (cdiv(M, br),), (yc, cc, sc, ac, wc, x, h, M, H, float(eps)),
+               dict(K=k, HAS_SHARED=shared is not None, BR=br, BH=bh, EMULATE=INTERPRET), key=key,
+               num_warps=warps, **_NO_FMA)
+    return x, h
+
+
+def combine_residual_norm(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None, a: torch.Tensor,
+                          w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, h) = (a + combine(y, weights, shared), rmsnorm(x, w, eps)), the bytes of triton_moe_rows.combine, then
+    norm.residual_add, then triton_rows.rmsnorm, in one launch.
+
+    Args:
+        y: [M, k, H] the experts' outputs; weights: [M, k] routing weights; shared: [M, H] or None; a: [M, H] the
+            residual stream; w: [H]; one float dtype on one CUDA device (the CPU under the interpreter).
+    Returns:
+        x and h, [M, H] in a's dtype.
+    Raises:
+        ValueError: tensors of other shapes, dtypes or devices (named).
+    """
+    out = try_combine_residual_norm(y, weights, shared, a, w, eps)
+    if out is None:
+        named = (("y", y), ("weights", weights), ("shared", shared), ("a", a), ("w", w))
+        got = ", ".join(f"{n} {tuple(t.shape)} {t.dtype} {t.device}" for n, t in named if t is not None)
+        raise ValueError("combine_residual_norm takes y [M, k, H], weights [M, k], shared [M, H] or None, a [M, H] "
+                         f"and w [H] of one float dtype on one CUDA device; got {got}")
     return out
