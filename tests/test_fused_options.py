@@ -1,4 +1,5 @@
-"""The invariant set's fused options (kernels/fused.py): a layer's q/k RMSNorm and RoPE in one launch, a residual
+"""The invariant set's fused options (kernels/fused.py): a layer's q/k RMSNorm and RoPE in one launch (with the
+KV cache store in the same launch), a residual
 add with the next RMSNorm in one and the MoE combine with both in one (triton_fused), and projections of one input in a grouped pair of launches
 (triton_group) give the bytes of the kernels they stand in for, and the engine uses an option only over a set's own
 kernels of those classes.
@@ -55,6 +56,29 @@ def qk_mismatches(run_fused, run_rms, run_rope, case, cos, sin, fault: bool = Fa
     rk = run_rope(run_rms(k, wk, 1e-6), pos, cos, sin)
     fq, fk = run_fused(q, k, one_ulp_up(wq, 7) if fault else wq, wk, 1e-6, pos, cos, sin)
     return mismatches(fq, rq) + mismatches(fk, rk)
+
+
+def qk_store_mismatches(run_fused, run_rms, run_rope, run_store, case, cos, sin, S=3, T=40,
+                        fault: str = "") -> int:
+    """Elements where the fused q, k and the caches it writes differ from rmsnorm then rope then the cache store
+    (caches [S, T, Hk, D] of random bytes, rows at distinct (slot, position) pairs, the last of several rows'
+    position past the cache: not stored); fault "key": a key norm weight one ULP up, "value": a value doubled."""
+    q, k, wq, wk, _ = case
+    M, HK, D = k.shape
+    g = torch.Generator().manual_seed(M)
+    pairs = torch.randperm(S * T, generator=g)[:M]
+    slots, pos = (pairs // T).to(q.device), (pairs % T).to(q.device)
+    if M > 1:
+        pos[-1] = T + 3
+    v = torch.randn(M, HK, D, generator=g).to(k.dtype).to(k.device)
+    kc, vc = (torch.randn(S, T, HK, D, generator=g).to(k.dtype).to(k.device) for _ in range(2))
+    rk = run_rope(run_rms(k, wk, 1e-6), pos, cos, sin)
+    rkc, rvc = kc.clone(), vc.clone()
+    assert run_store(rkc, rvc, slots, pos, rk, v)
+    fq, fk = run_fused(q, k, wq, one_ulp_up(wk, 7) if fault == "key" else wk, 1e-6, pos, cos, sin,
+                       store=(kc, vc, slots, doubled(v) if fault == "value" else v))
+    return (mismatches(fq, run_rope(run_rms(q, wq, 1e-6), pos, cos, sin)) + mismatches(fk, rk)
+            + mismatches(kc, rkc) + mismatches(vc, rvc))
 
 
 def doubled(w: torch.Tensor, at: int = 5) -> torch.Tensor:
@@ -188,6 +212,20 @@ def test_gpu_qk_norm_rope_gives_rmsnorm_then_rope_bytes_and_a_planted_fault_is_c
 
 @GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype, M, D", [(torch.bfloat16, 1, 128), (torch.bfloat16, 100, 128),
+                                         (torch.float32, 7, 128), (torch.bfloat16, 9, 64)])
+def test_gpu_qk_norm_rope_with_a_store_writes_the_cache_stores_bytes_and_planted_faults_are_caught(dtype, M, D):
+    from exactness.kernels import rope as _rope
+    from exactness.kernels import triton_cache, triton_fused, triton_rows
+    cos, sin = _rope._table(D, 1e6, 1, torch.device("cuda"), dtype)
+    case = qk_case(dtype, "cuda", M=M, D=D, seed=M)
+    args = (triton_fused.qk_norm_rope, triton_rows.rmsnorm, triton_rows.rope, triton_cache.store, case, cos, sin)
+    assert qk_store_mismatches(*args) == 0
+    assert qk_store_mismatches(*args, fault="key") > 0 and qk_store_mismatches(*args, fault="value") > 0
+
+
+@GPU
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype, R, H", [(torch.bfloat16, 1, 2048), (torch.bfloat16, 333, 2048),
                                          (torch.float32, 7, 2048), (torch.bfloat16, 9, 64)])
 def test_gpu_residual_norm_gives_the_add_then_rmsnorm_bytes_and_a_planted_fault_is_caught(dtype, R, H):
@@ -257,15 +295,18 @@ def test_gpu_forward_with_the_fused_options_equals_the_forward_without():
 
 _INTERP = """
 import torch
-from test_fused_options import (qk_case, qk_mismatches, group_mismatches, residual_case, residual_mismatches,
-                                combine_case, combine_mismatches)
-from exactness.kernels import (rope as _rope, triton_gemm as tg, triton_group, triton_fused, triton_moe_rows,
-                               triton_rows, triton_split)
+from test_fused_options import (qk_case, qk_mismatches, qk_store_mismatches, group_mismatches, residual_case,
+                                residual_mismatches, combine_case, combine_mismatches)
+from exactness.kernels import (rope as _rope, triton_cache, triton_gemm as tg, triton_group, triton_fused,
+                               triton_moe_rows, triton_rows, triton_split)
 for dt in (torch.bfloat16, torch.float32):
     cos, sin = _rope._table(16, 1e4, 1, torch.device("cpu"), dt)
     case = qk_case(dt, "cpu", M=3, HQ=4, HK=2, D=16)
     args = (triton_fused.qk_norm_rope, triton_rows.rmsnorm, triton_rows.rope, case, cos, sin)
     print("qk", qk_mismatches(*args), qk_mismatches(*args, fault=True))
+    store = args[:3] + (triton_cache.store,) + args[3:]
+    print("qks", qk_store_mismatches(*store), qk_store_mismatches(*store, fault="key"),
+          qk_store_mismatches(*store, fault="value"))
     case = residual_case(dt, "cpu", R=3, H=64)
     print("res", residual_mismatches(triton_fused.residual_norm, triton_rows.rmsnorm, case),
           residual_mismatches(triton_fused.residual_norm, triton_rows.rmsnorm, case, fault=True))
@@ -306,8 +347,8 @@ group([ws[1], ws[0], ws[2]])
 @NEEDS_TRITON
 def test_interpreter_fused_kernels_give_the_kernels_bytes_and_planted_faults_are_caught():
     rows = interpreted_rows(_INTERP)
-    head = ["qk", "res", "comb", "comb"] * 2
+    head = ["qk", "qks", "res", "comb", "comb"] * 2
     assert [r[0] for r in rows] == head + ["group"] * 3 + ["apart", "unmixed"] + ["group"] * 2
     assert all(int(r[1]) == 0 and all(int(v) > 0 for v in r[2:]) for r in rows[:len(head)])
     assert all(r[1:3] == ["1", "0"] and int(r[3]) > 0 for r in rows if r[0] == "group")
-    assert rows[11][1:] == ["0", "0"] and rows[12][1:] == ["0", "1", "0"]
+    assert rows[13][1:] == ["0", "0"] and rows[14][1:] == ["0", "1", "0"]

@@ -205,6 +205,19 @@ class Ops:
                    self.rope(self.rmsnorm(k, wk, eps), positions, theta))
         return out
 
+    def qk_norm_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq, wk, eps: float,
+                           positions: torch.Tensor, theta: float, cache: KVCache, layer: int,
+                           slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk_norm_rope's (q, k), with k and v written to the layer's cache at (slots, positions): in the option's
+        launch where it takes a store (``stores_kv``; an unquantized cache, no taps), else by cache.write."""
+        if self._qk is not None and getattr(self._qk, "stores_kv", False) and not _TAPS and not cache.format.quantized:
+            out = self._qk(q, k, wq, wk, eps, positions, theta, store=(cache.k[layer], cache.v[layer], slots, v))
+            if out is not None:
+                return out
+        q, k = self.qk_norm_rope(q, k, wq, wk, eps, positions, theta)
+        cache.write(layer, slots, positions, k, v, store=cache_store)                # one launch on CUDA
+        return q, k
+
     def residual_norm(self, a: torch.Tensor, b: torch.Tensor, w, eps: float) -> tuple[torch.Tensor, object]:
         """(a + b, rmsnorm(a + b, w, eps)) by the set's residual_norm option where it serves and no taps are on
         (same bytes, one launch); else (self.residual(a, b), None): the caller runs the norm where it belongs."""
@@ -251,8 +264,8 @@ def attention_block(ops: Ops, lw: LayerWeights, cfg, x, positions, slots, cache:
     q = q.view(M, cfg.n_heads, cfg.head_dim)                                         # [M, Hq, D]
     k = k.view(M, cfg.n_kv_heads, cfg.head_dim)                                      # [M, Hkv, D]
     v = v.view(M, cfg.n_kv_heads, cfg.head_dim)
-    q, k = ops.qk_norm_rope(q, k, lw.q_norm, lw.k_norm, cfg.rms_eps, positions, cfg.rope_theta)
-    cache.write(layer, slots, positions, k, v, store=cache_store)                    # one launch on CUDA
+    q, k = ops.qk_norm_rope_store(q, k, v, lw.q_norm, lw.k_norm, cfg.rms_eps, positions, cfg.rope_theta, cache,
+                                  layer, slots)
     o = ops.attention(q, cache.k[layer], cache.v[layer], slots, positions)          # [M, Hq, D]
     return ops.residual_norm(x, ops.dense(o.reshape(M, -1), lw.wo), lw.mlp_norm, cfg.rms_eps)
 

@@ -5,8 +5,10 @@ Each option names the kernels whose bytes it gives in ``stands_for`` ((class, ke
 for a set whose kernels of those classes are those very callables, so a set that replaces one of them (a planted
 fault, a user's kernel) runs its own kernels.
 
-- ``qk_norm_rope(q, k, wq, wk, eps, positions, theta) -> (q, k) | None``: per-head RMSNorm then RoPE of a layer's
-  queries and keys in one launch (triton_fused), for cuda.rmsnorm then cuda.rope.
+- ``qk_norm_rope(q, k, wq, wk, eps, positions, theta, store=None) -> (q, k) | None``: per-head RMSNorm then RoPE of
+  a layer's queries and keys in one launch (triton_fused), for cuda.rmsnorm then cuda.rope; given a store (the
+  layer's KV caches, the rows' slots and values) the same launch writes the keys and values to the caches, as the
+  engine's cache store (kernels/cache_store.py) would.
 - ``residual_norm(a, b, w, eps) -> (x, h) | None``: the residual add and the next RMSNorm of its sum in one launch
   (triton_fused), for cuda.residual then cuda.rmsnorm.
 - ``combine_residual_norm(y, weights, shared, a, w, eps) -> (x, h) | None``: the MoE combine of the experts'
@@ -24,18 +26,22 @@ from . import rope as _rope
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
-                 positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 positions: torch.Tensor, theta: float, store: tuple | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rope(rmsnorm(q, wq)), rope(rmsnorm(k, wk))) with cuda.rmsnorm's and cuda.rope's bytes in one launch.
 
     Args:
         q: [M, Hq, D]; k: [M, Hk, D]; wq, wk: [D]; positions: [M] int64; theta: RoPE base.
+        store: None, or (k_cache, v_cache [S, T, Hk, D], slots [M] int64, v [M, Hk, D]): the launch also writes the
+            keys it returns and v to the caches at (slots, positions) (triton_fused.qk_norm_rope).
     Returns:
-        (q, k) in q's dtype, or None where not served (CPU tensors, or inputs triton_fused.serves refuses).
+        (q, k) in q's dtype, or None where not served (CPU tensors, or inputs or a store triton_fused refuses):
+        then nothing is written.
     """
     if not (q.is_cuda and torch.is_tensor(wq) and torch.is_tensor(wk)):
         return None
     cos, sin = _rope._table(q.shape[-1], theta, 1, q.device, q.dtype)                # [L, D], as cuda.rope
-    return cuda._tk("triton_fused").try_qk_norm_rope(q, k, wq, wk, eps, positions, cos, sin)
+    return cuda._tk("triton_fused").try_qk_norm_rope(q, k, wq, wk, eps, positions, cos, sin, store)
 
 
 def residual_norm(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, eps: float
@@ -79,6 +85,7 @@ def dense_group(x: torch.Tensor, ws: tuple) -> tuple[torch.Tensor, ...] | None:
 
 
 qk_norm_rope.stands_for = (("rmsnorm", cuda.rmsnorm), ("rope", cuda.rope))
+qk_norm_rope.stores_kv = True
 dense_group.stands_for = (("dense", cuda.dense_invariant),)
 residual_norm.stands_for = (("residual", cuda.residual), ("rmsnorm", cuda.rmsnorm))
 combine_residual_norm.stands_for = (("moe_combine", cuda.combine), ("residual", cuda.residual),

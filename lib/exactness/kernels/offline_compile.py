@@ -173,10 +173,13 @@ def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int
                   dict(K=cfg.top_k, HAS_SHARED=cfg.shared_expert_inter > 0, BR=br, BH=bh, EMULATE=False),
                   dict(num_warps=warps, enable_fp_fusion=False)))
     br, bd, warps = tr._row_block(D)
-    specs.append(("q/k rmsnorm + rope", _tk("triton_fused")._qk_norm_rope_kernel,
-                  dict(q_ptr=p, k_ptr=p, wq_ptr=p, wk_ptr=p, qo_ptr=p, ko_ptr=p, pos_ptr="*i64", cos_ptr=p, sin_ptr=p,
-                       M=i32, HQ=i32, HK=i32, D=i32, L=i32, eps=f32),
-                  dict(BR=br, BD=bd, EMULATE=False), dict(num_warps=warps, enable_fp_fusion=False)))
+    for store, vt in ((False, p), (True, f"*{it}")):                  # the KV store's values copy integers
+        name = "q/k rmsnorm + rope" + (" + KV cache store" if store else "")
+        specs.append((name, _tk("triton_fused")._qk_norm_rope_kernel,
+                      dict(q_ptr=p, k_ptr=p, wq_ptr=p, wk_ptr=p, qo_ptr=p, ko_ptr=p, pos_ptr="*i64", cos_ptr=p,
+                           sin_ptr=p, v_ptr=vt, kc_ptr=p, vc_ptr=vt, s_ptr="*i64", M=i32, HQ=i32, HK=i32, D=i32,
+                           L=i32, S=i32, T=i32, eps=f32),
+                      dict(BR=br, BD=bd, STORE=store, EMULATE=False), dict(num_warps=warps, enable_fp_fusion=False)))
     specs.append(("rope", tr._rope_kernel, dict(x_ptr=p, pos_ptr="*i64", cos_ptr=p, sin_ptr=p, o_ptr=p, M=i32,
                                                   L=i32, NH=i32, D=i32, HALF=i32),
                   dict(BHN=triton_next_pow2(cfg.n_heads), BHALF=triton_next_pow2(D // 2), EMULATE=False),

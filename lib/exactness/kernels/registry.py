@@ -217,7 +217,10 @@ class KernelOptions(Mapping):
         expert_id_aware: the expert kernels take ``expert_id=`` (-1: the shared expert); graphs do not serve it.
         qk_norm_rope: None, or ``fn(q [M, Hq, D], k [M, Hk, D], wq [D], wk [D], eps, positions [M], theta) ->
             (q, k) | None``: the per-head rmsnorm then rope of a layer's queries and keys with the bytes of the set's
-            own kernels of those classes, in fewer launches (None from it: not served, the kernels run).
+            own kernels of those classes, in fewer launches (None from it: not served, the kernels run). One with the
+            attribute ``stores_kv = True`` also takes ``store=(k_cache, v_cache, slots, v)`` and then writes the keys
+            it returns and v to the layer's caches at (slots, positions) in the same launch, the bytes the engine's
+            cache store writes (None from it: nothing written).
         dense_group: None, or ``fn(x [M, K], ws) -> tuple of [M, N_i] | None``: the set's dense kernel on each
             weight of one input, same bytes, in fewer launches (model.attention_block: keys and values, queries).
         residual_norm: None, or ``fn(a [..., H], b, w [H], eps) -> (a + b, rmsnorm(a + b, w, eps)) | None``: the

@@ -30,7 +30,8 @@ from .triton_rows import (_NO_FMA, INTERPRET, _row_block, cdiv, launch, pdl_star
 @triton.jit
 def _head_rows(x_ptr, w_ptr, o_ptr, pos_ptr, cos_ptr, sin_ptr, tile, R, NH, D, L, eps,
                BR: tl.constexpr, BD: tl.constexpr, EMULATE: tl.constexpr):
-    """Rows tile*BR .. of x [R = M*NH, D]: rmsnorm (as triton_rows._rmsnorm_kernel) then rope (as _rope_kernel)."""
+    """Rows tile*BR .. of x [R = M*NH, D]: rmsnorm (as triton_rows._rmsnorm_kernel) then rope (as _rope_kernel),
+    stored to o; returns the two halves stored ([BR, BD/2] each, o's dtype)."""
     rows = tile * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     mask = (rows[:, None] < R) & (cols[None, :] < D)
@@ -56,23 +57,52 @@ def _head_rows(x_ptr, w_ptr, o_ptr, pos_ptr, cos_ptr, sin_ptr, tile, R, NH, D, L
     s2 = tl.load(sin_ptr + p * D + HALF + d[None, :], mask=hmask, other=0.0).to(tl.float32)
     o1, o2 = rotate_half(n1, n2, c1, c2, s1, s2, dt, EMULATE)
     nan = float("nan")
-    o1 = tl.where(ok[:, None], o1, nan)
-    o2 = tl.where(ok[:, None], o2, nan)
-    tl.store(o_ptr + base, round_to(o1, dt, EMULATE), mask=hmask)
-    tl.store(o_ptr + base + HALF, round_to(o2, dt, EMULATE), mask=hmask)
+    o1 = round_to(tl.where(ok[:, None], o1, nan), dt, EMULATE)
+    o2 = round_to(tl.where(ok[:, None], o2, nan), dt, EMULATE)
+    tl.store(o_ptr + base, o1, mask=hmask)
+    tl.store(o_ptr + base + HALF, o2, mask=hmask)
+    return o1, o2
 
 
-@triton.jit(do_not_specialize=["M"])
-def _qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, M, HQ, HK, D, L,
-                         eps, BR: tl.constexpr, BD: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+@triton.jit
+def _cache_rows(s_ptr, pos_ptr, rows, R, NH, D, S, T):
+    """[BR] int64 offset of each head row's (slot, position, head) in a cache [S, T, NH, D], and [BR] whether it is
+    stored: a row of the call whose slot and position are inside the cache (as triton_cache's store)."""
+    m = rows // NH
+    slot = tl.load(s_ptr + m, mask=rows < R, other=-1)
+    pos = tl.load(pos_ptr + m, mask=rows < R, other=-1)
+    keep = (rows < R) & (slot >= 0) & (slot < S) & (pos >= 0) & (pos < T)
+    return ((slot * T + pos) * NH + rows % NH) * D, keep
+
+
+@triton.jit(do_not_specialize=["M", "S", "T"])
+def _qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, v_ptr, kc_ptr,
+                         vc_ptr, s_ptr, M, HQ, HK, D, L, S, T, eps, BR: tl.constexpr, BD: tl.constexpr,
+                         STORE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+    """Query tiles, then key tiles; with STORE each key row also goes to the key cache kc [S, T, HK, D] at its (slot,
+    position), and value tiles after them copy v's rows (integers: bytes unchanged) to vc."""
     pdl_start(PDL)
     tile = tl.program_id(0)
     q_tiles = tl.cdiv(M * HQ, BR)
+    k_tiles = tl.cdiv(M * HK, BR)
     if tile < q_tiles:
         _head_rows(q_ptr, wq_ptr, qo_ptr, pos_ptr, cos_ptr, sin_ptr, tile, M * HQ, HQ, D, L, eps, BR, BD, EMULATE)
-    else:
-        _head_rows(k_ptr, wk_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, tile - q_tiles, M * HK, HK, D, L, eps, BR, BD,
-                   EMULATE)
+    elif tile < q_tiles + k_tiles:
+        o1, o2 = _head_rows(k_ptr, wk_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, tile - q_tiles, M * HK, HK, D, L, eps,
+                            BR, BD, EMULATE)
+        if STORE:
+            dst, keep = _cache_rows(s_ptr, pos_ptr, (tile - q_tiles) * BR + tl.arange(0, BR), M * HK, HK, D, S, T)
+            half = tl.arange(0, BD // 2)
+            hm = keep[:, None] & (half[None, :] < D // 2)
+            tl.store(kc_ptr + dst[:, None] + half[None, :], o1, mask=hm)
+            tl.store(kc_ptr + dst[:, None] + D // 2 + half[None, :], o2, mask=hm)
+    elif STORE:
+        rows = (tile - q_tiles - k_tiles) * BR + tl.arange(0, BR)
+        vdst, vkeep = _cache_rows(s_ptr, pos_ptr, rows, M * HK, HK, D, S, T)
+        col = tl.arange(0, BD)
+        vm = vkeep[:, None] & (col[None, :] < D)
+        tl.store(vc_ptr + vdst[:, None] + col[None, :], tl.load(v_ptr + rows[:, None] * D + col[None, :], mask=vm),
+                 mask=vm)
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, positions: torch.Tensor,
@@ -90,11 +120,32 @@ def serves(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
             and positions.device == q.device)
 
 
+_INTS = {2: torch.int16, 4: torch.int32}
+
+
+def _store_args(store: tuple, k: torch.Tensor) -> tuple | None:
+    """(v, key cache, value cache, slots) for the launch (the values and their cache as integers: a copy), or None
+    where the store is not of k's row shape, dtype and device: caches [S, T, Hk, D] contiguous, v [M, Hk, D], slots
+    [M] int64."""
+    k_cache, v_cache, slots, v = store
+    M = k.shape[0]
+    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:]
+            and v.shape == k.shape and all(t.dtype == k.dtype and t.device == k.device for t in (k_cache, v_cache, v))
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and slots.shape == (M,)
+            and slots.dtype == torch.int64 and slots.device == k.device and k.element_size() in _INTS):
+        return None
+    it = _INTS[k.element_size()]
+    return v.contiguous().view(it), k_cache, v_cache.view(it), slots.contiguous()
+
+
 def try_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
-                     positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store: tuple | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """qk_norm_rope where serves() takes the tensors, else None (nothing launched)."""
+    """qk_norm_rope where serves() takes the tensors (and _store_args the store), else None (nothing launched)."""
     if not serves(q, k, wq, wk, positions, cos, sin):
+        return None
+    st = None if store is None else _store_args(store, k)
+    if store is not None and st is None:
         return None
     M, HQ, D = q.shape
     HK = k.shape[1]
@@ -102,34 +153,43 @@ def try_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: tor
     qo, ko = torch.empty_like(qc), torch.empty_like(kc)
     if M:
         br, bd, warps = _row_block(D)
-        args = (qc, kc, wq.contiguous(), wk.contiguous(), qo, ko, positions.contiguous(), cos, sin, M, HQ, HK, D,
-                cos.shape[0], float(eps))
-        key = (_qk_norm_rope_kernel, q.dtype, HQ, HK, D, cos.shape[0] % 16 == 0, cos.shape[0] == 1) + tuple(
-            t.data_ptr() % 16 == 0 for t in args[:9])                                     # M: any
-        launch(_qk_norm_rope_kernel, (cdiv(M * HQ, br) + cdiv(M * HK, br),), args,
-               dict(BR=br, BD=bd, EMULATE=INTERPRET), key=key, num_warps=warps, **_NO_FMA)
+        v, k_cache, v_cache, slots = st or (qc, qc, qc, positions)           # unread without a store
+        args = (qc, kc, wq.contiguous(), wk.contiguous(), qo, ko, positions.contiguous(), cos, sin, v, k_cache,
+                v_cache, slots, M, HQ, HK, D, cos.shape[0], k_cache.shape[0], k_cache.shape[1], float(eps))
+        key = (_qk_norm_rope_kernel, q.dtype, HQ, HK, D, cos.shape[0] % 16 == 0, cos.shape[0] == 1,
+               st is None) + tuple(t.data_ptr() % 16 == 0 for t in args[:13])            # M, S, T: any
+        k_tiles = cdiv(M * HK, br)
+        launch(_qk_norm_rope_kernel, (cdiv(M * HQ, br) + k_tiles * (1 if st is None else 2),), args,
+               dict(BR=br, BD=bd, STORE=st is not None, EMULATE=INTERPRET), key=key, num_warps=warps, **_NO_FMA)
     return qo, ko
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
-                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store: tuple | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rope(rmsnorm(q, wq, eps)), rope(rmsnorm(k, wk, eps))) of triton_rows, bytes and all, in one launch.
 
     Args:
         q: [M, Hq, D]; k: [M, Hk, D]; wq, wk: [D]; positions: [M] int64; cos, sin: [L, D] tables (rope._table); a
             position outside 0..L-1 yields NaN rows, as triton_rows.rope.
+        store: None, or (k_cache, v_cache [S, T, Hk, D] contiguous, slots [M] int64, v [M, Hk, D]) of k's dtype:
+            the same launch also writes the normalised, rotated keys and v to the caches at (slots, positions), as
+            triton_cache.store would (a row outside the cache is not stored).
     Returns:
         q, k normalised and rotated, [M, Hq, D] and [M, Hk, D] in q's dtype.
     Raises:
-        ValueError: tensors serves() does not take (it names their shapes, dtypes and devices).
+        ValueError: tensors serves() does not take, or a store of other shapes, dtypes or devices (their shapes,
+            dtypes and devices named).
     """
-    out = try_qk_norm_rope(q, k, wq, wk, eps, positions, cos, sin)
+    out = try_qk_norm_rope(q, k, wq, wk, eps, positions, cos, sin, store)
     if out is None:
-        got = ", ".join(f"{n} {tuple(t.shape)} {t.dtype} {t.device}" for n, t in
-                        (("q", q), ("k", k), ("wq", wq), ("wk", wk), ("positions", positions), ("cos", cos),
-                         ("sin", sin)))
+        named = (("q", q), ("k", k), ("wq", wq), ("wk", wk), ("positions", positions), ("cos", cos), ("sin", sin))
+        named += tuple(zip(("k_cache", "v_cache", "slots", "v"), store or ()))
+        got = ", ".join(f"{n} {tuple(t.shape)} {t.dtype} {t.device}" for n, t in named)
         raise ValueError("qk_norm_rope takes q [M, Hq, D] and k [M, Hk, D] (D even) of one float dtype on one CUDA "
-                         f"device, weights [D], positions [M] int64 and cos/sin [L, D] of that dtype; got {got}")
+                         "device, weights [D], positions [M] int64 and cos/sin [L, D] of that dtype, and a store "
+                         "of contiguous caches [S, T, Hk, D] and v [M, Hk, D] of that dtype and slots [M] int64; "
+                         f"got {got}")
     return out
 
 
