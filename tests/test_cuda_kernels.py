@@ -480,6 +480,32 @@ def test_gpu_every_expert_placement_gives_each_row_the_shape_configs_bytes(monke
 
 @GPU
 @pytest.mark.gpu
+def test_gpu_one_row_experts_give_the_routed_bytes_without_the_route_launch(monkeypatch):
+    """A one-row call (triton_moe.ONE_ROW: slot j as tile j, no route launch) gives every slot the routed call's
+    bytes in two launches. Control: one expert's down weights changed in one element changes exactly its slot."""
+    from exactness.exact import differing_rows
+    from exactness.kernels import triton_moe as tm
+    E, I, H, k = 128, 768, 2048, 8
+    g, (wg, wu, wd) = _moe_inputs(E, I, H, torch.bfloat16, 9)
+    calls = [(torch.randn(1, H, generator=g, device="cuda").bfloat16(),
+              torch.randperm(E, generator=g, device="cuda")[:k][None]) for _ in range(5)]
+    launched, launch = [], tm.launch
+    monkeypatch.setattr(tm, "launch", lambda kernel, *a, **kw: (launched.append(kernel), launch(kernel, *a, **kw)))
+    one = [tm.experts(h, idx, wg, wu, wd) for h, idx in calls]
+    assert launched == [tm._grouped_kernel, tm._grouped_kernel] * len(calls)
+    monkeypatch.setattr(tm, "ONE_ROW", False)
+    routed = [tm.experts(h, idx, wg, wu, wd) for h, idx in calls]
+    assert tm._route_kernel in launched
+    assert [int(differing_rows(a[0], b[0]).sum()) for a, b in zip(one, routed)] == [0] * len(calls)
+    monkeypatch.setattr(tm, "ONE_ROW", True)
+    h, idx = calls[0]
+    bad_w = wd.clone()
+    bad_w[int(idx[0, 3]), 0, :] += 1.0
+    assert differing_rows(tm.experts(h, idx, wg, wu, bad_w)[0], one[0][0]).tolist() == [j == 3 for j in range(k)]
+
+
+@GPU
+@pytest.mark.gpu
 def test_gpu_grouped_experts_planted_fault_is_caught():
     """One expert's down weights changed in one element: exactly the rows routed to it (that slot) must differ."""
     from exactness.exact import differing_rows
@@ -641,8 +667,12 @@ def _interp_main() -> int:
     dec = torch.cat([tg.linear(tg.gate_up(x[m:m + 1], we[0][e], we[1][e]), we[2][e]) for m in range(37)
                      for e in route[m].tolist()])
     checks["grouped experts == per-expert rows"] = int(differing_rows(ye, dec).sum()) == 0
-    checks["grouped experts M=1 rows"] = int(differing_rows(tm.experts(x[:1], route[:1], *we).reshape(2, 48),
-                                                            ye[:2]).sum()) == 0
+    one = tm.experts(x[:1], route[:1], *we).reshape(2, 48)                 # one row: no route launch
+    checks["grouped experts M=1 rows"] = int(differing_rows(one, ye[:2]).sum()) == 0
+    bad = we[2].clone()
+    bad[int(route[0, 1]), 0, :] += 1.0                                      # slot 1's expert: down column 0
+    checks["grouped experts M=1 fault in slot 1 only"] = differing_rows(
+        tm.experts(x[:1], route[:1], we[0], we[1], bad).reshape(2, 48), one).tolist() == [False, True]
     checks.update(_interp_placements(x, w, we, route, ye))
     for k, v in checks.items():
         print(f"{'ok  ' if v else 'FAIL'} {k}")

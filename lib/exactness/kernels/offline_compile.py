@@ -221,9 +221,13 @@ def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str
         a, b, tile = _tile(c, dtype, capability, ty)
         sig = dict(a_src=a, b_src=b, b2_src=b, c_ptr=p, tile_e_ptr="*i32", dest_ptr="*i32", n_rows=i32, N=i32, K=i32,
                    stride_am=i32, stride_bn=i32, stride_cm=i32)
-        const = tile | dict(GATE_UP=kind == "gate_up", SCATTER=kind == "linear", SPLIT=c.split_k)
+        const = tile | dict(GATE_UP=kind == "gate_up", SCATTER=kind == "linear", SPLIT=c.split_k, ONE_ROW=False)
         specs.append((f"grouped moe {kind} {E}x{N}x{K} [{c.label()}]", tm._grouped_kernel, sig, const,
                       dict(num_warps=c.num_warps, num_stages=c.num_stages)))
+        if c is placed[0][1] or c is placed[0][2]:                 # the fewest rows' placement: one-row calls
+            specs.append((f"grouped moe {kind} {E}x{N}x{K} [{c.label()}] one row", tm._grouped_kernel,
+                          dict(sig, tile_e_ptr="*i64", dest_ptr="*i64"), const | dict(ONE_ROW=True),
+                          dict(num_warps=c.num_warps, num_stages=c.num_stages)))
     sig = dict(h_ptr=p, ids_ptr="*i64", sorted_ptr="*i64", order_ptr="*i64", xs_ptr=p, dest_ptr="*i32",
                tile_e_ptr="*i32", n_pairs=i32, n_iter=i32, E=i32, H=i32)
     for bm in sorted({gu.block_m for _, gu, _ in placed}):

@@ -9,7 +9,9 @@ BLOCK_M-row tiles, and every tile belongs to one expert. A route kernel copies e
 padded buffer (padding rows are not written: each GEMM row depends on its own row only, and a padding row's result
 is never stored) and records where each padded row's result goes; the fused gate/up GEMM and
 the down GEMM then run one program per (tile, BLOCK_N columns), the tile's expert read from the route table, and
-the down GEMM stores each row straight into its (row, slot) place of y.
+the down GEMM stores each row straight into its (row, slot) place of y. A one-row call (a decode step of one
+stream, ONE_ROW) needs no route: tile j is the row's slot j, whose expert the GEMMs read from idx itself, gate/up
+reads the row from h (tile rows past it read as zero), and down stores tile j's first row to slot j.
 
 Invariance device: the tile arithmetic is triton_gemm's (its _tile_product and rounding points, BLOCK_K and
 split_k of triton_gemm.config_for for the expert's weight shape, never chosen from M or from the counts): one
@@ -120,10 +122,14 @@ def _route_kernel(h_ptr, ids_ptr, sorted_ptr, order_ptr, xs_ptr, dest_ptr, tile_
 
 @triton.jit
 def _scatter_tile(c_ptr, acc, dest_ptr, off_m, off_n, N, stride_cm, BM: tl.constexpr, BN: tl.constexpr,
-                  EMULATE: tl.constexpr):
-    """Round to the storage dtype and store each row at its (row, slot) place; padding rows (-1) are dropped."""
+                  EMULATE: tl.constexpr, ONE_ROW: tl.constexpr):
+    """Round to the storage dtype and store each row at its (row, slot) place; padding rows (-1) are dropped.
+    ONE_ROW: tile off_m / BM holds one row, pair off_m / BM (the only row's slot), and no route table."""
     out = round_to(acc, c_ptr.dtype.element_ty, EMULATE)
-    d = tl.load(dest_ptr + off_m + tl.arange(0, BM))
+    if ONE_ROW:
+        d = tl.where(tl.arange(0, BM) == 0, off_m // BM, -1)
+    else:
+        d = tl.load(dest_ptr + off_m + tl.arange(0, BM))
     rn = off_n + tl.arange(0, BN)
     tl.store(c_ptr + d[:, None].to(tl.int64) * stride_cm + rn[None, :], out, mask=(d[:, None] >= 0) & (rn[None, :] < N))
 
@@ -132,13 +138,20 @@ def _scatter_tile(c_ptr, acc, dest_ptr, off_m, off_n, N, stride_cm, BM: tl.const
 def _grouped_kernel(a_src, b_src, b2_src, c_ptr, tile_e_ptr, dest_ptr, n_rows, N, K, stride_am, stride_bn,
                     stride_cm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
                     SCATTER: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-                    SPLIT: tl.constexpr, PDL: tl.constexpr):
-    """One program per (tile, BLOCK_N columns); the expert's weights are rows e*N.. of the stacked [E*N, K]."""
+                    SPLIT: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr):
+    """One program per (tile, BLOCK_N columns); the expert's weights are rows e*N.. of the stacked [E*N, K].
+    ONE_ROW: tile_e_ptr is the one row's expert ids (tile t = slot t), gate/up reads that row (row 0 of a, n_rows
+    = 1) and stores tile t's first row; down scatters it without dest_ptr."""
     pdl_start(PDL)
     num_pid_n = tl.cdiv(N, BN)
     t = tl.program_id(0) // num_pid_n
     pid_n = tl.program_id(0) % num_pid_n
-    e = tl.load(tile_e_ptr + t)
+    e = tl.load(tile_e_ptr + t).to(tl.int32)                                   # ONE_ROW: int64 ids
+    off_a = t * BM
+    n_out = n_rows
+    if ONE_ROW and not SCATTER:
+        off_a = t * 0
+        n_out = t * BM + 1
     if e >= 0:
         if TMA:
             b, b2, off_b = b_src, b2_src, e * N + pid_n * BN       # rows of the stacked [E*N, K] descriptor
@@ -146,12 +159,12 @@ def _grouped_kernel(a_src, b_src, b2_src, c_ptr, tile_e_ptr, dest_ptr, n_rows, N
             b = b_src + e.to(tl.int64) * N * stride_bn              # the expert's [N, K] block
             b2 = b2_src + e.to(tl.int64) * N * stride_bn
             off_b = pid_n * BN
-        acc, acc2 = _tile_product(a_src, b, b2, t * BM, off_b, n_rows, N, K, stride_am, stride_bn,
+        acc, acc2 = _tile_product(a_src, b, b2, off_a, off_b, n_rows, N, K, stride_am, stride_bn,
                                   BM, BN, BK, GATE_UP, TMA, PRECISION, EMULATE, SPLIT)
         if SCATTER:
-            _scatter_tile(c_ptr, acc, dest_ptr, t * BM, pid_n * BN, N, stride_cm, BM, BN, EMULATE)
+            _scatter_tile(c_ptr, acc, dest_ptr, t * BM, pid_n * BN, N, stride_cm, BM, BN, EMULATE, ONE_ROW)
         else:
-            _store_tile(c_ptr, acc, acc2, t * BM, pid_n * BN, n_rows, N, stride_cm, BM, BN, GATE_UP, EMULATE)
+            _store_tile(c_ptr, acc, acc2, t * BM, pid_n * BN, n_out, N, stride_cm, BM, BN, GATE_UP, EMULATE)
 
 
 @dataclass
@@ -169,6 +182,7 @@ class _Plan:
 
 _PLANS: dict[tuple, _Plan] = {}
 SMALL_PAIRS = 256   # up to this many (row, slot) pairs the route kernel groups them itself (no torch.sort launch)
+ONE_ROW = True      # a one-row call runs its k slots as k tiles without the route launch (module docstring)
 ROUTE_COLUMNS = 128  # columns of h per route program: [BLOCK_M, 128] stays in registers (wider tiles spill)
 # Per (I, H, "bf16", arch): (rows per expert, gate/up overrides, down overrides) in ascending rows; a call whose pairs
 # average at most that many rows per expert takes the shapes' configs with those fields replaced (one block_m for
@@ -266,14 +280,18 @@ def _one_block_m(placed: tuple) -> bool:
     return all(gu.block_m == dn.block_m for _, gu, dn in placed)
 
 
-def _launch_gemm(state: tuple, a: torch.Tensor, out: torch.Tensor, tile_e, dest, n_tiles: int, N: int, K: int):
+def _launch_gemm(state: tuple, a: torch.Tensor, out: torch.Tensor, tile_e, dest, n_tiles: int, N: int, K: int,
+                 one_row: bool = False):
+    """One grouped GEMM launch; one_row: tile_e is the one row's expert ids [k] int64 (dest unused)."""
     cfg, use_tma, b, b2, consts, opts, key = state
     if use_tma:
         a_src = descriptor(a, [cfg.block_m, cfg.block_k])
     else:
         a_src, key = a, (key, a.data_ptr() % 16 == 0)
+    if one_row:
+        key = (key, tile_e.data_ptr() % 16 == 0)
     args = (a_src, b, b2, out, tile_e, dest, a.shape[0], N, K, K, K, out.stride(0))
-    launch(_grouped_kernel, (n_tiles * cdiv(N, cfg.block_n),), args, consts, key=key, **opts)
+    launch(_grouped_kernel, (n_tiles * cdiv(N, cfg.block_n),), args, dict(consts, ONE_ROW=one_row), key=key, **opts)
 
 
 def experts(h: torch.Tensor, idx: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -299,6 +317,12 @@ def experts(h: torch.Tensor, idx: torch.Tensor, w_gate: torch.Tensor, w_up: torc
     n_pairs = M * k
     _, gate_up, down = next(st for st in p.states if n_pairs <= st[0] * p.E)
     bm = gate_up[0].block_m
+    if M == 1 and ONE_ROW:
+        ids = idx.view(-1) if idx.is_contiguous() else idx.reshape(-1)            # [k]: tile j = slot j
+        g = torch.empty(k * bm, p.I, dtype=h.dtype, device=h.device)             # row j*bm: slot j's SiLU * up
+        _launch_gemm(gate_up, h.contiguous(), g, ids, ids, k, p.I, p.H, one_row=True)
+        _launch_gemm(down, g, y.view(k, p.H), ids, ids, k, p.H, p.I, one_row=True)
+        return y
     n_tiles = cdiv(n_pairs, bm) + min(p.E, n_pairs)                          # bound: no sync for counts
     ids = idx.view(-1) if idx.is_contiguous() else idx.reshape(-1)                 # [M*k], pair = row*k + slot
     small = n_pairs <= SMALL_PAIRS
