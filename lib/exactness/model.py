@@ -364,7 +364,7 @@ def run_rows(w: Weights, ops: Ops, tokens: torch.Tensor, positions: torch.Tensor
     """forward's rows through the model with ``ops`` (forward's arguments, already checked): no host read of its
     own, and the cache's lengths left to the caller (graphs.GraphForward records the kernels it launches)."""
     cfg = w.cfg
-    x, h = w.embed[tokens], None                                                     # [M, H]
+    x, h = w.embed.index_select(0, tokens), None     # [M, H]; CUDA: a small-index gather, not advanced indexing
     for i, lw in enumerate(w.layers):
         ops.layer = i
         x, h = attention_block(ops, lw, cfg, x, positions, slots, cache, i, h)

@@ -214,7 +214,7 @@ class MTPHead:
         lengths left to the caller (graphs.GraphForward records the kernels it launches)."""
         cfg, m = self.cfg1, self.m
         ops.layer = self.w.cfg.n_layers                                            # taps see block j as layer L + j
-        e = ops.rmsnorm(self.w.embed[tokens], m.emb_norm, cfg.rms_eps)                # [M, H]
+        e = ops.rmsnorm(self.w.embed.index_select(0, tokens), m.emb_norm, cfg.rms_eps)   # [M, H]
         h = ops.rmsnorm(hidden, m.hidden_norm, cfg.rms_eps)                            # [M, H]
         x = ops.dense(torch.cat([e, h], dim=-1), m.proj)                               # [M, 2H] -> [M, H]
         h = None
