@@ -58,13 +58,14 @@ def qk_mismatches(run_fused, run_rms, run_rope, case, cos, sin, fault: bool = Fa
     return mismatches(fq, rq) + mismatches(fk, rk)
 
 
-def qk_store_mismatches(run_fused, run_rms, run_rope, run_store, case, cos, sin, S=3, T=40,
-                        fault: str = "") -> int:
+def qk_store_mismatches(run_fused, run_rms, run_rope, run_store, case, cos, sin, S=3, fault: str = "") -> int:
     """Elements where the fused q, k and the caches it writes differ from rmsnorm then rope then the cache store
-    (caches [S, T, Hk, D] of random bytes, rows at distinct (slot, position) pairs, the last of several rows'
-    position past the cache: not stored); fault "key": a key norm weight one ULP up, "value": a value doubled."""
+    (caches [S, T = M + 8, Hk, D] of random bytes, rows at distinct (slot, position) pairs, the last of several
+    rows' position past the cache: not stored); fault "key": a key norm weight one ULP up, "value": a value
+    doubled."""
     q, k, wq, wk, _ = case
     M, HK, D = k.shape
+    T = M + 8
     g = torch.Generator().manual_seed(M)
     pairs = torch.randperm(S * T, generator=g)[:M]
     slots, pos = (pairs // T).to(q.device), (pairs % T).to(q.device)
@@ -200,28 +201,18 @@ def test_an_imported_set_with_its_own_rmsnorm_loses_the_fused_options():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, M, D", [(torch.bfloat16, 1, 128), (torch.bfloat16, 333, 128),
                                          (torch.float32, 7, 128), (torch.bfloat16, 9, 64)])
-def test_gpu_qk_norm_rope_gives_rmsnorm_then_rope_bytes_and_a_planted_fault_is_caught(dtype, M, D):
+def test_gpu_qk_norm_rope_gives_rmsnorm_then_rope_bytes_with_and_without_a_store_and_planted_faults_are_caught(
+        dtype, M, D):
     from exactness.kernels import rope as _rope
-    from exactness.kernels import triton_fused, triton_rows
+    from exactness.kernels import triton_cache, triton_fused, triton_rows
     cos, sin = _rope._table(D, 1e6, 1, torch.device("cuda"), dtype)
     case = qk_case(dtype, "cuda", M=M, D=D, seed=M)
     args = (triton_fused.qk_norm_rope, triton_rows.rmsnorm, triton_rows.rope, case, cos, sin)
     assert qk_mismatches(*args) == 0
     assert qk_mismatches(*args, fault=True) > 0
-
-
-@GPU
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype, M, D", [(torch.bfloat16, 1, 128), (torch.bfloat16, 100, 128),
-                                         (torch.float32, 7, 128), (torch.bfloat16, 9, 64)])
-def test_gpu_qk_norm_rope_with_a_store_writes_the_cache_stores_bytes_and_planted_faults_are_caught(dtype, M, D):
-    from exactness.kernels import rope as _rope
-    from exactness.kernels import triton_cache, triton_fused, triton_rows
-    cos, sin = _rope._table(D, 1e6, 1, torch.device("cuda"), dtype)
-    case = qk_case(dtype, "cuda", M=M, D=D, seed=M)
-    args = (triton_fused.qk_norm_rope, triton_rows.rmsnorm, triton_rows.rope, triton_cache.store, case, cos, sin)
-    assert qk_store_mismatches(*args) == 0
-    assert qk_store_mismatches(*args, fault="key") > 0 and qk_store_mismatches(*args, fault="value") > 0
+    store = args[:3] + (triton_cache.store,) + args[3:]                 # the keys and values to the caches too
+    assert qk_store_mismatches(*store) == 0
+    assert qk_store_mismatches(*store, fault="key") > 0 and qk_store_mismatches(*store, fault="value") > 0
 
 
 @GPU
