@@ -443,8 +443,8 @@ def decode_step(args) -> dict:
         _print_rows(f"invariant decode step on graphs, {title}, median wall time", [row])
         return row
     pdl = versus("invariant (PDL off)", ("on", "off"), "programmatic dependent launch on vs off (triton_rows.PDL)")
-    fusion = versus("invariant (unfused)", ("fused", "unfused"), "fused options (q/k norm + RoPE, residual + norm, "
-                    "grouped q, k, v projections) on vs off")
+    fusion = versus("invariant (unfused)", ("fused", "unfused"), "fused options (q/k norm + RoPE + KV store, "
+                    "residual + norm, MoE combine + residual + norm, grouped q, k, v projections) on vs off")
     split_sum = versus("invariant (sum launches)", ("in_split", "sum_launch"), "split-K partials summed by each "
                        "tile's last split vs by a second launch (triton_split.split_counts)")
     mixed = versus("invariant (q apart)", ("qkv", "q_apart"), "q, k and v projections in one grouped launch vs q "
@@ -460,13 +460,9 @@ def decode_step(args) -> dict:
         kernels[ks] = _step_kernels(ks, lambda: eager_step(w, cache, tok, pos0, slots, ks))
     kernels["invariant (PDL off) (graphs)"] = _step_kernels(
         "invariant (PDL off) (graphs)", lambda: dec["invariant (PDL off)"].step(tok, [P], [0]))
-    kernels["invariant (unfused, PDL off) (graphs)"] = _step_kernels(
-        "invariant (unfused, PDL off) (graphs)", lambda: dec["invariant (unfused, PDL off)"].step(tok, [P], [0]))
-    kernels["invariant (q apart, PDL off) (graphs)"] = _step_kernels(
-        "invariant (q apart, PDL off) (graphs)", lambda: dec["invariant (q apart, PDL off)"].step(tok, [P], [0]))
-    kernels["invariant (sum launches, PDL off) (graphs)"] = _step_kernels(
-        "invariant (sum launches, PDL off) (graphs)", lambda: dec["invariant (sum launches, PDL off)"].step(
-            tok, [P], [0]))
+    for name in ("unfused", "q apart", "sum launches", "combine apart", "KV store apart", "routed one row"):
+        row = f"invariant ({name}, PDL off)"
+        kernels[f"{row} (graphs)"] = _step_kernels(f"{row} (graphs)", lambda: dec[row].step(tok, [P], [0]))
     return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "pdl": pdl, "fusion": fusion,
             "split_sum": split_sum, "mixed": mixed, "control": control, "kernels": kernels}
 
@@ -474,12 +470,15 @@ def decode_step(args) -> dict:
 def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     """decode_step's runs: (eager logits with fast launch off/on and first-replay logits per graph, the graph
     decoders, their first replays equal the eager step's, wall times per row). Sets triton_rows.FAST_LAUNCH and
-    PDL as each row asks (the caller restores them: triton_rows.launch_settings); a row's triton_split.COUNT_SLOTS
-    and triton_group.MIXED are restored once its graph is captured."""
+    PDL as each row asks (the caller restores them: triton_rows.launch_settings); a row's triton_split.COUNT_SLOTS,
+    triton_group.MIXED and triton_moe.ONE_ROW are restored once its graph is captured. Rows profiled only: the MoE
+    combine apart from the residual norm (without that option), the KV store apart from the q/k norms (an option
+    that takes no store) and a one-row call's experts routed (triton_moe.ONE_ROW off)."""
     from exactness.exact import bytes_equal
     from exactness.graphs import GraphDecoder
-    from exactness.kernels import get_set
+    from exactness.kernels import KernelOptions, fused, get_set
     from exactness.kernels import triton_group as tgr
+    from exactness.kernels import triton_moe as tm
     from exactness.kernels import triton_rows as tr
     from exactness.kernels import triton_split as ts
     logits = {}
@@ -489,7 +488,16 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     inv = get_set("invariant")
     unfused = dataclasses.replace(inv, name="invariant-unfused", options=inv.options.without(
         "qk_norm_rope", "dense_group", "residual_norm", "combine_residual_norm"))
-    dec, graph_same, saved = {}, {}, (ts.COUNT_SLOTS, tgr.MIXED)
+    combine_apart = dataclasses.replace(inv, name="invariant-combine-apart",
+                                        options=inv.options.without("combine_residual_norm"))
+
+    def qk_without_store(*a, **kw):
+        return fused.qk_norm_rope(*a, **kw)
+    qk_without_store.stands_for = fused.qk_norm_rope.stands_for                 # no stores_kv: cache.write
+    store_apart = dataclasses.replace(inv, name="invariant-store-apart", options=KernelOptions.of(
+        {**inv.options, "qk_norm_rope": qk_without_store}))
+    dec, graph_same = {}, {}
+    saved = {(ts, "COUNT_SLOTS"): ts.COUNT_SLOTS, (tgr, "MIXED"): tgr.MIXED, (tm, "ONE_ROW"): tm.ONE_ROW}
     sums = {(ts, "COUNT_SLOTS"): 0}                                              # sums in a second launch
     apart = {(tgr, "MIXED"): False}                                              # q alone, k and v grouped
     for name, ks, pdl, settings in (
@@ -500,6 +508,9 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
             ("invariant (sum launches, PDL off)", "invariant", False, sums),
             ("invariant (q apart, PDL off)", "invariant", False, apart),
             ("invariant (q apart)", "invariant", True, apart),
+            ("invariant (combine apart, PDL off)", combine_apart, False, {}),
+            ("invariant (KV store apart, PDL off)", store_apart, False, {}),
+            ("invariant (routed one row, PDL off)", "invariant", False, {(tm, "ONE_ROW"): False}),
             ("invariant (again)", "invariant", True, {})):
         tr.PDL = pdl                                                         # captured into the graph
         for (mod, k), v in settings.items():
@@ -510,7 +521,8 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
             dec[name].step(tok, [P], [0])                                    # eager warm-up, then capture
             replay = dec[name].step(tok, [P], [0])                           # the first replay
         finally:
-            ts.COUNT_SLOTS, tgr.MIXED = saved
+            for (mod, k), v in saved.items():
+                setattr(mod, k, v)
         graph_same[name] = bytes_equal(eager, replay)
         logits[name] = replay.clone()
     tr.PDL = True
