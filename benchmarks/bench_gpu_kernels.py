@@ -70,10 +70,11 @@ def gate_up_candidates():
 
 
 def attention_candidates():
-    """Candidate attention configs (BLOCK_M rows, BLOCK_N keys per block, warps, stages); 128 x 128 with 3 stages
-    needs more than sm_90's 232 KB of shared memory since the softmax sum runs through the MMA."""
+    """Candidate attention configs (BLOCK_M rows, BLOCK_N keys per block, warps, stages, keys per chunk); 128 x 128
+    with 3 stages needs more than sm_90's 232 KB of shared memory since the softmax sum runs through the MMA."""
     from exactness.kernels.triton_attention import AttnConfig as A
-    return [A(128, 64, 8, 3), A(128, 128, 8, 2), A(64, 128, 8, 3), A(64, 64, 4, 3)]
+    return [A(128, 64, 8, 3), A(128, 128, 8, 2), A(64, 128, 8, 3), A(64, 64, 4, 3), A(128, 64, 8, 3, 256),
+            A(128, 64, 8, 3, 128)]
 
 
 def ms(fn, rep: int = 25) -> float:
