@@ -231,7 +231,7 @@ class KernelOptions(Mapping):
         Each of the four above may name the kernels it stands in for in an attribute ``stands_for`` ((class,
         kernel callable) pairs): model.Ops then uses it only for a set whose kernels of those classes are those
         callables. grouped_experts has no such check in the engine: a set imported by reference loses it (and the
-        three) where its kernels of those classes are not the built-in set's (imported.drop_bypassing_options).
+        four) where its kernels of those classes are not the built-in set's (imported.drop_bypassing_options).
 
     A Mapping of the options that are set (not their defaults), so a set can be built from another's:
     ``KernelOptions.of({**base.options, "expert_id_aware": True})``.

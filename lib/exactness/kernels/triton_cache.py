@@ -30,19 +30,25 @@ def _kv_store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, s_ptr, p_ptr, S, T, W, BW: tl
     tl.store(vc_ptr + dst, tl.load(v_ptr + m * W + c, mask=mask), mask=mask)
 
 
-def store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-          k: torch.Tensor, v: torch.Tensor) -> bool:
-    """k_cache[slots, positions] = k and v_cache[slots, positions] = v in one launch, where served: one CUDA device
-    (the CPU under the interpreter), one element type, contiguous caches [S, T, *row], rows [M, *row] of the
-    caches' row shape, slots and positions [M] int64. True if stored, False if not served. A row whose slot or
-    position is outside the cache is not stored: no device read checks them here (model.forward and the graph runs
-    check them first)."""
+def serves(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+           k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a launch stores these (store's args): one CUDA device (the CPU under the interpreter), one element
+    type, contiguous caches [S, T, *row], rows [M, *row] of the caches' row shape, slots and positions [M] int64."""
     M = k.shape[0] if k.dim() else -1
     same = all(t.device == k_cache.device and t.dtype == k_cache.dtype for t in (v_cache, k, v))
-    if not ((k_cache.is_cuda or INTERPRET) and same and k_cache.dim() >= 2 and k_cache.shape == v_cache.shape
+    return ((k_cache.is_cuda or INTERPRET) and same and k_cache.dim() >= 2 and k_cache.shape == v_cache.shape
             and k.shape == v.shape and k.shape[1:] == k_cache.shape[2:] and k_cache.element_size() in _INTS
             and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and all(t.shape == (M,) and t.dtype == torch.int64 and t.device == k.device for t in (slots, positions))):
+            and all(t.shape == (M,) and t.dtype == torch.int64 and t.device == k.device for t in (slots, positions)))
+
+
+def store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+          k: torch.Tensor, v: torch.Tensor) -> bool:
+    """k_cache[slots, positions] = k and v_cache[slots, positions] = v in one launch, where served (serves). True if
+    stored, False if not served. A row whose slot or position is outside the cache is not stored: no device read
+    checks them here (model.forward and the graph runs check them first)."""
+    M = k.shape[0] if k.dim() else -1
+    if not serves(k_cache, v_cache, slots, positions, k, v):
         return False
     if M:
         S, T = k_cache.shape[:2]

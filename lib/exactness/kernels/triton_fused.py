@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_cache
 from .triton_rows import (_NO_FMA, INTERPRET, _row_block, cdiv, launch, pdl_start, rms_scale, rotate_half,
                           round_to, scale_rows)
 
@@ -120,21 +121,13 @@ def serves(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
             and positions.device == q.device)
 
 
-_INTS = {2: torch.int16, 4: torch.int32}
-
-
-def _store_args(store: tuple, k: torch.Tensor) -> tuple | None:
+def _store_args(store: tuple, k: torch.Tensor, positions: torch.Tensor) -> tuple | None:
     """(v, key cache, value cache, slots) for the launch (the values and their cache as integers: a copy), or None
-    where the store is not of k's row shape, dtype and device: caches [S, T, Hk, D] contiguous, v [M, Hk, D], slots
-    [M] int64."""
+    where triton_cache's store would not take the caches with these rows (triton_cache.serves)."""
     k_cache, v_cache, slots, v = store
-    M = k.shape[0]
-    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:]
-            and v.shape == k.shape and all(t.dtype == k.dtype and t.device == k.device for t in (k_cache, v_cache, v))
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and slots.shape == (M,)
-            and slots.dtype == torch.int64 and slots.device == k.device and k.element_size() in _INTS):
+    if not triton_cache.serves(k_cache, v_cache, slots, positions, k, v):
         return None
-    it = _INTS[k.element_size()]
+    it = triton_cache._INTS[k.element_size()]
     return v.contiguous().view(it), k_cache, v_cache.view(it), slots.contiguous()
 
 
@@ -144,7 +137,7 @@ def try_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: tor
     """qk_norm_rope where serves() takes the tensors (and _store_args the store), else None (nothing launched)."""
     if not serves(q, k, wq, wk, positions, cos, sin):
         return None
-    st = None if store is None else _store_args(store, k)
+    st = None if store is None else _store_args(store, k, positions)
     if store is not None and st is None:
         return None
     M, HQ, D = q.shape
