@@ -317,17 +317,16 @@ def experts(h: torch.Tensor, idx: torch.Tensor, w_gate: torch.Tensor, w_up: torc
     n_pairs = M * k
     _, gate_up, down = next(st for st in p.states if n_pairs <= st[0] * p.E)
     bm = gate_up[0].block_m
-    if M == 1 and ONE_ROW:
-        ids = idx.view(-1) if idx.is_contiguous() else idx.reshape(-1)            # [k]: tile j = slot j
+    ids = idx.view(-1) if idx.is_contiguous() else idx.reshape(-1)                 # [M*k], pair = row*k + slot
+    hc = h if h.is_contiguous() else h.contiguous()
+    if M == 1 and ONE_ROW:                                                         # tile j = slot j
         g = torch.empty(k * bm, p.I, dtype=h.dtype, device=h.device)             # row j*bm: slot j's SiLU * up
-        _launch_gemm(gate_up, h.contiguous(), g, ids, ids, k, p.I, p.H, one_row=True)
+        _launch_gemm(gate_up, hc, g, ids, ids, k, p.I, p.H, one_row=True)
         _launch_gemm(down, g, y.view(k, p.H), ids, ids, k, p.H, p.I, one_row=True)
         return y
     n_tiles = cdiv(n_pairs, bm) + min(p.E, n_pairs)                          # bound: no sync for counts
-    ids = idx.view(-1) if idx.is_contiguous() else idx.reshape(-1)                 # [M*k], pair = row*k + slot
     small = n_pairs <= SMALL_PAIRS
     srt, order = (ids, ids) if small else torch.sort(ids, stable=True)             # by expert, stable
-    hc = h if h.is_contiguous() else h.contiguous()
     xs = torch.empty(n_tiles * bm, p.H, dtype=h.dtype, device=h.device)            # padded member rows
     route = torch.empty(n_tiles * (bm + 1), dtype=torch.int32, device=h.device)
     dest, tile_e = route[:n_tiles * bm], route[n_tiles * bm:]
