@@ -12,7 +12,8 @@ import torch
 
 from exactness.cache import KVCache
 from exactness.kernels import cache_store
-from exactness.model import forward
+from exactness import paths
+from exactness.model import forward, forward_span
 from interpreted import HAS_TRITON, NEEDS_TRITON, interpreted_rows
 
 GPU = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and Triton")
@@ -80,6 +81,49 @@ def test_forward_refuses_a_slot_outside_the_cache(tiny_weights):
                     slots=torch.tensor([bad]))
     assert all(not t.any() for t in cache.k + cache.v) and cache.lengths == [0, 0]
 
+
+
+
+def test_forward_span_gives_forwards_bytes_and_lengths(tiny_weights):
+    """Rows at positions 5..12 of slot 1 after rows 0..4: logits, hidden rows, every KV byte and the lengths of
+    forward_span equal forward's with those positions and slots."""
+    ids = torch.randint(0, tiny_weights.cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(1))
+    caches = [KVCache(tiny_weights.cfg, 16, 2, tiny_weights.dtype) for _ in range(2)]
+    for c in caches:
+        forward_span(tiny_weights, ids[:5], 0, c, "invariant", slot=1)
+    pos = torch.arange(5, 13)
+    a = forward(tiny_weights, ids[5:], pos, caches[0], "invariant", slots=torch.full_like(pos, 1))
+    b = forward_span(tiny_weights, ids[5:], 5, caches[1], "invariant", slot=1)
+    assert torch.equal(a.logits.view(torch.int32), b.logits.view(torch.int32))
+    assert torch.equal(a.hidden.view(torch.int16), b.hidden.view(torch.int16))
+    assert all(torch.equal(x.view(torch.int16), y.view(torch.int16))
+               for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
+    assert caches[0].lengths == caches[1].lengths == [0, 13]
+
+
+def test_forward_span_and_prefill_refuse_rows_outside_the_cache_before_anything_runs(tiny_weights):
+    cache = KVCache(tiny_weights.cfg, 8, 2, tiny_weights.dtype)
+    with pytest.raises(ValueError, match=r"positions 6..9 outside the cache capacity 0..7"):
+        forward_span(tiny_weights, torch.tensor([1, 2, 3, 4]), 6, cache, "invariant")
+    with pytest.raises(ValueError, match=r"slots 2..2 outside the cache's slots 0..1"):
+        forward_span(tiny_weights, torch.tensor([1]), 0, cache, "invariant", slot=2)
+    with pytest.raises(ValueError, match=r"positions 0..8 outside the cache capacity 0..7"):
+        paths.prefill(tiny_weights, cache, torch.arange(9), "invariant", paths.Schedule("batched", 2))
+    assert all(not t.any() for t in cache.k + cache.v) and cache.lengths == [0, 0]
+
+@pytest.mark.parametrize("rows", [2, 3, 25])
+def test_advance_records_each_slots_largest_position_for_few_rows_and_many(tiny_weights, rows):
+    """advance against a loop over the rows, from lengths already past some rows' positions (which must stay), for
+    calls of fewer rows than slots, as many and more (reduced on the device first)."""
+    g = torch.Generator().manual_seed(rows)
+    cache = KVCache(tiny_weights.cfg, 40, 3, tiny_weights.dtype)
+    cache.lengths = [7, 0, 30]
+    slots, pos = torch.randint(0, 2, (rows,), generator=g), torch.randint(0, 40, (rows,), generator=g)
+    want = list(cache.lengths)
+    for s, p in zip(slots.tolist(), pos.tolist()):
+        want[s] = max(want[s], p + 1)
+    cache.advance(slots, pos)
+    assert cache.lengths == want and want != [7, 0, 30]
 
 @GPU
 @pytest.mark.gpu

@@ -179,7 +179,15 @@ class KVCache:
         self.v[layer][slots, positions] = v
 
     def advance(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """Record that the slots now hold every position up to the largest written one."""
+        """Record that the slots now hold every position up to the largest written one.
+
+        slots, positions: [M] int64, one device. A call of more rows than the cache has slots is first reduced on
+        that device to each slot's largest position (-1 for a slot without rows): the host reads S values, not a
+        prompt's rows one by one.
+        """
+        if positions.numel() > len(self.lengths):
+            top = torch.full((len(self.lengths),), -1, dtype=positions.dtype, device=positions.device)
+            slots, positions = torch.arange(len(self.lengths)), top.scatter_reduce_(0, slots, positions, "amax")
         for s, p in zip(slots.tolist(), positions.tolist()):
             self.lengths[s] = max(self.lengths[s], p + 1)
 

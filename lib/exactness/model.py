@@ -341,22 +341,49 @@ def forward(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cache: KV
     Raises:
         ValueError: a position outside 0..min(cache capacity, max_positions)-1, or a slot outside the cache's.
     """
-    cfg = w.cfg
     slots = torch.zeros_like(positions) if slots is None else slots
     if positions.numel():
         lo, hi = torch.stack((positions, slots)).aminmax(dim=1)                      # one host read for both
-        p_lo, s_lo, p_hi, s_hi = torch.cat((lo, hi)).tolist()
-        if p_hi >= cache.capacity or p_lo < 0:
-            raise ValueError(f"positions {p_lo}..{p_hi} outside the cache capacity 0..{cache.capacity - 1} "
-                             f"(model max_positions {cfg.max_positions})")
-        if s_hi >= len(cache.lengths) or s_lo < 0:
-            raise ValueError(f"slots {s_lo}..{s_hi} outside the cache's slots 0..{len(cache.lengths) - 1}")
-    experts = ResidentExperts(w.layers) if experts is None else experts
-    ops = Ops(get_set(kernels), plan)
-    ops.positions = positions
-    out = run_rows(w, ops, tokens, positions, slots, cache, experts)
+        check_rows(cache, *torch.cat((lo, hi)).tolist())
+    out = _run(w, tokens, positions, slots, cache, kernels, plan, experts)
     cache.advance(slots, positions)
     return out
+
+
+def forward_span(w: Weights, tokens: torch.Tensor, start: int, cache: KVCache, kernels: KernelSet | str,
+                 plan: Plan = BATCHED, *, slot: int = 0, experts: ExpertProvider | None = None) -> ForwardOut:
+    """forward of rows ``tokens`` [M] int64 at positions start..start+M-1 of cache slot ``slot``, checked on the
+    host: no read from the device, so a prompt's segments queue one after another without the device waiting for
+    the host between them. Same bytes as forward with those positions and slots.
+
+    Raises:
+        ValueError: as forward, before anything runs.
+    """
+    M = tokens.numel()
+    if M:
+        check_rows(cache, start, slot, start + M - 1, slot)
+    positions = torch.arange(start, start + M, device=tokens.device)
+    out = _run(w, tokens, positions, torch.full_like(positions, slot), cache, kernels, plan, experts)
+    if M:
+        cache.lengths[slot] = max(cache.lengths[slot], start + M)
+    return out
+
+
+def check_rows(cache: KVCache, p_lo: int, s_lo: int, p_hi: int, s_hi: int) -> None:
+    """Raise ValueError, naming them and what the cache holds, for rows at positions p_lo..p_hi or slots
+    s_lo..s_hi that ``cache`` does not hold."""
+    if p_hi >= cache.capacity or p_lo < 0:
+        raise ValueError(f"positions {p_lo}..{p_hi} outside the cache capacity 0..{cache.capacity - 1} "
+                         f"(model max_positions {cache.cfg.max_positions})")
+    if s_hi >= len(cache.lengths) or s_lo < 0:
+        raise ValueError(f"slots {s_lo}..{s_hi} outside the cache's slots 0..{len(cache.lengths) - 1}")
+
+
+def _run(w: Weights, tokens, positions, slots, cache: KVCache, kernels, plan: Plan, experts) -> ForwardOut:
+    """run_rows with the set's Ops for ``plan`` and the resident experts by default (forward's arguments)."""
+    ops = Ops(get_set(kernels), plan)
+    ops.positions = positions
+    return run_rows(w, ops, tokens, positions, slots, cache, ResidentExperts(w.layers) if experts is None else experts)
 
 
 def run_rows(w: Weights, ops: Ops, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

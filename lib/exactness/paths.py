@@ -23,7 +23,7 @@ from .cache import KVCache, KVFormat
 from .graphs import GraphDecoder
 from .kernels import KernelSet, get_set
 from .loop import DecodeStep, Loop, Stream
-from .model import BATCHED, DECODE, DEEP, ExpertProvider, ForwardOut, Plan, ResidentExperts, forward
+from .model import BATCHED, DECODE, DEEP, ExpertProvider, ForwardOut, Plan, ResidentExperts, check_rows, forward_span
 from .run import Run, cache_kv
 from .weights import Weights
 
@@ -112,18 +112,19 @@ def prefill(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | 
     Args:
         served: plan kind -> {"segments", "rows"}, updated in place (None: counted and dropped).
         experts: the expert provider (None: the resident weights of ``w``).
-        progress: a tqdm bar, advanced by each segment's rows.
+        progress: a tqdm bar, advanced by each segment's rows once the device has run them.
     Returns:
         ForwardOut(logits [P, V] fp32, hidden [P, H] storage dtype); the MTP head reads the hidden rows.
     Raises:
-        ValueError: a position outside the cache (model.forward).
+        ValueError: a position outside the cache (model.forward_span).
     """
     served = served_counts() if served is None else served
     experts = ResidentExperts(w.layers) if experts is None else experts
-    dev = w.device
-    ids = ids.to(dev)
+    ids = ids.to(w.device)
+    if ids.numel():
+        check_rows(cache, start, slot, start + ids.numel() - 1, slot)      # before any segment runs
     seg = schedule.segment_rows(ids.numel())
-    out = []
+    out, queued = [], []
     for a in range(0, ids.numel(), seg):
         rows = ids[a:a + seg]
         n = rows.numel()
@@ -133,13 +134,34 @@ def prefill(w: Weights, cache: KVCache, ids: torch.Tensor, kernels: KernelSet | 
             fb = served.setdefault("fallback", {"segments": 0, "rows": 0, "reason": experts.fallback_reason})
             fb["segments"] += 1
             fb["rows"] += n
-        pos = torch.arange(start + a, start + a + n, device=dev)
-        out.append(forward(w, rows, pos, cache, kernels, plan, slots=torch.full_like(pos, slot), experts=experts))
+        out.append(forward_span(w, rows, start + a, cache, kernels, plan, slot=slot, experts=experts))
         served[plan.kind]["segments"] += 1
         served[plan.kind]["rows"] += n
         if progress is not None:
-            progress.update(n)
+            queued = _count_done(progress, queued + [(_segment_end(w.device), n)])
+    if progress is not None:
+        _count_done(progress, queued, wait=True)
     return ForwardOut(torch.cat([o.logits for o in out]), torch.cat([o.hidden for o in out]))
+
+
+def _segment_end(device: torch.device):
+    """A CUDA event recorded after a segment's launches (None on other devices: their rows are done)."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+def _count_done(progress, queued: list, wait: bool = False) -> list:
+    """Advance the bar by the rows of the leading segments the device has finished (all of them, waiting, with
+    ``wait``): a segment's rows count when they are done, not when they are queued. Returns the segments left."""
+    while queued and (queued[0][0] is None or wait or queued[0][0].query()):
+        ev, n = queued.pop(0)
+        if ev is not None:
+            ev.synchronize()
+        progress.update(n)
+    return queued
 
 
 def _decode_prompt(step: DecodeStep, ids: torch.Tensor, served: dict, progress=None) -> torch.Tensor:
