@@ -133,6 +133,34 @@ def test_gpu_split_sums_in_each_tiles_last_split_equal_a_sum_launch_and_a_plante
 
 @GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_logits_widened_in_the_split_launch_equal_linear_then_float_and_a_fault_is_caught(dtype):
+    """triton_gemm.logits of the lm_head shape at M = 1 to 600 against linear(...).float() (int32 views); the split
+    calls store fp32 from their own launch (no copy launch), with the counts and with the sum in a second launch.
+    Control: one weight element changed changes exactly its column."""
+    from exactness.kernels import triton_gemm as tg
+    from exactness.kernels import triton_split as ts
+    g = torch.Generator(device="cuda").manual_seed(11)
+    N, K = SMALL["lm_head"]
+    w = (torch.randn(N, K, generator=g, device="cuda") / K ** 0.5).to(dtype)
+    x = torch.randn(600, K, generator=g, device="cuda").to(dtype)
+    for M in (1, 3, 16, 64, 200, 600):
+        ref = tg.linear(x[:M], w).float()
+        assert torch.equal(tg.logits(x[:M], w).view(torch.int32), ref.view(torch.int32)), M
+    assert tg._run(x[:1], (w,), "linear", None, wide=True).dtype == torch.float32
+    slots, ts.COUNT_SLOTS = ts.COUNT_SLOTS, 0
+    try:
+        summed = tg.logits(x[:3], w)
+    finally:
+        ts.COUNT_SLOTS = slots
+    assert torch.equal(summed.view(torch.int32), tg.linear(x[:3], w).float().view(torch.int32))
+    bad_w = w.clone()
+    bad_w[7, 0] += 1.0
+    cols = (tg.logits(x[:1], bad_w).view(torch.int32) != tg.logits(x[:1], w).view(torch.int32)).any(dim=0)
+    assert cols.tolist() == [j == 7 for j in range(N)]
+
+@GPU
+@pytest.mark.gpu
 def test_gpu_gate_up_rows_and_rounding_points():
     from exactness.kernels import triton_gemm as tg
     N, K = SMALL["gate|up"]
@@ -571,6 +599,7 @@ def _interp_main() -> int:
     checks["split-K sum before the partials (planted count) caught"] = row_mismatches(early, [tg.linear(xg, wf,
                                                                                                     c3)]) > 0
     checks["split-K M=1 rows"] = row_mismatches(turn, [tg.linear(xf[m:m + 1], wf, c3) for m in range(37)]) == 0
+    checks.update(_interp_logits(tg, ts, c3))
     checks["split-K error < 1e-5"] = rel_err(par, xf.double() @ wf.double().T) < 1e-5
     checks["split-K control (one run) caught"] = row_mismatches(tg.linear(xf, wf, replace(c3, split_k=1)),
                                                                 [par]) > 0
@@ -677,6 +706,29 @@ def _interp_main() -> int:
     for k, v in checks.items():
         print(f"{'ok  ' if v else 'FAIL'} {k}")
     return 0 if all(checks.values()) else 1
+
+
+def _interp_logits(tg, ts, cfg) -> dict:
+    """triton_gemm.logits in bf16 split calls (the sum widened in the split launch, and in the sum launch) against
+    linear(...).float(), integer views; control: one weight element changed changes exactly its column."""
+    xb, wb = torch.randn(37, 96).bfloat16(), (torch.randn(40, 96) / 7).bfloat16()
+    ref = tg.linear(xb, wb, cfg).float()
+    got = tg.logits(xb, wb, cfg)
+    slots, ts.COUNT_SLOTS = ts.COUNT_SLOTS, 0
+    try:
+        launched = tg.logits(xb, wb, cfg)                                       # the sum in a second launch
+    finally:
+        ts.COUNT_SLOTS = slots
+    bad_w = wb.clone()
+    bad_w[5, 0] += 1.0
+    cols = (tg.logits(xb, bad_w, cfg).view(torch.int32) != ref.view(torch.int32)).any(dim=0)
+    return {"logits widened in the split launch == linear then float":
+            tg._run(xb, (wb,), "linear", cfg, wide=True).dtype == torch.float32
+            and torch.equal(got.view(torch.int32), ref.view(torch.int32)),
+            "logits widened in the sum launch == linear then float": torch.equal(launched.view(torch.int32),
+                                                                                   ref.view(torch.int32)),
+            "logits M=1 rows": row_mismatches(got, [tg.logits(xb[m:m + 1], wb, cfg) for m in range(37)]) == 0,
+            "logits weight fault caught in its column only": cols.tolist() == [j == 5 for j in range(40)]}
 
 
 def _interp_placements(x, w, we, route, ye) -> dict:

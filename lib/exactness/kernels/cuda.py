@@ -167,7 +167,7 @@ def residual(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def lm_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """logits [M, V] fp32 = storage-dtype GEMM widened (CPU: head.lm_head_invariant; CUDA: triton_gemm.linear)."""
     if _gpu(x):
-        return _tk("triton_gemm").linear(x, w).float()
+        return _tk("triton_gemm").logits(x, w)
     return _head.lm_head_invariant(x, w)
 
 

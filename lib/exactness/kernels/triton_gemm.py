@@ -346,21 +346,24 @@ def a_operand(x: torch.Tensor, lp: _Launch) -> tuple:
     return x, x.data_ptr() % 16 == 0
 
 
-def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None) -> torch.Tensor:
+def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None,
+         wide: bool = False) -> torch.Tensor:
     p = plan_for(x, ws, kind, config)
     if not x.is_contiguous():
         x = x.contiguous()
     M = x.shape[0]
-    out = torch.empty(M, p.N, dtype=x.dtype, device=x.device)                       # [M, N] storage dtype
+    lp = next(lp for rows, lp in p.launches if M <= rows)
+    split = M > 0 and p.N > 0 and p.K > 0 and triton_split.takes_split(lp, M, p.N)
+    code = triton_split.WIDE.get(x.dtype, 0) if wide and split else 0
+    out = torch.empty(M, p.N, dtype=torch.float32 if code else x.dtype, device=x.device)   # [M, N]
     if M == 0 or p.N == 0:
         return out
     if p.K == 0:                                    # an empty sum: no kernel needed (nor defined for split runs)
         return out.zero_()
-    lp = next(lp for rows, lp in p.launches if M <= rows)
     a, aligned = a_operand(x, lp)
     key = lp.key if lp.use_tma else (lp.key, aligned)
-    if triton_split.takes_split(lp, M, p.N):
-        triton_split.run_split(lp, a, out, M, p.N, p.K, key)
+    if split:
+        triton_split.run_split(lp, a, out, M, p.N, p.K, key, code)
         return out
     tiles = cdiv(M, lp.cfg.block_m) * cdiv(p.N, lp.cfg.block_n)
     args = (a, lp.b, lp.b2 if lp.b2 is not None else out, out, M, p.N, p.K, p.K, p.K, p.N)   # contiguous strides
@@ -383,6 +386,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -
         ValueError: shapes, dtypes or devices that do not match.
     """
     return _run(x, (w,), "linear", config)
+
+
+def logits(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """linear(x, w, config).float(): the lm_head's logits [M, N] fp32, the storage-dtype result widened; a 16-bit
+    call that runs its splits in parallel programs stores them widened in its own launch (no launch for the copy).
+
+    Args and errors as linear."""
+    return _run(x, (w,), "linear", config, wide=True).float()
 
 
 def gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,

@@ -22,6 +22,7 @@ SPLIT_TILES_BELOW = 40
 SPLIT_MAX_ROWS = 512      # ... for calls of up to this many rows (the range measured)
 REDUCE = dict(BM=32, BN=128)   # the second launch's tile
 COUNT_SLOTS = 4096
+WIDE = {torch.bfloat16: 1, torch.float16: 2}   # storage dtype -> triton_tiles._sum_tile's WIDE (sum widened to fp32)
 _COUNTS: dict[tuple, torch.Tensor] = {}
 
 
@@ -47,18 +48,19 @@ def split_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
     return c if c is not None and c.numel() >= tiles else None
 
 
-def run_split(lp, a, out: torch.Tensor, M: int, N: int, K: int, key) -> None:
+def run_split(lp, a, out: torch.Tensor, M: int, N: int, K: int, key, wide: int = 0) -> None:
     """triton_gemm launch ``lp``'s splits in parallel programs (partials [split_k, M, N] fp32) and their fixed-order
     sum, rounded into out [M, N]: in the same launch by each tile's last split where split_counts serves, else by
     a second launch. a: x as lp loads it (triton_gemm.a_operand); key: the call's launch key (lp.key, or
-    (lp.key, aligned) without TMA)."""
+    (lp.key, aligned) without TMA); wide: WIDE's code of (x's dtype, fp32) for an fp32 ``out`` that gets the sum
+    rounded to x's dtype and widened (the bytes of the storage-dtype result then ``.float()``), else 0."""
     ws = torch.empty(lp.cfg.split_k, M, N, dtype=torch.float32, device=out.device)
     tiles = cdiv(M, lp.cfg.block_m) * cdiv(N, lp.cfg.block_n)
     counts = split_counts(out.device, tiles)
-    skey = (lp.split_key if key == lp.key else (lp.split_key, key[1]), counts is not None)
+    skey = (lp.split_key if key == lp.key else (lp.split_key, key[1]), counts is not None, wide)
     launch(_gemm_split_kernel, (tiles, lp.cfg.split_k), (a, lp.b, ws, out, ws if counts is None else counts,
                                                          M, N, K, K, K),
-           dict(lp.split_consts, SUM=counts is not None), key=skey, **lp.opts)
+           dict(lp.split_consts, SUM=counts is not None, WIDE=wide), key=skey, **lp.opts)
     if counts is None:
         launch(_split_reduce_kernel, (cdiv(M, REDUCE["BM"]), cdiv(N, REDUCE["BN"])), (ws, out, M, N),
-               dict(**REDUCE, SPLIT=lp.cfg.split_k, EMULATE=INTERPRET), num_warps=4)
+               dict(**REDUCE, SPLIT=lp.cfg.split_k, EMULATE=INTERPRET, WIDE=wide), num_warps=4)

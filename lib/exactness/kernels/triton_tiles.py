@@ -195,10 +195,11 @@ def _group_member(M, N0, N1, BM: tl.constexpr, BN0: tl.constexpr, BN: tl.constex
 @triton.jit
 def _split_partial(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, tile, s, M, N, K, stride_am, stride_bn, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
-                   PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr, SUM: tl.constexpr):
+                   PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr, SUM: tl.constexpr,
+                   WIDE: tl.constexpr = 0):
     """Output tile ``tile``'s split s: its fp32 partial (_k_range from zero) stored to ws[s]; with SUM, the tile's
-    last split to finish also sums the partials into c (_sum_if_last, count at cnt_ptr[tile]). Returns whether this
-    program summed the tile (False without SUM)."""
+    last split to finish also sums the partials into c (_sum_if_last, count at cnt_ptr[tile]; WIDE as _sum_tile).
+    Returns whether this program summed the tile (False without SUM)."""
     pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     lo, hi = _split_bounds(K, s, BK, SPLIT)
     acc, _ = _k_range(a_src, b_src, b_src, pid_m * BM, pid_n * BN, lo, hi, M, N, K, stride_am, stride_bn,
@@ -209,13 +210,14 @@ def _split_partial(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, tile, s, M, N, K, strid
              mask=(rm[:, None] < M) & (rn[None, :] < N))
     last = False
     if SUM:
-        last = _sum_if_last(ws_ptr, c_ptr, cnt_ptr + tile, pid_m * BM, pid_n * BN, M, N, BM, BN, SPLIT, EMULATE)
+        last = _sum_if_last(ws_ptr, c_ptr, cnt_ptr + tile, pid_m * BM, pid_n * BN, M, N, BM, BN, SPLIT, EMULATE,
+                            WIDE)
     return last
 
 
 @triton.jit
 def _sum_if_last(ws_ptr, c_ptr, cnt_ptr, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr,
-                 SPLIT: tl.constexpr, EMULATE: tl.constexpr):
+                 SPLIT: tl.constexpr, EMULATE: tl.constexpr, WIDE: tl.constexpr = 0):
     """Count this program's stored partial at cnt_ptr (int32, 0 before the tile's first split counts); the program
     that counts SPLIT - 1 sees every split's partial and sums them (_sum_tile, the reduce kernel's arithmetic), then
     sets the count back to 0 for the next call. The barrier puts every thread's stores before the count, whose
@@ -225,7 +227,7 @@ def _sum_if_last(ws_ptr, c_ptr, cnt_ptr, off_m, off_n, M, N, BM: tl.constexpr, B
     n = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     last = n == SPLIT - 1
     if last:
-        _sum_tile(ws_ptr, c_ptr, off_m, off_n, M, N, BM, BN, SPLIT, EMULATE, 16)
+        _sum_tile(ws_ptr, c_ptr, off_m, off_n, M, N, BM, BN, SPLIT, EMULATE, 16, WIDE)
         tl.store(cnt_ptr, 0)
     return last
 
@@ -234,12 +236,12 @@ def _sum_if_last(ws_ptr, c_ptr, cnt_ptr, off_m, off_n, M, N, BM: tl.constexpr, B
 def _gemm_split_kernel(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, M, N, K, stride_am, stride_bn, BM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
                        PRECISION: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr, SUM: tl.constexpr,
-                       PDL: tl.constexpr):
+                       WIDE: tl.constexpr, PDL: tl.constexpr):
     """One program per (output tile, split): the split's fp32 partial (_k_range from zero) stored to ws[split];
-    with SUM the tile's last split sums them into c (else _split_reduce_kernel does)."""
+    with SUM the tile's last split sums them into c (else _split_reduce_kernel does); WIDE as _sum_tile."""
     pdl_start(PDL)
     _split_partial(a_src, b_src, ws_ptr, c_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), M, N, K, stride_am,
-                   stride_bn, BM, BN, BK, GROUP_M, TMA, PRECISION, EMULATE, SPLIT, SUM)
+                   stride_bn, BM, BN, BK, GROUP_M, TMA, PRECISION, EMULATE, SPLIT, SUM, WIDE)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -268,10 +270,11 @@ def _gemm_split_group_kernel(a_src, b0_src, b1_src, b2_src, ws_ptr, c0_ptr, c1_p
 
 @triton.jit
 def _sum_tile(ws_ptr, c_ptr, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-              EMULATE: tl.constexpr, SLAB: tl.constexpr):
+              EMULATE: tl.constexpr, SLAB: tl.constexpr, WIDE: tl.constexpr = 0):
     """The [BM, BN] tile at (off_m, off_n), SLAB rows at a time (fewer live registers than the whole tile): the
     splits' partials ws [SPLIT, M, N] added in split order to a zero total (as _tile_product), rounded once and
-    stored to c [M, N]."""
+    stored to c [M, N]; WIDE = 1 / 2: rounded to bf16 / fp16 and stored widened to c's fp32 (exact), the bytes of
+    the storage-dtype result then ``.float()``."""
     rn = off_n + tl.arange(0, BN)
     for r0 in tl.static_range(0, BM, SLAB):
         rm = off_m + r0 + tl.arange(0, SLAB)
@@ -280,15 +283,22 @@ def _sum_tile(ws_ptr, c_ptr, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.conste
         for s in tl.static_range(SPLIT):
             acc = acc + tl.load(ws_ptr + (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :], mask=mask,
                                 other=0.0, cache_modifier=".cg")
-        tl.store(c_ptr + rm[:, None] * N + rn[None, :], round_to(acc, c_ptr.dtype.element_ty, EMULATE), mask=mask)
+        if WIDE == 1:
+            out = round_to(acc, tl.bfloat16, EMULATE).to(tl.float32)
+        elif WIDE == 2:
+            out = round_to(acc, tl.float16, EMULATE).to(tl.float32)
+        else:
+            out = round_to(acc, c_ptr.dtype.element_ty, EMULATE)
+        tl.store(c_ptr + rm[:, None] * N + rn[None, :], out, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _split_reduce_kernel(ws_ptr, c_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                         EMULATE: tl.constexpr, PDL: tl.constexpr):
-    """The splits' partials added in split order to a zero total (as _tile_product), rounded once and stored."""
+                         EMULATE: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr):
+    """The splits' partials added in split order to a zero total (as _tile_product), rounded once and stored
+    (WIDE as _sum_tile)."""
     pdl_start(PDL)
-    _sum_tile(ws_ptr, c_ptr, tl.program_id(0) * BM, tl.program_id(1) * BN, M, N, BM, BN, SPLIT, EMULATE, BM)
+    _sum_tile(ws_ptr, c_ptr, tl.program_id(0) * BM, tl.program_id(1) * BN, M, N, BM, BN, SPLIT, EMULATE, BM, WIDE)
 
 
 @triton.jit(do_not_specialize=["M"])
