@@ -401,8 +401,8 @@ def decode_step(args) -> dict:
 
     The invariant set runs eagerly with Triton fast launch on and off (triton_rows.FAST_LAUNCH); both give the same
     logits. On graphs it runs with programmatic dependent launch on and off (triton_rows.PDL, fixed when the graph is
-    captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm, combine_residual_norm:
-    kernels/fused.py), with split-K partials summed by a second launch instead of each tile's last split
+    captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm, combine_residual_norm,
+    dense_residual_norm: kernels/fused.py), with split-K partials summed by a second launch instead of each tile's last split
     (triton_split.COUNT_SLOTS = 0 while captured), and with the queries' projection in a launch of its own rather
     than grouped with the keys' and values' (triton_group.MIXED); every other row with PDL and the options on (the defaults on sm_90). A second
     capture of the default graph, timed as one more row, gives the noise floor of these side-by-side ratios (two
@@ -461,7 +461,8 @@ def decode_step(args) -> dict:
         kernels[ks] = _step_kernels(ks, lambda: eager_step(w, cache, tok, pos0, slots, ks))
     kernels["invariant (PDL off) (graphs)"] = _step_kernels(
         "invariant (PDL off) (graphs)", lambda: dec["invariant (PDL off)"].step(tok, [P], [0]))
-    for name in ("unfused", "q apart", "sum launches", "combine apart", "KV store apart", "routed one row"):
+    for name in ("unfused", "q apart", "sum launches", "combine apart", "o apart", "KV store apart",
+                 "routed one row", "logits widened apart"):
         row = f"invariant ({name}, PDL off)"
         kernels[f"{row} (graphs)"] = _step_kernels(f"{row} (graphs)", lambda: dec[row].step(tok, [P], [0]))
     return {"rows": out, "graphs": graph_rows, "fast_launch_same_logits": same, "pdl": pdl, "fusion": fusion,
@@ -472,9 +473,11 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     """decode_step's runs: (eager logits with fast launch off/on and first-replay logits per graph, the graph
     decoders, their first replays equal the eager step's, wall times per row). Sets triton_rows.FAST_LAUNCH and
     PDL as each row asks (the caller restores them: triton_rows.launch_settings); a row's triton_split.COUNT_SLOTS,
-    triton_group.MIXED and triton_moe.ONE_ROW are restored once its graph is captured. Rows profiled only: the MoE
-    combine apart from the residual norm (without that option), the KV store apart from the q/k norms (an option
-    that takes no store) and a one-row call's experts routed (triton_moe.ONE_ROW off)."""
+    triton_group.MIXED, triton_moe.ONE_ROW and triton_split.WIDE are restored once its graph is captured. Rows
+    profiled only: the MoE combine apart from the residual norm, the attention output projection apart from the
+    residual norm (each without that option), the KV store apart from the q/k norms (an option that takes no
+    store), a one-row call's experts routed (triton_moe.ONE_ROW off) and the logits widened by a copy launch after
+    the lm_head GEMM (triton_split.WIDE empty)."""
     from exactness.exact import bytes_equal
     from exactness.graphs import GraphDecoder
     from exactness.kernels import KernelOptions, fused, get_set
@@ -488,9 +491,10 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
         logits[fl] = eager_step(w, cache, tok, pos0, slots, "invariant").clone()
     inv = get_set("invariant")
     unfused = dataclasses.replace(inv, name="invariant-unfused", options=inv.options.without(
-        "qk_norm_rope", "dense_group", "residual_norm", "combine_residual_norm"))
+        "qk_norm_rope", "dense_group", "residual_norm", "combine_residual_norm", "dense_residual_norm"))
     combine_apart = dataclasses.replace(inv, name="invariant-combine-apart",
                                         options=inv.options.without("combine_residual_norm"))
+    o_apart = dataclasses.replace(inv, name="invariant-o-apart", options=inv.options.without("dense_residual_norm"))
 
     def qk_without_store(*a, **kw):
         return fused.qk_norm_rope(*a, **kw)
@@ -498,7 +502,8 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
     store_apart = dataclasses.replace(inv, name="invariant-store-apart", options=KernelOptions.of(
         {**inv.options, "qk_norm_rope": qk_without_store}))
     dec, graph_same = {}, {}
-    saved = {(ts, "COUNT_SLOTS"): ts.COUNT_SLOTS, (tgr, "MIXED"): tgr.MIXED, (tm, "ONE_ROW"): tm.ONE_ROW}
+    saved = {(ts, "COUNT_SLOTS"): ts.COUNT_SLOTS, (tgr, "MIXED"): tgr.MIXED, (tm, "ONE_ROW"): tm.ONE_ROW,
+             (ts, "WIDE"): ts.WIDE}
     sums = {(ts, "COUNT_SLOTS"): 0}                                              # sums in a second launch
     apart = {(tgr, "MIXED"): False}                                              # q alone, k and v grouped
     for name, ks, pdl, settings in (
@@ -510,8 +515,10 @@ def _decode_step_runs(w, cache, tok, pos0, slots, P: int) -> tuple:
             ("invariant (q apart, PDL off)", "invariant", False, apart),
             ("invariant (q apart)", "invariant", True, apart),
             ("invariant (combine apart, PDL off)", combine_apart, False, {}),
+            ("invariant (o apart, PDL off)", o_apart, False, {}),
             ("invariant (KV store apart, PDL off)", store_apart, False, {}),
             ("invariant (routed one row, PDL off)", "invariant", False, {(tm, "ONE_ROW"): False}),
+            ("invariant (logits widened apart, PDL off)", "invariant", False, {(ts, "WIDE"): {}}),
             ("invariant (again)", "invariant", True, {})):
         tr.PDL = pdl                                                         # captured into the graph
         for (mod, k), v in settings.items():

@@ -1,6 +1,7 @@
 """The invariant set's fused options (kernels/fused.py): a layer's q/k RMSNorm and RoPE in one launch (with the
 KV cache store in the same launch), a residual
-add with the next RMSNorm in one and the MoE combine with both in one (triton_fused), and projections of one input in a grouped pair of launches
+add with the next RMSNorm in one, the MoE combine with both in one (triton_fused), the attention's output
+projection with both in one (triton_dense_norm), and projections of one input in a grouped pair of launches
 (triton_group) give the bytes of the kernels they stand in for, and the engine uses an option only over a set's own
 kernels of those classes.
 
@@ -126,6 +127,28 @@ def combine_mismatches(run_fused, run_combine, run_rms, case, fault: str = "") -
     return mismatches(fx, x) + mismatches(fh, run_rms(x, w, 1e-6))
 
 
+def dense_norm_case(dtype, device, M=5, N=2048, K=4096, seed=0):
+    """(x [M, K], w [N, K], a [M, N], wn [N]): an attention output, its projection weight, a residual stream and a
+    norm weight."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype).to(device)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype).to(device)
+    a = (torch.randn(M, N, generator=g) * 4).to(dtype).to(device)
+    return x, w, a, torch.randn(N, generator=g).to(dtype).to(device)
+
+
+def dense_norm_mismatches(run_fused, run_linear, run_residual_norm, case, fault: str = "") -> int:
+    """Elements where the fused (x, h) differ from linear then residual_norm (-1: the fused launch did not serve);
+    fault "weight": the projection's first output row of weights doubled (its column of x doubled, not lost in the
+    residual's rounding), "norm": a norm weight one ULP up."""
+    x, w, a, wn = case
+    rx, rh = run_residual_norm(a, run_linear(x, w), wn, 1e-6)
+    bad = w.clone()
+    bad[0] *= 2
+    out = run_fused(x, bad if fault == "weight" else w, a, one_ulp_up(wn, 3) if fault == "norm" else wn, 1e-6)
+    return -1 if out is None else mismatches(out[0], rx) + mismatches(out[1], rh)
+
+
 def group_mismatches(linear, linear_many, x, ws, fault: bool = False) -> int:
     """Elements where linear_many's outputs (the last weight with a planted fault if asked: doubled) differ from
     linear's."""
@@ -142,6 +165,7 @@ def test_options_serve_nothing_on_the_cpu():
     assert fused.dense_group(x, (wt,)) is None
     assert fused.residual_norm(x, x, wt[0], 1e-6) is None
     assert fused.combine_residual_norm(x[:, None], x[:, :1], None, x, wt[0], 1e-6) is None
+    assert fused.dense_residual_norm(x, wt, x[:, :3], wt[0, :3], 1e-6) is None
 
 
 def _recording(base, calls: list, **replaced):
@@ -158,14 +182,15 @@ def _recording(base, calls: list, **replaced):
                 for c, s in getattr(base, r).items()} for r in ("decode", "prompt")}
     opts = {**base.options, "qk_norm_rope": rec("qk", fused.qk_norm_rope),
             "dense_group": rec("group", fused.dense_group), "residual_norm": rec("res", fused.residual_norm),
-            "combine_residual_norm": rec("comb", fused.combine_residual_norm)}
+            "combine_residual_norm": rec("comb", fused.combine_residual_norm),
+            "dense_residual_norm": rec("dres", fused.dense_residual_norm)}
     return dataclasses.replace(base, name="invariant+recording", options=opts, **tabs)
 
 
-@pytest.mark.parametrize("replaced, used", [((), {"qk", "group", "res", "comb"}), (("rmsnorm",), {"group"}),
-                                            (("rope",), {"group", "res", "comb"}),
+@pytest.mark.parametrize("replaced, used", [((), {"qk", "group", "res", "comb", "dres"}), (("rmsnorm",), {"group"}),
+                                            (("rope",), {"group", "res", "comb", "dres"}),
                                             (("dense",), {"qk", "res", "comb"}), (("residual",), {"qk", "group"}),
-                                            (("moe_combine",), {"qk", "group", "res"})])
+                                            (("moe_combine",), {"qk", "group", "res", "dres"})])
 def test_the_engine_uses_an_option_only_over_the_sets_own_kernels(tiny_weights, replaced, used):
     w, inv = tiny_weights, get_set("invariant")
     ids = torch.arange(6) + 3
@@ -174,7 +199,8 @@ def test_the_engine_uses_an_option_only_over_the_sets_own_kernels(tiny_weights, 
     calls: list = []
     ks = _recording(inv, calls, **{c: True for c in replaced})
     out = forward(w, ids, torch.arange(6), cache, ks, BATCHED).logits
-    per_forward = {"qk": 1, "group": 1, "res": 2, "comb": 1}   # per layer: the residual after each block, the MoE's
+    per_forward = {"qk": 1, "group": 1, "res": 2, "comb": 1, "dres": 1}   # per layer: the residual after each
+    # block, the MoE's end, the attention's output projection
     assert set(calls) == used and len(calls) == sum(per_forward[u] for u in used) * w.cfg.n_layers
     assert mismatches(out, ref) == 0
     n = len(calls)
@@ -189,7 +215,7 @@ def test_an_imported_set_with_its_own_rmsnorm_loses_the_fused_options():
                "rmsnorm": dataclasses.replace(getattr(inv, r)["rmsnorm"], fn=_norm.rmsnorm_invariant)}
            for r in ("decode", "prompt")}
     ks, dropped = imported.drop_bypassing_options(dataclasses.replace(inv, name="user", **own))
-    assert set(dropped) == {"qk_norm_rope", "residual_norm", "combine_residual_norm"}
+    assert set(dropped) == {"qk_norm_rope", "residual_norm", "combine_residual_norm", "dense_residual_norm"}
     assert ks.options.qk_norm_rope is None
     assert ks.options.dense_group is fused.dense_group and ks.options.grouped_experts is inv.options.grouped_experts
     assert imported.drop_bypassing_options(inv)[1] == {}
@@ -243,6 +269,22 @@ def test_gpu_combine_residual_norm_gives_the_combine_add_then_rmsnorm_bytes_and_
 
 @GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("M, served", [(1, True), (3, True), (16, True), (17, True), (128, True), (200, False)])
+def test_gpu_dense_residual_norm_gives_linear_then_residual_norm_bytes_and_planted_faults_are_caught(M, served):
+    """The attention output projection's shape (2,048 x 4,096, bf16): served by one launch for the calls whose
+    split programs take it (M <= 128), each with the bytes of triton_gemm.linear then triton_fused.residual_norm,
+    three calls in a row (the counts back at zero between them); a larger call is refused (None)."""
+    from exactness.kernels import triton_dense_norm, triton_fused, triton_gemm, triton_split
+    case = dense_norm_case(torch.bfloat16, "cuda", M=M, seed=M)
+    args = (triton_dense_norm.try_dense_residual_norm, triton_gemm.linear, triton_fused.residual_norm, case)
+    assert [dense_norm_mismatches(*args) for _ in range(3)] == [0 if served else -1] * 3
+    if served:
+        assert int(triton_split.split_counts(case[0].device, 1).count_nonzero()) == 0
+        assert dense_norm_mismatches(*args, fault="weight") > 0 and dense_norm_mismatches(*args, fault="norm") > 0
+
+
+@GPU
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 3, 16, 17, 64, 512, 600])
 def test_gpu_grouped_projections_give_each_weights_linear_bytes_and_a_planted_fault_is_caught(M):
     from exactness.kernels import triton_gemm, triton_group
@@ -266,7 +308,7 @@ def test_gpu_forward_with_the_fused_options_equals_the_forward_without():
     inv = get_set("invariant")
     plain = dataclasses.replace(inv, name="invariant-unfused",
                                 options=inv.options.without("qk_norm_rope", "dense_group", "residual_norm",
-                                                            "combine_residual_norm"))
+                                                            "combine_residual_norm", "dense_residual_norm"))
     ids = torch.randint(0, 258, (300,), generator=torch.Generator().manual_seed(4)).cuda()
     res = {}
     for ks in (inv, plain):
@@ -287,9 +329,10 @@ def test_gpu_forward_with_the_fused_options_equals_the_forward_without():
 _INTERP = """
 import torch
 from test_fused_options import (qk_case, qk_mismatches, qk_store_mismatches, group_mismatches, residual_case,
-                                residual_mismatches, combine_case, combine_mismatches)
-from exactness.kernels import (rope as _rope, triton_cache, triton_gemm as tg, triton_group, triton_fused,
-                               triton_moe_rows, triton_rows, triton_split)
+                                residual_mismatches, combine_case, combine_mismatches, dense_norm_case,
+                                dense_norm_mismatches)
+from exactness.kernels import (rope as _rope, triton_cache, triton_dense_norm, triton_gemm as tg, triton_group,
+                               triton_fused, triton_moe_rows, triton_rows, triton_split)
 for dt in (torch.bfloat16, torch.float32):
     cos, sin = _rope._table(16, 1e4, 1, torch.device("cpu"), dt)
     case = qk_case(dt, "cpu", M=3, HQ=4, HK=2, D=16)
@@ -306,6 +349,12 @@ for dt in (torch.bfloat16, torch.float32):
         args = (triton_fused.combine_residual_norm, triton_moe_rows.combine, triton_rows.rmsnorm, case)
         print("comb", combine_mismatches(*args), combine_mismatches(*args, fault="weight"),
               combine_mismatches(*args, fault="norm"))
+tg.with_config("linear", 64, 96, torch.bfloat16, "interp", tg.GemmConfig(16, 16, 16, 1, 4, split_k=3))
+for M in (3, 17):                                     # one block of 16 rows, two
+    args = (triton_dense_norm.try_dense_residual_norm, tg.linear, triton_fused.residual_norm,
+            dense_norm_case(torch.bfloat16, "cpu", M=M, N=64, K=96, seed=M))
+    print("dres", dense_norm_mismatches(*args), dense_norm_mismatches(*args, fault="weight"),
+          dense_norm_mismatches(*args, fault="norm"))
 for n in (48, 40):
     tg.with_config("linear", n, 64, torch.bfloat16, "interp", tg.GemmConfig(16, 16, 16, 1, 4, split_k=2, tma=False))
 x = torch.randn(2, 64).to(torch.bfloat16)
@@ -338,8 +387,8 @@ group([ws[1], ws[0], ws[2]])
 @NEEDS_TRITON
 def test_interpreter_fused_kernels_give_the_kernels_bytes_and_planted_faults_are_caught():
     rows = interpreted_rows(_INTERP)
-    head = ["qk", "qks", "res", "comb", "comb"] * 2
+    head = ["qk", "qks", "res", "comb", "comb"] * 2 + ["dres"] * 2
     assert [r[0] for r in rows] == head + ["group"] * 3 + ["apart", "unmixed"] + ["group"] * 2
     assert all(int(r[1]) == 0 and all(int(v) > 0 for v in r[2:]) for r in rows[:len(head)])
     assert all(r[1:3] == ["1", "0"] and int(r[3]) > 0 for r in rows if r[0] == "group")
-    assert rows[13][1:] == ["0", "0"] and rows[14][1:] == ["0", "1", "0"]
+    assert rows[15][1:] == ["0", "0"] and rows[16][1:] == ["0", "1", "0"]

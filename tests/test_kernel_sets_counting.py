@@ -172,7 +172,7 @@ def test_a_builtin_grouped_option_is_dropped_unless_the_expert_kernels_are_the_b
     prompt) are other callables, and the drop is in its provenance; an exact copy and a grouped callable of the
     user's own keep the option. A copy whose every kernel is another callable (COUNTED) also loses invariant's
     fused norm, RoPE, residual, MoE combine and projection options."""
-    fused = {"qk_norm_rope", "dense_group", "residual_norm", "combine_residual_norm"}
+    fused = {"qk_norm_rope", "dense_group", "residual_norm", "combine_residual_norm", "dense_residual_norm"}
     for attr, base, more in (("COUNTED", "invariant", fused), ("DOWN_DECODE", "invariant", set()),
                              ("FAST_GATE_UP", "fast", set())):
         ks, rec = get_set(f"{MODULE}:{attr}"), provenance(f"{MODULE}:{attr}")

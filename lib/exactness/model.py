@@ -161,9 +161,9 @@ class Ops:
             if cls in kernels.decode:   # a set registered before a class was added has no kernel of it
                 attr = "_" + cls if callable(getattr(Ops, cls, None)) else cls
                 setattr(self, attr, self._tap(cls, kernels.fn(cls, role)))
-        self._qk, self._group, self._res, self._comb = (
+        self._qk, self._group, self._res, self._comb, self._dres = (
             _own_option(kernels, n, role) for n in ("qk_norm_rope", "dense_group", "residual_norm",
-                                                    "combine_residual_norm"))
+                                                    "combine_residual_norm", "dense_residual_norm"))
 
     def _tap(self, cls: str, fn):
         if not _TAPS:
@@ -224,6 +224,15 @@ class Ops:
         out = None if self._res is None or _TAPS else self._res(a, b, w, eps)
         return (self.residual(a, b), None) if out is None else out
 
+    def dense_residual_norm(self, x: torch.Tensor, w, a: torch.Tensor, wn, eps: float
+                            ) -> tuple[torch.Tensor, object]:
+        """(a + dense(x, w), its rmsnorm by wn or None) by the set's dense_residual_norm option where it serves the
+        call whole and no taps are on (same bytes, one launch); else dense, then residual_norm."""
+        out = None
+        if self._dres is not None and not _TAPS and self._whole(x, self.plan.tile_rows):
+            out = self._dres(x, w, a, wn, eps)
+        return self.residual_norm(a, self.dense(x, w), wn, eps) if out is None else out
+
     def combine_residual_norm(self, y: torch.Tensor, weights: torch.Tensor, shared, a: torch.Tensor, w,
                               eps: float) -> tuple[torch.Tensor, object]:
         """(a + moe_combine(y, weights, shared), its rmsnorm by w or None) by the set's combine_residual_norm option
@@ -267,7 +276,7 @@ def attention_block(ops: Ops, lw: LayerWeights, cfg, x, positions, slots, cache:
     q, k = ops.qk_norm_rope_store(q, k, v, lw.q_norm, lw.k_norm, cfg.rms_eps, positions, cfg.rope_theta, cache,
                                   layer, slots)
     o = ops.attention(q, cache.k[layer], cache.v[layer], slots, positions)          # [M, Hq, D]
-    return ops.residual_norm(x, ops.dense(o.reshape(M, -1), lw.wo), lw.mlp_norm, cfg.rms_eps)
+    return ops.dense_residual_norm(o.reshape(M, -1), lw.wo, x, lw.mlp_norm, cfg.rms_eps)
 
 
 def _experts_one_by_one(ops: Ops, cfg, h, idx, experts: ExpertProvider, layer: int) -> torch.Tensor:

@@ -14,6 +14,9 @@ fault, a user's kernel) runs its own kernels.
 - ``combine_residual_norm(y, weights, shared, a, w, eps) -> (x, h) | None``: the MoE combine of the experts'
   outputs, the residual add and the next RMSNorm in one launch (triton_fused), for cuda.combine, cuda.residual then
   cuda.rmsnorm.
+- ``dense_residual_norm(x, w, a, wn, eps) -> (x, h) | None``: a projection, the residual add of its output and the
+  next RMSNorm in one launch (triton_dense_norm: the split-K programs of a decode-size call, the norm in each block
+  of rows' last tile), for cuda.dense_invariant, cuda.residual then cuda.rmsnorm.
 - ``dense_group(x, ws) -> tuple | None``: x @ w^T for several weights of one input, those whose split-K launches
   can share one in one grouped launch (triton_group: a decode step's q, k and v), for cuda.dense_invariant.
 """
@@ -71,6 +74,20 @@ def combine_residual_norm(y: torch.Tensor, weights: torch.Tensor, shared: torch.
     return cuda._tk("triton_fused").try_combine_residual_norm(y, weights, shared, a, w, eps)
 
 
+def dense_residual_norm(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, wn: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(a + x @ w^T, rmsnorm(that, wn, eps)) with cuda.dense_invariant's, cuda.residual's and cuda.rmsnorm's bytes
+    in one launch.
+
+    Args:
+        x: [M, K]; w: [N, K]; a: [M, N]; wn: [N]. Returns: (x, h) [M, N] in a's dtype, or None where not served (CPU
+        tensors, a weight that is not a plain tensor, or a call triton_dense_norm's launch does not take).
+    """
+    if not (x.is_cuda and torch.is_tensor(w) and torch.is_tensor(wn)):
+        return None
+    return cuda._tk("triton_dense_norm").try_dense_residual_norm(x, w, a, wn, eps)
+
+
 def dense_group(x: torch.Tensor, ws: tuple) -> tuple[torch.Tensor, ...] | None:
     """(cuda.dense_invariant(x, w) for w in ws), the bytes of each, in fewer launches (triton_group.linear_many).
 
@@ -90,3 +107,5 @@ dense_group.stands_for = (("dense", cuda.dense_invariant),)
 residual_norm.stands_for = (("residual", cuda.residual), ("rmsnorm", cuda.rmsnorm))
 combine_residual_norm.stands_for = (("moe_combine", cuda.combine), ("residual", cuda.residual),
                                     ("rmsnorm", cuda.rmsnorm))
+dense_residual_norm.stands_for = (("dense", cuda.dense_invariant), ("residual", cuda.residual),
+                                  ("rmsnorm", cuda.rmsnorm))

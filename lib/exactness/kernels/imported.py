@@ -5,7 +5,7 @@ labels its kernels with the set's name (a set built with ``dataclasses.replace``
 such as ``invariant.dense.prompt``: they become ``<set>.dense.prompt``), checks its tables (:func:`check_tables`) and
 adds it to KERNEL_SETS under its own name, so every section and row names it by that one name. An option kept from
 a built-in set that would compute rows with that set's kernels instead of the user's (``grouped_experts``,
-``qk_norm_rope``, ``dense_group``, ``residual_norm``, ``combine_residual_norm``) is dropped
+``qk_norm_rope``, ``dense_group``, ``residual_norm``, ``combine_residual_norm``, ``dense_residual_norm``) is dropped
 (:func:`drop_bypassing_options`). :func:`provenance` records where it came from (module file, SHA-256, package
 version) and the options dropped, for the receipt.
 

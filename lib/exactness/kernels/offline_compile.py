@@ -94,11 +94,12 @@ def _gemm_specs(name: str, kind: str, N: int, K: int, dtype: torch.dtype, capabi
         opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
         specs.append((f"gemm {name} {N}x{K} [{c.label()}]", fn, sig, const, opts))
         if c.split_k > 1 and kind == "linear":
-            specs.append(_split_partials_spec(name, N, K, c, sig, const, opts))
+            specs.append(_split_partials_spec(name, N, K, c, sig, const, opts, dtype))
     if placed[-1].split_k > 1 and kind == "linear":        # one sum per shape: its launch has no tile of its own
         specs.append((f"gemm {name} split-K sum", _tk("triton_tiles")._split_reduce_kernel,
                       dict(ws_ptr="*fp32", c_ptr=p, M=i32, N=i32),
-                      dict(**_tk("triton_split").REDUCE, SPLIT=placed[-1].split_k, EMULATE=False), dict(num_warps=4)))
+                      dict(**_tk("triton_split").REDUCE, SPLIT=placed[-1].split_k, EMULATE=False, WIDE=0),
+                      dict(num_warps=4)))
     return specs
 
 
@@ -115,6 +116,24 @@ def _router_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str)
         const = tile | dict(GROUP_M=c.group_m, SPLIT=c.split_k, TOPK=cfg.top_k, NORM=cfg.norm_topk_prob, BR=mr.ROWS,
                             BE=triton_next_pow2(E), BKK=triton_next_pow2(cfg.top_k))
         specs.append((f"router logits and softmax/top-k in one launch [{c.label()}]", trt._router_split_kernel, sig,
+                      const, dict(num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=False)))
+    return specs
+
+
+def _dense_norm_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:
+    """The attention output projection with the residual add and the next RMSNorm in one launch
+    (triton_dense_norm), in each placement it fits."""
+    tg, tdn, tr = _tk("triton_gemm"), _tk("triton_dense_norm"), _tk("triton_rows")
+    p, i32, specs, H = f"*{ty}", "i32", [], cfg.hidden
+    br, bh, _ = tr._row_block(H)
+    for _, c in tg.placements("linear", H, cfg.n_heads * cfg.head_dim, dtype, capability):
+        if not tdn.fits(c, H):
+            continue
+        a, b, tile = _tile(c, dtype, capability, ty)
+        sig = dict(a_src=a, b_src=b, ws_ptr="*fp32", c_ptr=p, cnt_ptr="*i32", r_ptr=p, wn_ptr=p, x_ptr=p, h_ptr=p,
+                   M=i32, N=i32, K=i32, eps="fp32")
+        const = tile | dict(GROUP_M=c.group_m, SPLIT=c.split_k, BR=br, BH=bh)
+        specs.append((f"o projection + residual + rmsnorm in one launch [{c.label()}]", tdn._dense_norm_kernel, sig,
                       const, dict(num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=False)))
     return specs
 
@@ -189,7 +208,7 @@ def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int
                   dict(TOPK=cfg.top_k, NORM=cfg.norm_topk_prob, BR=mr.ROWS, BE=triton_next_pow2(cfg.n_experts),
                        BK=triton_next_pow2(cfg.top_k), EMULATE=False),
                   dict(num_warps=mr.WARPS, enable_fp_fusion=False)))
-    specs += _router_specs(cfg, dtype, capability, ty)
+    specs += _router_specs(cfg, dtype, capability, ty) + _dense_norm_specs(cfg, dtype, capability, ty)
     specs += _grouped_specs(cfg, dtype, capability, ty)
     specs.append(("moe combine", mr._combine_kernel, dict(y_ptr=p, w_ptr=p, s_ptr=p, o_ptr=p, M=i32, H=i32),
                   dict(K=cfg.top_k, HAS_SHARED=cfg.shared_expert_inter > 0, BH=min(1024, triton_next_pow2(H)),
@@ -197,15 +216,20 @@ def _attention_and_row_specs(cfg, dtype: torch.dtype, capability: tuple[int, int
     return specs
 
 
-def _split_partials_spec(name: str, N: int, K: int, c, sig: dict, const: dict, opts: dict) -> tuple:
-    """The per-split partials kernel of a linear shape whose config splits K, in config ``c``."""
+def _split_partials_spec(name: str, N: int, K: int, c, sig: dict, const: dict, opts: dict,
+                         dtype: torch.dtype) -> tuple:
+    """The per-split partials kernel of a linear shape whose config splits K, in config ``c`` (the lm_head's with
+    its sum stored widened to fp32, as triton_gemm.logits launches it)."""
     tg = _tk("triton_gemm")
     ssig = dict(a_src=sig["a_src"], b_src=sig["b_src"], ws_ptr="*fp32", c_ptr=sig["c_ptr"], cnt_ptr="*i32",
                 M="i32", N="i32", K="i32", stride_am="i32", stride_bn="i32")
     sconst = {k: v for k, v in const.items() if k in ("BM", "BN", "BK", "GROUP_M", "TMA", "PRECISION", "EMULATE",
                                                        "SPLIT")}
-    return (f"gemm {name} {N}x{K} split-K partials and sum [{c.label()}]", tg._gemm_split_kernel, ssig,
-            sconst | dict(SUM=True), opts)
+    wide = _tk("triton_split").WIDE.get(dtype, 0) if name == "lm_head" else 0    # the logits stored widened
+    if wide:
+        ssig["c_ptr"] = "*fp32"
+    return (f"gemm {name} {N}x{K} split-K partials and sum{' widened' if wide else ''} [{c.label()}]",
+            tg._gemm_split_kernel, ssig, sconst | dict(SUM=True, WIDE=wide), opts)
 
 
 def _grouped_specs(cfg, dtype: torch.dtype, capability: tuple[int, int], ty: str) -> list[tuple]:

@@ -228,10 +228,13 @@ class KernelOptions(Mapping):
         combine_residual_norm: None, or ``fn(y [M, k, H], weights [M, k], shared [M, H] | None, a [M, H], w [H], eps)
             -> (a + c, rmsnorm(a + c, w, eps)) | None``, c the set's moe_combine of y: the set's moe_combine, residual
             then rmsnorm, same bytes, in fewer launches (the MoE block's end).
-        Each of the four above may name the kernels it stands in for in an attribute ``stands_for`` ((class,
+        dense_residual_norm: None, or ``fn(x [M, K], w [N, K], a [M, N], wn [N], eps) -> (a + d, rmsnorm(a + d, wn,
+            eps)) | None``, d the set's dense of x by w: the set's dense, residual then rmsnorm, same bytes, in fewer
+            launches (the attention block's end).
+        Each of the five above may name the kernels it stands in for in an attribute ``stands_for`` ((class,
         kernel callable) pairs): model.Ops then uses it only for a set whose kernels of those classes are those
         callables. grouped_experts has no such check in the engine: a set imported by reference loses it (and the
-        four) where its kernels of those classes are not the built-in set's (imported.drop_bypassing_options).
+        five) where its kernels of those classes are not the built-in set's (imported.drop_bypassing_options).
 
     A Mapping of the options that are set (not their defaults), so a set can be built from another's:
     ``KernelOptions.of({**base.options, "expert_id_aware": True})``.
@@ -244,6 +247,7 @@ class KernelOptions(Mapping):
     dense_group: Callable | None = None
     residual_norm: Callable | None = None
     combine_residual_norm: Callable | None = None
+    dense_residual_norm: Callable | None = None
 
     @classmethod
     def of(cls, options: "KernelOptions | Mapping | None") -> "KernelOptions":

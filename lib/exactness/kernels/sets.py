@@ -91,10 +91,11 @@ INVARIANT = register_set(
     # grouped_experts: model.moe_block runs all of a layer's experts at once (CUDA; resident or staged whole by
     # an offload store's layer ring), same bytes.
     # tiles_in_kernels: dense and expert kernels fix their own row tiles, so the deep plan hands them whole calls.
-    # qk_norm_rope, dense_group, residual_norm, combine_residual_norm: on CUDA a layer's q/k norms and RoPE in one
-    # launch, the projections whose split-K launches can share one in one grouped launch, each residual add with
-    # the next norm in one launch, after the MoE block with its combine (kernels/fused.py), same bytes.
+    # qk_norm_rope, dense_group, residual_norm, combine_residual_norm, dense_residual_norm: on CUDA a layer's q/k
+    # norms and RoPE in one launch, the projections whose split-K launches can share one in one grouped launch,
+    # each residual add with the next norm in one launch, after the MoE block with its combine and after attention
+    # with the output projection (kernels/fused.py), same bytes.
     options={"grouped_experts": cuda.moe_experts, "tiles_in_kernels": True, "qk_norm_rope": fused.qk_norm_rope,
              "dense_group": fused.dense_group, "residual_norm": fused.residual_norm,
-             "combine_residual_norm": fused.combine_residual_norm},
+             "combine_residual_norm": fused.combine_residual_norm, "dense_residual_norm": fused.dense_residual_norm},
 )
