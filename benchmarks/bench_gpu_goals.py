@@ -211,8 +211,10 @@ def roofline_rows(k: dict) -> list[dict]:
 
 
 # Decode-step kernels by what they read (name prefixes as the profiler prints them): the routed experts' weights,
-# the dense weights (q, k, v, o, router, LM head) or the KV cache.
-_READS = {"experts": ("_grouped_kernel", "_ZN7cutlass"), "dense": ("_gemm", "_split_reduce", "nvjet"),
+# the dense weights (q, k, v, o, router, LM head; the o projection's launch also adds the residual and norms, the
+# router's also takes the softmax/top-k) or the KV cache.
+_READS = {"experts": ("_grouped_kernel", "_ZN7cutlass"),
+          "dense": ("_gemm", "_split_reduce", "nvjet", "_dense_norm", "_router_split"),
           "KV cache": ("_attn", "_combine_kernel", "void pytorch_flash")}
 
 
