@@ -52,8 +52,8 @@ def run_split(lp, a, out: torch.Tensor, M: int, N: int, K: int, key, wide: int =
     """triton_gemm launch ``lp``'s splits in parallel programs (partials [split_k, M, N] fp32) and their fixed-order
     sum, rounded into out [M, N]: in the same launch by each tile's last split where split_counts serves, else by
     a second launch. a: x as lp loads it (triton_gemm.a_operand); key: the call's launch key (lp.key, or
-    (lp.key, aligned) without TMA); wide: WIDE's code of (x's dtype, fp32) for an fp32 ``out`` that gets the sum
-    rounded to x's dtype and widened (the bytes of the storage-dtype result then ``.float()``), else 0."""
+    (lp.key, aligned) without TMA); wide: WIDE's code of x's dtype for an fp32 ``out`` that gets the sum rounded
+    to that dtype and widened (the bytes of the storage-dtype result then ``.float()``), else 0."""
     ws = torch.empty(lp.cfg.split_k, M, N, dtype=torch.float32, device=out.device)
     tiles = cdiv(M, lp.cfg.block_m) * cdiv(N, lp.cfg.block_n)
     counts = split_counts(out.device, tiles)
