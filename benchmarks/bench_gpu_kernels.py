@@ -402,12 +402,12 @@ def decode_step(args) -> dict:
     The invariant set runs eagerly with Triton fast launch on and off (triton_rows.FAST_LAUNCH); both give the same
     logits. On graphs it runs with programmatic dependent launch on and off (triton_rows.PDL, fixed when the graph is
     captured), without the set's fused options (qk_norm_rope, dense_group, residual_norm, combine_residual_norm,
-    dense_residual_norm: kernels/fused.py), with split-K partials summed by a second launch instead of each tile's last split
-    (triton_split.COUNT_SLOTS = 0 while captured), and with the queries' projection in a launch of its own rather
-    than grouped with the keys' and values' (triton_group.MIXED); every other row with PDL and the options on (the defaults on sm_90). A second
-    capture of the default graph, timed as one more row, gives the noise floor of these side-by-side ratios (two
-    graphs of one step differ by a few percent in wall time), and the rows' order turns each round. A graph step's
-    logits are compared as bytes with the eager step's at the same position.
+    dense_residual_norm: kernels/fused.py), with split-K partials summed by a second launch instead of each tile's
+    last split (triton_split.COUNT_SLOTS = 0 while captured), and with the queries' projection in a launch of its
+    own rather than grouped with the keys' and values' (triton_group.MIXED); every other row with PDL and the options
+    on (the defaults on sm_90). A second capture of the default graph, timed as one more row, gives the noise floor
+    of these side-by-side ratios (two graphs of one step differ by a few percent in wall time), and the rows' order
+    turns each round. A graph step's logits are compared as bytes with the eager step's at the same position.
     """
     from exactness.cache import KVCache
     from exactness.exact import bytes_equal

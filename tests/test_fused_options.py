@@ -1,13 +1,12 @@
 """The invariant set's fused options (kernels/fused.py): a layer's q/k RMSNorm and RoPE in one launch (with the
-KV cache store in the same launch), a residual
-add with the next RMSNorm in one, the MoE combine with both in one (triton_fused), the attention's output
-projection with both in one (triton_dense_norm), and projections of one input in a grouped pair of launches
-(triton_group) give the bytes of the kernels they stand in for, and the engine uses an option only over a set's own
-kernels of those classes.
+KV cache store in the same launch), a residual add with the next RMSNorm in one, the MoE combine with both in one
+(triton_fused), the attention's output projection with both in one (triton_dense_norm), and projections of one
+input in a grouped pair of launches (triton_group) give the bytes of the kernels they stand in for, and the engine
+uses an option only over a set's own kernels of those classes.
 
 Byte claims compare integer views; every comparison has a planted fault (a norm weight one ULP off, a routing
-weight doubled, a projection weight's element doubled) that the same comparison must catch. The GPU tests run the small preset's shapes, the
-interpreter test the tiny shapes.
+weight doubled, a projection weight's element or row doubled) that the same comparison must catch. The GPU tests
+run the small preset's shapes, the interpreter test the tiny shapes.
 """
 from __future__ import annotations
 
