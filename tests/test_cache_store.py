@@ -7,6 +7,8 @@ and each has a planted fault (rows stored one position off) that the same compar
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -110,6 +112,40 @@ def test_forward_span_and_prefill_refuse_rows_outside_the_cache_before_anything_
     with pytest.raises(ValueError, match=r"positions 0..8 outside the cache capacity 0..7"):
         paths.prefill(tiny_weights, cache, torch.arange(9), "invariant", paths.Schedule("batched", 2))
     assert all(not t.any() for t in cache.k + cache.v) and cache.lengths == [0, 0]
+
+
+@contextlib.contextmanager
+def _syncs_raise():
+    """CUDA's sync debug mode "error" for the block (an operation that waits for the device raises), then the mode
+    before."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
+def test_gpu_prefill_reads_nothing_back_from_the_device_between_segments():
+    """paths.prefill of three segments (the invariant set, the small preset's shapes at 2 layers) with CUDA's sync
+    debug mode raising: no operation waits for the device. Control: model.forward, which reads its rows' bounds
+    back, raises there."""
+    from exactness.config import get_preset
+    from exactness.weights import device_random_weights
+    w = device_random_weights(get_preset("small").replace(n_layers=2), torch.bfloat16, "cuda", seed=3)
+    ids = torch.randint(0, 258, (300,), generator=torch.Generator().manual_seed(5)).cuda()
+    schedule = paths.Schedule("batched", 128)                                  # segments of 128, 128 and 44 rows
+    paths.prefill(w, KVCache(w.cfg, 320, 1, torch.bfloat16, w.device), ids, "invariant", schedule)   # compiles
+    cache, pos = KVCache(w.cfg, 320, 1, torch.bfloat16, w.device), torch.tensor([300], device="cuda")
+    torch.cuda.synchronize()
+    with _syncs_raise():
+        out = paths.prefill(w, cache, ids, "invariant", schedule)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            forward(w, ids[:1], pos, cache, "invariant")
+    assert cache.lengths == [300] and out.logits.shape == (300, 258)
 
 @pytest.mark.parametrize("rows", [2, 3, 25])
 def test_advance_records_each_slots_largest_position_for_few_rows_and_many(tiny_weights, rows):
