@@ -88,7 +88,7 @@ def test_forward_refuses_a_slot_outside_the_cache(tiny_weights):
 
 def test_forward_span_gives_forwards_bytes_and_lengths(tiny_weights):
     """Rows at positions 5..12 of slot 1 after rows 0..4: logits, hidden rows, every KV byte and the lengths of
-    forward_span equal forward's with those positions and slots."""
+    forward_span equal forward's with those positions and slots. Control: the rows one position later differ."""
     ids = torch.randint(0, tiny_weights.cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(1))
     caches = [KVCache(tiny_weights.cfg, 16, 2, tiny_weights.dtype) for _ in range(2)]
     for c in caches:
@@ -101,6 +101,8 @@ def test_forward_span_gives_forwards_bytes_and_lengths(tiny_weights):
     assert all(torch.equal(x.view(torch.int16), y.view(torch.int16))
                for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
     assert caches[0].lengths == caches[1].lengths == [0, 13]
+    late = forward_span(tiny_weights, ids[5:], 6, caches[1], "invariant", slot=1)
+    assert not torch.equal(a.logits.view(torch.int32), late.logits.view(torch.int32))
 
 
 def test_forward_span_and_prefill_refuse_rows_outside_the_cache_before_anything_runs(tiny_weights):
