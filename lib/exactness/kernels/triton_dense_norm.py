@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_gemm, triton_split
+from . import triton_gemm
 from .triton_fused import _add_norm_rows
-from .triton_rows import _NO_FMA, INTERPRET, _row_block, cdiv, intern_key, launch, pdl_start
+from .triton_rows import _NO_FMA, INTERPRET, _row_block, intern_key, launch, pdl_start
 from .triton_tiles import _split_partial, _tile_coords
 
 
@@ -76,18 +76,13 @@ def try_dense_residual_norm(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, w
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return None
     (M, K), N = x.shape, w.shape[0]
-    if M == 0 or K == 0 or w.shape[1] != K or a.shape != (M, N) or wn.shape != (N,):
+    if w.shape[1] != K or a.shape != (M, N) or wn.shape != (N,):
         return None
-    p = triton_gemm.plan_for(x, (w,), "linear", config)
-    lp = next(lp for rows, lp in p.launches if M <= rows)
-    tiles = cdiv(M, lp.cfg.block_m) * cdiv(N, lp.cfg.block_n)
-    serves = triton_split.takes_split(lp, M, N) and fits(lp.cfg, N)
-    counts = triton_split.split_counts(x.device, tiles + cdiv(M, lp.cfg.block_m)) if serves else None
-    if counts is None:
+    call = triton_gemm.split_call(x, w, lambda cfg: fits(cfg, N), config, row_counts=True)
+    if call is None:
         return None
-    op, aligned = triton_gemm.a_operand(x if x.is_contiguous() else x.contiguous(), lp)
+    lp, op, aligned, ws, counts, tiles = call
     ac, wc = a.contiguous(), wn.contiguous()
-    ws = torch.empty(lp.cfg.split_k, M, N, dtype=torch.float32, device=x.device)
     c = torch.empty(M, N, dtype=x.dtype, device=x.device)
     xo, h = torch.empty_like(ac), torch.empty_like(ac)
     br, bh, _ = _row_block(N)

@@ -346,6 +346,29 @@ def a_operand(x: torch.Tensor, lp: _Launch) -> tuple:
     return x, x.data_ptr() % 16 == 0
 
 
+def split_call(x: torch.Tensor, w: torch.Tensor, fits, config: GemmConfig | None = None,
+               row_counts: bool = False) -> tuple | None:
+    """The parts of x [M, K] @ w [N, K]^T as one launch of triton_split's programs whose last ones do more
+    (triton_router, triton_dense_norm): (launch, x as it loads it, whether that base is aligned, partials
+    [split_k, M, N] fp32, counts, output tiles), the counts holding one per tile and, with ``row_counts``, one per
+    block of rows after them. None where the call is empty, runs no split programs, ``fits(cfg)`` refuses its
+    placement's config or no counts serve. ValueError from _check for shapes, dtypes or devices that do not match."""
+    p = plan_for(x, (w,), "linear", config)
+    M = x.shape[0]
+    if M == 0 or p.K == 0:
+        return None
+    lp = next(lp for rows, lp in p.launches if M <= rows)
+    row_blocks = cdiv(M, lp.cfg.block_m)
+    tiles = row_blocks * cdiv(p.N, lp.cfg.block_n)
+    if not (triton_split.takes_split(lp, M, p.N) and fits(lp.cfg)):
+        return None
+    counts = triton_split.split_counts(x.device, tiles + (row_blocks if row_counts else 0))
+    if counts is None:
+        return None
+    a, aligned = a_operand(x if x.is_contiguous() else x.contiguous(), lp)
+    return lp, a, aligned, torch.empty(lp.cfg.split_k, M, p.N, dtype=torch.float32, device=x.device), counts, tiles
+
+
 def _run(x: torch.Tensor, ws: tuple[torch.Tensor, ...], kind: str, config: GemmConfig | None,
          wide: bool = False) -> torch.Tensor:
     p = plan_for(x, ws, kind, config)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_gemm, triton_split
+from . import triton_gemm
 from . import triton_moe_rows as mr
 from .triton_rows import _NO_FMA, cdiv, intern_key, launch, next_pow2, pdl_start
 from .triton_tiles import _split_partial
@@ -54,23 +54,17 @@ def router(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool) -> tuple | 
     Raises:
         ValueError: shapes, dtypes or devices that do not match (triton_gemm's checks).
     """
-    p = triton_gemm.plan_for(x, (w,), "linear", None)
-    M, E = x.shape[0], p.N
-    if M == 0 or p.K == 0:
+    M, E = x.shape[0], w.shape[0]
+    call = triton_gemm.split_call(x, w, lambda cfg: fits(cfg, E, top_k))
+    if call is None:
         return None
-    lp = next(lp for rows, lp in p.launches if M <= rows)
-    tiles = cdiv(M, lp.cfg.block_m)
-    serves = triton_split.takes_split(lp, M, E) and fits(lp.cfg, E, top_k)
-    counts = triton_split.split_counts(x.device, tiles) if serves else None
-    if counts is None:
-        return None
-    a, aligned = triton_gemm.a_operand(x if x.is_contiguous() else x.contiguous(), lp)
-    ws = torch.empty(lp.cfg.split_k, M, E, dtype=torch.float32, device=x.device)
+    lp, a, aligned, ws, counts, tiles = call
     logits = torch.empty(M, E, dtype=x.dtype, device=x.device)
     weights = torch.empty(M, top_k, dtype=x.dtype, device=x.device)
     idx = torch.empty(M, top_k, dtype=torch.int64, device=x.device)
     key = intern_key((_router_split_kernel, lp.split_key, aligned, top_k, bool(norm)))
-    launch(_router_split_kernel, (tiles, lp.cfg.split_k), (a, lp.b, ws, logits, counts, weights, idx, M, E, p.K),
+    launch(_router_split_kernel, (tiles, lp.cfg.split_k), (a, lp.b, ws, logits, counts, weights, idx, M, E,
+                                                          x.shape[1]),
            dict(lp.split_consts, TOPK=top_k, NORM=bool(norm), BR=mr.ROWS, BE=next_pow2(E), BKK=next_pow2(top_k)),
            key=key, **lp.opts, **_NO_FMA)
     return weights, idx, logits
