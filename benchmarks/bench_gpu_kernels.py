@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from exactness import paths  # noqa: E402
 from exactness.config import get_preset  # noqa: E402
 from exactness.kernels import attention as fast_attn  # noqa: E402
-from exactness.kernels import cuda, experts, norm, offline_compile, rope, router  # noqa: E402
+from exactness.kernels import cuda, experts, fast_fused, offline_compile, rope, router  # noqa: E402
 from exactness.loop import decode_step as eager_step  # noqa: E402
 from exactness.weights import device_random_weights  # noqa: E402
 
@@ -294,7 +294,8 @@ def attention(args) -> dict:
 
 
 def rows(_args) -> dict:
-    """Row kernels at 16384 rows: invariant Triton vs the fast set's torch ops."""
+    """Row kernels at 16384 rows: invariant Triton vs the fast set's kernels (compiled torch ops; the softmax/top-k
+    row: the router's torch ops after its GEMM, eager)."""
     from exactness.kernels import triton_moe_rows as mr
     from exactness.kernels import triton_rows as tr
     cfgm = get_preset("small")
@@ -305,10 +306,10 @@ def rows(_args) -> dict:
     cos, sin = rope._table(D, cfgm.rope_theta, 1, qh.device, BF16)
     y, wts = _rand(M, k, H), torch.rand(M, k, device="cuda").to(BF16)
     logits = _rand(M, E, scale=3.0)
-    cases = [("rmsnorm [16384, 2048]", lambda: tr.rmsnorm(x, w, 1e-6), lambda: norm.rmsnorm_fast(x, w, 1e-6)),
-             ("rope [16384, 32, 128]", lambda: tr.rope(qh, pos, cos, sin), lambda: rope.rope_fast(qh, pos, 1e6)),
+    cases = [("rmsnorm [16384, 2048]", lambda: tr.rmsnorm(x, w, 1e-6), lambda: fast_fused.rmsnorm(x, w, 1e-6)),
+             ("rope [16384, 32, 128]", lambda: tr.rope(qh, pos, cos, sin), lambda: fast_fused.rope(qh, pos, 1e6)),
              ("combine [16384, 8, 2048]", lambda: mr.combine(y, wts, None),
-              lambda: experts.combine_fast(y, wts, None)),
+              lambda: fast_fused.combine(y, wts, None)),
              ("softmax/top-8 [16384, 128]", lambda: mr.softmax_topk(logits, k, True),
               lambda: router._softmax_topk_tile(logits, k, True))]
     res = [{"case": n, "fast_us": ms(f) * 1e3, "invariant_us": ms(i) * 1e3} for n, i, f in cases]
@@ -325,7 +326,7 @@ def overhead(_args) -> dict:
     x, wq = _rand(1, 2048), _rand(4096, 2048)
     h = _rand(2048)
     cases = [("linear M=1", lambda: tg.linear(x, wq), lambda: torch.nn.functional.linear(x, wq)),
-             ("rmsnorm M=1", lambda: tr.rmsnorm(x, h, 1e-6), lambda: norm.rmsnorm_fast(x, h, 1e-6))]
+             ("rmsnorm M=1", lambda: tr.rmsnorm(x, h, 1e-6), lambda: fast_fused.rmsnorm(x, h, 1e-6))]
     if hasattr(cuda, "moe_experts"):
         E, I, k = 128, 768, 8
         wg, wu, wd = _rand(E, I, 2048), _rand(E, I, 2048), _rand(E, 2048, I)

@@ -1,10 +1,12 @@
-"""The fast set's CUDA kernels (kernels/fast_cuda.py): grouped expert GEMMs, FlashAttention-2 prompt and decode.
+"""The fast set's CUDA kernels (kernels/fast_cuda.py: grouped expert GEMMs, FlashAttention-2 prompt and decode;
+kernels/fast_fused.py: its torch ops compiled by torch.compile).
 
 CPU tests: the fast set's CPU rows are plain torch's (its CUDA options change nothing there: the deep plan keeps
 its row tiles, the experts run one by one), and the grouped route (rows sorted by expert, offsets, scatter back)
 computes each (row, slot) pair's expert, through torch's reference _grouped_mm on CPU tensors. GPU tests (skipped
 without CUDA) compare the kernels with the fast set's torch kernels within bf16 rounding, each with a planted
-fault that must be caught, and check that a fast decode step is one CUDA graph whose replay equals the eager step.
+fault that must be caught, and check that a fast decode step is one CUDA graph whose replay equals the eager step;
+the compiled ops against the same ops run eagerly, within a bound of bf16 roundings, each in fewer launches.
 """
 from __future__ import annotations
 
@@ -17,8 +19,11 @@ import torch.nn.functional as F
 from exactness.cache import KVCache
 from exactness.exact import bytes_equal
 from exactness.kernels import attention as torch_attn
-from exactness.kernels import fast_cuda, get_set
-from exactness.model import BATCHED, DEEP, forward
+from exactness.kernels import experts as torch_experts
+from exactness.kernels import fast_cuda, fast_fused, get_set
+from exactness.kernels import norm as torch_norm
+from exactness.kernels import rope as torch_rope
+from exactness.model import BATCHED, DECODE, DEEP, forward
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -29,6 +34,12 @@ def _experts(E=6, I=16, H=24, M=11, k=3, device="cpu", seed=0):
     h, wg, wu, wd = r(M, H), r(E, I, H), r(E, I, H), r(E, H, I)
     idx = torch.stack([torch.randperm(E, generator=g, device=device)[:k] for _ in range(M)])   # [M, k] distinct
     return h, idx, wg, wu, wd
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in bf16 ULPs of b, elementwise (fp32)."""
+    ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(b.float().abs().clamp_min(1e-30))))
+    return (a.float() - b.float()).abs() / ulp
 
 
 def _loop(h, idx, wg, wu, wd):
@@ -52,6 +63,72 @@ def test_cpu_rows_are_plain_torch(tiny_weights):
             outs.append(forward(w, ids, torch.arange(150), cache, ks, plan).logits)
         assert bytes_equal(outs[0], outs[1]), plan
     assert not fast_cuda.whole_calls(torch.zeros(1)) and fast_cuda.moe_experts(*_experts()) is None
+
+
+def test_cpu_fast_kernels_are_the_eager_torch_ops(tiny_weights):
+    """On the CPU the fast set's norm, RoPE, router and combine kernels run the torch ops eagerly (nothing is
+    compiled): a forward equals, as bytes, one through a set of those torch functions themselves; control: the
+    same set with RoPE's base changed differs. The fused options serve nothing on the CPU."""
+    from exactness.kernels import router as torch_router
+    fast = get_set("fast")
+    tab = {"rmsnorm": torch_norm.rmsnorm_fast, "rope": torch_rope.rope_fast, "router": torch_router.router_fast,
+           "moe_combine": torch_experts.combine_fast}
+
+    def plain(fns):
+        roles = {r: {c: (dataclasses.replace(s, fn=fns[c]) if c in fns else s) for c, s in getattr(fast, r).items()}
+                 for r in ("decode", "prompt")}
+        return dataclasses.replace(fast, name="fast_plain", options={}, **roles)
+    w, ids = tiny_weights, torch.arange(70) % tiny_weights.cfg.vocab_size
+
+    def run(ks):
+        cache = KVCache(w.cfg, 80, 1, w.dtype, w.device)
+        return forward(w, ids, torch.arange(70), cache, ks, BATCHED).logits
+    ref = run(fast)
+    assert bytes_equal(run(plain(tab)), ref)
+    shifted = {**tab, "rope": lambda x, p, theta: torch_rope.rope_fast(x, p, theta * 2)}
+    assert not bytes_equal(run(plain(shifted)), ref)
+    x = torch.ones(3, 8)
+    assert fast_fused.residual_norm(x, x, torch.ones(8), 1e-6) is None and fast_fused.qk_norm_rope(
+        x[:, None], x[:, None], torch.ones(8), torch.ones(8), 1e-6, torch.arange(3), 1e4) is None
+
+
+def test_cpu_compiled_forward_runs_every_option_close_to_eager(tiny_weights, monkeypatch):
+    """With compiling forced for CPU tensors (fast_cuda._COMPILE["cpu"], tests only; skipped where Inductor cannot
+    compile here): a fast-set forward of 70 prompt rows then one decode row goes through torch.compile for the
+    first norm, the router, the grouped experts and the options it uses (q/k norms with RoPE, each residual add
+    with its norm after the projection or the combine: each one's graph compiled); its logits within 3% (relative
+    norm) of the eager set's, max, argmax and count beyond 8 bf16 ULPs in the message; planted fault: the output
+    projection's option without its residual add, beyond the bound."""
+    fast, w = get_set("fast"), tiny_weights
+    ids = torch.arange(71) % w.cfg.vocab_size
+    monkeypatch.setitem(fast_cuda._STATE, "cpu_grouped", True)
+
+    def run():
+        cache = KVCache(w.cfg, 80, 1, w.dtype, w.device)
+        a = forward(w, ids[:70], torch.arange(70), cache, fast, BATCHED).logits
+        return torch.cat([a, forward(w, ids[70:], torch.tensor([70]), cache, fast, DECODE).logits])
+    try:
+        ref = run()
+    except (RuntimeError, NotImplementedError) as e:   # a torch whose _grouped_mm has no CPU path
+        pytest.skip(f"torch._grouped_mm on CPU: {e}")
+    for k in fast_cuda.STATUS:
+        monkeypatch.setitem(fast_cuda.STATUS, k, "untried")
+    monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
+    monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
+    out = run()
+    if fast_cuda.STATUS["inductor"] != "ok":
+        pytest.skip(f"Inductor cannot compile here: {fast_cuda.STATUS['inductor']}")
+    ran = {getattr(f, "__name__", f) for f in fast_cuda._GRAPHS}
+    assert {"_rms", "router_fast", "_grouped", "_combine_residual_norm", "_dense_residual_norm",
+            "_qk_norm_rope"} <= ran, ran
+    rel = lambda a: float((a.float() - ref.float()).norm() / ref.float().norm())  # noqa: E731
+    u = _ulps(out, ref)
+    assert rel(out) < 3e-2, (rel(out), float(u.max()), int(u.argmax()), int((u > 8).sum()))
+    monkeypatch.setattr(fast_fused, "_dense_residual_norm",
+                        lambda x, wo, a, wn, eps: fast_fused._residual_norm(torch.zeros_like(a), F.linear(x, wo),
+                                                                            wn, eps))
+    bad = rel(run())
+    assert bad > 3e-2                                                             # planted fault
 
 
 def test_grouped_route_computes_each_pairs_expert(monkeypatch):
@@ -146,3 +223,74 @@ def test_gpu_fast_decode_step_is_one_graph():
     replay = dec.step(tok, pos, [0, 1])
     assert dec.info()["reason"] is None and dec.info()["pieces"] == 1, dec.info()
     assert bytes_equal(eager, replay)
+
+
+def _launches(fn) -> int:
+    """The CUDA kernels one call of fn launches (torch.profiler), after a warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_compiled_fast_ops_within_bf16_roundings_of_eager_in_fewer_launches():
+    """Each compiled op of fast_fused against the same torch ops run eagerly, at a decode row count and a prompt's
+    (1 and 300 rows): every output element within 4 bf16 ULPs (Inductor rounds a fused chain once where eager
+    rounds each op; max, argmax and count beyond 2 ULPs in the message), in fewer launches than eager (the
+    combine, one einsum, in no more); planted
+    fault: the norm weight scaled by 1.25 in the compiled call, beyond the bound."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda").bfloat16()  # noqa: E731
+    H, Hq, Hk, D, K, k = 256, 4, 2, 64, 512, 8
+    w, wq, wk, wo = 1 + 0.1 * r(H), 1 + 0.1 * r(D), 1 + 0.1 * r(D), 0.05 * r(H, K)
+    for M in (1, 300):
+        a, b, xo = r(M, H), r(M, H), r(M, K)
+        q, kk, pos = r(M, Hq, D), r(M, Hk, D), torch.arange(M, device="cuda") + 4000
+        y, wts = r(M, k, H), torch.softmax(r(M, k).float(), -1).bfloat16()
+        cases = {
+            "rmsnorm": (lambda s=1: fast_fused.rmsnorm(a, w * s, 1e-6), lambda: torch_norm._rms(a, w, 1e-6)),
+            "rope": (lambda s=1: fast_fused.rope(q * s, pos, 1e6), lambda: torch_rope.rope_fast(q, pos, 1e6)),
+            "combine": (lambda s=1: fast_fused.combine(y, wts * s, None),
+                        lambda: torch_experts.combine_fast(y, wts, None)),
+            "residual_norm": (lambda s=1: fast_fused.residual_norm(a, b, w * s, 1e-6),
+                              lambda: fast_fused._residual_norm(a, b, w, 1e-6)),
+            "combine_residual_norm": (lambda s=1: fast_fused.combine_residual_norm(y, wts, None, a, w * s, 1e-6),
+                                      lambda: fast_fused._combine_residual_norm(y, wts, None, a, w, 1e-6)),
+            "dense_residual_norm": (lambda s=1: fast_fused.dense_residual_norm(xo, wo, a, w * s, 1e-6),
+                                    lambda: fast_fused._dense_residual_norm(xo, wo, a, w, 1e-6)),
+            "qk_norm_rope": (lambda s=1: fast_fused.qk_norm_rope(q, kk, wq * s, wk * s, 1e-6, pos, 1e6),
+                             lambda: fast_fused._qk_norm_rope(q, kk, wq, wk, 1e-6, pos, 1e6)),
+        }
+        for name, (compiled, eager) in cases.items():
+            outs, refs = compiled(), eager()
+            assert fast_cuda.STATUS["inductor"] == "ok", fast_cuda.STATUS
+            outs, refs = (outs if isinstance(outs, tuple) else (outs,)), (refs if isinstance(refs, tuple) else (refs,))
+            for o, ref in zip(outs, refs):
+                u = _ulps(o, ref)
+                worst = int(u.argmax())
+                assert float(u.max()) <= 4, (name, M, float(u.max()), worst, int((u > 2).sum()))
+            bad = compiled(1.25)
+            bad = bad if isinstance(bad, tuple) else (bad,)
+            assert max(float(_ulps(o, ref).max()) for o, ref in zip(bad, refs)) > 4, (name, M)   # planted fault
+            fewer = _launches(compiled), _launches(eager)
+            assert fewer[0] <= fewer[1] if name == "combine" else fewer[0] < fewer[1], (name, M, fewer)
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_compiled_grouped_experts_close_to_the_loop():
+    """fast_fused.moe_experts (routing, gather and scatter compiled around the grouped GEMMs) against the per-pair
+    loop, at 300 rows and one; control: the slots shifted."""
+    h, idx, wg, wu, wd = _experts(E=128, I=768, H=2048, M=300, k=8, device="cuda")
+    if not fast_cuda.moe_experts_serve(h, wg, wu, wd):
+        pytest.skip("torch._grouped_mm does not serve this GPU")
+    ref = _loop(h, idx, wg, wu, wd)
+    err = lambda a, r=ref: float((a.float() - r.float()).norm() / r.float().norm())  # noqa: E731
+    assert err(fast_fused.moe_experts(h, idx, wg, wu, wd)) < 1e-2
+    assert fast_cuda.STATUS["inductor"] == "ok" and fast_cuda.STATUS["grouped_mm"] == "ok", fast_cuda.STATUS
+    assert err(fast_fused.moe_experts(h, idx.roll(1, dims=1), wg, wu, wd)) > 0.5
+    assert err(fast_fused.moe_experts(h[:1], idx[:1], wg, wu, wd), ref[:1]) < 1e-2

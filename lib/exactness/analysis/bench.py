@@ -43,7 +43,7 @@ from ..params import BenchParams
 from ..progress import bar as progress_bar
 from ..prompt_files import build_prompts, prompt_record
 from ..prompts import build_prompt
-from .merge import join_provenance
+from .merge import join_provenance, join_served
 from .bench_runner import MTP_K, Runner
 from ..checkpoint import load_model, resolve_device
 
@@ -286,6 +286,9 @@ def merge_sections(parts: list[dict]) -> dict:
     prov = join_provenance(parts)
     if prov:
         merged["provenance"] = prov
+    served = join_served(parts)
+    if served:
+        merged["fast_cuda"] = served
     return merged
 
 

@@ -1,5 +1,6 @@
 """Sections computed in separate calls (one per kernel set, one per engine) joined into one: what the
-parts' ``provenance`` records (where each part was computed) become."""
+parts' ``provenance`` records (where each part was computed) and ``fast_cuda`` records (what served the fast set's
+CUDA kernels) become."""
 from __future__ import annotations
 
 PROVENANCE_FIELDS = ("computed_on", "commit", "command", "notes")
@@ -13,3 +14,14 @@ def join_provenance(parts: list[dict]) -> dict | None:
         return None
     return {k: " | ".join(dict.fromkeys(str(p.get(k)) for p in provs if p.get(k) is not None))
             for k in PROVENANCE_FIELDS}
+
+
+def join_served(parts: list[dict]) -> dict | None:
+    """The parts' "fast_cuda" records (what served the fast set's CUDA kernels, receipt/sections.served_here)
+    joined kernel by kernel (" | " between distinct values, in part order); None when no part carries one."""
+    recs = [q["fast_cuda"] for q in parts if isinstance(q.get("fast_cuda"), dict)]
+    if not recs:
+        return None
+    kinds = dict.fromkeys(k for r in recs for k in r)
+    return {k: " | ".join(dict.fromkeys(str(r[k]) for r in recs if k in r)) for k in kinds}
+

@@ -12,7 +12,7 @@ measured against).
 
 Where a kernel does not apply (CPU tensors, fp32 or an fp8 cache, a head size flash does not take, an older GPU)
 the fast set's torch kernels of attention.py and the per-expert loop serve instead: CPU rows are those of plain
-torch. ``CPU_GROUPED`` (tests only) lets moe_experts run on CPU tensors through torch's reference _grouped_mm.
+torch. ``run_compiled`` compiles the torch ops around them (and fast_fused.py's) with torch.compile on CUDA. ``CPU_GROUPED`` (tests only) lets moe_experts run on CPU tensors through torch's reference _grouped_mm.
 """
 from __future__ import annotations
 
@@ -24,7 +24,13 @@ from . import attention as _attention
 _STATE = {"cpu_grouped": False}
 # What served on this machine: "untried", "ok", or why the torch kernel failed on its first call (its fallback then
 # serves every later call, and benchmarks print this so a row never names a kernel that did not run).
-STATUS = {"grouped_mm": "untried", "flash": "untried"}
+STATUS = {"grouped_mm": "untried", "flash": "untried", "inductor": "untried"}
+
+
+def served() -> dict[str, str]:
+    """What the fast set's CUDA kernels did in this process: kind -> "ok" or why its fallback serves; the kinds
+    not called yet are left out (empty when the fast set ran no CUDA call)."""
+    return {k: v for k, v in STATUS.items() if v != "untried"}
 
 
 def _first(kind: str, fn, fallback):
@@ -41,6 +47,33 @@ def _first(kind: str, fn, fallback):
         return fallback()
     STATUS[kind] = "ok"
     return out
+
+
+# ---------------------------------------------------------------------------------------------- torch.compile
+
+_GRAPHS: dict = {}
+_COMPILE = {"cpu": False}     # tests only: compile for CPU tensors too
+
+
+def compiled(fn):
+    """fn compiled by torch.compile (Inductor), dynamic row counts, whole graph; one per fn and process."""
+    g = _GRAPHS.get(fn)
+    if g is None:
+        g = _GRAPHS[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return g
+
+
+def compiles(x: torch.Tensor) -> bool:
+    """Whether run_compiled compiles for x's device: CUDA (or any, under _COMPILE["cpu"])."""
+    return x.is_cuda or _COMPILE["cpu"]
+
+
+def run_compiled(fn, x: torch.Tensor, *args):
+    """fn(x, *args) compiled where x is a CUDA tensor with elements and Inductor works here; eagerly elsewhere, and
+    after a first compile failed (STATUS["inductor"] says why)."""
+    if not compiles(x) or x.numel() == 0:
+        return fn(x, *args)
+    return _first("inductor", lambda: compiled(fn)(x, *args), lambda: fn(x, *args))
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -142,11 +175,17 @@ def _decode(q, k_cache, v_cache, slots, positions) -> torch.Tensor:
         return torch.empty_like(q)
     S, T = k_cache.shape[:2]
     kf, vf = (c.view(S * T, *c.shape[2:]) for c in (k_cache, v_cache))             # [S*T, Hkv, D]
-    cu_q = torch.arange(M + 1, dtype=torch.int32, device=q.device)
-    start = slots.to(torch.int32) * T                                                # [M] first key of each row's slot
-    cu_k = torch.cat([start, start[-1:] + T])
-    used = (positions + 1).to(torch.int32)                                           # [M] keys each row attends
+    cu_q, cu_k, used = run_compiled(_decode_index, slots, positions, T)
     return _varlen(q.contiguous(), kf, vf, cu_q, cu_k, 1, T, False, used)
+
+
+def _decode_index(slots: torch.Tensor, positions: torch.Tensor, T: int):
+    """flash varlen's indices for one query row per sequence: cu_q [M+1], cu_k [M+1] (each row's slot's first key,
+    then the end of the last slot) and the key count of each row [M], int32."""
+    M = slots.shape[0]
+    cu_q = torch.arange(M + 1, dtype=torch.int32, device=slots.device)
+    start = slots.to(torch.int32) * T                                                # [M] first key of each row's slot
+    return cu_q, torch.cat([start, start[-1:] + T]), (positions + 1).to(torch.int32)
 
 
 # graphs.py asks a decode attention kernel's ``captures(k_cache, rows)`` whether it reads slots and positions on

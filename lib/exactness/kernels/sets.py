@@ -2,7 +2,8 @@
 
 ``fast``: the best stock PyTorch offers on the device, on whatever block of rows the path hands over: cuBLAS
 (F.linear) for dense, FlashAttention-2 for attention and grouped GEMMs (torch._grouped_mm) for the routed experts on
-CUDA (fast_cuda.py), plain torch ops on the CPU. Its prompt rows are not expected to equal decode rows; it is the
+CUDA (fast_cuda.py), the torch ops between them compiled by torch.compile on CUDA (fast_fused.py), plain torch ops
+on the CPU. Its prompt rows are not expected to equal decode rows; it is the
 control that says what exactness costs, kept so receipts show both sets side by side.
 
 ``invariant``: every class computes each row with the same shapes and the same accumulation order whatever the
@@ -11,15 +12,15 @@ order, stable top-k with lower-id tie-break). Its prompt kernels claim the decod
 """
 from __future__ import annotations
 
-from . import attention, cuda, dense, experts, fast_cuda, fused, head, norm, rope, router
+from . import attention, cuda, dense, experts, fast_cuda, fast_fused, fused, head, norm
 from .registry import KERNEL_CLASSES, register_set
 
 # The fast set's classes whose kernel is the same for both roles; dense, experts and attention differ by role.
 _FAST_BOTH = {
-    "router": (router.router_fast, "F.linear, softmax, torch.topk"),
-    "moe_combine": (experts.combine_fast, "einsum over k in storage dtype"),
-    "rmsnorm": (norm.rmsnorm_fast, "fp32 mean of squares, rsqrt"),
-    "rope": (rope.rope_fast, "cos/sin evaluated per call"),
+    "router": (fast_fused.router, "F.linear, softmax, torch.topk (CUDA: compiled by torch.compile)"),
+    "moe_combine": (fast_fused.combine, "einsum over k in storage dtype (CUDA: compiled)"),
+    "rmsnorm": (fast_fused.rmsnorm, "fp32 mean of squares, rsqrt (CUDA: compiled)"),
+    "rope": (fast_fused.rope, "cos/sin evaluated per call (CUDA: compiled)"),
     "residual": (norm.residual_add, "a + b"),
     "lm_head": (head.lm_head_fast, "F.linear"),
     "argmax": (head.argmax_first, "torch.argmax"),
@@ -54,12 +55,16 @@ FAST = register_set(
                       "scaled_dot_product_attention, causal mask, KV heads repeated (not cuDNN)"),
     }),
     claims_exact=False,
-    description="stock PyTorch (cuBLAS, FlashAttention-2, grouped expert GEMMs on CUDA); prompt rows may differ "
-                "from decode rows",
+    description="stock PyTorch (cuBLAS, FlashAttention-2, grouped expert GEMMs and torch.compile'd elementwise ops "
+                "on CUDA); prompt rows may differ from decode rows",
     # grouped_experts: on CUDA (bf16, sm_90/sm_100) every routed expert of a layer in three torch._grouped_mm
     # launches (gate, up, down), no host read; elsewhere None, and the experts run one by one (F.linear).
     # tiles_in_kernels: on CUDA the deep plan hands the kernels whole calls (no host row tiles).
-    options={"grouped_experts": fast_cuda.moe_experts, "tiles_in_kernels": fast_cuda.whole_calls},
+    # residual_norm, combine_residual_norm, dense_residual_norm, qk_norm_rope: on CUDA the same torch ops compiled
+    # into one graph each (fast_fused), as the invariant set's options fuse its kernels.
+    options={"grouped_experts": fast_fused.moe_experts, "tiles_in_kernels": fast_cuda.whole_calls,
+             "residual_norm": fast_fused.residual_norm, "combine_residual_norm": fast_fused.combine_residual_norm,
+             "dense_residual_norm": fast_fused.dense_residual_norm, "qk_norm_rope": fast_fused.qk_norm_rope},
 )
 
 _INVARIANT = {

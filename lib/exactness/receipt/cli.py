@@ -36,7 +36,7 @@ match_onednn_isa()  # an emulated lower instruction set caps oneDNN too (env.mat
 
 from ..profiles import DEFAULT_PROFILE, PROFILES, get_profile  # noqa: E402
 from ..files import write_json  # noqa: E402
-from .sections import SECTIONS, Section  # noqa: E402
+from .sections import SECTIONS, Section, served_here  # noqa: E402
 
 _REFERENCE = [n for n, s in SECTIONS.items() if "reference" in s.runs_on]   # a plain receipt run's sections
 
@@ -208,7 +208,7 @@ def _sections(args: argparse.Namespace) -> int:
             try:
                 section = SECTIONS[name].load().run_section(SECTIONS[name].params_class.from_dict(params))
                 section["provenance"] = _provenance(env, name, args, time.perf_counter() - t0)
-                _write_json(section, str(out / f"{name}.json"))
+                _write_json(served_here(section), str(out / f"{name}.json"))
                 if _failed(section, name):
                     failed.append(name)
             except Exception:  # noqa: BLE001 -- record it, go on with the next section

@@ -136,6 +136,11 @@ def render_header(receipt: dict) -> str:
     if records:   # a list, not a table: a module's path and SHA-256 do not fit a table cell
         parts += ["", "## Kernel sets", "", *[f"- **{md_escape(str(r.get('name')))}**: {kernel_set_text(r)}"
                                              for r in records]]
+    served = [(name, obj["fast_cuda"]) for name, obj in sections(receipt) if isinstance(obj.get("fast_cuda"), dict)]
+    if served:
+        parts += ["", "The fast set's CUDA kernels as they served each section (ok, or why its torch code served "
+                  "instead):", "", *[f"- **{name}**: " + md_escape("; ".join(f"{k} {v}" for k, v in s.items()))
+                                    for name, s in served]]
     prov = _provenance_rows(receipt)
     if prov:
         parts += ["", "## Where each section was computed", "",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -232,7 +233,8 @@ def section_of(notebook: str) -> str:
 
 
 def save_section(section: dict, path: str) -> None:
-    """Write ``section`` as JSON to ``path`` (files.write_json); "" writes nothing.
+    """Write ``section`` as JSON to ``path`` (files.write_json); "" writes nothing. Where the fast set made CUDA
+    calls in this process, the section carries what served them under "fast_cuda" (served_here).
 
     Raises:
         ValueError: ``section`` lacks its "section" name.
@@ -241,7 +243,15 @@ def save_section(section: dict, path: str) -> None:
         return
     if not isinstance(section, dict) or "section" not in section:
         raise ValueError("a section object must be a dict with a 'section' name")
-    write_json(section, path)
+    write_json(served_here(section), path)
+
+
+def served_here(section: dict) -> dict:
+    """``section`` with "fast_cuda" (fast_cuda.served: each of the fast set's CUDA kernels, "ok" or why its torch
+    fallback served) where the fast set made CUDA calls in this process; else ``section`` as it is."""
+    mod = sys.modules.get("exactness.kernels.fast_cuda")       # never imported: the fast set ran nothing here
+    served = mod.served() if mod is not None else {}
+    return {**section, "fast_cuda": served} if served else section
 
 
 def load_section(path: str, name: str) -> dict:

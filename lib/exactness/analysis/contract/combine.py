@@ -3,7 +3,7 @@ the merge of contract sections computed in separate calls."""
 from __future__ import annotations
 
 from ...kernels import KERNEL_CLASSES, KERNEL_SETS
-from ..merge import join_provenance
+from ..merge import join_provenance, join_served
 from .cases import ADAPTED
 from ...kernels.registry import QUANT_CLASSES
 
@@ -92,4 +92,7 @@ def merge_sections(parts: list[dict]) -> dict:
     prov = join_provenance(parts)
     if prov:
         merged["provenance"] = prov
+    served = join_served(parts)
+    if served:
+        merged["fast_cuda"] = served
     return merged
