@@ -44,7 +44,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .triton_attn_programs import _attn_kernel, _attn_split_kernel, _combine_kernel
-from .triton_gemm import arch_of, check_placement
+from .gemm_configs import arch_of, check_placement
 from .triton_rows import _NO_FMA, INTERPRET, capability, cdiv, launch, next_pow2
 
 
@@ -109,7 +109,7 @@ _check_split_placements(SPLIT_PLACEMENTS)
 
 
 def _key(D: int, dtype: torch.dtype, capability: tuple[int, int]) -> tuple[int, str, str]:
-    """The tables' key: (D, dtype key, arch) (triton_gemm.arch_of)."""
+    """The tables' key: (D, dtype key, arch) (gemm_configs.arch_of)."""
     return D, "fp32" if dtype == torch.float32 else "16bit", arch_of(capability)
 
 

@@ -14,7 +14,7 @@ stream, ONE_ROW) needs no route: tile j is the row's slot j, whose expert the GE
 reads the row from h (tile rows past it read as zero), and down stores tile j's first row to slot j.
 
 Invariance device: the tile arithmetic is triton_gemm's (its _tile_product and rounding points, BLOCK_K and
-split_k of triton_gemm.config_for for the expert's weight shape, never chosen from M or from the counts): one
+split_k of gemm_configs.config_for for the expert's weight shape, never chosen from M or from the counts): one
 row's output depends only on that row and its expert's weights, not on how many rows its expert received, which
 tile or which tile row it landed in, or what the padding rows hold. As in triton_gemm, the placement may follow the
 call: where the pairs average few rows per expert (a decode step) the tiles have fewer rows and columns
@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm_configs import DTYPES, _pkey, arch_of, check_placement, config_for
 from .triton_gemm import _check as _check_gemm
-from .triton_gemm import DTYPES, _pkey, _spec, arch_of, capability, check_placement, config_for, descriptor
+from .triton_gemm import _spec, capability, descriptor
 from .triton_tiles import _store_tile, _tile_product
 from .triton_rows import INTERPRET, cdiv, intern_key, launch, next_pow2, pdl_start, round_to
 
