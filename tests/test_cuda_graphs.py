@@ -394,11 +394,10 @@ def test_gpu_concurrent_streams_on_graphs_equal_eager(gpu_weights, kernels, n, m
 @pytest.mark.parametrize("kernels,draft", [("invariant", "mtp"), ("invariant", "self"), ("fast", "mtp")])
 def test_gpu_drafted_on_graphs_bytes_equal_eager(gpu_weights, prompt, kernels, draft, monkeypatch):
     """generate_drafted with graphs: tokens, generated logits, the main and the MTP head's KV caches equal the
-    eager drafted run's as bytes. The invariant set replays its verify (3 rows, batched plan) as one graph; the
-    fast set's verify replays graph pieces around its eager prompt attention, and its one-row forwards replay. Controls, each
-    of which must change the run: a stale device position at every replay; for the invariant set, at the verify's
-    replays only; with the MTP head, a stale position at the head's replays only (the derived head reads no hidden
-    row, so zeroing those would change nothing)."""
+    eager drafted run's as bytes. Each set replays its verify (3 rows, batched plan) as one graph (the fast set's
+    attention in its decode form), and its one-row forwards replay. Controls, each of which must change the run: a
+    stale device position at every replay; at the verify's replays only; with the MTP head, a stale position at the
+    head's replays only (the derived head reads no hidden row, so zeroing those would change nothing)."""
     from exactness.mtp import generate_drafted
     sched, gen = Schedule("batched", 16), 12
 
@@ -410,10 +409,8 @@ def test_gpu_drafted_on_graphs_bytes_equal_eager(gpu_weights, prompt, kernels, d
     verify = info["main 3 batched"]
     assert all(g["reason"] in (None, graphs.ONCE) for g in info.values()), info
     assert verify["served"] and verify["replays"] >= 1, info
-    if kernels == "invariant":
-        assert verify["pieces"] == 1, info
-    else:   # grouped experts (_grouped_mm) replay; the prompt attention runs eagerly between graph pieces
-        assert verify["pieces"] == 2 * gpu_weights.cfg.n_layers + 1, info
+    assert verify["pieces"] == 1, info
+    if kernels == "fast":
         assert info["head 1 decode"]["served"] and info["head 1 decode"]["reason"] is None, info
     one_row = "main 1 decode" if draft == "self" else "head 1 decode"
     assert info[one_row]["replays"] >= 1, info
@@ -432,8 +429,8 @@ def test_gpu_drafted_on_graphs_bytes_equal_eager(gpu_weights, prompt, kernels, d
         assert bad.graphs_record()["served"]
         return bad
     assert not same_drafted(eager, planted(lambda g: g.positions.sub_(1)))
-    if kernels == "invariant":              # the verify graph alone: its rows' KV written one position early
-        assert not same_drafted(eager, planted(lambda g: g.positions.sub_(1) if g.head is None and g.n > 1 else 0))
+    # the verify graph alone: its rows' KV written one position early
+    assert not same_drafted(eager, planted(lambda g: g.positions.sub_(1) if g.head is None and g.n > 1 else 0))
     if draft == "mtp":                      # the head's graphs alone: its rows' KV written one position early
         assert not same_drafted(eager, planted(lambda g: g.positions.sub_(1) if g.head is not None else 0))
 

@@ -115,6 +115,9 @@ def test_cpu_compiled_forward_runs_every_option_close_to_eager(tiny_weights, mon
         monkeypatch.setitem(fast_cuda.STATUS, k, "untried")
     monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
     monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
+    # Inductor's on-disk caches do not key CPU code by ATen's CPU capability: code cached by a run under another
+    # capability can crash this one, so this test compiles afresh.
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     out = run()
     if fast_cuda.STATUS["inductor"] != "ok":
         pytest.skip(f"Inductor cannot compile here: {fast_cuda.STATUS['inductor']}")
@@ -184,8 +187,9 @@ def _attn(P=1300, S=2, seed=3, Hq=32, Hkv=4, D=128):
 @GPU
 @pytest.mark.gpu
 def test_gpu_flash_attention_close_to_sdpa():
-    """Prompt: one chunk and a later chunk (bottom-right causal) of slot 1; decode: rows of both slots at
-    different positions; each against the fast set's SDPA kernels; control: positions off by one."""
+    """Prompt: one chunk and a later chunk (bottom-right causal) of slot 1, and three rows (a verify's, in the
+    decode form); decode: rows of both slots at different positions; each against the fast set's SDPA kernels;
+    control: positions off by one."""
     q, kc, vc = _attn()
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
     for a, n in ((0, 1300), (700, 600)):
@@ -194,6 +198,10 @@ def test_gpu_flash_attention_close_to_sdpa():
         ref = torch_attn.attention_fast_prompt(q[a:a + n], kc, vc, slots, pos)
         assert rel(out, ref) < 1e-2, (a, n)
         assert rel(fast_cuda.attention_prompt(q[a:a + n], kc, vc, slots, pos + 1), ref) > 1e-2
+    few = torch.ones(3, dtype=torch.int64, device="cuda"), torch.arange(700, 703, device="cuda")   # a verify's rows
+    ref = torch_attn.attention_fast_prompt(q[700:703], kc, vc, *few)
+    assert rel(fast_cuda.attention_prompt(q[700:703], kc, vc, *few), ref) < 1e-2
+    assert rel(fast_cuda.attention_prompt(q[700:703], kc, vc, few[0], few[1] + 1), ref) > 1e-3
     slots = torch.tensor([1, 0, 1, 0], device="cuda")
     pos = torch.tensor([0, 17, 700, 1299], device="cuda")
     out = fast_cuda.attention_decode(q[:4], kc, vc, slots, pos)
@@ -294,3 +302,32 @@ def test_gpu_compiled_grouped_experts_close_to_the_loop():
     assert fast_cuda.STATUS["inductor"] == "ok" and fast_cuda.STATUS["grouped_mm"] == "ok", fast_cuda.STATUS
     assert err(fast_fused.moe_experts(h, idx.roll(1, dims=1), wg, wu, wd)) > 0.5
     assert err(fast_fused.moe_experts(h[:1], idx[:1], wg, wu, wd), ref[:1]) < 1e-2
+
+
+@GPU
+@pytest.mark.gpu
+def test_gpu_fast_verify_rows_are_one_graph():
+    """A fast forward of three rows of one stream on the batched plan (a drafted verify) replays as one CUDA graph
+    (its attention in the decode form, captured), and its logits equal the eager forward's as bytes; control: the
+    eager forward one position later differs."""
+    from exactness.config import get_preset
+    from exactness.graphs import GraphForward
+    from exactness.paths import Schedule, prefill
+    from exactness.weights import device_random_weights
+    w = device_random_weights(get_preset("small").replace(n_layers=2), torch.bfloat16, "cuda", seed=1)
+    cache = KVCache(w.cfg, 64, 1, w.dtype, w.device)
+    prefill(w, cache, torch.arange(30) % 251, "fast", Schedule("batched"), slot=0)
+    g = GraphForward(w, cache, "fast", rows=3, plan=BATCHED)
+    tok = torch.tensor([5, 9, 11], device="cuda")
+    outs = []
+    for _ in range(3):                                   # eager + capture, then a replay, at the same positions
+        outs.append(g.run(tok, [30, 31, 32], [0, 0, 0]).logits)
+        cache.truncate(0, 30)
+    info = g.info()
+    assert info["reason"] is None and info["pieces"] == 1 and info["replays"] == 2, info
+    pos = torch.arange(30, 33, device="cuda")
+    eager = forward(w, tok, pos, cache, "fast", BATCHED, slots=torch.zeros(3, dtype=torch.int64, device="cuda"))
+    assert bytes_equal(outs[-1], eager.logits)
+    cache.truncate(0, 30)
+    later = forward(w, tok, pos + 1, cache, "fast", BATCHED, slots=torch.zeros(3, dtype=torch.int64, device="cuda"))
+    assert not bytes_equal(later.logits, eager.logits)

@@ -18,7 +18,7 @@ Two parts of a forward cannot always be recorded as they are, and are handled so
                buffer the next piece reads. A kernel whose ``captures(k_cache, rows)`` says it reads slots and
                positions on the device with a fixed launch is captured: the invariant set's Triton kernel on a
                model-dtype cache (kernels/cuda.py), and the fast set's FlashAttention on CUDA bf16
-               (kernels/fast_cuda.py).
+               (kernels/fast_cuda.py: decode rows, and prompt calls of a few rows such as a verify).
     experts    a set without a grouped expert kernel (the fast set off CUDA bf16) runs one GEMM chain per routed
                expert, chosen on the host. For one row the graph gathers the k experts' weights by the device-side
                ids and runs the same per-expert kernels on the same [1, H] row (the eager bytes, at the cost of

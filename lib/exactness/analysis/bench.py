@@ -20,7 +20,7 @@ Runs, per kernel set (greedy, temperature 0, end-of-sequence ignored; prefill on
 With ``bench_graphs`` (CUDA) the forwards after the prefill replay from CUDA graphs where their shape can be
 captured: the plain replies' and the streams' decode steps, and the drafted runs' verify, decode and MTP head
 forwards met more than once (the eager forwards' bytes). Each record's ``decode_graphs`` says whether a graph
-served and, per shape, why not (the fast set's multi-row forwards, offloaded experts, a shape met once).
+served and, per shape, why not (a set's per-expert loop over several rows, offloaded experts, a shape met once).
 
 Metrics: TTFT = seconds from the request to the first generated token; prefill tok/s = prompt tokens /
 TTFT; decode tok/s = (generated - 1) / (time of last token - time of first token); mean ITL = that span /

@@ -8,7 +8,8 @@ measured against).
                        flash backend), varlen form reading the cache slot in place: causal aligned bottom-right (a
                        chunk's rows are the last of its keys), KV heads not repeated (GQA in the kernel)
     attention_decode   the same kernel, one sequence per row: its key count (position + 1) and cache slot are read on
-                       the device (seqused_k, cu_seqlens_k), so the launch does not depend on them (capturable)
+                       the device (seqused_k, cu_seqlens_k), so the launch does not depend on them (capturable); a
+                       prompt call of a few rows (a drafted verify) runs it too
 
 Where a kernel does not apply (CPU tensors, fp32 or an fp8 cache, a head size flash does not take, an older GPU)
 the fast set's torch kernels of attention.py and the per-expert loop serve instead: CPU rows are those of plain
@@ -193,13 +194,22 @@ def _decode_index(slots: torch.Tensor, positions: torch.Tensor, T: int):
 attention_decode.captures = lambda k_cache, rows: flash_cache(k_cache)
 
 
+# A prompt call of at most this many rows (a drafted verify, an MTP head's catch-up) runs attention_decode's form,
+# one sequence per row: no host read and a launch fixed by the row count, so a CUDA graph holds it, as an engine's
+# speculative-decoding verify runs its decode kernel.
+DECODE_FORM_ROWS = 16
+
+
 def attention_prompt(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
     """Causal attention of a prompt chunk -> [M, Hq, D]: per slot, its rows (consecutive positions p0..p0+m-1,
     ascending) over keys 0..p0+m-1 in one flash launch; a slot whose rows are not consecutive, and caches flash
-    does not take, go to attention.attention_fast_prompt. One host read per slot (its first and last position)."""
+    does not take, go to attention.attention_fast_prompt. One host read per slot (its first and last position).
+    Up to DECODE_FORM_ROWS rows: attention_decode (row m over keys 0..positions[m]: the same rows, no host read)."""
     if not _flash(q, k_cache):
         return _attention.attention_fast_prompt(q, k_cache, v_cache, slots, positions)
+    if q.shape[0] <= DECODE_FORM_ROWS:
+        return attention_decode(q, k_cache, v_cache, slots, positions)
     return _first("flash", lambda: _prompt(q, k_cache, v_cache, slots, positions),
                   lambda: _attention.attention_fast_prompt(q, k_cache, v_cache, slots, positions))
 
@@ -222,6 +232,9 @@ def _prompt(q, k_cache, v_cache, slots, positions) -> torch.Tensor:
             return o
         out.index_copy_(0, rows, o)
     return out
+
+
+attention_prompt.captures = lambda k_cache, rows: rows <= DECODE_FORM_ROWS and flash_cache(k_cache)
 
 
 def attention_prompt_serve(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
