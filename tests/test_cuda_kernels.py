@@ -558,6 +558,7 @@ def _interp_main() -> int:
     or this file as a script). Exit 0 pass, 1 fail."""
     from exactness.kernels import attention as cpu_attn
     from exactness.kernels import experts, rope
+    from exactness.kernels import gemm_configs as gc
     from exactness.kernels import triton_attention as ta
     from exactness.kernels import triton_gemm as tg
     from exactness.kernels import triton_moe as tm
@@ -619,9 +620,9 @@ def _interp_main() -> int:
         checks[f"split-K with a short last run, {loop} loop == parallel"] = row_mismatches(par7, turns[2:]) == 0
     gemm_key, expert_key = ("linear", 8, 8, "bf16", "sm90"), (8, 8, "bf16", "sm90")
     for name, check, table in (
-            ("block_k", tg._check_placements, {gemm_key: ((16, {"block_k": 32}),)}),
-            ("split_k", tg._check_placements, {gemm_key: ((16, {"split_k": 2}),)}),
-            ("rows not ascending", tg._check_placements, {gemm_key: ((64, {}), (16, {}))}),
+            ("block_k", gc._check_placements, {gemm_key: ((16, {"block_k": 32}),)}),
+            ("split_k", gc._check_placements, {gemm_key: ((16, {"split_k": 2}),)}),
+            ("rows not ascending", gc._check_placements, {gemm_key: ((64, {}), (16, {}))}),
             ("two expert block_m", tm._check_expert_placements,
              {expert_key: ((16, {"block_m": 16}, {"block_m": 32}),)}),
             ("expert block_m unnamed", tm._check_expert_placements, {expert_key: ((16, {}, {}),)}),
