@@ -15,8 +15,8 @@ medians of triton.testing.do_bench (CUDA events, L2 flushed before each run).
 
 ``--tune`` times every candidate tile config per weight shape (configs are chosen per (N, K), never per M; the
 candidates run as given, without the placements small calls take), pins
-the best one in-process (triton_gemm.with_config) for the later sections and prints the table to paste into
-triton_gemm.SHAPE_CONFIGS. ``--sections compile`` needs no GPU: it compiles every kernel for sm_120 offline.
+the best one in-process (gemm_configs.with_config) for the later sections and prints the table to paste into
+gemm_configs.SHAPE_CONFIGS. ``--sections compile`` needs no GPU: it compiles every kernel for sm_120 offline.
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def _score(times: dict, base: dict) -> float:
 
 def gemm(args) -> dict:
     """GEMM / cuBLAS per shape and M as the wrapper runs it (the shape's current or tuned config, in its placement
-    for M: triton_gemm.placements); with --tune, the candidate sweep."""
+    for M: gemm_configs.placements); with --tune, the candidate sweep."""
     from exactness.kernels import triton_gemm as tg
     cap = torch.cuda.get_device_capability()
     arch = tg.arch_of(cap)

@@ -5,7 +5,7 @@ Run from the repository root on the GPU machine:
 
     PYTHONPATH=lib python3 benchmarks/bench_split_k.py --part configs      # candidate configs for q, k/v, o
     PYTHONPATH=lib python3 benchmarks/bench_split_k.py --part rows         # parallel runs against runs in turn
-    PYTHONPATH=lib python3 benchmarks/bench_split_k.py --part placements   # small-M tiles (triton_gemm.PLACEMENTS)
+    PYTHONPATH=lib python3 benchmarks/bench_split_k.py --part placements   # small-M tiles (gemm_configs.PLACEMENTS)
     PYTHONPATH=lib python3 benchmarks/bench_split_k.py --part experts      # (triton_moe.EXPERT_PLACEMENTS)
     PYTHONPATH=lib python3 benchmarks/bench_split_k.py --part stages       # the decode step at other depths
 

@@ -180,7 +180,7 @@ def test_gpu_gate_up_rows_and_rounding_points():
 @GPU
 @pytest.mark.gpu
 def test_gpu_every_gemm_placement_gives_each_row_the_shape_configs_bytes():
-    """Every placement of triton_gemm.PLACEMENTS (smaller tiles, other warps and stages for small calls, mma.sync
+    """Every placement of gemm_configs.PLACEMENTS (smaller tiles, other warps and stages for small calls, mma.sync
     for 16-row tiles where the shape's config runs wgmma) gives every row the bytes the shape's config gives it, and
     so does the wrapper's own choice by M. Control: the same placement with another split_k (a row's arithmetic)
     differs."""

@@ -8,7 +8,7 @@ triton_moe.py, triton_moe_rows.py and triton_rows.py, which keep the CPU kernels
 fp32 accumulation, the RoPE table, stable top-k with lower-id tie-break, fp32 combine in slot order, online softmax
 over fixed KV blocks in ascending order, 1/sqrt(D) scale, causal by position per slot) and whose bytes per row do
 not depend on the row count: decode (M = 1) and prompt rows run the same reduction order (a GEMM's K chunks and
-split-K fixed per weight shape; its tile may follow M, triton_gemm's placements, without changing a byte).
+split-K fixed per weight shape; its tile may follow M, gemm_configs' placements, without changing a byte).
 
 ``residual`` (one rounded add per element) and ``argmax`` (first maximal index, lowest id on ties) are row-invariant
 on any device and run the same torch code on both.

@@ -78,7 +78,7 @@ def _group_sum_spec(name: str, split0: int, split: int, nb: int, ty: str) -> tup
 
 def _gemm_specs(name: str, kind: str, N: int, K: int, dtype: torch.dtype, capability: tuple[int, int],
                 ty: str) -> list[tuple]:
-    """One weight shape's GEMM kernels in every placement (triton_gemm.placements), with their split-K pairs."""
+    """One weight shape's GEMM kernels in every placement (gemm_configs.placements), with their split-K pairs."""
     tg = _tk("triton_gemm")
     p, i32, specs = f"*{ty}", "i32", []
     placed = [c for _, c in tg.placements(kind, N, K, dtype, capability)]
