@@ -444,6 +444,10 @@ def main(argv=None) -> int:
     if "fast_kernels" in k:
         print("fast set's CUDA kernels on this machine: "
               + ", ".join(f"{n} {v}" for n, v in k["fast_kernels"].items()))
+    first = (k.get("decode_step") or {}).get("fast_first_prefill")
+    if first:
+        print(f"fast set's first 4,096-row prefill in the process (its graphs compiled): "
+              f"{first['first_prefill_s']:.1f} s; the same prefill again: {first['again_s']:.3f} s")
     roof = roofline_rows(k) if "ceilings" in k else []
     if roof:
         print("## GEMM at M = 64–512 against its roofline (GPU time, µs)")
