@@ -134,6 +134,28 @@ def test_cpu_compiled_forward_runs_every_option_close_to_eager(tiny_weights, mon
     assert bad > 3e-2                                                             # planted fault
 
 
+def test_a_compile_failure_is_recorded_and_the_eager_ops_serve_from_then_on(monkeypatch):
+    """Where compiling raises (any exception, here an AssertionError as Inductor's internals may raise) the call
+    returns the eager ops' bytes, fast_cuda.STATUS["inductor"] names the error, and later calls of any graph run
+    eagerly without trying to compile again; control: before the failure the compiled callable is what runs."""
+    calls = []
+
+    def broken(fn):
+        def run(*a):
+            calls.append(fn.__name__)
+            raise AssertionError("lowering failed")
+        return run
+    monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
+    monkeypatch.setitem(fast_cuda.STATUS, "inductor", "untried")
+    monkeypatch.setattr(fast_cuda, "compiled", broken)
+    x, w = torch.randn(5, 8).bfloat16(), torch.randn(8).bfloat16()
+    assert bytes_equal(fast_fused.rmsnorm(x, w, 1e-6), torch_norm._rms(x, w, 1e-6)) and calls == ["_rms"]
+    assert fast_cuda.STATUS["inductor"] == "AssertionError: lowering failed"
+    q = torch.randn(5, 2, 8).bfloat16()
+    assert bytes_equal(fast_fused.rope(q, torch.arange(5), 1e4), torch_rope.rope_fast(q, torch.arange(5), 1e4))
+    assert calls == ["_rms"] and fast_cuda.served()["inductor"].startswith("AssertionError")
+
+
 def test_grouped_route_computes_each_pairs_expert(monkeypatch):
     """Through torch's reference _grouped_mm on CPU tensors: every (row, slot) pair gets its own expert's SwiGLU
     (close to the per-pair loop: the reference may group the products differently); a planted fault (the sort's

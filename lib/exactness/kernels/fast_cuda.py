@@ -44,10 +44,14 @@ def _first(kind: str, fn, fallback):
     try:
         out = fn()
     except (RuntimeError, TypeError, NotImplementedError) as e:   # a torch build or GPU without the kernel
-        STATUS[kind] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        STATUS[kind] = _why(e)
         return fallback()
     STATUS[kind] = "ok"
     return out
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 # ---------------------------------------------------------------------------------------------- torch.compile
@@ -71,10 +75,16 @@ def compiles(x: torch.Tensor) -> bool:
 
 def run_compiled(fn, x: torch.Tensor, *args):
     """fn(x, *args) compiled where x is a CUDA tensor with elements and Inductor works here; eagerly elsewhere, and
-    after a first compile failed (STATUS["inductor"] says why)."""
-    if not compiles(x) or x.numel() == 0:
+    from the first call that fails to compile (any graph, any shape) on: STATUS["inductor"] says why."""
+    if not compiles(x) or x.numel() == 0 or STATUS["inductor"] not in ("untried", "ok"):
         return fn(x, *args)
-    return _first("inductor", lambda: compiled(fn)(x, *args), lambda: fn(x, *args))
+    try:
+        out = compiled(fn)(x, *args)
+    except Exception as e:  # noqa: BLE001 -- whatever Inductor raises here; a genuine error recurs eagerly below
+        STATUS["inductor"] = _why(e)
+        return fn(x, *args)
+    STATUS["inductor"] = "ok"
+    return out
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
