@@ -36,6 +36,14 @@ def _experts(E=6, I=16, H=24, M=11, k=3, device="cpu", seed=0):
     return h, idx, wg, wu, wd
 
 
+BF16_EPS = torch.finfo(torch.bfloat16).eps     # 2^-7
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (fp32)."""
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|a - b| in bf16 ULPs of b, elementwise (fp32)."""
     ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(b.float().abs().clamp_min(1e-30))))
@@ -269,10 +277,10 @@ def _launches(fn) -> int:
 @pytest.mark.gpu
 def test_gpu_compiled_fast_ops_within_bf16_roundings_of_eager_in_fewer_launches():
     """Each compiled op of fast_fused against the same torch ops run eagerly, at a decode row count and a prompt's
-    (1 and 300 rows): every output element within 4 bf16 ULPs (Inductor rounds a fused chain once where eager
-    rounds each op; max, argmax and count beyond 2 ULPs in the message), in fewer launches than eager (the
-    combine, one einsum, in no more); planted
-    fault: the norm weight scaled by 1.25 in the compiled call, beyond the bound."""
+    (1 and 300 rows): relative error (norm) within bf16's epsilon 2^-7 (Inductor rounds a fused chain once where
+    eager rounds each op, and RoPE's sum cancels, so elementwise ULPs can be large; max, argmax and count beyond 2
+    ULPs in the message), in fewer launches than eager (the combine, one einsum, in no more); planted fault: an
+    input of the compiled call (norm weight, RoPE input, routing weights) scaled by 1.25, beyond the bound."""
     g = torch.Generator(device="cuda").manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, device="cuda").bfloat16()  # noqa: E731
     H, Hq, Hk, D, K, k = 256, 4, 2, 64, 512, 8
@@ -300,12 +308,12 @@ def test_gpu_compiled_fast_ops_within_bf16_roundings_of_eager_in_fewer_launches(
             assert fast_cuda.STATUS["inductor"] == "ok", fast_cuda.STATUS
             outs, refs = (outs if isinstance(outs, tuple) else (outs,)), (refs if isinstance(refs, tuple) else (refs,))
             for o, ref in zip(outs, refs):
-                u = _ulps(o, ref)
-                worst = int(u.argmax())
-                assert float(u.max()) <= 4, (name, M, float(u.max()), worst, int((u > 2).sum()))
+                d = (o.float() - ref.float()).abs()
+                assert _rel(o, ref) <= BF16_EPS, (name, M, _rel(o, ref), float(d.max()), int(d.argmax()),
+                                                  int((_ulps(o, ref) > 2).sum()))
             bad = compiled(1.25)
             bad = bad if isinstance(bad, tuple) else (bad,)
-            assert max(float(_ulps(o, ref).max()) for o, ref in zip(bad, refs)) > 4, (name, M)   # planted fault
+            assert max(_rel(o, ref) for o, ref in zip(bad, refs)) > BF16_EPS, (name, M)   # planted fault
             fewer = _launches(compiled), _launches(eager)
             assert fewer[0] <= fewer[1] if name == "combine" else fewer[0] < fewer[1], (name, M, fewer)
 
