@@ -579,11 +579,12 @@ def test_summary_is_stored_and_a_rendering_failure_fails_the_receipt(tmp_path, m
 
 def test_what_served_the_fast_sets_cuda_kernels_is_saved_merged_and_shown(monkeypatch, tmp_path):
     """A section saved in a process where the fast set made CUDA calls carries fast_cuda.served() (a failed kernel
-    names why its fallback served); one where it made none carries nothing; merged parts join it kernel by kernel;
-    the receipt's header lists it per section."""
+    names why its fallback served); one where it made none carries nothing, as does one saved after forget_served
+    (what `sections` calls before each section); merged parts join it kernel by kernel; the receipt's header lists
+    it per section."""
     from exactness.analysis.merge import join_served
     from exactness.kernels import fast_cuda
-    from exactness.receipt.sections import load_section, save_section
+    from exactness.receipt.sections import forget_served, load_section, save_section
     for k in fast_cuda.STATUS:
         monkeypatch.setitem(fast_cuda.STATUS, k, "untried")
     save_section({"section": "bench", "data": {}}, str(tmp_path / "none.json"))
@@ -596,6 +597,9 @@ def test_what_served_the_fast_sets_cuda_kernels_is_saved_merged_and_shown(monkey
     assert join_served([ran, {"fast_cuda": {"flash": "ok", "grouped_mm": "ok"}}, {}]) == {
         "flash": "ok", "inductor": "RuntimeError: no compiler", "grouped_mm": "ok"}
     assert join_served([{}, {}]) is None
+    forget_served()                                           # the next section's record is of its own calls
+    save_section({"section": "bench", "data": {}}, str(tmp_path / "next.json"))
+    assert "fast_cuda" not in load_section(str(tmp_path / "next.json"), "bench")
     r = {"schema": 2, "status": "ok", "profile": "gpu", "parameters": {}, "env": {}, "errors": [], "notebooks": [],
          "sections": {"bench": ran, "hashes": {"section": "hashes", "rows": []}}}
     head = render.render_header(r)

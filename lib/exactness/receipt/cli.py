@@ -36,7 +36,7 @@ match_onednn_isa()  # an emulated lower instruction set caps oneDNN too (env.mat
 
 from ..profiles import DEFAULT_PROFILE, PROFILES, get_profile  # noqa: E402
 from ..files import write_json  # noqa: E402
-from .sections import SECTIONS, Section, served_here  # noqa: E402
+from .sections import SECTIONS, Section, forget_served, served_here  # noqa: E402
 
 _REFERENCE = [n for n, s in SECTIONS.items() if "reference" in s.runs_on]   # a plain receipt run's sections
 
@@ -205,6 +205,7 @@ def _sections(args: argparse.Namespace) -> int:
     with sharing_synthetic_weights():
         for name in names:
             t0 = time.perf_counter()
+            forget_served()                             # each section's record is of its own calls
             try:
                 section = SECTIONS[name].load().run_section(SECTIONS[name].params_class.from_dict(params))
                 section["provenance"] = _provenance(env, name, args, time.perf_counter() - t0)

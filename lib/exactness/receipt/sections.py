@@ -246,6 +246,14 @@ def save_section(section: dict, path: str) -> None:
     write_json(served_here(section), path)
 
 
+def forget_served() -> None:
+    """Forget what served the fast set's CUDA kernels so far in this process (fast_cuda.STATUS back to "untried"):
+    the next section's calls try each kernel again, and its record is of its own calls."""
+    mod = sys.modules.get("exactness.kernels.fast_cuda")
+    if mod is not None:
+        mod.STATUS.update(dict.fromkeys(mod.STATUS, "untried"))
+
+
 def served_here(section: dict) -> dict:
     """``section`` with "fast_cuda" (fast_cuda.served: each of the fast set's CUDA kernels, "ok" or why its torch
     fallback served) where the fast set made CUDA calls in this process; else ``section`` as it is."""
