@@ -100,7 +100,7 @@ def test_cpu_fast_kernels_are_the_eager_torch_ops(tiny_weights):
         x[:, None], x[:, None], torch.ones(8), torch.ones(8), 1e-6, torch.arange(3), 1e4) is None
 
 
-def test_cpu_compiled_forward_runs_every_option_close_to_eager(tiny_weights, monkeypatch):
+def test_cpu_compiled_forward_runs_every_option_close_to_eager(tiny_weights, monkeypatch, tmp_path):
     """With compiling forced for CPU tensors (fast_cuda._COMPILE["cpu"], tests only; skipped where Inductor cannot
     compile here): a fast-set forward of 70 prompt rows then one decode row goes through torch.compile for the
     first norm, the router, the grouped experts and the options it uses (q/k norms with RoPE, each residual add
@@ -124,12 +124,12 @@ def test_cpu_compiled_forward_runs_every_option_close_to_eager(tiny_weights, mon
     monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
     monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
     # Inductor's on-disk caches do not key CPU code by ATen's CPU capability: code cached by a run under another
-    # capability can crash this one, so this test compiles afresh.
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    # capability can crash this one, so this test compiles into a cache folder of its own.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     out = run()
     if fast_cuda.STATUS["inductor"] != "ok":
         pytest.skip(f"Inductor cannot compile here: {fast_cuda.STATUS['inductor']}")
-    ran = {getattr(f, "__name__", f) for f in fast_cuda._GRAPHS}
+    ran = {f.__name__ for f, _ in fast_cuda._GRAPHS}
     assert {"_rms", "router_fast", "_grouped", "_combine_residual_norm", "_dense_residual_norm",
             "_qk_norm_rope"} <= ran, ran
     rel = lambda a: float((a.float() - ref.float()).norm() / ref.float().norm())  # noqa: E731
@@ -148,7 +148,7 @@ def test_a_compile_failure_is_recorded_and_the_eager_ops_serve_from_then_on(monk
     eagerly without trying to compile again; control: before the failure the compiled callable is what runs."""
     calls = []
 
-    def broken(fn):
+    def broken(fn, variant=()):
         def run(*a):
             calls.append(fn.__name__)
             raise AssertionError("lowering failed")
@@ -162,6 +162,31 @@ def test_a_compile_failure_is_recorded_and_the_eager_ops_serve_from_then_on(monk
     q = torch.randn(5, 2, 8).bfloat16()
     assert bytes_equal(fast_fused.rope(q, torch.arange(5), 1e4), torch_rope.rope_fast(q, torch.arange(5), 1e4))
     assert calls == ["_rms"] and fast_cuda.served()["inductor"].startswith("AssertionError")
+
+
+def test_more_graphs_of_one_op_than_dynamos_limit_still_compile(monkeypatch, tmp_path):
+    """Compiling forced for CPU tensors: RMSNorm over 2-D and 3-D rows, one row and several, in bf16, fp16 and fp32
+    (12 graphs, beyond Dynamo's 8 per code object) all compile, each variant its own copy of the function; control:
+    with every call on one copy, the ninth graph fails (fullgraph) and the failure is recorded. Skipped where
+    Inductor cannot compile here."""
+    monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))                 # as in the test above
+
+    def run_all() -> str:
+        monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
+        monkeypatch.setitem(fast_cuda.STATUS, "inductor", "untried")
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            for shape in ((1, 64), (7, 64), (1, 4, 16), (9, 4, 16)):
+                x, w = torch.randn(*shape).to(dt), torch.randn(shape[-1]).to(dt)
+                assert bytes_equal(fast_fused.rmsnorm(x, w, 1e-6), fast_fused.rmsnorm(x, w, 1e-6))
+        return fast_cuda.STATUS["inductor"]
+    state = run_all()
+    if state != "ok" and "RecompileLimit" not in state:
+        pytest.skip(f"Inductor cannot compile here: {state}")
+    assert state == "ok" and len(fast_cuda._GRAPHS) == 12, (state, len(fast_cuda._GRAPHS))
+    one = fast_cuda.compiled
+    monkeypatch.setattr(fast_cuda, "compiled", lambda fn, variant=(): one(fn, ()))
+    assert "RecompileLimit" in run_all()
 
 
 def test_grouped_route_computes_each_pairs_expert(monkeypatch):

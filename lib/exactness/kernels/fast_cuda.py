@@ -17,6 +17,8 @@ torch. ``run_compiled`` compiles the torch ops around them (and fast_fused.py's)
 """
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
 
@@ -60,11 +62,16 @@ _GRAPHS: dict = {}
 _COMPILE = {"cpu": False}     # tests only: compile for CPU tensors too
 
 
-def compiled(fn):
-    """fn compiled by torch.compile (Inductor), dynamic row counts, whole graph; one per fn and process."""
-    g = _GRAPHS.get(fn)
+def compiled(fn, variant: tuple = ()):
+    """fn compiled by torch.compile (Inductor), dynamic sizes, whole graph; one per (fn, variant) and process.
+
+    Each variant compiles a copy of fn with a code object of its own: Dynamo counts a function's graphs per code
+    object (8 by default, a hard error with fullgraph), and one fn serves many (a norm over [M, H] and [M, h, D],
+    bf16 and fp32, one row or more)."""
+    g = _GRAPHS.get((fn, variant))
     if g is None:
-        g = _GRAPHS[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        g = _GRAPHS[(fn, variant)] = torch.compile(own, dynamic=True, fullgraph=True)
     return g
 
 
@@ -79,7 +86,7 @@ def run_compiled(fn, x: torch.Tensor, *args):
     if not compiles(x) or x.numel() == 0 or STATUS["inductor"] not in ("untried", "ok"):
         return fn(x, *args)
     try:
-        out = compiled(fn)(x, *args)
+        out = compiled(fn, (x.dim(), x.dtype, x.shape[0] == 1))(x, *args)
     except Exception as e:  # noqa: BLE001 -- whatever Inductor raises here; a genuine error recurs eagerly below
         STATUS["inductor"] = _why(e)
         return fn(x, *args)
