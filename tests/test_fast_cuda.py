@@ -314,31 +314,32 @@ def test_gpu_compiled_fast_ops_within_bf16_roundings_of_eager_in_fewer_launches(
         a, b, xo = r(M, H), r(M, H), r(M, K)
         q, kk, pos = r(M, Hq, D), r(M, Hk, D), torch.arange(M, device="cuda") + 4000
         y, wts = r(M, k, H), torch.softmax(r(M, k).float(), -1).bfloat16()
-        cases = {
-            "rmsnorm": (lambda s=1: fast_fused.rmsnorm(a, w * s, 1e-6), lambda: torch_norm._rms(a, w, 1e-6)),
-            "rope": (lambda s=1: fast_fused.rope(q * s, pos, 1e6), lambda: torch_rope.rope_fast(q, pos, 1e6)),
-            "combine": (lambda s=1: fast_fused.combine(y, wts * s, None),
-                        lambda: torch_experts.combine_fast(y, wts, None)),
-            "residual_norm": (lambda s=1: fast_fused.residual_norm(a, b, w * s, 1e-6),
-                              lambda: fast_fused._residual_norm(a, b, w, 1e-6)),
-            "combine_residual_norm": (lambda s=1: fast_fused.combine_residual_norm(y, wts, None, a, w * s, 1e-6),
-                                      lambda: fast_fused._combine_residual_norm(y, wts, None, a, w, 1e-6)),
-            "dense_residual_norm": (lambda s=1: fast_fused.dense_residual_norm(xo, wo, a, w * s, 1e-6),
-                                    lambda: fast_fused._dense_residual_norm(xo, wo, a, w, 1e-6)),
-            "qk_norm_rope": (lambda s=1: fast_fused.qk_norm_rope(q, kk, wq * s, wk * s, 1e-6, pos, 1e6),
-                             lambda: fast_fused._qk_norm_rope(q, kk, wq, wk, 1e-6, pos, 1e6)),
+        f = 1.25                                           # the planted fault scales one input by f
+        cases = {   # name: (compiled op of input t, eager ops, the input, the input of the planted fault)
+            "rmsnorm": (lambda t: fast_fused.rmsnorm(a, t, 1e-6), lambda: torch_norm._rms(a, w, 1e-6), w, w * f),
+            "rope": (lambda t: fast_fused.rope(t, pos, 1e6), lambda: torch_rope.rope_fast(q, pos, 1e6), q, q * f),
+            "combine": (lambda t: fast_fused.combine(y, t, None), lambda: torch_experts.combine_fast(y, wts, None),
+                        wts, wts * f),
+            "residual_norm": (lambda t: fast_fused.residual_norm(a, b, t, 1e-6),
+                              lambda: fast_fused._residual_norm(a, b, w, 1e-6), w, w * f),
+            "combine_residual_norm": (lambda t: fast_fused.combine_residual_norm(y, wts, None, a, t, 1e-6),
+                                      lambda: fast_fused._combine_residual_norm(y, wts, None, a, w, 1e-6), w, w * f),
+            "dense_residual_norm": (lambda t: fast_fused.dense_residual_norm(xo, wo, a, t, 1e-6),
+                                    lambda: fast_fused._dense_residual_norm(xo, wo, a, w, 1e-6), w, w * f),
+            "qk_norm_rope": (lambda t: fast_fused.qk_norm_rope(q, kk, t[0], t[1], 1e-6, pos, 1e6),
+                             lambda: fast_fused._qk_norm_rope(q, kk, wq, wk, 1e-6, pos, 1e6), (wq, wk),
+                             (wq * f, wk * f)),
         }
-        for name, (compiled, eager) in cases.items():
-            outs, refs = compiled(), eager()
+        tup = lambda v: v if isinstance(v, tuple) else (v,)  # noqa: E731
+        for name, (op, eager, given, fault) in cases.items():
+            outs, refs = tup(op(given)), tup(eager())
             assert fast_cuda.STATUS["inductor"] == "ok", fast_cuda.STATUS
-            outs, refs = (outs if isinstance(outs, tuple) else (outs,)), (refs if isinstance(refs, tuple) else (refs,))
             for o, ref in zip(outs, refs):
                 d = (o.float() - ref.float()).abs()
                 assert _rel(o, ref) <= BF16_EPS, (name, M, _rel(o, ref), float(d.max()), int(d.argmax()),
                                                   int((_ulps(o, ref) > 2).sum()))
-            bad = compiled(1.25)
-            bad = bad if isinstance(bad, tuple) else (bad,)
-            assert max(_rel(o, ref) for o, ref in zip(bad, refs)) > BF16_EPS, (name, M)   # planted fault
+            assert max(_rel(o, ref) for o, ref in zip(tup(op(fault)), refs)) > BF16_EPS, (name, M)   # planted fault
+            compiled = lambda op=op, given=given: op(given)  # noqa: E731
             fewer = _launches(compiled), _launches(eager)
             assert fewer[0] <= fewer[1] if name == "combine" else fewer[0] < fewer[1], (name, M, fewer)
 

@@ -594,6 +594,9 @@ def test_what_served_the_fast_sets_cuda_kernels_is_saved_merged_and_shown(monkey
     save_section({"section": "bench", "data": {}}, str(tmp_path / "ran.json"))
     ran = load_section(str(tmp_path / "ran.json"), "bench")
     assert ran["fast_cuda"] == {"flash": "ok", "inductor": "RuntimeError: no compiler"}
+    elsewhere = {"section": "bench", "data": {}, "fast_cuda": {"flash": "ok"}}   # a precomputed section keeps its own
+    save_section(elsewhere, str(tmp_path / "kept.json"))
+    assert load_section(str(tmp_path / "kept.json"), "bench")["fast_cuda"] == {"flash": "ok"}
     assert join_served([ran, {"fast_cuda": {"flash": "ok", "grouped_mm": "ok"}}, {}]) == {
         "flash": "ok", "inductor": "RuntimeError: no compiler", "grouped_mm": "ok"}
     assert join_served([{}, {}]) is None

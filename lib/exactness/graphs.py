@@ -26,8 +26,9 @@ Two parts of a forward cannot always be recorded as they are, and are handled so
 
 Kernel taps (model.tapping): a forward that an active recorder asks for (model.taps_want) runs eagerly, so every
 call reaches it; one that no recorder asks for replays untapped. Tapped forwards run each routed expert's kernels
-(model.moe_block), so a one-row graph made while taps are active gathers the experts (as a set without a grouped
-kernel does) and a forward of more rows is not captured: replays and tapped forwards write the same bytes.
+(model.moe_block) and each class's kernel (no fused options), so a one-row graph made while taps are active gathers
+the experts (as a set without a grouped kernel does) and runs without the set's fused options, and a forward of more
+rows is not captured: replays and tapped forwards write the same bytes.
 
 Where a graph cannot serve (no CUDA device, taps started or ended after the graph was made, an expert provider
 other than the resident weights, quantized or expert-id-aware experts, an exception during capture) the forward
@@ -42,8 +43,8 @@ import torch
 
 from .cache import KVCache
 from .kernels import KernelSet, get_set
-from .model import (_TAPS, BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, Plan, ResidentExperts, forward,
-                    run_rows, taps_want, untapped)
+from .model import (_TAPS, BATCHED, DECODE, FUSED_OPTIONS, ExpertProvider, ForwardOut, Ops, Plan, ResidentExperts,
+                    forward, run_rows, taps_want, untapped)
 from .weights import Weights
 
 
@@ -198,6 +199,8 @@ class GraphForward:
             opts = self.ks.options
             if opts.grouped_experts is None or self.tapped:
                 opts = dataclasses.replace(opts, grouped_experts=_gathered_experts(self.ks, plan.role))
+            if self.tapped:   # the tapped forward runs each class's kernel, not a set's fused options
+                opts = opts.without(*FUSED_OPTIONS)
             self._set = dataclasses.replace(self.ks, options=opts)
             self._attn = attn = self.ks.fn("attention", plan.role)
             self._attn_in_graph = attention_in_graph(attn, cache.k[0], self.n)

@@ -147,6 +147,10 @@ def untapped():
         _TAPS[:] = saved
 
 
+# The set options that run several classes' kernels in fewer calls (kernels.KernelOptions), in Ops' order.
+FUSED_OPTIONS = ("qk_norm_rope", "dense_group", "residual_norm", "combine_residual_norm", "dense_residual_norm")
+
+
 class Ops:
     """The kernel callables of one (set, plan), with the deep plan's tiling applied where it belongs.
 
@@ -162,8 +166,7 @@ class Ops:
                 attr = "_" + cls if callable(getattr(Ops, cls, None)) else cls
                 setattr(self, attr, self._tap(cls, kernels.fn(cls, role)))
         self._qk, self._group, self._res, self._comb, self._dres = (
-            _own_option(kernels, n, role) for n in ("qk_norm_rope", "dense_group", "residual_norm",
-                                                    "combine_residual_norm", "dense_residual_norm"))
+            _own_option(kernels, n, role) for n in FUSED_OPTIONS)
 
     def _tap(self, cls: str, fn):
         if not _TAPS:

@@ -67,12 +67,20 @@ def compiled(fn, variant: tuple = ()):
 
     Each variant compiles a copy of fn with a code object of its own: Dynamo counts a function's graphs per code
     object (8 by default, a hard error with fullgraph), and one fn serves many (a norm over [M, H] and [M, h, D],
-    bf16 and fp32, one row or more)."""
+    bf16 and fp32, one row or more, with and without autograd)."""
     g = _GRAPHS.get((fn, variant))
     if g is None:
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        g = _GRAPHS[(fn, variant)] = torch.compile(own, dynamic=True, fullgraph=True)
+        g = _GRAPHS[(fn, variant)] = torch.compile(own, dynamic=True, fullgraph=True, options=_inductor_options())
     return g
+
+
+def _inductor_options() -> dict:
+    """Inductor settings that keep a compiled graph's bytes the same from one process to the next: no on-device
+    benchmarking of configs that change numerics (``deterministic``), and no reduction split chosen from the first
+    call's sizes (``split_reductions``). Those this torch's Inductor has."""
+    import torch._inductor.config as cfg
+    return {k: v for k, v in (("deterministic", True), ("split_reductions", False)) if hasattr(cfg, k)}
 
 
 def compiles(x: torch.Tensor) -> bool:
@@ -86,8 +94,10 @@ def run_compiled(fn, x: torch.Tensor, *args):
     if not compiles(x) or x.numel() == 0 or STATUS["inductor"] not in ("untried", "ok"):
         return fn(x, *args)
     try:
-        out = compiled(fn, (x.dim(), x.dtype, x.shape[0] == 1))(x, *args)
+        out = compiled(fn, (x.dim(), x.dtype, x.shape[0] == 1, torch.is_grad_enabled()))(x, *args)
     except Exception as e:  # noqa: BLE001 -- whatever Inductor raises here; a genuine error recurs eagerly below
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise               # a failed capture: graphs.py runs the forward eagerly instead
         STATUS["inductor"] = _why(e)
         return fn(x, *args)
     STATUS["inductor"] = "ok"

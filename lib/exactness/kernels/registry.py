@@ -233,7 +233,10 @@ class KernelOptions(Mapping):
             launches (the attention block's end).
         Each of the five above may name the kernels it stands in for in an attribute ``stands_for`` ((class,
         kernel callable) pairs): model.Ops then uses it only for a set whose kernels of those classes are those
-        callables. grouped_experts has no such check in the engine: a set imported by reference loses it (and the
+        callables. "Same bytes" is the invariant set's property; a set that claims no bytes may fuse differently
+        (the fast set's compiled options round a fused chain once), so a forward whose kernel calls are tapped,
+        which runs each class's kernel, and a graph made while taps are on, which replays such forwards, run
+        without the five (graphs.GraphForward). grouped_experts has no such check in the engine: a set imported by reference loses it (and the
         five) where its kernels of those classes are not the built-in set's (imported.drop_bypassing_options).
 
     A Mapping of the options that are set (not their defaults), so a set can be built from another's:

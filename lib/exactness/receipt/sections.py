@@ -256,10 +256,11 @@ def forget_served() -> None:
 
 def served_here(section: dict) -> dict:
     """``section`` with "fast_cuda" (fast_cuda.served: each of the fast set's CUDA kernels, "ok" or why its torch
-    fallback served) where the fast set made CUDA calls in this process; else ``section`` as it is."""
+    fallback served) where the fast set made CUDA calls in this process; else, or where the section carries its
+    own record (computed elsewhere), ``section`` as it is."""
     mod = sys.modules.get("exactness.kernels.fast_cuda")       # never imported: the fast set ran nothing here
     served = mod.served() if mod is not None else {}
-    return {**section, "fast_cuda": served} if served else section
+    return {**section, "fast_cuda": served} if served and "fast_cuda" not in section else section
 
 
 def load_section(path: str, name: str) -> dict:
