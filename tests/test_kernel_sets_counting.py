@@ -15,7 +15,7 @@ from exactness.analysis.contract import cases
 from exactness.analysis.contract import check as contract
 from exactness.analysis.contract import validate
 from exactness.analysis.fp64 import section as fp64
-from exactness.kernels import KERNEL_CLASSES, KERNEL_SETS, cuda, fast_fused, get_set, provenance
+from exactness.kernels import KERNEL_CLASSES, KERNEL_SETS, cuda, fast_cuda, get_set, provenance
 from exactness.kernels.registry import ROLES
 from user_modules import user_module
 
@@ -187,5 +187,5 @@ def test_a_builtin_grouped_option_is_dropped_unless_the_expert_kernels_are_the_b
     assert get_set(f"{MODULE}:OWN_GROUPED").options["grouped_experts"] is kit.grouped_own
     assert set(provenance(f"{MODULE}:OWN_GROUPED")["options_dropped"]) == fused     # its kernels are counted copies
     assert KERNEL_SETS["invariant"].options["grouped_experts"] is cuda.moe_experts          # built-ins untouched
-    assert KERNEL_SETS["fast"].options["grouped_experts"] is fast_fused.moe_experts
+    assert KERNEL_SETS["fast"].options["grouped_experts"] is fast_cuda.moe_experts
     assert "options_dropped" not in provenance("invariant")

@@ -12,8 +12,12 @@ def join_provenance(parts: list[dict]) -> dict | None:
     provs = [q["provenance"] for q in parts if isinstance(q.get("provenance"), dict)]
     if not provs:
         return None
-    return {k: " | ".join(dict.fromkeys(str(p.get(k)) for p in provs if p.get(k) is not None))
-            for k in PROVENANCE_FIELDS}
+    return {k: _join(p.get(k) for p in provs) for k in PROVENANCE_FIELDS}
+
+
+def _join(values) -> str:
+    """The distinct values that are not None, as strings in first-seen order, joined by " | "."""
+    return " | ".join(dict.fromkeys(str(v) for v in values if v is not None))
 
 
 def join_served(parts: list[dict]) -> dict | None:
@@ -22,6 +26,5 @@ def join_served(parts: list[dict]) -> dict | None:
     recs = [q["fast_cuda"] for q in parts if isinstance(q.get("fast_cuda"), dict)]
     if not recs:
         return None
-    kinds = dict.fromkeys(k for r in recs for k in r)
-    return {k: " | ".join(dict.fromkeys(str(r[k]) for r in recs if k in r)) for k in kinds}
+    return {k: _join(r.get(k) for r in recs) for k in dict.fromkeys(k for r in recs for k in r)}
 

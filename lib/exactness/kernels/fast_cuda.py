@@ -13,7 +13,9 @@ measured against).
 
 Where a kernel does not apply (CPU tensors, fp32 or an fp8 cache, a head size flash does not take, an older GPU)
 the fast set's torch kernels of attention.py and the per-expert loop serve instead: CPU rows are those of plain
-torch. ``run_compiled`` compiles the torch ops around them (and fast_fused.py's) with torch.compile on CUDA. ``CPU_GROUPED`` (tests only) lets moe_experts run on CPU tensors through torch's reference _grouped_mm.
+torch. ``run_compiled`` compiles the torch ops around them (moe_experts' routing, gather and scatter, the decode
+indices, fast_fused.py's ops) with torch.compile on CUDA. ``_STATE["cpu_grouped"]`` (tests only) lets moe_experts
+run on CPU tensors through torch's reference _grouped_mm.
 """
 from __future__ import annotations
 
@@ -139,7 +141,7 @@ def moe_experts(h: torch.Tensor, idx: torch.Tensor, w_gate: torch.Tensor, w_up: 
     """
     if not moe_experts_serve(h, w_gate, w_up, w_down):
         return None
-    return _first("grouped_mm", lambda: _grouped(h, idx, w_gate, w_up, w_down), lambda: None)
+    return _first("grouped_mm", lambda: run_compiled(_grouped, h, idx, w_gate, w_up, w_down), lambda: None)
 
 
 def _grouped(h, idx, w_gate, w_up, w_down) -> torch.Tensor:

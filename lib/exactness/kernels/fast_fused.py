@@ -7,7 +7,6 @@ torch op; a CUDA graph holds them).
                                          the fast set's options: a residual add with the next norm (after the
                                          MoE combine, or after the output projection), and a layer's q/k norms
                                          with their RoPE, each one compiled graph
-    grouped experts                      fast_cuda's grouped GEMMs with their routing, gather and scatter compiled
 
 Inductor computes a fused chain of bf16 ops in fp32 and rounds where a value is stored, so these rows are not
 the eager ops' bytes (the fast set claims none). Graphs are compiled with dynamic row counts (a row count of 1
@@ -100,16 +99,6 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq, wk, eps: float, positions
     return _run(_qk_norm_rope, q, k, wq, wk, eps, positions, theta) if _here(q) and _plain(wq, wk) else None
 
 
-def moe_experts(h: torch.Tensor, idx: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor | None:
-    """fast_cuda.moe_experts with its routing, gather, SwiGLU and scatter compiled around the grouped GEMMs; the
-    same arguments and result (None where the grouped GEMMs do not serve)."""
-    if not fast_cuda.moe_experts_serve(h, w_gate, w_up, w_down) or not _here(h) or h.shape[0] == 0:
-        return fast_cuda.moe_experts(h, idx, w_gate, w_up, w_down)
-    run = lambda: _run(fast_cuda._grouped, h, idx, w_gate, w_up, w_down)  # noqa: E731
-    return fast_cuda._first("grouped_mm", run, lambda: None)
-
-
-moe_experts.serves = fast_cuda.moe_experts_serve
 residual_norm.stands_for = (("residual", _norm.residual_add), ("rmsnorm", rmsnorm))
 combine_residual_norm.stands_for = (("moe_combine", combine), ("residual", _norm.residual_add),
                                     ("rmsnorm", rmsnorm))

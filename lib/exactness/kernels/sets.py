@@ -62,7 +62,7 @@ FAST = register_set(
     # tiles_in_kernels: on CUDA the deep plan hands the kernels whole calls (no host row tiles).
     # residual_norm, combine_residual_norm, dense_residual_norm, qk_norm_rope: on CUDA the same torch ops compiled
     # into one graph each (fast_fused), as the invariant set's options fuse its kernels.
-    options={"grouped_experts": fast_fused.moe_experts, "tiles_in_kernels": fast_cuda.whole_calls,
+    options={"grouped_experts": fast_cuda.moe_experts, "tiles_in_kernels": fast_cuda.whole_calls,
              "residual_norm": fast_fused.residual_norm, "combine_residual_norm": fast_fused.combine_residual_norm,
              "dense_residual_norm": fast_fused.dense_residual_norm, "qk_norm_rope": fast_fused.qk_norm_rope},
 )
