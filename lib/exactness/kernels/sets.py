@@ -58,7 +58,8 @@ FAST = register_set(
     description="stock PyTorch (cuBLAS, FlashAttention-2, grouped expert GEMMs and torch.compile'd elementwise ops "
                 "on CUDA); prompt rows may differ from decode rows",
     # grouped_experts: on CUDA (bf16, sm_90/sm_100) every routed expert of a layer in three torch._grouped_mm
-    # launches (gate, up, down), no host read; elsewhere None, and the experts run one by one (F.linear).
+    # launches (gate, up, down), the routing around them compiled, no host read; elsewhere None, and the experts
+    # run one by one (F.linear).
     # tiles_in_kernels: on CUDA the deep plan hands the kernels whole calls (no host row tiles).
     # residual_norm, combine_residual_norm, dense_residual_norm, qk_norm_rope: on CUDA the same torch ops compiled
     # into one graph each (fast_fused), as the invariant set's options fuse its kernels.
