@@ -189,3 +189,21 @@ def test_sections_computed_per_kernel_set_merge_into_one(section):
         bench.merge_sections([section, other])
     with pytest.raises(ValueError, match="two or more bench sections"):
         bench.merge_sections([section])
+
+
+def test_streams_table_keeps_the_first_run_apart_from_the_repeats(section):
+    """A first concurrent run slowed by something once (a kernel compiled mid-decode) shows in the cold columns
+    only; the warm columns are the median of the repeats. Control: the section's own rows, cold and warm each
+    from their own repetition."""
+    data = json.loads(json.dumps(section["data"]))
+    row = data["streams"][1]
+    slow = dict(row["reps"][0], aggregate_tps=10.0, itl_mean_ms=90.0, end_to_end_tps=5.0)
+    row["reps"] = [slow] + [dict(row["reps"][1], aggregate_tps=v, itl_mean_ms=1000 / v) for v in (100.0, 300.0, 200.0)]
+    t = tables(data)["Concurrent streams"].iloc[1]
+    assert (t["aggregate tok/s cold"], t["mean ITL ms cold"], t["end-to-end tok/s cold"]) == ("10.0", "90.00", "5.0")
+    assert (t["aggregate tok/s warm"], t["mean ITL ms warm"]) == ("200.0", "5.00")          # medians of reps 1..
+    own = tables(section["data"])["Concurrent streams"]
+    for (_, r), src in zip(own.iterrows(), section["data"]["streams"]):
+        assert r["aggregate tok/s cold"] == format(src["reps"][0]["aggregate_tps"], ".1f")
+        assert r["aggregate tok/s warm"] == format(src["reps"][1]["aggregate_tps"], ".1f")
+    assert "per-stream tok/s" not in own.columns
