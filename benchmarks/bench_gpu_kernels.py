@@ -352,11 +352,12 @@ def moe(_args) -> dict:
 
     from exactness import model
     from exactness.exact import differing_rows
+    from exactness.expert_providers import ResidentExperts
     from exactness.kernels import get_set
     cfgm = get_preset("small")
     E, I, H, k = cfgm.n_experts, cfgm.expert_inter, cfgm.hidden, cfgm.top_k
     wg, wu, wd = _rand(E, I, H, scale=H ** -0.5), _rand(E, I, H, scale=H ** -0.5), _rand(E, H, I, scale=I ** -0.5)
-    prov = model.ResidentExperts([SimpleNamespace(w_gate=wg, w_up=wu, w_down=wd)])
+    prov = ResidentExperts([SimpleNamespace(w_gate=wg, w_up=wu, w_down=wd)])
     out = []
     for M in (1, 8, 64, 512, 4096, 16384):
         h = _rand(M, H)

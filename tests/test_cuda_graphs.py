@@ -16,10 +16,11 @@ import importlib.util
 import pytest
 import torch
 
-from exactness import graphs
+from exactness import graphs, stream_forwards
 from exactness.exact import bytes_equal, first_differing_row, kv_first_difference, ulp_distance
+from exactness.expert_providers import ResidentExperts
 from exactness.kernels import get_set
-from exactness.model import BATCHED, DECODE, ResidentExperts, tapping
+from exactness.model import BATCHED, DECODE, tapping
 from exactness.paths import Schedule, generate
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -90,7 +91,7 @@ def test_cpu_drafted_falls_back_with_reason(tiny_weights):
     assert eager.graphs == {} and eager.graphs_record() is None
     assert "main 3 batched" in run.graphs and "head 1 decode" in run.graphs, run.graphs
     assert all(1 <= int(k.split()[1]) <= 3 for k in run.graphs)          # no shape above k + 1 rows
-    assert all(not g["served"] and ("CUDA device" in g["reason"] or g["reason"] == graphs.ONCE)
+    assert all(not g["served"] and ("CUDA device" in g["reason"] or g["reason"] == stream_forwards.ONCE)
                for g in run.graphs.values()), run.graphs
     assert "CUDA device" in run.graphs["main 3 batched"]["reason"]      # met every round: a graph was tried
     rec = run.graphs_record()
@@ -105,16 +106,16 @@ def test_stream_forwards_capture_from_the_second_call(tiny_weights):
     from exactness.cache import KVCache
     w = tiny_weights
     cache = KVCache(w.cfg, 16, 1, w.dtype, w.device)
-    fwd = graphs.StreamForwards(w, cache, "invariant", None, None, True, max_rows=3)
+    fwd = stream_forwards.StreamForwards(w, cache, "invariant", None, None, True, max_rows=3)
     fwd.main(torch.tensor([1, 2, 3, 4]), 0, BATCHED)                      # 4 rows > max_rows: eager, unrecorded
     fwd.main(torch.tensor([5]), 4, DECODE)
     assert fwd.info() == {"main 1 decode": {"served": False, "replays": 0, "eager_steps": 1, "pieces": 0,
-                                            "reason": graphs.ONCE}}
+                                            "reason": stream_forwards.ONCE}}
     fwd.main(torch.tensor([6]), 5, DECODE)
     info = fwd.info()["main 1 decode"]
     assert set(fwd.captured) == {"main 1 decode"} and info["eager_steps"] == 2 and "CUDA device" in info["reason"]
     assert cache.lengths[0] == 6
-    assert graphs.StreamForwards(w, cache, "invariant", None, None, False, max_rows=3).info() == {}
+    assert stream_forwards.StreamForwards(w, cache, "invariant", None, None, False, max_rows=3).info() == {}
 
 
 def test_graph_forward_refuses_bad_input(tiny_weights):
@@ -407,7 +408,7 @@ def test_gpu_drafted_on_graphs_bytes_equal_eager(gpu_weights, prompt, kernels, d
     eager, graph = run(False), run(True)
     info = graph.graphs
     verify = info["main 3 batched"]
-    assert all(g["reason"] in (None, graphs.ONCE) for g in info.values()), info
+    assert all(g["reason"] in (None, stream_forwards.ONCE) for g in info.values()), info
     assert verify["served"] and verify["replays"] >= 1, info
     assert verify["pieces"] == 1, info
     if kernels == "fast":

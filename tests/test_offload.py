@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exactness.kernels import get_set
-from exactness.model import ResidentExperts
 from exactness.exact import as_int, bytes_equal, differing_rows
+from exactness.expert_providers import ResidentExperts
+from exactness.kernels import get_set
 from exactness.offload import ExpertStore
 from exactness.ring import ExpertRing, StagedWeights
 from exactness.paths import Schedule, generate

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache, KVFormat
+from .expert_providers import ExpertProvider, ResidentExperts
 from .kernels import KernelSet, get_set
 from .loop import DecodeStep, Loop, Stream
-from .model import BATCHED, DEEP, ExpertProvider, ForwardOut, ResidentExperts, forward
+from .model import BATCHED, DEEP, ForwardOut, forward
 from .paths import Schedule, check_run_args, prefill, run_info, served_counts, stream_run
 from .run import Run
 from .weights import Weights

@@ -19,9 +19,10 @@ from typing import Callable
 import torch
 
 from .cache import KVCache
+from .expert_providers import ExpertProvider
 from .graphs import GraphDecoder
 from .kernels import KernelSet, get_set
-from .model import DECODE, ExpertProvider, forward
+from .model import DECODE, forward
 from .weights import Weights
 
 

@@ -16,8 +16,8 @@ equals the model's own argmax rows, plus the model's next token; the main and MT
 (``KVCache.truncate``) past the accepted rows. When no draft is needed (the last token) the step is a plain decode.
 
 With ``graphs`` (CUDA) the forwards after the prefill of up to k+1 rows replay from CUDA graphs, one per shape met
-more than once (graphs.StreamForwards: the verify's k+1 rows, plain decode steps, the head's one-row and catch-up
-forwards; the eager forwards' bytes); where a shape cannot be captured (a set without a grouped expert kernel: its
+more than once (stream_forwards.StreamForwards: the verify's k+1 rows, plain decode steps, the head's one-row and
+catch-up forwards; the eager forwards' bytes); where a shape cannot be captured (a set without a grouped expert kernel: its
 per-expert GEMM shapes follow the routing; offloaded experts) it runs eagerly and ``Run.graphs`` says why.
 
 Without a checkpoint's MTP tensors the head is derived from the model itself (derived_mtp_weights): its blocks are
@@ -41,12 +41,13 @@ import torch
 
 from .cache import KVCache, KVFormat
 from .config import ModelConfig
-from .graphs import StreamForwards
+from .expert_providers import ExpertProvider, ResidentExperts
 from .kernels import KernelSet, get_set
 from .loop import Loop, Stream
-from .model import BATCHED, DECODE, ExpertProvider, ForwardOut, Ops, ResidentExperts, attention_block, moe_block
+from .model import BATCHED, DECODE, ForwardOut, Ops, attention_block, moe_block
 from .paths import Schedule, check_run_args, prefill, run_info, served_counts, stream_run
 from .run import Run
+from .stream_forwards import StreamForwards
 from .weights import LayerWeights, Weights, _linear, _norm, moved, shared_draw
 
 K_MIN, K_MAX = 1, 4
@@ -319,12 +320,12 @@ def generate_drafted(w: Weights, prompt_ids: torch.Tensor, gen_tokens: int, kern
         kv_dtype: what the main cache stores (cache.KV_DTYPES name or a KVFormat); the head's cache stores the
             same kind (MTPHead).
         graphs: replay the forwards after the prefill (verify, plain decode steps, the head's rows up to k+1 per
-            call) from CUDA graphs (graphs.StreamForwards: the same bytes); ``Run.graphs`` says what served.
+            call) from CUDA graphs (stream_forwards.StreamForwards: the same bytes); ``Run.graphs`` says what served.
     Returns:
         Run named ``schedule.name``; tokens equal paths.generate's exactly when the verify rows reproduce the
         decode rows. info adds draft, k, mtp_source (where the MTP weights came from), draft_stats (DraftStats),
-        graphs (graphs.StreamForwards.info(): per forward shape of up to k+1 rows met after the prefill, "main 3
-        batched", "main 1 decode", "head 1 decode", ...) and, with keep_cache, mtp_cache (the head's KV cache).
+        graphs (stream_forwards.StreamForwards.info(): per forward shape of up to k+1 rows met after the prefill,
+        "main 3 batched", "main 1 decode", "head 1 decode", ...) and, with keep_cache, mtp_cache (the head's KV cache).
     Raises:
         ValueError: k outside 1..4, unknown draft source or kv_dtype, or what paths.check_run_args raises.
     """

@@ -1,7 +1,8 @@
 """Expert offload: routed experts kept in (pinned) host memory and staged through a ring of device buffers.
 
-An :class:`ExpertStore` is an expert provider (model.ExpertProvider) for ``model.forward(..., experts=store)``:
-``store.fetch(layer, e) -> (w_gate [I, H], w_up [I, H], w_down [H, I])`` on the compute device.
+An :class:`ExpertStore` is an expert provider (expert_providers.ExpertProvider) for
+``model.forward(..., experts=store)``: ``store.fetch(layer, e) -> (w_gate [I, H], w_up [I, H], w_down [H, I])`` on
+the compute device.
 
     resident  every expert stays on the device; the provider returns views of the stacked weights (no copy).
     offload   the experts of every layer live in host memory (pinned when the device is CUDA) and the Weights
@@ -72,7 +73,8 @@ def _strip_experts(w: Weights, device: torch.device) -> Weights:
 
 
 class ExpertStore:
-    """The expert provider (model.ExpertProvider) of a model, resident or offloaded (see the module docstring).
+    """The expert provider (expert_providers.ExpertProvider) of a model, resident or offloaded (the module
+    docstring).
 
     Args:
         weights: the model's weights, on any device (pass CPU weights in offload mode so that the experts never

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KVCache, KVFormat
+from .expert_providers import ExpertProvider, ResidentExperts
 from .graphs import GraphDecoder
 from .kernels import KernelSet, get_set
 from .loop import DecodeStep, Loop, Stream
-from .model import BATCHED, DECODE, DEEP, ExpertProvider, ForwardOut, Plan, ResidentExperts, check_rows, forward_span
+from .model import BATCHED, DECODE, DEEP, ForwardOut, Plan, check_rows, forward_span
 from .run import Run, cache_kv
 from .weights import Weights
 

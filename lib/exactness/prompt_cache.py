@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from .cache import KVCache, KVFormat, KVState
+from .expert_providers import ExpertProvider
 from .kernels import KernelSet, get_set
 from .loop import DecodeStep, Loop, Stream
-from .model import ExpertProvider
 from .paths import Schedule, check_run_args, prefill, run_info, served_counts, stream_run
 from .run import Run
 from .weights import Weights
