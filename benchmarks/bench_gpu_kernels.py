@@ -644,7 +644,8 @@ E2E_PLANS = (("batched", None), ("batched", 2048), ("deep", 2048), ("deep", None
 def e2e(args) -> dict:
     """End-to-end prefill of the code prompt (``--e2e-tokens``, 0 = the whole ~16k-token prompt), invariant / fast.
 
-    Per set and (path, step) in E2E_PLANS: median wall seconds of paths.prefill into a fresh KV cache,
+    Per set and (path, step) in E2E_PLANS: median wall seconds (and their range) of paths.prefill into a fresh KV
+    cache,
     synchronized, over ``--e2e-reps`` rounds that each run every (set, path, step) once in turn (after one warm-up
     of each); the ratio invariant / fast per (path, step) against the goal 1.10. Byte check: every invariant run's
     prompt logits equal the invariant one-chunk batched run's (and, with ``--e2e-oracle``, the serial decode
@@ -686,6 +687,7 @@ def e2e(args) -> dict:
         t = times.get((ks, path, step))
         out.append({"set": ks, "path": path, "step": step, "prompt_tokens": P,
                     "prefill_s": statistics.median(t) if t else None,
+                    "prefill_range_s": [min(t), max(t)] if t else None,
                     "rows_differing_vs_batched": diff, "served": json.dumps(served)})
     ratios = []
     for path, step in E2E_PLANS:

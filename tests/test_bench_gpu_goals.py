@@ -116,3 +116,20 @@ def test_decode_limit_names_the_launch_chain_where_the_run_measured_it():
     assert len(plain) == len(chained) == 1 and "launch chain" not in plain[0]
     assert chained[0].endswith("; launch chain: 64 launches x 0.75 us = 48 us (bench_launch_chain, PDL)")
     assert "invariant GPU 354 us in 64 launches" in chained[0]
+
+
+def test_deep_a_hair_slower_than_batched_within_the_repeats_range_is_a_tie():
+    """deep ≤ batched: deep slower than batched by less than the wider range of the two runs' repeats is a tie,
+    said with both figures, and not listed as missed; slower by more than that range is MISSED (control), as is a
+    run saved without ranges (the test's other saved results)."""
+    import bench_gpu_goals as gg
+    kernels, offload = _saved()
+    rows = {(r["set"], r["path"], r["step"]): r for r in kernels["e2e"]["rows"]}
+    rows[("invariant", "deep", 2048)].update(prefill_s=0.0701, prefill_range_s=[0.0700, 0.0703])
+    rows[("invariant", "batched", 2048)].update(prefill_s=0.0700, prefill_range_s=[0.0699, 0.0700])
+    goal = "deep vs batched, experts resident, invariant, step 2048"
+    tie = {r["measure"]: r for r in gg._prefill_rows(kernels, offload, 750e12)}[goal]
+    assert tie["met"] == "tie: deep 0.100 ms slower, within the repeats' range 0.300 ms"
+    assert not any(goal in line for line in gg.limits([tie], kernels, None))
+    rows[("invariant", "deep", 2048)].update(prefill_s=0.0704)
+    assert {r["measure"]: r for r in gg._prefill_rows(kernels, offload, 750e12)}[goal]["met"] == "MISSED"
