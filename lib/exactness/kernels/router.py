@@ -60,6 +60,5 @@ def router_invariant(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool,
                      groups: tuple[int, int] | None = None):
     """Fixed 64-row tiles for the GEMM and for softmax/top-k; ties go to the lower expert (and group) id."""
     logits = tile_linear(x, w)                                # [M, E] storage dtype
-    weights = per_tile(lambda t: _softmax_topk_tile(t, top_k, norm, groups)[0], logits)
-    idx = per_tile(lambda t: _softmax_topk_tile(t, top_k, norm, groups)[1], logits)
+    weights, idx = per_tile(lambda t: _softmax_topk_tile(t, top_k, norm, groups), logits)   # [M, k] fp32, int64
     return weights.to(x.dtype), idx, logits

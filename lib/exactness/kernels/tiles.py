@@ -27,12 +27,14 @@ def per_tile(fn: Callable[..., torch.Tensor], *row_args: torch.Tensor, tile: int
     """Apply ``fn`` to fixed ``tile``-row tiles of every row argument and concatenate the first M output rows.
 
     Args:
-        fn: maps tiles ``[tile, ...]`` (one per row argument) to an output ``[tile, ...]``.
+        fn: maps tiles ``[tile, ...]`` (one per row argument) to an output ``[tile, ...]``, or to a tuple of them.
         row_args: tensors sharing the leading row dim M.
     Returns:
-        ``[M, ...]``: fn's rows for the real (unpadded) rows.
+        ``[M, ...]``: fn's rows for the real (unpadded) rows; a tuple of them where fn returns a tuple.
     """
     M = row_args[0].shape[0]
     padded = [pad_rows(a, tile) for a in row_args]
     outs = [fn(*(a[i:i + tile] for a in padded)) for i in range(0, padded[0].shape[0], tile)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts, dim=0)[:M] for parts in zip(*outs))
     return torch.cat(outs, dim=0)[:M]
