@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 TILE_ROWS = 64
 
@@ -20,7 +21,7 @@ def pad_rows(x: torch.Tensor, multiple: int = TILE_ROWS) -> torch.Tensor:
     pad = (-x.shape[0]) % multiple
     if pad == 0:
         return x
-    return torch.cat([x, x.new_zeros((pad, *x.shape[1:]))], dim=0)
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))          # zeros after the last row
 
 
 def per_tile(fn: Callable[..., torch.Tensor], *row_args: torch.Tensor, tile: int = TILE_ROWS) -> torch.Tensor:
@@ -36,5 +37,10 @@ def per_tile(fn: Callable[..., torch.Tensor], *row_args: torch.Tensor, tile: int
     padded = [pad_rows(a, tile) for a in row_args]
     outs = [fn(*(a[i:i + tile] for a in padded)) for i in range(0, padded[0].shape[0], tile)]
     if isinstance(outs[0], tuple):
-        return tuple(torch.cat(parts, dim=0)[:M] for parts in zip(*outs))
-    return torch.cat(outs, dim=0)[:M]
+        return tuple(_rows(parts, M) for parts in zip(*outs))
+    return _rows(outs, M)
+
+
+def _rows(outs, M: int) -> torch.Tensor:
+    """The first M rows of the tiles' outputs in order (one tile: a view of it, no copy)."""
+    return outs[0][:M] if len(outs) == 1 else torch.cat(outs, dim=0)[:M]
