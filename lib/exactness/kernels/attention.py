@@ -77,9 +77,11 @@ ATT_ROWS = 8  # query rows per invariant attention tile (a decode row is padded 
 def _blocks(x: torch.Tensor, nblk: int, g: int) -> torch.Tensor:
     """Cache rows x [T, Hkv, D] (or packed fp8 [T, Hkv, D + 4]) -> fp32 [nblk, Hq, KV_BLOCK, D] (zero-padded, kv
     heads repeated for GQA)."""
-    x = kv_rows(x[:nblk * KV_BLOCK], torch.float32)
-    xb = pad_rows(x, KV_BLOCK)[:nblk * KV_BLOCK].float().repeat_interleave(g, dim=1)
-    return xb.view(nblk, KV_BLOCK, xb.shape[1], xb.shape[2]).transpose(1, 2).contiguous()
+    x = pad_rows(kv_rows(x[:nblk * KV_BLOCK], torch.float32), KV_BLOCK)[:nblk * KV_BLOCK]   # [nblk*B, Hkv, D']
+    _, hkv, d = x.shape
+    out = torch.empty(nblk, hkv, g, KV_BLOCK, d, dtype=torch.float32, device=x.device)
+    out.copy_(x.view(nblk, KV_BLOCK, hkv, 1, d).permute(0, 2, 3, 1, 4).expand_as(out))   # widened in the copy
+    return out.view(nblk, hkv * g, KV_BLOCK, d)                                        # query head h*g + j
 
 
 def _attend_tile(q, kb, vb, pos):
