@@ -181,7 +181,8 @@ METRICS = ("Prompts short / code / docs, `gen_tokens` new tokens, temperature 0,
            "at `bench_step`; the *prefill served* column says which plan actually served the rows (a deep run that "
            "fell back to the batched pass shows it). Cold-cache prefill runs exact token-id prompts and refuses a run "
            "whose prefill did not serve every row. Concurrent streams: cold = the first run of that stream count and "
-           "prompt (the first to meet a kernel variant compiles it), warm = the median of its repeats.")
+           "prompt (on CUDA, the first run to meet a kernel variant also compiles it), warm = the median of its "
+           "repeats.")
 STORE_INTRO = ("Where the routed experts' weights lived during the bench. With offload: the rings' reserved bytes, the "
                "bytes kept off the device, the fallback reason (if the ring could not be reserved) and the fetch "
                "counters summed over the whole bench.")
