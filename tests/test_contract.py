@@ -565,3 +565,28 @@ def test_host_copies_are_shared_within_a_run_only():
     with A.sharing_host_copies():
         assert copies() is copies()
     assert copies() is not copies()
+
+
+# ------------------------------------------------------------------------------- invariant attention: tiles per call
+
+def test_invariant_attention_tiles_sharing_a_call_give_each_row_its_own_call_bytes(monkeypatch):
+    """attention_invariant attends runs of tiles that need as many key blocks in one call (_tile_groups): every
+    row's bytes equal those of the same call run one tile at a time (no sharing); the run did share calls. Control:
+    a grouping that gives every tile the first tile's block count (a run across block counts) is caught."""
+    torch.manual_seed(0)
+    P, Hkv, g, D = 600, 2, 2, 16                                                # 75 tiles over 1, 2 and 3 blocks
+    kc, vc = torch.randn(2, 1, P, Hkv, D).bfloat16()                          # [S=1, T, Hkv, D] each
+    q = torch.randn(P, Hkv * g, D).bfloat16()
+    slots, pos = torch.zeros(P, dtype=torch.int64), torch.arange(P)
+    calls = []
+    real = attention._attend_tiles
+    monkeypatch.setattr(attention, "_attend_tiles", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    shared = attention.attention_invariant(q, kc, vc, slots, pos)
+    assert len(calls) < P // attention.ATT_ROWS and sum(calls) == P
+    monkeypatch.setattr(attention, "ATT_BATCH_BYTES", 0)                      # one tile per call
+    alone = attention.attention_invariant(q, kc, vc, slots, pos)
+    assert torch.equal(as_int(shared), as_int(alone))
+    monkeypatch.setattr(attention, "_tile_groups", lambda p, *_: iter([(0, p.numel(), 1)]))
+    fault = attention.attention_invariant(q, kc, vc, slots, pos)
+    differ = (as_int(fault) != as_int(alone)).flatten(1).any(dim=1)
+    assert not differ[:attention.KV_BLOCK].any() and differ[attention.KV_BLOCK:].all()

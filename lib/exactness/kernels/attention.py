@@ -72,6 +72,10 @@ def attention_fast_prompt(q, k_cache, v_cache, slots, positions):
 
 
 ATT_ROWS = 8  # query rows per invariant attention tile (a decode row is padded to this many)
+# fp32 temporaries of the tiles attended in one call, at most (_tile_groups): each tile beyond the first repeats the
+# blocks' keys and values, so tiles share a call where their op overhead outweighs that copy (small heads, short
+# contexts) and run one by one where it does not.
+ATT_BATCH_BYTES = 8 << 20
 
 
 def _blocks(x: torch.Tensor, nblk: int, g: int) -> torch.Tensor:
@@ -84,43 +88,68 @@ def _blocks(x: torch.Tensor, nblk: int, g: int) -> torch.Tensor:
     return out.view(nblk, hkv * g, KV_BLOCK, d)                                        # query head h*g + j
 
 
-def _attend_tile(q, kb, vb, pos):
-    """Softmax attention of t <= ATT_ROWS query rows over KV_BLOCK-key blocks, with every reduction fixed.
+def _attend_tiles(q, kb, vb, pos):
+    """Softmax attention of t query rows, in ceil(t / ATT_ROWS) tiles of ATT_ROWS rows, over KV_BLOCK-key blocks,
+    with every reduction fixed.
 
-    q [t, Hq, D] storage dtype; kb, vb [nblk, Hq, B, D] fp32 (see _blocks); pos [t]. Per block, scores and values
-    are batched GEMMs of fixed item shape [8, D] x [D, B] and [8, B] x [B, D]; the row max is exact; the per-block
-    partial sums (fixed length B) are combined across blocks by a sequential cumulative sum in block order. Blocks
-    past a row's position contribute exact zeros, so a row's bytes depend on neither the tile mates, the place in
-    the tile, nor how many blocks the tile spans. Scale 1/sqrt(D).
+    q [t, Hq, D] storage dtype; kb, vb [nblk, Hq, B, D] fp32 (see _blocks); pos [t]. Per tile and block, scores and
+    values are batched GEMMs of fixed item shape [8, D] x [D, B] and [8, B] x [B, D] (every tile's items in one
+    call, the blocks' keys and values repeated per tile); the row max is exact; the per-block partial sums (fixed
+    length B) are combined across blocks by a sequential cumulative sum in block order. Blocks past a row's position
+    contribute exact zeros, so a row's bytes depend on neither the tile mates, the place in the tile, how many blocks
+    the tile spans, nor how many tiles share the call. Scale 1/sqrt(D).
     """
     t, Hq, D = q.shape
-    nblk, B = kb.shape[0], KV_BLOCK
-    qh = pad_rows(q, ATT_ROWS).float().transpose(0, 1)                               # [Hq, 8, D] fp32
-    pos_p = torch.cat([pos, pos.new_zeros(ATT_ROWS - t)])                            # padded rows attend to key 0
-    qx = qh[None].expand(nblk, Hq, ATT_ROWS, D).reshape(-1, ATT_ROWS, D)             # [nblk*Hq, 8, D]
-    s = torch.bmm(qx, kb.view(-1, B, D).transpose(1, 2))                             # [nblk*Hq, 8, B]
-    s = s.view(nblk, Hq, ATT_ROWS, B).permute(1, 2, 0, 3).reshape(Hq, ATT_ROWS, nblk * B) * (1.0 / math.sqrt(D))
-    valid = torch.arange(nblk * B, device=q.device)[None, :] <= pos_p[:, None]       # [8, nblk*B] bool
-    s = s.masked_fill(~valid[None], -math.inf)
-    p = torch.exp(s - s.amax(dim=-1, keepdim=True))                                  # [Hq, 8, nblk*B] fp32
-    pb = p.view(Hq, ATT_ROWS, nblk, B)
-    l = torch.cumsum(pb.sum(dim=-1), dim=-1)[..., -1]                                # [Hq, 8]
-    ob = torch.bmm(pb.permute(2, 0, 1, 3).reshape(-1, ATT_ROWS, B), vb.view(-1, B, D))  # [nblk*Hq, 8, D]
-    o = torch.cumsum(ob.view(nblk, Hq, ATT_ROWS, D), dim=0)[-1]                      # [Hq, 8, D]
-    return (o / l[..., None]).transpose(0, 1)[:t].to(q.dtype)                        # [t, Hq, D]
+    nblk, B, n = kb.shape[0], KV_BLOCK, -(-t // ATT_ROWS)
+    qh = pad_rows(q, ATT_ROWS).float().view(n, ATT_ROWS, Hq, D).transpose(1, 2)       # [n, Hq, 8, D] fp32
+    pos_p = F.pad(pos, (0, n * ATT_ROWS - t))                                         # padded rows attend to key 0
+    qx = qh[:, None].expand(n, nblk, Hq, ATT_ROWS, D).reshape(-1, ATT_ROWS, D)        # [n*nblk*Hq, 8, D]
+    kx = kb.view(1, -1, B, D).expand(n, -1, B, D).reshape(-1, B, D)                   # [n*nblk*Hq, B, D]
+    s = torch.bmm(qx, kx.transpose(1, 2))                                             # [n*nblk*Hq, 8, B]
+    s = (s.view(n, nblk, Hq, ATT_ROWS, B).permute(0, 2, 3, 1, 4).reshape(n, Hq, ATT_ROWS, nblk * B)
+         * (1.0 / math.sqrt(D)))
+    valid = torch.arange(nblk * B, device=q.device)[None, :] <= pos_p[:, None]       # [n*8, nblk*B] bool
+    s = s.masked_fill(~valid.view(n, 1, ATT_ROWS, nblk * B), -math.inf)
+    p = torch.exp(s - s.amax(dim=-1, keepdim=True))                                  # [n, Hq, 8, nblk*B] fp32
+    pb = p.view(n, Hq, ATT_ROWS, nblk, B)
+    l = torch.cumsum(pb.sum(dim=-1), dim=-1)[..., -1]                                # [n, Hq, 8]
+    vx = vb.view(1, -1, B, D).expand(n, -1, B, D).reshape(-1, B, D)                   # [n*nblk*Hq, B, D]
+    ob = torch.bmm(pb.permute(0, 3, 1, 2, 4).reshape(-1, ATT_ROWS, B), vx)           # [n*nblk*Hq, 8, D]
+    o = torch.cumsum(ob.view(n, nblk, Hq, ATT_ROWS, D), dim=1)[:, -1]                # [n, Hq, 8, D]
+    out = (o / l[..., None]).transpose(1, 2).reshape(n * ATT_ROWS, Hq, D)
+    return out[:t].to(q.dtype)                                                        # [t, Hq, D]
+
+
+def _tile_groups(pos: torch.Tensor, Hq: int, D: int):
+    """The call's rows (positions pos [m], in order) as (start, stop, blocks): runs of whole ATT_ROWS-row tiles
+    that need the same number of key blocks, each run's fp32 temporaries (scores, probabilities, repeated keys and
+    values: about 4 Hq nb B (4 ATT_ROWS + 2 D) bytes a tile) at most ATT_BATCH_BYTES where a tile fits."""
+    m = pos.numel()
+    need = (F.pad(pos, (0, (-m) % ATT_ROWS)).view(-1, ATT_ROWS).amax(dim=1) // KV_BLOCK + 1).tolist()   # per tile
+    start = 0
+    while start < len(need):
+        nb = need[start]
+        cap = max(1, ATT_BATCH_BYTES // (4 * Hq * nb * KV_BLOCK * (4 * ATT_ROWS + 2 * D)))   # tiles per call
+        stop = start + 1
+        while stop < len(need) and need[stop] == nb and stop - start < cap:
+            stop += 1
+        yield start * ATT_ROWS, min(stop * ATT_ROWS, m), nb
+        start = stop
 
 
 def attention_invariant(q, k_cache, v_cache, slots, positions):
-    """Per slot, rows in ATT_ROWS-row tiles over fixed KV_BLOCK key blocks (decode = a one-row tile)."""
+    """Per slot, rows in ATT_ROWS-row tiles over fixed KV_BLOCK key blocks (decode = a one-row tile), the tiles
+    that span as many blocks attended in one call."""
     out = torch.empty_like(q)
     g = q.shape[1] // k_cache.shape[2]
     for s, rows in _groups(slots):
-        nblk = int(positions[rows].max()) // KV_BLOCK + 1
+        pos = positions[rows]
+        nblk = int(pos.max()) // KV_BLOCK + 1
         kb, vb = _blocks(k_cache[s], nblk, g), _blocks(v_cache[s], nblk, g)          # [nblk, Hq, B, D] fp32
-        for i in range(0, rows.numel(), ATT_ROWS):
-            r = rows[i:i + ATT_ROWS]
-            tile_blocks = int(positions[r].max()) // KV_BLOCK + 1
-            out[r] = _attend_tile(q[r], kb[:tile_blocks], vb[:tile_blocks], positions[r])
+        groups = [(0, pos.numel(), nblk)] if pos.numel() <= ATT_ROWS else _tile_groups(pos, *q.shape[1:])
+        for lo, hi, nb in groups:
+            r = rows[lo:hi]
+            out[r] = _attend_tiles(q[r], kb[:nb], vb[:nb], pos[lo:hi])
     return out
 
 
