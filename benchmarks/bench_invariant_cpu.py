@@ -6,6 +6,11 @@ contract checker's seeded random rows, tiny-preset shapes; attention: a prompt b
 (blocked_autorange; the median per call is reported), invariant and fast alternating per (class, M).
 
     python benchmarks/bench_invariant_cpu.py [--dtype bfloat16|float32] [--threads N] [--min-time 0.2]
+    python benchmarks/bench_invariant_cpu.py --budgets     # the invariant attention's ATT_BATCH_BYTES, prefills
+
+``--budgets`` times instead the invariant set's prefill of exact-length prompts (tiny preset, bf16) at several
+attention.ATT_BATCH_BYTES (0: every tile in a call of its own), the budgets alternating round by round, median of
+5, and checks that every budget gives the first one's logit bytes.
 """
 from __future__ import annotations
 
@@ -28,14 +33,56 @@ def median_ms(fn, args, min_time: float) -> float:
     return t.blocked_autorange(min_run_time=min_time).median * 1e3
 
 
+BUDGETS = (0, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
+PREFILLS = ((300, "batched", 128), (1024, "deep", 256), (2048, "deep", 256), (2048, "batched", None))
+
+
+def budgets() -> None:
+    """Invariant prefill time per attention.ATT_BATCH_BYTES (module docstring)."""
+    import statistics
+    import time
+
+    from exactness import paths
+    from exactness.analysis.bench import exact_length_ids
+    from exactness.cache import KVCache
+    from exactness.checkpoint import load_model
+    from exactness.kernels import attention
+    from exactness.prompts import build_prompt
+    w, _ = load_model("tiny", "cpu", "bfloat16", None, "bf16")
+    src = [build_prompt(n, None).ids for n in ("code", "docs")]
+    saved, rows = attention.ATT_BATCH_BYTES, []
+    try:
+        for n, path, step in PREFILLS:
+            ids, t, ref = exact_length_ids(n, src), {b: [] for b in BUDGETS}, None
+            for _ in range(5):
+                for b in BUDGETS:
+                    attention.ATT_BATCH_BYTES = b
+                    cache = KVCache(w.cfg, n + 1, 1, w.dtype, w.device)
+                    t0 = time.perf_counter()
+                    logits = paths.prefill(w, cache, ids, "invariant", paths.Schedule(path, step, 128)).logits
+                    t[b].append(time.perf_counter() - t0)
+                    ref = logits if ref is None else ref
+                    if not torch.equal(logits.view(torch.int32), ref.view(torch.int32)):
+                        raise SystemExit(f"ATT_BATCH_BYTES={b} changed the logits of the {n}-token prefill")
+            med = {b: statistics.median(v) for b, v in t.items()}
+            rows.append([f"{n} {path}@{step}"] + [f"{m * 1e3:.1f} ({m / med[0]:.2f})" for m in med.values()])
+    finally:
+        attention.ATT_BATCH_BYTES = saved
+    print(tabulate(rows, headers=["prefill"] + [f"{b >> 20} MiB: ms (/ 0 MiB)" for b in BUDGETS],
+                   disable_numparse=True))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds of timing per kernel and M")
+    ap.add_argument("--budgets", action="store_true", help="time invariant prefills per ATT_BATCH_BYTES instead")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.budgets:
+        return budgets()
     dt = getattr(torch, a.dtype)
     inv, fast = get_set("invariant"), get_set("fast")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {a.dtype}, tiny-preset shapes, "

@@ -74,8 +74,9 @@ def attention_fast_prompt(q, k_cache, v_cache, slots, positions):
 ATT_ROWS = 8  # query rows per invariant attention tile (a decode row is padded to this many)
 # fp32 temporaries of the tiles attended in one call, at most (_tile_groups): each tile beyond the first repeats the
 # blocks' keys and values, so tiles share a call where their op overhead outweighs that copy (small heads, short
-# contexts) and run one by one where it does not.
-ATT_BATCH_BYTES = 8 << 20
+# contexts) and run one by one where it does not; past a few MiB the temporaries leave the CPU's caches and a
+# shared call is slower than its tiles one by one (benchmarks/bench_invariant_cpu.py --budgets).
+ATT_BATCH_BYTES = 4 << 20
 
 
 def _blocks(x: torch.Tensor, nblk: int, g: int) -> torch.Tensor:
