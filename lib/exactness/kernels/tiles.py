@@ -42,5 +42,5 @@ def per_tile(fn: Callable[..., torch.Tensor], *row_args: torch.Tensor, tile: int
 
 
 def _rows(outs, M: int) -> torch.Tensor:
-    """The first M rows of the tiles' outputs in order (one tile: a view of it, no copy)."""
-    return outs[0][:M] if len(outs) == 1 else torch.cat(outs, dim=0)[:M]
+    """The first M rows of the tiles' outputs in order, contiguous (one contiguous tile: a view of it, no copy)."""
+    return outs[0][:M].contiguous() if len(outs) == 1 else torch.cat(outs, dim=0)[:M]
