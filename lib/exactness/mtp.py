@@ -17,8 +17,9 @@ equals the model's own argmax rows, plus the model's next token; the main and MT
 
 With ``graphs`` (CUDA) the forwards after the prefill of up to k+1 rows replay from CUDA graphs, one per shape met
 more than once (stream_forwards.StreamForwards: the verify's k+1 rows, plain decode steps, the head's one-row and
-catch-up forwards; the eager forwards' bytes); where a shape cannot be captured (a set without a grouped expert kernel: its
-per-expert GEMM shapes follow the routing; offloaded experts) it runs eagerly and ``Run.graphs`` says why.
+catch-up forwards; the eager forwards' bytes); where a shape cannot be captured (a set without a grouped expert
+kernel: its per-expert GEMM shapes follow the routing; offloaded experts) it runs eagerly and ``Run.graphs`` says
+why.
 
 Without a checkpoint's MTP tensors the head is derived from the model itself (derived_mtp_weights): its blocks are
 the model's own decoder layers run one position ahead (proj passes the next token's embedding through), so the head

@@ -43,7 +43,7 @@ from ..params import BenchParams
 from ..progress import bar as progress_bar
 from ..prompt_files import build_prompts, prompt_record
 from ..prompts import build_prompt
-from .merge import join_provenance, join_served
+from .merge import joined_records
 from .bench_runner import MTP_K, Runner
 from ..checkpoint import load_model, resolve_device
 
@@ -282,14 +282,7 @@ def merge_sections(parts: list[dict]) -> dict:
     data.update(config={**configs[0], "kernel_sets": sets},
                 not_run={k: v for q in parts for k, v in (q["data"].get("not_run") or {}).items()},
                 offload=next((q["data"]["offload"] for q in parts if q["data"].get("offload")), None))
-    merged = {"section": "bench", "data": data}
-    prov = join_provenance(parts)
-    if prov:
-        merged["provenance"] = prov
-    served = join_served(parts)
-    if served:
-        merged["fast_cuda"] = served
-    return merged
+    return {"section": "bench", "data": data, **joined_records(parts)}
 
 
 def _bench_set(runner: Runner, prompts, sources, ks: str, p: BenchParams, not_run: dict, data: dict, bar) -> None:

@@ -20,6 +20,13 @@ def _join(values) -> str:
     return " | ".join(dict.fromkeys(str(v) for v in values if v is not None))
 
 
+def joined_records(parts: list[dict]) -> dict:
+    """What a merged section carries of its parts' records: "provenance" (join_provenance) and "fast_cuda"
+    (join_served), each only where a part has one."""
+    out = {"provenance": join_provenance(parts), "fast_cuda": join_served(parts)}
+    return {k: v for k, v in out.items() if v}
+
+
 def join_served(parts: list[dict]) -> dict | None:
     """The parts' "fast_cuda" records (what served the fast set's CUDA kernels, receipt/sections.served_here)
     joined kernel by kernel (" | " between distinct values, in part order); None when no part carries one."""
@@ -27,4 +34,3 @@ def join_served(parts: list[dict]) -> dict | None:
     if not recs:
         return None
     return {k: _join(r.get(k) for r in recs) for k in dict.fromkeys(k for r in recs for k in r)}
-

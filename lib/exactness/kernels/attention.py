@@ -103,7 +103,7 @@ def _attend_tiles(q, kb, vb, pos):
     t, Hq, D = q.shape
     nblk, B, n = kb.shape[0], KV_BLOCK, -(-t // ATT_ROWS)
     qh = pad_rows(q, ATT_ROWS).float().view(n, ATT_ROWS, Hq, D).transpose(1, 2)       # [n, Hq, 8, D] fp32
-    pos_p = F.pad(pos, (0, n * ATT_ROWS - t))                                         # padded rows attend to key 0
+    pos_p = pad_rows(pos, ATT_ROWS)                                                   # padded rows attend to key 0
     qx = qh[:, None].expand(n, nblk, Hq, ATT_ROWS, D).reshape(-1, ATT_ROWS, D)        # [n*nblk*Hq, 8, D]
     kx = kb.view(1, -1, B, D).expand(n, -1, B, D).reshape(-1, B, D)                   # [n*nblk*Hq, B, D]
     s = torch.bmm(qx, kx.transpose(1, 2))                                             # [n*nblk*Hq, 8, B]
@@ -126,7 +126,7 @@ def _tile_groups(pos: torch.Tensor, Hq: int, D: int):
     that need the same number of key blocks, each run's fp32 temporaries (scores, probabilities, repeated keys and
     values: about 4 Hq nb B (4 ATT_ROWS + 2 D) bytes a tile) at most ATT_BATCH_BYTES where a tile fits."""
     m = pos.numel()
-    need = (F.pad(pos, (0, (-m) % ATT_ROWS)).view(-1, ATT_ROWS).amax(dim=1) // KV_BLOCK + 1).tolist()   # per tile
+    need = (pad_rows(pos, ATT_ROWS).view(-1, ATT_ROWS).amax(dim=1) // KV_BLOCK + 1).tolist()   # per tile
     start = 0
     while start < len(need):
         nb = need[start]

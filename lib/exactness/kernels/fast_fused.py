@@ -71,32 +71,34 @@ def _qk_norm_rope(q, k, wq, wk, eps, positions, theta):
             _rope.rope_fast(_norm._rms(k, wk, eps), positions, theta))
 
 
-def _plain(*ts) -> bool:
-    return all(type(t) is torch.Tensor for t in ts)
+def _option(fn, args: tuple, weights: tuple):
+    """fn(*args) compiled where args[0] is on CUDA and every weight is a plain tensor (not a quantized one); else
+    None: the engine then calls the set's kernels one by one."""
+    return _run(fn, *args) if _here(args[0]) and all(type(t) is torch.Tensor for t in weights) else None
 
 
 def residual_norm(a: torch.Tensor, b: torch.Tensor, w, eps: float):
     """(a + b, rmsnorm(a + b, w, eps)) in one compiled graph; a, b [..., H]. None on the CPU (the engine then calls
     the set's residual and rmsnorm)."""
-    return _run(_residual_norm, a, b, w, eps) if _here(a) and _plain(w) else None
+    return _option(_residual_norm, (a, b, w, eps), (w,))
 
 
 def combine_residual_norm(y: torch.Tensor, weights: torch.Tensor, shared, a: torch.Tensor, w, eps: float):
     """(x, h) = (a + combine(y, weights, shared), rmsnorm(x, w, eps)) in one compiled graph; y [M, k, H]. None on
     the CPU."""
-    return _run(_combine_residual_norm, y, weights, shared, a, w, eps) if _here(y) and _plain(w) else None
+    return _option(_combine_residual_norm, (y, weights, shared, a, w, eps), (w,))
 
 
 def dense_residual_norm(x: torch.Tensor, w, a: torch.Tensor, wn, eps: float):
     """(a + x @ w^T, its rmsnorm by wn) in one compiled graph (the GEMM cuBLAS's); x [M, K], w [N, K]. None on the
     CPU or for a weight that is not a plain tensor (a quantized one)."""
-    return _run(_dense_residual_norm, x, w, a, wn, eps) if _here(x) and _plain(w, wn) else None
+    return _option(_dense_residual_norm, (x, w, a, wn, eps), (w, wn))
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq, wk, eps: float, positions: torch.Tensor, theta: float):
     """(rope(rmsnorm(q, wq)), rope(rmsnorm(k, wk))) in one compiled graph; q [M, Hq, D], k [M, Hk, D]. None on
     the CPU. Stores nothing: the engine writes the cache."""
-    return _run(_qk_norm_rope, q, k, wq, wk, eps, positions, theta) if _here(q) and _plain(wq, wk) else None
+    return _option(_qk_norm_rope, (q, k, wq, wk, eps, positions, theta), (wq, wk))
 
 
 residual_norm.stands_for = (("residual", _norm.residual_add), ("rmsnorm", rmsnorm))

@@ -236,8 +236,9 @@ class KernelOptions(Mapping):
         callables. "Same bytes" is the invariant set's property; a set that claims no bytes may fuse differently
         (the fast set's compiled options round a fused chain once), so a forward whose kernel calls are tapped,
         which runs each class's kernel, and a graph made while taps are on, which replays such forwards, run
-        without the five (graphs.GraphForward). grouped_experts has no such check in the engine: a set imported by reference loses it (and the
-        five) where its kernels of those classes are not the built-in set's (imported.drop_bypassing_options).
+        without the five (graphs.GraphForward). grouped_experts has no such check in the engine: a set imported by
+        reference loses it (and the five) where its kernels of those classes are not the built-in set's
+        (imported.drop_bypassing_options).
 
     A Mapping of the options that are set (not their defaults), so a set can be built from another's:
     ``KernelOptions.of({**base.options, "expert_id_aware": True})``.

@@ -3,7 +3,7 @@ the merge of contract sections computed in separate calls."""
 from __future__ import annotations
 
 from ...kernels import KERNEL_CLASSES, KERNEL_SETS
-from ..merge import join_provenance, join_served
+from ..merge import joined_records
 from .cases import ADAPTED
 from ...kernels.registry import QUANT_CLASSES
 
@@ -86,13 +86,6 @@ def merge_sections(parts: list[dict]) -> dict:
     dtypes = list(dict.fromkeys(c["dtype"] for q in parts for c in q["coverage"]))
     formats = list(dict.fromkeys(f for q in parts for f in q.get("weights_formats") or ["bf16"]))
     cov, unc = coverage(rows, sets, devices[0], dtypes, formats)
-    merged = {"section": "contract", **{k: parts[0].get(k) for k in MERGE_SAME if k != "router_groups"},
-              "weights_formats": formats, "router_groups": parts[0].get("router_groups"), "rows": rows,
-              "offload_rows": off, "coverage": cov, "uncovered": unc}
-    prov = join_provenance(parts)
-    if prov:
-        merged["provenance"] = prov
-    served = join_served(parts)
-    if served:
-        merged["fast_cuda"] = served
-    return merged
+    return {"section": "contract", **{k: parts[0].get(k) for k in MERGE_SAME if k != "router_groups"},
+            "weights_formats": formats, "router_groups": parts[0].get("router_groups"), "rows": rows,
+            "offload_rows": off, "coverage": cov, "uncovered": unc, **joined_records(parts)}
