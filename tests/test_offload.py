@@ -322,6 +322,38 @@ def test_bench_offload_script_runs_on_cpu(tmp_path):
     assert res["flops"] > 0 and deep["bound_s"] > 0
 
 
+@pytest.mark.slow
+def test_fast_set_compiled_offload_changes_no_byte(tiny_weights, prompt, monkeypatch, tmp_path):
+    """The fast set as it runs on CUDA, here on CPU tensors (its graphs compiled: fast_cuda._COMPILE["cpu"]; its
+    grouped experts through torch's reference _grouped_mm: _STATE["cpu_grouped"]; tests only): the deep path with
+    offloaded experts, one expert at a time (expert ring) or the prompt's layers staged whole and the decode rows'
+    experts one by one (layer ring), gives the resident run's bytes (all experts grouped): an expert run alone
+    computes SiLU * up in the compiled code of the grouped route. Planted fault: that expert's SiLU * up run
+    eagerly (rounded twice). Skipped where Inductor or the reference _grouped_mm cannot run here."""
+    from exactness.kernels import experts, fast_cuda, fast_fused
+    monkeypatch.setitem(fast_cuda._STATE, "cpu_grouped", True)
+    monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
+    monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
+    for k in fast_cuda.STATUS:
+        monkeypatch.setitem(fast_cuda.STATUS, k, "untried")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # test_fast_cuda's compile tests say why
+    ref = _run(tiny_weights, prompt.ids, "fast", "deep")
+    if fast_cuda.STATUS["inductor"] != "ok" or fast_cuda.STATUS["grouped_mm"] != "ok":
+        pytest.skip(f"compiled fast set on CPU tensors: {fast_cuda.STATUS}")
+
+    def offloaded(layer_slots):
+        store = ExpertStore(tiny_weights, "offload", ring_slots=2, layer_slots=layer_slots)
+        return _run(store.weights, prompt.ids, "fast", "deep", store), store.info()["stats"]
+    for layer_slots in (0, 2):
+        out, s = offloaded(layer_slots)
+        assert _differences(out, ref) == NONE, layer_slots
+        assert (s["layer_fetches"] > 0, s["ring_fetches"] > 0) == (layer_slots > 0, layer_slots == 0), s
+    run = fast_fused._run
+    monkeypatch.setattr(fast_fused, "_run", lambda fn, *a: (experts.gate_up_fast(*a) if fn is experts.gate_up_fast
+                                                            else run(fn, *a)))
+    assert _differences(offloaded(0)[0], ref)["prompt_rows"] > 0                         # planted fault
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("ks", ["fast", "invariant"])

@@ -3,6 +3,9 @@ engine built on stock PyTorch runs its glue between library GEMMs (fused Triton 
 torch op; a CUDA graph holds them).
 
     rmsnorm, rope, router, moe_combine   each call one compiled graph (the router's GEMM stays cuBLAS, top-k aten's)
+    expert_gate_up                       one expert's GEMMs (cuBLAS) and SiLU * up as the grouped experts' route
+                                         computes it, so an expert run alone (offloaded, one by one) gives the
+                                         grouped GEMMs' bytes where cuBLAS and the grouped GEMM agree
     residual_norm, combine_residual_norm, dense_residual_norm, qk_norm_rope
                                          the fast set's options: a residual add with the next norm (after the
                                          MoE combine, or after the output projection), and a layer's q/k norms
@@ -44,6 +47,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 def router(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool, groups: tuple[int, int] | None = None):
     """router.router_fast's torch ops -> (weights [M, k], idx [M, k] int64, logits [M, E])."""
     return _run(_router.router_fast, x, w, top_k, norm, groups)
+
+
+def gate_up(x: torch.Tensor, w_gate, w_up) -> torch.Tensor:
+    """experts.gate_up_fast's torch ops; x [M, H], w_gate, w_up [I, H] -> [M, I]. Quantized weights: eagerly."""
+    if type(w_gate) is torch.Tensor and type(w_up) is torch.Tensor:
+        return _run(_experts.gate_up_fast, x, w_gate, w_up)
+    return _experts.gate_up_fast(x, w_gate, w_up)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:

@@ -37,7 +37,7 @@ FAST = register_set(
     "fast",
     decode=_fast({
         "dense": (dense.linear_fast, "F.linear on the rows given (CUDA: cuBLAS)"),
-        "expert_gate_up": (experts.gate_up_fast, "two F.linear, SiLU * up (CUDA bf16: routed experts in "
+        "expert_gate_up": (fast_fused.gate_up, "two F.linear, SiLU * up (CUDA: compiled; bf16 routed experts in "
                            "torch._grouped_mm, the set's grouped_experts option)"),
         "expert_down": (experts.down_fast, "F.linear (CUDA bf16: routed experts in torch._grouped_mm)"),
         "attention": (fast_cuda.attention_decode, "CUDA bf16/fp16: FlashAttention-2 varlen "
@@ -46,8 +46,8 @@ FAST = register_set(
     }),
     prompt=_fast({
         "dense": (dense.linear_fast, "F.linear on the whole chunk (CUDA: cuBLAS; CPU deep plan: 64-row tiles)"),
-        "expert_gate_up": (experts.gate_up_fast, "two F.linear on the expert's rows (CUDA bf16: routed experts "
-                           "in torch._grouped_mm, grouped by expert, one launch per projection)"),
+        "expert_gate_up": (fast_fused.gate_up, "two F.linear on the expert's rows, SiLU * up (CUDA: compiled; "
+                           "bf16 routed experts in torch._grouped_mm, grouped by expert, one launch per projection)"),
         "expert_down": (experts.down_fast, "F.linear on the expert's rows (CUDA bf16: routed experts in "
                         "torch._grouped_mm)"),
         "attention": (fast_cuda.attention_prompt, "CUDA bf16/fp16: FlashAttention-2 (aten._flash_attention_forward), "
