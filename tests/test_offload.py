@@ -329,7 +329,8 @@ def test_fast_set_compiled_offload_changes_no_byte(tiny_weights, prompt, monkeyp
     offloaded experts, one expert at a time (expert ring) or the prompt's layers staged whole and the decode rows'
     experts one by one (layer ring), gives the resident run's bytes (all experts grouped): an expert run alone
     computes SiLU * up in the compiled code of the grouped route. Planted fault: that expert's SiLU * up run
-    eagerly (rounded twice). Skipped where Inductor or the reference _grouped_mm cannot run here."""
+    eagerly (rounded twice), in the resident run too (its shared expert): both offloaded runs then differ from it.
+    Skipped where Inductor or the reference _grouped_mm cannot run here."""
     from exactness.kernels import experts, fast_cuda, fast_fused
     monkeypatch.setitem(fast_cuda._STATE, "cpu_grouped", True)
     monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
@@ -351,7 +352,9 @@ def test_fast_set_compiled_offload_changes_no_byte(tiny_weights, prompt, monkeyp
     run = fast_fused._run
     monkeypatch.setattr(fast_fused, "_run", lambda fn, *a: (experts.gate_up_fast(*a) if fn is experts.gate_up_fast
                                                             else run(fn, *a)))
-    assert _differences(offloaded(0)[0], ref)["prompt_rows"] > 0                         # planted fault
+    ref = _run(tiny_weights, prompt.ids, "fast", "deep")          # the shared expert runs the fault too
+    for layer_slots in (0, 2):                                    # prompt rows; the decode rows' KV
+        assert _differences(offloaded(layer_slots)[0], ref) != NONE, layer_slots         # planted fault
 
 
 @pytest.mark.gpu
