@@ -19,7 +19,6 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 
@@ -45,29 +44,13 @@ def gpu_us(fn, n: int = 20) -> float:
     return statistics.median(ts)
 
 
-def route(idx: torch.Tensor, n_experts: int):
-    """(order [M*k] pairs sorted by expert, offs [E] int32 group ends), as fast_cuda._grouped computes them."""
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(n_experts, dtype=torch.int32, device=idx.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    return order, torch.cumsum(counts, 0, dtype=torch.int32)
-
-
-def swiglu(x, offs, wg, wu, wd):
-    """The three grouped GEMMs with SiLU * up between them; x [M*k, H] sorted by expert -> [M*k, H]."""
-    gate = torch._grouped_mm(x, wg.transpose(1, 2), offs=offs)
-    up = torch._grouped_mm(x, wu.transpose(1, 2), offs=offs)
-    return torch._grouped_mm(F.silu(gate) * up, wd.transpose(1, 2), offs=offs)
-
-
 def variants(ws):
     """name -> fn(h, idx) -> y [M, k, H]."""
     opts = fast_cuda._inductor_options()
     now = torch.compile(fast_cuda._grouped, dynamic=True, fullgraph=True, options=opts)
     static = torch.compile(fast_cuda._grouped, dynamic=False, fullgraph=True, options=opts)
-    c_route = torch.compile(route, dynamic=True, fullgraph=True, options=opts)
-    c_swiglu = torch.compile(swiglu, dynamic=True, fullgraph=True, options=opts)
+    c_route = torch.compile(fast_cuda.route, dynamic=True, fullgraph=True, options=opts)
+    c_swiglu = torch.compile(fast_cuda.grouped_swiglu, dynamic=True, fullgraph=True, options=opts)
 
     def aten_moves(h, idx):                       # the gather and the scatter by ATen, the rest compiled
         M, k = idx.shape

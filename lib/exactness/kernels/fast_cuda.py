@@ -146,21 +146,31 @@ def moe_experts(h: torch.Tensor, idx: torch.Tensor, w_gate: torch.Tensor, w_up: 
 
 def _grouped(h, idx, w_gate, w_up, w_down) -> torch.Tensor:
     M, k = idx.shape
-    E, I, H = w_gate.shape
+    H = w_gate.shape[2]
     y = h.new_empty(M, k, H)                                                         # [M, k, H]
     if M == 0:
         return y
-    flat = idx.reshape(-1)                                                           # [M*k], pair = row*k + slot
-    order = torch.argsort(flat, stable=True)                                         # pairs grouped by expert
-    counts = torch.zeros(E, dtype=torch.int32, device=h.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))           # no host read (bincount syncs)
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)                                # [E] end of each group
-    x = h.index_select(0, order // k)                                                # [M*k, H]
-    gate = torch._grouped_mm(x, w_gate.transpose(1, 2), offs=offs)                   # [M*k, I]
-    up = torch._grouped_mm(x, w_up.transpose(1, 2), offs=offs)
-    out = torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offs)    # [M*k, H]
+    order, offs = route(idx, w_gate.shape[0])
+    out = grouped_swiglu(h.index_select(0, order // k), offs, w_gate, w_up, w_down)  # [M*k, H]
     y.view(M * k, H).index_copy_(0, order, out)
     return y
+
+
+def route(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """idx [M, k] -> (order [M*k]: the (row, slot) pairs row*k + slot sorted by expert, stable; offs [E] int32: the
+    end of each expert's group), on the device without a host read (bincount would sync)."""
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=idx.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return order, torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+def grouped_swiglu(x, offs, w_gate, w_up, w_down) -> torch.Tensor:
+    """x [M*k, H] sorted by expert, offs [E] -> down(SiLU(gate) * up) [M*k, H]: three torch._grouped_mm."""
+    gate = torch._grouped_mm(x, w_gate.transpose(1, 2), offs=offs)                   # [M*k, I]
+    up = torch._grouped_mm(x, w_up.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offs)
 
 
 moe_experts.serves = moe_experts_serve   # model.moe_block hands it to the expert provider as ``accept``

@@ -50,10 +50,9 @@ def router(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool, groups: tup
 
 
 def gate_up(x: torch.Tensor, w_gate, w_up) -> torch.Tensor:
-    """experts.gate_up_fast's torch ops; x [M, H], w_gate, w_up [I, H] -> [M, I]. Quantized weights: eagerly."""
-    if type(w_gate) is torch.Tensor and type(w_up) is torch.Tensor:
-        return _run(_experts.gate_up_fast, x, w_gate, w_up)
-    return _experts.gate_up_fast(x, w_gate, w_up)
+    """experts.gate_up_fast's torch ops; x [M, H], w_gate, w_up [I, H] -> [M, I]. CPU, quantized weights: eagerly."""
+    out = _option(_experts.gate_up_fast, (x, w_gate, w_up), (w_gate, w_up))
+    return _experts.gate_up_fast(x, w_gate, w_up) if out is None else out
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
