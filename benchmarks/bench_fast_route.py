@@ -1,8 +1,9 @@
 """The fast set's glue around its library kernels on CUDA, side by side in one process: the grouped experts' route
 (kernels/fast_cuda._grouped: sort by expert, gather the pairs' rows, three torch._grouped_mm, SiLU * up, scatter
-back) compiled as the set compiles it (torch.compile, dynamic sizes) against variants, and its RoPE (cos/sin
-evaluated per position, compiled) against a cos/sin table gathered by position. Shapes of the `small` preset
-(hidden 2048, 128 experts, top-8, expert width 768; 32 + 4 heads of 128), random weights.
+back) compiled as the set compiles it (torch.compile, the row count dynamic, the other sizes static) against
+variants, and its RoPE (cos/sin evaluated per position, compiled alike) against variants and a cos/sin table
+gathered by position. Shapes of the `small` preset (hidden 2048, 128 experts, top-8, expert width 768; 32 + 4 heads
+of 128), random weights.
 
 Run from the repository root on the GPU machine:
 
@@ -22,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 
-from exactness.kernels import fast_cuda  # noqa: E402
+from exactness.kernels import fast_cuda, fast_fused  # noqa: E402
 from exactness.kernels import rope as R  # noqa: E402
 
 E, I, H, K = 128, 768, 2048, 8          # experts, expert width, hidden, top-k
@@ -45,29 +46,29 @@ def gpu_us(fn, n: int = 20) -> float:
 
 
 def variants(ws):
-    """name -> fn(h, idx) -> y [M, k, H]."""
+    """name -> fn(h, idx) -> y [M, k, H]; the first is the set's."""
     opts = fast_cuda._inductor_options()
-    now = torch.compile(fast_cuda._grouped, dynamic=True, fullgraph=True, options=opts)
+    every = torch.compile(fast_cuda._grouped, dynamic=True, fullgraph=True, options=opts)
     static = torch.compile(fast_cuda._grouped, dynamic=False, fullgraph=True, options=opts)
-    c_route = torch.compile(fast_cuda.route, dynamic=True, fullgraph=True, options=opts)
-    c_swiglu = torch.compile(fast_cuda.grouped_swiglu, dynamic=True, fullgraph=True, options=opts)
+    run = fast_cuda.run_compiled
 
     def aten_moves(h, idx):                       # the gather and the scatter by ATen, the rest compiled
         M, k = idx.shape
-        order, offs = c_route(idx, E)
-        out = c_swiglu(h.index_select(0, order // k), offs, *ws)
+        order, offs = run(fast_cuda.route, idx, E)
+        out = run(fast_cuda.grouped_swiglu, h.index_select(0, order // k), offs, *ws)
         y = h.new_empty(M, k, H)
         y.view(M * k, H).index_copy_(0, order, out)
         return y
 
     def aten_gathers(h, idx):                     # the scatter as a gather by the inverse permutation
         M, k = idx.shape
-        order, offs = c_route(idx, E)
-        out = c_swiglu(h.index_select(0, order // k), offs, *ws)
+        order, offs = run(fast_cuda.route, idx, E)
+        out = run(fast_cuda.grouped_swiglu, h.index_select(0, order // k), offs, *ws)
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
         return out.index_select(0, inv).view(M, k, H)
-    return {"compiled, dynamic sizes (the set's)": lambda h, idx: now(h, idx, *ws),
+    return {"compiled, row count dynamic (the set's)": lambda h, idx: run(fast_cuda._grouped, h, idx, *ws),
+            "compiled, every size dynamic": lambda h, idx: every(h, idx, *ws),
             "compiled, static sizes": lambda h, idx: static(h, idx, *ws),
             "eager": lambda h, idx: fast_cuda._grouped(h, idx, *ws),
             "gather/scatter by ATen": aten_moves, "gather, inverse gather by ATen": aten_gathers}
@@ -90,19 +91,19 @@ def main() -> None:
                 print(f"route  M={M:6d}  {name:34s} {gpu_us(lambda: fn(h, idx)):10.1f} us  set's bytes: {same}")
             except Exception as e:  # noqa: BLE001 -- a variant this torch cannot compile is reported, not fatal
                 print(f"route  M={M:6d}  {name:34s} failed: {type(e).__name__}: {str(e)[:160]}")
-    now = torch.compile(R.rope_fast, dynamic=True)
+    every = torch.compile(R.rope_fast, dynamic=True)
     tab = torch.compile(lambda x, p, c, s: R._rotate(x, c[p], s[p]), dynamic=True)
     for M in (16022, 1):
         x = torch.randn(M, HEADS, D, device=dev).bfloat16()
         pos = torch.arange(M, device=dev) + (4095 if M == 1 else 0)
         cos, sin = R._table(D, THETA, 65536, dev, torch.bfloat16)
-        a, b, eager = now(x, pos, THETA), tab(x, pos, cos, sin), R.rope_fast(x, pos, THETA)
-        us = [gpu_us(lambda: now(x, pos, THETA)), gpu_us(lambda: tab(x, pos, cos, sin)),
-              gpu_us(lambda: R.rope_fast(x, pos, THETA))]
-        print(f"rope   M={M:6d}  per position (the set's) {us[0]:8.1f} us, table {us[1]:8.1f} us, "
-              f"eager {us[2]:8.1f} us;"
-              f" max |compiled - eager|: per position {float((a.float() - eager.float()).abs().max()):.3g}, "
-              f"table {float((b.float() - eager.float()).abs().max()):.3g}")
+        eager = R.rope_fast(x, pos, THETA)
+        fns = {"row count dynamic (the set's)": lambda: fast_fused.rope(x, pos, THETA),
+               "every size dynamic": lambda: every(x, pos, THETA), "table": lambda: tab(x, pos, cos, sin),
+               "eager": lambda: R.rope_fast(x, pos, THETA)}
+        for name, fn in fns.items():
+            err = float((fn().float() - eager.float()).abs().max())
+            print(f"rope   M={M:6d}  {name:34s} {gpu_us(fn):10.1f} us  max |this - eager| {err:.3g}")
 
 
 if __name__ == "__main__":

@@ -65,16 +65,41 @@ _COMPILE = {"cpu": False}     # tests only: compile for CPU tensors too
 
 
 def compiled(fn, variant: tuple = ()):
-    """fn compiled by torch.compile (Inductor), dynamic sizes, whole graph; one per (fn, variant) and process.
+    """fn compiled by torch.compile (Inductor), whole graph, sizes static but those run_compiled marks dynamic (the
+    row count); one per (fn, variant) and process.
 
     Each variant compiles a copy of fn with a code object of its own: Dynamo counts a function's graphs per code
     object (8 by default, a hard error with fullgraph), and one fn serves many (a norm over [M, H] and [M, h, D],
-    bf16 and fp32, one row or more, with and without autograd)."""
+    bf16 and fp32, one row or more, with and without autograd, of several models)."""
     g = _GRAPHS.get((fn, variant))
     if g is None:
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        g = _GRAPHS[(fn, variant)] = torch.compile(own, dynamic=True, fullgraph=True, options=_inductor_options())
+        g = _GRAPHS[(fn, variant)] = torch.compile(own, dynamic=False, fullgraph=True, options=_inductor_options())
     return g
+
+
+def _variant(x: torch.Tensor, args: tuple) -> tuple:
+    """A compiled copy's key: autograd on or off, one row or more, and every argument but the row count (dim 0 of x
+    and of each tensor argument with x's row count): tensors by dtype and other sizes, the rest by value."""
+    M = x.shape[0]
+
+    def sig(a):
+        if isinstance(a, torch.Tensor):
+            return a.dtype, a.dim(), tuple(a.shape[1:] if a.dim() and a.shape[0] == M else a.shape)
+        return a
+    return torch.is_grad_enabled(), M == 1, tuple(sig(a) for a in (x, *args))
+
+
+def _rows_dynamic(x: torch.Tensor, args: tuple) -> None:
+    """Marks dim 0 of x and of every tensor argument with x's row count dynamic (torch._dynamo.mark_dynamic), so
+    one graph serves every row count above 1 with the other sizes static: Inductor then knows the row width
+    (vectorised loads, no division by a symbolic size), as a graph compiled for one shape would."""
+    import torch._dynamo
+    M = x.shape[0]
+    if M > 1:
+        for a in (x, *args):
+            if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == M:
+                torch._dynamo.mark_dynamic(a, 0)
 
 
 def _inductor_options() -> dict:
@@ -96,7 +121,8 @@ def run_compiled(fn, x: torch.Tensor, *args):
     if not compiles(x) or x.numel() == 0 or STATUS["inductor"] not in ("untried", "ok"):
         return fn(x, *args)
     try:
-        out = compiled(fn, (x.dim(), x.dtype, x.shape[0] == 1, torch.is_grad_enabled()))(x, *args)
+        _rows_dynamic(x, args)
+        out = compiled(fn, _variant(x, args))(x, *args)
     except Exception as e:  # noqa: BLE001 -- whatever Inductor raises here; a genuine error recurs eagerly below
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise               # a failed capture: graphs.py runs the forward eagerly instead

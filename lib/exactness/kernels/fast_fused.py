@@ -12,10 +12,10 @@ torch op; a CUDA graph holds them).
                                          with their RoPE, each one compiled graph
 
 Inductor computes a fused chain of bf16 ops in fp32 and rounds where a value is stored, so these rows are not
-the eager ops' bytes (the fast set claims none). Graphs are compiled with dynamic row counts (a row count of 1
-gets its own), once per process. Where a tensor is not on CUDA or has no rows the eager torch code runs (CPU
-rows stay plain torch's); where compiling fails the first time, the eager code serves every later call and
-``fast_cuda.STATUS["inductor"]`` says why (fast_cuda.run_compiled).
+the eager ops' bytes (the fast set claims none). Graphs are compiled with the row count dynamic and the other sizes
+static (a row count of 1 gets its own), once per process. Where a tensor is not on CUDA or has no rows the eager
+torch code runs (CPU rows stay plain torch's); where compiling fails the first time, the eager code serves every
+later call and ``fast_cuda.STATUS["inductor"]`` says why (fast_cuda.run_compiled).
 """
 from __future__ import annotations
 
