@@ -189,6 +189,39 @@ def test_more_graphs_of_one_op_than_dynamos_limit_still_compile(monkeypatch, tmp
     assert "RecompileLimit" in run_all()
 
 
+def test_one_graph_serves_every_row_count_and_other_sizes_stay_static(monkeypatch, tmp_path):
+    """Compiling forced for CPU tensors: the grouped route and RMSNorm over 7, 33 and 120 rows each compile one
+    graph (Dynamo's cache of that copy holds one entry: the row count is dynamic), one row its own copy; a width
+    not seen before gets a copy of its own (the widths are static: keyed, not guarded). Control: without the row
+    count marked dynamic, each row count compiles a graph of its own. Skipped where Inductor cannot compile here."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+    monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
+    monkeypatch.setitem(fast_cuda._STATE, "cpu_grouped", True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))                 # as in the tests above
+
+    def graphs(widths=(24,)) -> dict:
+        monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
+        monkeypatch.setitem(fast_cuda.STATUS, "inductor", "untried")
+        for H in widths:
+            for M in (7, 33, 120, 1):
+                h, idx, wg, wu, wd = _experts(H=H, M=M)
+                assert fast_cuda.moe_experts(h, idx, wg, wu, wd).shape == (M, 3, H)
+                fast_fused.rmsnorm(h, torch.ones(H, dtype=h.dtype), 1e-6)
+        if fast_cuda.STATUS["inductor"] != "ok":
+            pytest.skip(f"Inductor cannot compile here: {fast_cuda.STATUS['inductor']}")
+        return {(f.__name__, v[1], v[2][0][2]): len(entries(g._torchdynamo_orig_callable.__code__))
+                for (f, v), g in fast_cuda._GRAPHS.items()}
+    try:
+        got = graphs((24, 40))
+    except (RuntimeError, NotImplementedError) as e:   # a torch whose _grouped_mm has no CPU path
+        pytest.skip(f"torch._grouped_mm on CPU: {e}")
+    assert got == {(name, one, (H,)): 1 for name in ("_grouped", "_rms") for one in (False, True)
+                   for H in (24, 40)}, got
+    monkeypatch.setattr(fast_cuda, "_rows_dynamic", lambda x, args: None)
+    got = graphs()
+    assert got[("_grouped", False, (24,))] == 3 and got[("_rms", False, (24,))] == 3, got     # control
+
+
 def test_grouped_route_computes_each_pairs_expert(monkeypatch):
     """Through torch's reference _grouped_mm on CPU tensors: every (row, slot) pair gets its own expert's SwiGLU
     (close to the per-pair loop: the reference may group the products differently); a planted fault (the sort's
