@@ -207,19 +207,45 @@ def test_one_graph_serves_every_row_count_and_other_sizes_stay_static(monkeypatc
                 h, idx, wg, wu, wd = _experts(H=H, M=M)
                 assert fast_cuda.moe_experts(h, idx, wg, wu, wd).shape == (M, 3, H)
                 fast_fused.rmsnorm(h, torch.ones(H, dtype=h.dtype), 1e-6)
-        if fast_cuda.STATUS["inductor"] != "ok":
-            pytest.skip(f"Inductor cannot compile here: {fast_cuda.STATUS['inductor']}")
         return {(f.__name__, v[1], v[2][0][2]): len(entries(g._torchdynamo_orig_callable.__code__))
                 for (f, v), g in fast_cuda._GRAPHS.items()}
     try:
         got = graphs((24, 40))
     except (RuntimeError, NotImplementedError) as e:   # a torch whose _grouped_mm has no CPU path
         pytest.skip(f"torch._grouped_mm on CPU: {e}")
+    if fast_cuda.STATUS["inductor"] != "ok":
+        pytest.skip(f"Inductor cannot compile here: {fast_cuda.STATUS['inductor']}")
     assert got == {(name, one, (H,)): 1 for name in ("_grouped", "_rms") for one in (False, True)
                    for H in (24, 40)}, got
-    monkeypatch.setattr(fast_cuda, "_rows_dynamic", lambda x, args: None)
+    monkeypatch.setattr(fast_cuda, "_rows_dynamic", lambda x, args, rows: None)
     got = graphs()
+    assert fast_cuda.STATUS["inductor"] == "ok", fast_cuda.STATUS
     assert got[("_grouped", False, (24,))] == 3 and got[("_rms", False, (24,))] == 3, got     # control
+
+
+def test_a_weight_as_long_as_the_row_count_is_not_tied_to_it(monkeypatch, tmp_path):
+    """Compiling forced for CPU tensors: RMSNorm and the q/k norms with RoPE over as many rows as their weights
+    have elements (64 rows of width 64; 128 rows of heads of 128) compile (their weights stay static), and a later
+    call of 7 rows runs the same graph; planted fault: the weight's size marked dynamic as the rows' is, which ties
+    it to the row count (Dynamo refuses the graph: the failure is recorded and the eager ops serve)."""
+    monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))                 # as in the tests above
+
+    def run(rms_rows=(0,)) -> str:
+        monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
+        monkeypatch.setitem(fast_cuda.STATUS, "inductor", "untried")
+        for M in (64, 7):
+            x = torch.randn(M, 64).bfloat16()
+            fast_cuda.run_compiled(torch_norm._rms, x, torch.ones(64, dtype=x.dtype), 1e-6, rows=rms_rows)
+        for M in (128, 7):
+            q, k, w = torch.randn(M, 4, 128).bfloat16(), torch.randn(M, 2, 128).bfloat16(), torch.ones(128).bfloat16()
+            fast_fused.qk_norm_rope(q, k, w, w, 1e-6, torch.arange(M), 1e4)
+        return fast_cuda.STATUS["inductor"]
+    state = run()
+    if state != "ok" and "Constraint" not in state:
+        pytest.skip(f"Inductor cannot compile here: {state}")
+    assert state == "ok" and len(fast_cuda._GRAPHS) == 2, (state, list(fast_cuda._GRAPHS))
+    assert "Constraint" in run(rms_rows=(0, 1))                                     # planted fault
 
 
 def test_grouped_route_computes_each_pairs_expert(monkeypatch):

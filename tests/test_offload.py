@@ -350,8 +350,8 @@ def test_fast_set_compiled_offload_changes_no_byte(tiny_weights, prompt, monkeyp
         assert _differences(out, ref) == NONE, layer_slots
         assert (s["layer_fetches"] > 0, s["ring_fetches"] > 0) == (layer_slots > 0, layer_slots == 0), s
     run = fast_fused._run
-    monkeypatch.setattr(fast_fused, "_run", lambda fn, *a: (experts.gate_up_fast(*a) if fn is experts.gate_up_fast
-                                                            else run(fn, *a)))
+    monkeypatch.setattr(fast_fused, "_run", lambda fn, *a, **kw: (experts.gate_up_fast(*a) if fn is experts.gate_up_fast
+                                                                  else run(fn, *a, **kw)))
     ref = _run(tiny_weights, prompt.ids, "fast", "deep")          # the shared expert runs the fault too
     for layer_slots in (0, 2):                                    # prompt rows; the decode rows' KV
         assert _differences(offloaded(layer_slots)[0], ref) != NONE, layer_slots         # planted fault

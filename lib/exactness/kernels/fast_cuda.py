@@ -78,27 +78,25 @@ def compiled(fn, variant: tuple = ()):
     return g
 
 
-def _variant(x: torch.Tensor, args: tuple) -> tuple:
-    """A compiled copy's key: autograd on or off, one row or more, and every argument but the row count (dim 0 of x
-    and of each tensor argument with x's row count): tensors by dtype and other sizes, the rest by value."""
-    M = x.shape[0]
-
-    def sig(a):
+def _variant(x: torch.Tensor, args: tuple, rows: tuple[int, ...]) -> tuple:
+    """A compiled copy's key: autograd on or off, one row or more, and every argument but the row count (dim 0 of
+    the tensors at positions ``rows`` of (x, *args)): tensors by dtype and other sizes, the rest by value."""
+    def sig(i, a):
         if isinstance(a, torch.Tensor):
-            return a.dtype, a.dim(), tuple(a.shape[1:] if a.dim() and a.shape[0] == M else a.shape)
+            return a.dtype, a.dim(), tuple(a.shape[1:] if i in rows else a.shape)
         return a
-    return torch.is_grad_enabled(), M == 1, tuple(sig(a) for a in (x, *args))
+    return torch.is_grad_enabled(), x.shape[0] == 1, tuple(sig(i, a) for i, a in enumerate((x, *args)))
 
 
-def _rows_dynamic(x: torch.Tensor, args: tuple) -> None:
-    """Marks dim 0 of x and of every tensor argument with x's row count dynamic (torch._dynamo.mark_dynamic), so
-    one graph serves every row count above 1 with the other sizes static: Inductor then knows the row width
-    (vectorised loads, no division by a symbolic size), as a graph compiled for one shape would."""
+def _rows_dynamic(x: torch.Tensor, args: tuple, rows: tuple[int, ...]) -> None:
+    """Marks dim 0 of the tensors at positions ``rows`` of (x, *args) dynamic (torch._dynamo.mark_dynamic) where
+    x has more than one row, so one graph serves every row count above 1 with the other sizes static: Inductor
+    then knows the row width (vectorised loads, no division by a symbolic size), as a graph compiled for one
+    shape would. A weight is never marked: a size equal to the row count by chance would tie the two."""
     import torch._dynamo
-    M = x.shape[0]
-    if M > 1:
-        for a in (x, *args):
-            if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == M:
+    if x.shape[0] > 1:
+        for i, a in enumerate((x, *args)):
+            if i in rows and isinstance(a, torch.Tensor):
                 torch._dynamo.mark_dynamic(a, 0)
 
 
@@ -115,14 +113,15 @@ def compiles(x: torch.Tensor) -> bool:
     return x.is_cuda or _COMPILE["cpu"]
 
 
-def run_compiled(fn, x: torch.Tensor, *args):
+def run_compiled(fn, x: torch.Tensor, *args, rows: tuple[int, ...] = (0,)):
     """fn(x, *args) compiled where x is a CUDA tensor with elements and Inductor works here; eagerly elsewhere, and
-    from the first call that fails to compile (any graph, any shape) on: STATUS["inductor"] says why."""
+    from the first call that fails to compile (any graph, any shape) on: STATUS["inductor"] says why. ``rows``: the
+    positions in (x, *args) of the tensors whose dim 0 is x's row count (the one size a graph leaves dynamic)."""
     if not compiles(x) or x.numel() == 0 or STATUS["inductor"] not in ("untried", "ok"):
         return fn(x, *args)
     try:
-        _rows_dynamic(x, args)
-        out = compiled(fn, _variant(x, args))(x, *args)
+        _rows_dynamic(x, args, rows)
+        out = compiled(fn, _variant(x, args, rows))(x, *args)
     except Exception as e:  # noqa: BLE001 -- whatever Inductor raises here; a genuine error recurs eagerly below
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise               # a failed capture: graphs.py runs the forward eagerly instead
@@ -167,7 +166,8 @@ def moe_experts(h: torch.Tensor, idx: torch.Tensor, w_gate: torch.Tensor, w_up: 
     """
     if not moe_experts_serve(h, w_gate, w_up, w_down):
         return None
-    return _first("grouped_mm", lambda: run_compiled(_grouped, h, idx, w_gate, w_up, w_down), lambda: None)
+    return _first("grouped_mm", lambda: run_compiled(_grouped, h, idx, w_gate, w_up, w_down, rows=(0, 1)),
+                  lambda: None)
 
 
 def _grouped(h, idx, w_gate, w_up, w_down) -> torch.Tensor:
@@ -241,7 +241,7 @@ def _decode(q, k_cache, v_cache, slots, positions) -> torch.Tensor:
         return torch.empty_like(q)
     S, T = k_cache.shape[:2]
     kf, vf = (c.view(S * T, *c.shape[2:]) for c in (k_cache, v_cache))             # [S*T, Hkv, D]
-    cu_q, cu_k, used = run_compiled(_decode_index, slots, positions, T)
+    cu_q, cu_k, used = run_compiled(_decode_index, slots, positions, T, rows=(0, 1))
     return _varlen(q.contiguous(), kf, vf, cu_q, cu_k, 1, T, False, used)
 
 

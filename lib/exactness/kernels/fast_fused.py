@@ -41,7 +41,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """rope.rope_fast's torch ops (cos/sin evaluated for these positions); x [M, h, D] -> x's shape."""
-    return _run(_rope.rope_fast, x, positions, theta)
+    return _run(_rope.rope_fast, x, positions, theta, rows=(0, 1))
 
 
 def router(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool, groups: tuple[int, int] | None = None):
@@ -57,7 +57,7 @@ def gate_up(x: torch.Tensor, w_gate, w_up) -> torch.Tensor:
 
 def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
     """experts.combine_fast's torch ops; y [M, k, H], weights [M, k] -> [M, H]."""
-    return _run(_experts.combine_fast, y, weights, shared)
+    return _run(_experts.combine_fast, y, weights, shared, rows=(0, 1, 2))
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -82,8 +82,12 @@ def _qk_norm_rope(q, k, wq, wk, eps, positions, theta):
 
 def _option(fn, args: tuple, weights: tuple):
     """fn(*args) compiled where args[0] is on CUDA and every weight is a plain tensor (not a quantized one); else
-    None: the engine then calls the set's kernels one by one."""
-    return _run(fn, *args) if _here(args[0]) and all(type(t) is torch.Tensor for t in weights) else None
+    None: the engine then calls the set's kernels one by one. Every tensor argument but the weights has the row
+    count as its dim 0."""
+    if not (_here(args[0]) and all(type(t) is torch.Tensor for t in weights)):
+        return None
+    rows = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not any(a is w for w in weights))
+    return _run(fn, *args, rows=rows)
 
 
 def residual_norm(a: torch.Tensor, b: torch.Tensor, w, eps: float):
