@@ -80,10 +80,12 @@ def compiled(fn, variant: tuple = ()):
 
 def _variant(x: torch.Tensor, args: tuple, rows: tuple[int, ...]) -> tuple:
     """A compiled copy's key: autograd on or off, one row or more, and every argument but the row count (dim 0 of
-    the tensors at positions ``rows`` of (x, *args)): tensors by dtype and other sizes, the rest by value."""
+    the tensors at positions ``rows`` of (x, *args)): tensors by dtype, other sizes and strides (Dynamo guards
+    static strides too: a strided view is a graph of its own; a row tensor's strides do not hold the row count
+    unless its rows are not outermost in memory, then it is keyed per row count), the rest by value."""
     def sig(i, a):
         if isinstance(a, torch.Tensor):
-            return a.dtype, a.dim(), tuple(a.shape[1:] if i in rows else a.shape)
+            return a.dtype, a.dim(), tuple(a.shape[1:] if i in rows else a.shape), a.stride()
         return a
     return torch.is_grad_enabled(), x.shape[0] == 1, tuple(sig(i, a) for i, a in enumerate((x, *args)))
 
