@@ -189,35 +189,44 @@ def test_more_graphs_of_one_op_than_dynamos_limit_still_compile(monkeypatch, tmp
     assert "RecompileLimit" in run_all()
 
 
+def _entries(g) -> int:
+    """How many graphs Dynamo holds for compiled copy g."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    return len(_debug_get_cache_entry_list(g._torchdynamo_orig_callable.__code__))
+
+
+def _compiled_here(state: str) -> bool:
+    """Whether Inductor compiled here, or refused a graph for Dynamo's reasons (what the tests below catch)."""
+    return state == "ok" or any(s in state for s in ("Constraint", "RecompileLimit"))
+
+
 def test_one_graph_serves_every_row_count_and_other_sizes_stay_static(monkeypatch, tmp_path):
     """Compiling forced for CPU tensors: the grouped route and RMSNorm over 7, 33 and 120 rows each compile one
-    graph (Dynamo's cache of that copy holds one entry: the row count is dynamic), one row its own copy; a width
-    not seen before gets a copy of its own (the widths are static: keyed, not guarded). Control: without the row
-    count marked dynamic, each row count compiles a graph of its own. Skipped where Inductor cannot compile here."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+    graph (one copy, whose Dynamo cache holds one entry: the row count is dynamic), one row a copy of its own; a
+    width not seen before gets a copy of its own (the widths are static: keyed, not guarded): 8 copies of one graph
+    each for 2 widths. Control: without the row count marked dynamic, each row count compiles a graph of its own.
+    Skipped where Inductor or the reference _grouped_mm cannot run here."""
     monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
     monkeypatch.setitem(fast_cuda._STATE, "cpu_grouped", True)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))                 # as in the tests above
 
     def graphs(widths=(24,)) -> dict:
         monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
-        monkeypatch.setitem(fast_cuda.STATUS, "inductor", "untried")
+        for k in fast_cuda.STATUS:
+            monkeypatch.setitem(fast_cuda.STATUS, k, "untried")
         for H in widths:
             for M in (7, 33, 120, 1):
                 h, idx, wg, wu, wd = _experts(H=H, M=M)
-                assert fast_cuda.moe_experts(h, idx, wg, wu, wd).shape == (M, 3, H)
+                fast_cuda.moe_experts(h, idx, wg, wu, wd)
                 fast_fused.rmsnorm(h, torch.ones(H, dtype=h.dtype), 1e-6)
-        return {(f.__name__, v[1], v[2][0][2]): len(entries(g._torchdynamo_orig_callable.__code__))
-                for (f, v), g in fast_cuda._GRAPHS.items()}
-    try:
-        got = graphs((24, 40))
-    except (RuntimeError, NotImplementedError) as e:   # a torch whose _grouped_mm has no CPU path
-        pytest.skip(f"torch._grouped_mm on CPU: {e}")
-    if fast_cuda.STATUS["inductor"] != "ok":
-        pytest.skip(f"Inductor cannot compile here: {fast_cuda.STATUS['inductor']}")
+        if fast_cuda.STATUS["grouped_mm"] != "ok" or not _compiled_here(fast_cuda.STATUS["inductor"]):
+            pytest.skip(f"compiled grouped route on CPU tensors: {fast_cuda.STATUS}")
+        return {(f.__name__, v[2], v[3][0][4]): _entries(g) for (f, v), g in fast_cuda._GRAPHS.items()}
+    got = graphs((24, 40))
+    assert fast_cuda.STATUS["inductor"] == "ok" and len(fast_cuda._GRAPHS) == 8, (fast_cuda.STATUS, got)
     assert got == {(name, one, (H,)): 1 for name in ("_grouped", "_rms") for one in (False, True)
                    for H in (24, 40)}, got
-    monkeypatch.setattr(fast_cuda, "_rows_dynamic", lambda x, args, rows: None)
+    monkeypatch.setattr(fast_cuda, "_rows_dynamic", lambda x, args, rows: (x, *args))
     got = graphs()
     assert fast_cuda.STATUS["inductor"] == "ok", fast_cuda.STATUS
     assert got[("_grouped", False, (24,))] == 3 and got[("_rms", False, (24,))] == 3, got     # control
@@ -226,26 +235,34 @@ def test_one_graph_serves_every_row_count_and_other_sizes_stay_static(monkeypatc
 def test_a_weight_as_long_as_the_row_count_is_not_tied_to_it(monkeypatch, tmp_path):
     """Compiling forced for CPU tensors: RMSNorm and the q/k norms with RoPE over as many rows as their weights
     have elements (64 rows of width 64; 128 rows of heads of 128) compile (their weights stay static), and a later
-    call of 7 rows runs the same graph; planted fault: the weight's size marked dynamic as the rows' is, which ties
-    it to the row count (Dynamo refuses the graph: the failure is recorded and the eager ops serve)."""
+    call of 7 rows runs the same graph (one copy each, one graph in it); the caller's tensors carry no mark
+    afterwards, and a tensor named a row tensor without the row count is refused (ValueError). Planted fault: the
+    weight's size marked dynamic as the rows' is, which ties it to the row count (Dynamo refuses the graph: the
+    failure is recorded and the eager ops serve)."""
     monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))                 # as in the tests above
+    seen = []
 
-    def run(rms_rows=(0,)) -> str:
+    def run(rms_rows=(0,), counts=(64, 7)) -> str:
         monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
         monkeypatch.setitem(fast_cuda.STATUS, "inductor", "untried")
-        for M in (64, 7):
+        for M in counts:
             x = torch.randn(M, 64).bfloat16()
+            seen.append(x)
             fast_cuda.run_compiled(torch_norm._rms, x, torch.ones(64, dtype=x.dtype), 1e-6, rows=rms_rows)
         for M in (128, 7):
             q, k, w = torch.randn(M, 4, 128).bfloat16(), torch.randn(M, 2, 128).bfloat16(), torch.ones(128).bfloat16()
+            seen.extend((q, k, w))
             fast_fused.qk_norm_rope(q, k, w, w, 1e-6, torch.arange(M), 1e4)
         return fast_cuda.STATUS["inductor"]
     state = run()
-    if state != "ok" and "Constraint" not in state:
+    if not _compiled_here(state):
         pytest.skip(f"Inductor cannot compile here: {state}")
-    assert state == "ok" and len(fast_cuda._GRAPHS) == 2, (state, list(fast_cuda._GRAPHS))
-    assert "Constraint" in run(rms_rows=(0, 1))                                     # planted fault
+    assert state == "ok" and [_entries(g) for g in fast_cuda._GRAPHS.values()] == [1, 1], (state, fast_cuda._GRAPHS)
+    assert not any(hasattr(t, "_dynamo_dynamic_indices") for t in seen)
+    with pytest.raises(ValueError, match="argument 1 of shape"):
+        fast_cuda.run_compiled(torch_norm._rms, seen[1], torch.ones(64), 1e-6, rows=(0, 1))
+    assert "Constraint" in run(rms_rows=(0, 1), counts=(64,))                       # planted fault
 
 
 def test_grouped_route_computes_each_pairs_expert(monkeypatch):

@@ -79,27 +79,44 @@ def compiled(fn, variant: tuple = ()):
 
 
 def _variant(x: torch.Tensor, args: tuple, rows: tuple[int, ...]) -> tuple:
-    """A compiled copy's key: autograd on or off, one row or more, and every argument but the row count (dim 0 of
-    the tensors at positions ``rows`` of (x, *args)): tensors by dtype, other sizes and strides (Dynamo guards
-    static strides too: a strided view is a graph of its own; a row tensor's strides do not hold the row count
-    unless its rows are not outermost in memory, then it is keyed per row count), the rest by value."""
+    """A compiled copy's key: autograd (on, off, inference mode), one row or more, and every argument but the row
+    count (dim 0 of the tensors at positions ``rows`` of (x, *args)): tensors by dtype, device, requires_grad,
+    other sizes and strides (Dynamo guards static strides too: a strided view is a graph of its own; a row tensor's
+    strides do not hold the row count unless its rows are not outermost in memory, then it is keyed per row
+    count), the rest by value."""
     def sig(i, a):
         if isinstance(a, torch.Tensor):
-            return a.dtype, a.dim(), tuple(a.shape[1:] if i in rows else a.shape), a.stride()
+            return (a.dtype, a.device, a.requires_grad, a.dim(), tuple(a.shape[1:] if i in rows else a.shape),
+                    a.stride())
         return a
-    return torch.is_grad_enabled(), x.shape[0] == 1, tuple(sig(i, a) for i, a in enumerate((x, *args)))
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), x.shape[0] == 1,
+            tuple(sig(i, a) for i, a in enumerate((x, *args))))
 
 
-def _rows_dynamic(x: torch.Tensor, args: tuple, rows: tuple[int, ...]) -> None:
-    """Marks dim 0 of the tensors at positions ``rows`` of (x, *args) dynamic (torch._dynamo.mark_dynamic) where
-    x has more than one row, so one graph serves every row count above 1 with the other sizes static: Inductor
-    then knows the row width (vectorised loads, no division by a symbolic size), as a graph compiled for one
-    shape would. A weight is never marked: a size equal to the row count by chance would tie the two."""
+def _rows(x: torch.Tensor, args: tuple, rows: tuple[int, ...]) -> None:
+    """Raises ValueError where a tensor named in ``rows`` has not x's row count as its dim 0."""
+    for i in rows:
+        a = (x, *args)[i]
+        if isinstance(a, torch.Tensor) and (a.dim() == 0 or a.shape[0] != x.shape[0]):
+            raise ValueError(f"argument {i} of shape {tuple(a.shape)} is named a row tensor, but x has "
+                             f"{x.shape[0]} rows")
+
+
+def _rows_dynamic(x: torch.Tensor, args: tuple, rows: tuple[int, ...]) -> tuple:
+    """(x, *args) with the tensors at positions ``rows``, where x has more than one row, replaced by aliases (views
+    of the same memory) whose dim 0 is marked dynamic (torch._dynamo.mark_dynamic), so one graph serves every row
+    count above 1 with the other sizes static: Inductor then knows the row width (vectorised loads, no division by
+    a symbolic size), as a graph compiled for one shape would. The caller's tensors carry no mark (a mark stays
+    with its tensor, which a later call may pass as a weight); a weight is never marked (a size equal to the row
+    count by chance would tie the two, and Dynamo refuses the graph)."""
     import torch._dynamo
+    out = [x, *args]
     if x.shape[0] > 1:
-        for i, a in enumerate((x, *args)):
-            if i in rows and isinstance(a, torch.Tensor):
-                torch._dynamo.mark_dynamic(a, 0)
+        for i in rows:
+            if isinstance(out[i], torch.Tensor):
+                out[i] = out[i].view(out[i].shape)
+                torch._dynamo.mark_dynamic(out[i], 0)
+    return tuple(out)
 
 
 def _inductor_options() -> dict:
@@ -118,12 +135,13 @@ def compiles(x: torch.Tensor) -> bool:
 def run_compiled(fn, x: torch.Tensor, *args, rows: tuple[int, ...] = (0,)):
     """fn(x, *args) compiled where x is a CUDA tensor with elements and Inductor works here; eagerly elsewhere, and
     from the first call that fails to compile (any graph, any shape) on: STATUS["inductor"] says why. ``rows``: the
-    positions in (x, *args) of the tensors whose dim 0 is x's row count (the one size a graph leaves dynamic)."""
+    positions in (x, *args) of the tensors whose dim 0 is x's row count (the one size a graph leaves dynamic);
+    ValueError where one has not."""
     if not compiles(x) or x.numel() == 0 or STATUS["inductor"] not in ("untried", "ok"):
         return fn(x, *args)
+    _rows(x, args, rows)
     try:
-        _rows_dynamic(x, args, rows)
-        out = compiled(fn, _variant(x, args, rows))(x, *args)
+        out = compiled(fn, _variant(x, args, rows))(*_rows_dynamic(x, args, rows))
     except Exception as e:  # noqa: BLE001 -- whatever Inductor raises here; a genuine error recurs eagerly below
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise               # a failed capture: graphs.py runs the forward eagerly instead

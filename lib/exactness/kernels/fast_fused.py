@@ -13,9 +13,9 @@ torch op; a CUDA graph holds them).
 
 Inductor computes a fused chain of bf16 ops in fp32 and rounds where a value is stored, so these rows are not
 the eager ops' bytes (the fast set claims none). Graphs are compiled with the row count dynamic and the other sizes
-static (a row count of 1 gets its own), once per process. Where a tensor is not on CUDA or has no rows the eager
-torch code runs (CPU rows stay plain torch's); where compiling fails the first time, the eager code serves every
-later call and ``fast_cuda.STATUS["inductor"]`` says why (fast_cuda.run_compiled).
+static (a row count of 1 gets its own), once per process and signature of the arguments. Where a tensor is not on
+CUDA or has no rows the eager torch code runs (CPU rows stay plain torch's); where compiling fails the first time,
+the eager code serves every later call and ``fast_cuda.STATUS["inductor"]`` says why (fast_cuda.run_compiled).
 """
 from __future__ import annotations
 
