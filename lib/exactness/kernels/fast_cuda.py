@@ -93,29 +93,26 @@ def _variant(x: torch.Tensor, args: tuple, rows: tuple[int, ...]) -> tuple:
             tuple(sig(i, a) for i, a in enumerate((x, *args))))
 
 
-def _rows(x: torch.Tensor, args: tuple, rows: tuple[int, ...]) -> None:
-    """Raises ValueError where a tensor named in ``rows`` has not x's row count as its dim 0."""
-    for i in rows:
-        a = (x, *args)[i]
-        if isinstance(a, torch.Tensor) and (a.dim() == 0 or a.shape[0] != x.shape[0]):
-            raise ValueError(f"argument {i} of shape {tuple(a.shape)} is named a row tensor, but x has "
-                             f"{x.shape[0]} rows")
-
-
 def _rows_dynamic(x: torch.Tensor, args: tuple, rows: tuple[int, ...]) -> tuple:
     """(x, *args) with the tensors at positions ``rows``, where x has more than one row, replaced by aliases (views
     of the same memory) whose dim 0 is marked dynamic (torch._dynamo.mark_dynamic), so one graph serves every row
     count above 1 with the other sizes static: Inductor then knows the row width (vectorised loads, no division by
     a symbolic size), as a graph compiled for one shape would. The caller's tensors carry no mark (a mark stays
     with its tensor, which a later call may pass as a weight); a weight is never marked (a size equal to the row
-    count by chance would tie the two, and Dynamo refuses the graph)."""
+    count by chance would tie the two, and Dynamo refuses the graph). ValueError where a tensor named in ``rows``
+    has not x's row count as its dim 0."""
     import torch._dynamo
     out = [x, *args]
-    if x.shape[0] > 1:
-        for i in rows:
-            if isinstance(out[i], torch.Tensor):
-                out[i] = out[i].view(out[i].shape)
-                torch._dynamo.mark_dynamic(out[i], 0)
+    for i in rows:
+        a = out[i]
+        if not isinstance(a, torch.Tensor):
+            continue
+        if a.dim() == 0 or a.shape[0] != x.shape[0]:
+            raise ValueError(f"argument {i} of shape {tuple(a.shape)} is named a row tensor, but x has "
+                             f"{x.shape[0]} rows")
+        if x.shape[0] > 1:
+            out[i] = a.view(a.shape)
+            torch._dynamo.mark_dynamic(out[i], 0)
     return tuple(out)
 
 
@@ -139,9 +136,9 @@ def run_compiled(fn, x: torch.Tensor, *args, rows: tuple[int, ...] = (0,)):
     ValueError where one has not."""
     if not compiles(x) or x.numel() == 0 or STATUS["inductor"] not in ("untried", "ok"):
         return fn(x, *args)
-    _rows(x, args, rows)
+    marked = _rows_dynamic(x, args, rows)
     try:
-        out = compiled(fn, _variant(x, args, rows))(*_rows_dynamic(x, args, rows))
+        out = compiled(fn, _variant(x, args, rows))(*marked)
     except Exception as e:  # noqa: BLE001 -- whatever Inductor raises here; a genuine error recurs eagerly below
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise               # a failed capture: graphs.py runs the forward eagerly instead
