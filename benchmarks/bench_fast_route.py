@@ -11,7 +11,8 @@ Run from the repository root on the GPU machine:
 
 Prints per variant and row count (a 16,022-row prompt, one decode row) the median GPU time of 20 calls (CUDA
 events) and whether its bytes equal the set's compiled route's (the fast set claims no bytes: a variant that keeps
-them could replace the route without moving the fast set's receipt rows).
+them could replace the route without moving the fast set's receipt rows), then what served the set's calls
+(fast_cuda.served: a compile that failed leaves its rows to the eager code, and the script says so).
 """
 from __future__ import annotations
 
@@ -105,6 +106,10 @@ def main() -> None:
         for name, fn in fns.items():
             err = float((fn().float() - eager.float()).abs().max())
             print(f"rope   M={M:6d}  {name:34s} {gpu_us(fn):10.1f} us  max |this - eager| {err:.3g}")
+    served = fast_cuda.served()
+    print("the set's kernels: " + ", ".join(f"{n} {v}" for n, v in served.items()))
+    if served.get("inductor") != "ok":      # run_compiled fell back: the set's rows above ran its eager code
+        print("the rows named the set's are not of its compiled graphs: its compile failed (above)")
 
 
 if __name__ == "__main__":

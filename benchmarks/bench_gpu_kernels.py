@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from exactness import paths  # noqa: E402
 from exactness.config import get_preset  # noqa: E402
 from exactness.kernels import attention as fast_attn  # noqa: E402
-from exactness.kernels import cuda, experts, fast_fused, offline_compile, rope, router  # noqa: E402
+from exactness.kernels import cuda, experts, fast_cuda, fast_fused, offline_compile, rope, router  # noqa: E402
 from exactness.loop import decode_step as eager_step  # noqa: E402
 from exactness.weights import device_random_weights  # noqa: E402
 
@@ -840,6 +840,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             results[s] = {"error": repr(e)}
         results[s]["seconds"] = round(time.perf_counter() - t0, 1) if isinstance(results[s], dict) else None
+        results.setdefault("fast_served", {})[s] = fast_cuda.served()   # bench_gpu_goals.baseline_note reads it
         print(f"[{s}: {time.perf_counter() - t0:.1f} s]", flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)

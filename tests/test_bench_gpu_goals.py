@@ -133,3 +133,43 @@ def test_deep_a_hair_slower_than_batched_within_the_repeats_range_is_a_tie():
     assert not any(goal in line for line in gg.limits([tie], kernels, None))
     rows[("invariant", "deep", 2048)].update(prefill_s=0.0704)
     assert {r["measure"]: r for r in gg._prefill_rows(kernels, offload, 750e12)}[goal]["met"] == "MISSED"
+
+
+def test_a_goal_weighing_the_fast_set_is_not_judged_where_its_kernels_did_not_serve():
+    """Where one of the fast set's CUDA kernels did not serve by a section's end (its fallback ran: the run's
+    per-section record), every goal that weighs that section's fast figures says "not judged" and why, in its row and
+    in the closing note; goals of the invariant set alone, and sections that ended before the fallback, are judged
+    as before. Control: the same results with every kernel served give the plain verdicts."""
+    import bench_gpu_goals as bgg
+    kernels, offload = _saved()
+    served = {"grouped_mm": "ok", "flash": "ok", "inductor": "ok"}
+    fell = {**served, "inductor": "ConstraintViolationError: a | b"}
+    kernels["fast_served"] = {s: dict(served) for s in ("decode_step", "drafted", "streams")}
+    kernels["fast_served"].update(e2e=fell, offload=fell)
+    plain = {r["measure"]: r["met"] for r in bgg.goal_rows(*_saved())}
+    rows = bgg.goal_rows(kernels, offload)
+    met = {r["measure"]: r["met"] for r in rows}
+    why = "not judged: the fast set's inductor did not serve (ConstraintViolationError: a / b)"
+    weigh_fast = ("prefill, one chunk", "prefill, batched@2048", "prefill, deep@2048", "prefill, deep@one segment",
+                  "offloaded deep prefill", "offloaded deep / offloaded batched@2048, fast",
+                  "offloaded deep / copy bound, fast")
+    assert all(met[m] == why for m in weigh_fast), {m: met[m] for m in weigh_fast}
+    assert {m: v for m, v in met.items() if m not in weigh_fast} == {m: v for m, v in plain.items()
+                                                                     if m not in weigh_fast}
+    assert [plain[m] for m in weigh_fast[:4]] == ["met", "met", "MISSED", "MISSED"]       # judged where it served
+    note = bgg.limits(rows, kernels, None)
+    assert "- prefill, one chunk: " + why in note and not any("deep@one segment: invariant" in ln for ln in note)
+    # the decode step: missed by the invariant set alone stays missed; met by it, the fast half is not judged
+    kernels["fast_served"]["decode_step"] = fell
+    dec = "decode step, 4,096 context, 1 stream, CUDA graphs"
+    assert plain[dec] == "MISSED"                                                      # fast 0.3 ms served
+    assert {r["measure"]: r["met"] for r in bgg.goal_rows(kernels, offload)}[dec] == why  # invariant 0.2 ms
+    kernels["decode_step"]["graphs"][0]["graphs_ms"] = 0.26
+    assert {r["measure"]: r["met"] for r in bgg.goal_rows(kernels, offload)}[dec] == "MISSED"
+    # results saved before the per-section record: the run's record judges every section
+    old, _ = _saved()
+    old["fast_kernels"] = fell
+    assert {r["measure"]: r["met"] for r in bgg.goal_rows(old, offload)}["concurrent streams: decode step of 8, "
+                                                                          "CUDA graphs"] == why
+    old["fast_kernels"] = served
+    assert {r["measure"]: r["met"] for r in bgg.goal_rows(old, offload)} == plain
