@@ -11,8 +11,8 @@ Run from the repository root on the GPU machine:
 
 Prints per variant and row count (a 16,022-row prompt, one decode row) the median GPU time of 20 calls (CUDA
 events) and whether its bytes equal the set's compiled route's (the fast set claims no bytes: a variant that keeps
-them could replace the route without moving the fast set's receipt rows), then what served the set's calls
-(fast_cuda.served: a compile that failed leaves its rows to the eager code, and the script says so).
+them could replace the route without moving the fast set's receipt rows); after each row count, what served the
+set's calls (fast_cuda.served: a compile that failed leaves its rows to the eager code, and the script says so).
 """
 from __future__ import annotations
 
@@ -93,6 +93,7 @@ def main() -> None:
                 print(f"route  M={M:6d}  {name:34s} {gpu_us(lambda: fn(h, idx)):10.1f} us  set's bytes: {same}")
             except Exception as e:  # noqa: BLE001 -- a variant this torch cannot compile is reported, not fatal
                 print(f"route  M={M:6d}  {name:34s} failed: {type(e).__name__}: {str(e)[:160]}")
+        _served(f"route  M={M:6d}")
     every = torch.compile(R.rope_fast, dynamic=True)
     tab = torch.compile(lambda x, p, c, s: R._rotate(x, c[p], s[p]), dynamic=True)
     for M in (16022, 1):
@@ -106,10 +107,17 @@ def main() -> None:
         for name, fn in fns.items():
             err = float((fn().float() - eager.float()).abs().max())
             print(f"rope   M={M:6d}  {name:34s} {gpu_us(fn):10.1f} us  max |this - eager| {err:.3g}")
+        _served(f"rope   M={M:6d}")
+
+
+def _served(rows: str) -> None:
+    """Print what served the set's calls so far (fast_cuda.served), prefixed ``rows``; where a compile had failed,
+    that every compiled call of the set from that failure on ran its eager code (run_compiled's fallback, kept for
+    the process)."""
     served = fast_cuda.served()
-    print("the set's kernels: " + ", ".join(f"{n} {v}" for n, v in served.items()))
-    if served.get("inductor") != "ok":      # run_compiled fell back: the set's rows above ran its eager code
-        print("the rows named the set's are not of its compiled graphs: its compile failed (above)")
+    print(f"{rows}  the set's kernels: " + ", ".join(f"{n} {v}" for n, v in served.items()))
+    if served.get("inductor", "ok") != "ok":
+        print(f"{rows}  a compile of the set failed by here: its calls from then on ran its eager code")
 
 
 if __name__ == "__main__":

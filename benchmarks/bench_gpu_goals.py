@@ -23,8 +23,8 @@ rows at M = 64..512 get their own roofline table. The receipt's own time (goal: 
 "deep ≤ batched" is a tie, not missed, where deep is slower by less than the wider range of the two runs' repeats
 (at one segment the invariant set's deep prefill makes the batched prefill's kernel calls). A goal that weighs the
 fast set's figures is "not judged", with the reason, where one of the fast set's CUDA kernels (grouped GEMMs,
-FlashAttention, its compiled graphs) had not served by the end of the section that measured them (fast_cuda.served,
-recorded after each section): its fallback ran, not the baseline the goal names.
+FlashAttention, its compiled graphs) had failed by the end of the section that measured them, so its fallback served
+(fast_cuda.served, recorded after each section): not the baseline the goal names.
 """
 from __future__ import annotations
 
@@ -101,16 +101,21 @@ def _no_slower(k: dict, d: float, b: float, step) -> bool | str:
     return f"tie: deep {(d - b) * 1e3:.3f} ms slower, within the repeats' range {spread * 1e3:.3f} ms"
 
 
-def baseline_note(k: dict, section: str) -> str | None:
-    """Why a goal that weighs the fast set's figures of ``section`` is not judged: one of the fast set's CUDA kernels
-    did not serve by that section's end (k["fast_served"][section]; results without it: the run's
-    k["fast_kernels"]), so its figures are of its fallback, not of the baseline the goal names. None where every
-    kernel the run records served ("ok"), or where the results record none."""
-    rec = (k.get("fast_served") or {}).get(section, k.get("fast_kernels") or {})
-    bad = {n: str(v).replace("|", "/")[:100] for n, v in rec.items() if v not in ("ok", "untried")}
-    if not bad:
-        return None
-    return "not judged: the fast set's " + "; ".join(f"{n} did not serve ({v})" for n, v in bad.items())
+def _failed(k: dict, section: str, own: dict | None = None) -> str | None:
+    """Which of the fast set's CUDA kernels had failed by the end of ``section`` and why ("inductor failed (...)"),
+    from k["fast_served"][section], else ``own`` (a section's own JSON's record: bench_offload's), else the run's
+    k["fast_kernels"]; None where each kernel the record names is "ok" or "untried" (not called), or it names none."""
+    served = k.get("fast_served") or {}
+    rec = served[section] if section in served else own if own is not None else k.get("fast_kernels") or {}
+    bad = [f"{n} failed ({str(v).replace('|', '/')[:100]})" for n, v in rec.items() if v not in ("ok", "untried")]
+    return "; ".join(bad) or None
+
+
+def baseline_note(k: dict, section: str, own: dict | None = None) -> str | None:
+    """Why a goal that weighs the fast set's figures of ``section`` is not judged (its fallback served, not the
+    baseline the goal names: _failed), or None."""
+    failed = _failed(k, section, own)
+    return f"not judged: the fast set's {failed}; its fallback served" if failed else None
 
 
 def _judge(met: bool, note: str | None):
@@ -157,7 +162,7 @@ def _prefill_rows(k: dict, off: dict, peak: float) -> list[dict]:
 
 def _offload_rows(k: dict, off: dict) -> list[dict]:
     deep = {r["kernels"]: r for r in off["rows"] if r["path"] == "deep"}
-    rows, note = [], baseline_note(k, "offload")
+    rows, note = [], baseline_note(k, "offload", off.get("fast_served"))
     if "invariant" in deep and "fast" in deep:
         i, f = deep["invariant"], deep["fast"]
         rows.append(_row("offloaded deep prefill", f"inv/fast ≤ {PATH_GOAL}", i.get("seconds"), f.get("seconds"),
@@ -405,9 +410,10 @@ def _prefill_profiles(bg) -> dict:
 
 
 def limits(rows: list[dict], k: dict, prof: dict | None) -> list[str]:
-    """The closing note: for each missed goal, its figures against its bound, and the measured kernel profile
-    (the top kernels by GPU time of the step or prefill behind it) where this run has one; for the decode step also
-    the part of its wall time its launches account for (_chain_part)."""
+    """The closing note: for each goal not judged, why (baseline_note); for each missed goal, its figures against its
+    bound, and the measured kernel profile (the top kernels by GPU time of the step or prefill behind it) where this
+    run has one; for the decode step also the part of its wall time its launches account for (_chain_part), and
+    where the fast set's figure in it is of a fallback, why."""
     out = []
     dec = (k.get("decode_step") or {}).get("kernels") or {}
     for r in rows:
@@ -424,6 +430,8 @@ def limits(rows: list[dict], k: dict, prof: dict | None) -> list[str]:
                 line += (f"; fast GPU {f['gpu_us']:.0f} us in {f['launches']} launches "
                          f"({f['gpu_us'] / f['launches']:.1f} us a launch on average)")
             tail = _chain_part(k, src)
+            fell = _failed(k, "decode_step")
+            tail += f"; the fast figure is its fallback's: {fell}" if fell else ""
         elif r["measure"].startswith(("prefill, one chunk", "one-chunk")) and prof and "error" not in prof:
             src = prof.get("invariant batched")
         elif r["measure"].startswith("prefill, deep@one") and prof and "error" not in prof:
@@ -508,7 +516,7 @@ def main(argv=None) -> int:
                   "read (profiled GPU time)")
             print(tabulate(dr, headers="keys", floatfmt=".3g", tablefmt="github"))
     note = limits(rows, k, prof)
-    print("## what limits the missed goals (measured in this run)")
+    print("## what limits the missed goals, and why a goal is not judged (measured in this run)")
     ties = [r["measure"] for r in rows if r["met"].startswith("tie")]
     print("\n".join(note) if note else "no measured goal is missed" + (f" ({len(ties)} a tie)" if ties else ""))
     if a.out:

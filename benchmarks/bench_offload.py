@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from exactness.cache import KVCache  # noqa: E402
 from exactness.config import get_preset  # noqa: E402
+from exactness.kernels import fast_cuda  # noqa: E402
 from exactness.offload import ExpertStore  # noqa: E402
 from exactness.paths import Schedule, prefill  # noqa: E402
 from exactness.prompts import build_prompt  # noqa: E402
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
               f"deep / bound {rows[-1]['ratio']:.2f} (goal <= 1.25)")
     if a.json:
         Path(a.json).write_text(json.dumps({"peak_flops": peak, "h2d_bytes_per_s": bw, "flops": flops,
-                                            "prompt_tokens": P, "store": store.info(), "rows": rows}, indent=1))
+                                            "prompt_tokens": P, "store": store.info(), "rows": rows,
+                                            "fast_served": fast_cuda.served()}, indent=1))
     return 0
 
 

@@ -320,6 +320,7 @@ def test_bench_offload_script_runs_on_cpu(tmp_path):
     deep = [r for r in res["rows"] if r["path"] == "deep"][0]
     assert deep["ring_fetches"] > 0 and deep["served"]["deep"]["rows"] == 48
     assert res["flops"] > 0 and deep["bound_s"] > 0
+    assert res["fast_served"] == {}                 # what served the fast set's CUDA kernels: none called on the CPU
 
 
 @pytest.mark.slow
