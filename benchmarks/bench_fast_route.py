@@ -12,7 +12,7 @@ Run from the repository root on the GPU machine:
 Prints per variant and row count (a 16,022-row prompt, one decode row) the median GPU time of 20 calls (CUDA
 events) and whether its bytes equal the set's compiled route's (the fast set claims no bytes: a variant that keeps
 them could replace the route without moving the fast set's receipt rows); after each row count, what served the
-set's calls (fast_cuda.served: a compile that failed leaves its rows to the eager code, and the script says so).
+set's calls (fast_cuda.served: a kernel that failed leaves its rows to its fallback, and the script says so).
 """
 from __future__ import annotations
 
@@ -111,13 +111,11 @@ def main() -> None:
 
 
 def _served(rows: str) -> None:
-    """Print what served the set's calls so far (fast_cuda.served), prefixed ``rows``; where a compile had failed,
-    that every compiled call of the set from that failure on ran its eager code (run_compiled's fallback, kept for
-    the process)."""
-    served = fast_cuda.served()
-    print(f"{rows}  the set's kernels: " + ", ".join(f"{n} {v}" for n, v in served.items()))
-    if served.get("inductor", "ok") != "ok":
-        print(f"{rows}  a compile of the set failed by here: its calls from then on ran its eager code")
+    """Print what served the set's calls so far (fast_cuda.served), prefixed ``rows``; where a kernel had failed
+    (fast_cuda.failed), that its calls from that failure on ran its fallback (kept for the process)."""
+    print(f"{rows}  the set's kernels: " + ", ".join(f"{n} {v}" for n, v in fast_cuda.served().items()))
+    if fast_cuda.failed():
+        print(f"{rows}  a kernel of the set failed by here: its calls from then on ran its fallback")
 
 
 if __name__ == "__main__":

@@ -104,11 +104,11 @@ def _no_slower(k: dict, d: float, b: float, step) -> bool | str:
 def _failed(k: dict, section: str, own: dict | None = None) -> str | None:
     """Which of the fast set's CUDA kernels had failed by the end of ``section`` and why ("inductor failed (...)"),
     from k["fast_served"][section], else ``own`` (a section's own JSON's record: bench_offload's), else the run's
-    k["fast_kernels"]; None where each kernel the record names is "ok" or "untried" (not called), or it names none."""
+    k["fast_kernels"]; None where the record names no failure (fast_cuda.failed: "untried" is none)."""
+    from exactness.kernels.fast_cuda import failed
     served = k.get("fast_served") or {}
     rec = served[section] if section in served else own if own is not None else k.get("fast_kernels") or {}
-    bad = [f"{n} failed ({str(v).replace('|', '/')[:100]})" for n, v in rec.items() if v not in ("ok", "untried")]
-    return "; ".join(bad) or None
+    return "; ".join(f"{n} failed ({str(v).replace('|', '/')[:100]})" for n, v in failed(rec).items()) or None
 
 
 def baseline_note(k: dict, section: str, own: dict | None = None) -> str | None:

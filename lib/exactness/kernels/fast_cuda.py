@@ -38,6 +38,12 @@ def served() -> dict[str, str]:
     return {k: v for k, v in STATUS.items() if v != "untried"}
 
 
+def failed(record: dict[str, str] | None = None) -> dict[str, str]:
+    """The kinds of a served() record (default: this process's) whose kernel failed, kind -> why (its fallback
+    served every call from then on); neither "ok" nor "untried"."""
+    return {k: v for k, v in (STATUS if record is None else record).items() if v not in ("ok", "untried")}
+
+
 def _first(kind: str, fn, fallback):
     """fn() the first time ``kind`` runs (recording "ok" or the error), fallback() thereafter if it failed."""
     state = STATUS[kind]
