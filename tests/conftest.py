@@ -57,3 +57,39 @@ def tiny_weights():
 def code_prompt():
     """the `code` prompt cut to 160 tokens."""
     return build_prompt("code", max_tokens=160)
+
+
+@pytest.fixture
+def cpu_compile(monkeypatch, tmp_path):
+    """fast_cuda with the fast set's compiled code forced for CPU tensors (_COMPILE["cpu"]), no graph compiled yet
+    and every kernel untried, compiling into a cache folder of the test's own (Inductor's on-disk caches do not key
+    CPU code by ATen's CPU capability: code cached under another can crash this run). Skips where Inductor cannot
+    compile an RMSNorm in bf16 here, tried before anything is forced, so that a failure to compile after that is
+    the code's: the tests assert it, not skip on it."""
+    from exactness.kernels import fast_cuda
+    from exactness.kernels.norm import _rms
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(4, 64).bfloat16()
+    try:
+        torch.compile(lambda a, w: _rms(a, w, 1e-6), fullgraph=True)(x, torch.ones(64, dtype=x.dtype))
+    except Exception as e:  # noqa: BLE001 -- whatever Inductor raises where it cannot build here
+        pytest.skip(f"Inductor cannot compile here: {type(e).__name__}: {str(e)[:160]}")
+    monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
+    monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
+    for k in fast_cuda.STATUS:
+        monkeypatch.setitem(fast_cuda.STATUS, k, "untried")
+    return fast_cuda
+
+
+@pytest.fixture
+def cpu_grouped(monkeypatch):
+    """fast_cuda with its grouped experts served on CPU tensors through torch's reference _grouped_mm
+    (_STATE["cpu_grouped"]). Skips where this torch has no CPU _grouped_mm, tried first."""
+    from exactness.kernels import fast_cuda
+    x, w = torch.ones(4, 16, dtype=torch.bfloat16), torch.ones(2, 16, 16, dtype=torch.bfloat16)
+    try:
+        torch._grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([2, 4], dtype=torch.int32))
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._grouped_mm on CPU: {type(e).__name__}: {str(e)[:160]}")
+    monkeypatch.setitem(fast_cuda._STATE, "cpu_grouped", True)
+    return fast_cuda

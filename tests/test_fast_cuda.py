@@ -100,35 +100,25 @@ def test_cpu_fast_kernels_are_the_eager_torch_ops(tiny_weights):
         x[:, None], x[:, None], torch.ones(8), torch.ones(8), 1e-6, torch.arange(3), 1e4) is None
 
 
-def test_cpu_compiled_forward_runs_every_option_close_to_eager(tiny_weights, monkeypatch, tmp_path):
+def test_cpu_compiled_forward_runs_every_option_close_to_eager(tiny_weights, monkeypatch, cpu_compile, cpu_grouped):
     """With compiling forced for CPU tensors (fast_cuda._COMPILE["cpu"], tests only; skipped where Inductor cannot
-    compile here): a fast-set forward of 70 prompt rows then one decode row goes through torch.compile for the
-    first norm, the router, the grouped experts and the options it uses (q/k norms with RoPE, each residual add
-    with its norm after the projection or the combine: each one's graph compiled); its logits within 3% (relative
-    norm) of the eager set's, max, argmax and count beyond 8 bf16 ULPs in the message; planted fault: the output
-    projection's option without its residual add, beyond the bound."""
+    compile here, conftest's cpu_compile): a fast-set forward of 70 prompt rows then one decode row goes through
+    torch.compile for the first norm, the router, the grouped experts and the options it uses (q/k norms with RoPE, each
+    residual add with its norm after the projection or the combine: each one's graph compiled); its logits within 3%
+    (relative norm) of the eager set's, max, argmax and count beyond 8 bf16 ULPs in the message; planted fault: the
+    output projection's option without its residual add, beyond the bound."""
     fast, w = get_set("fast"), tiny_weights
     ids = torch.arange(71) % w.cfg.vocab_size
-    monkeypatch.setitem(fast_cuda._STATE, "cpu_grouped", True)
 
     def run():
         cache = KVCache(w.cfg, 80, 1, w.dtype, w.device)
         a = forward(w, ids[:70], torch.arange(70), cache, fast, BATCHED).logits
         return torch.cat([a, forward(w, ids[70:], torch.tensor([70]), cache, fast, DECODE).logits])
-    try:
-        ref = run()
-    except (RuntimeError, NotImplementedError) as e:   # a torch whose _grouped_mm has no CPU path
-        pytest.skip(f"torch._grouped_mm on CPU: {e}")
-    for k in fast_cuda.STATUS:
-        monkeypatch.setitem(fast_cuda.STATUS, k, "untried")
+    monkeypatch.setitem(fast_cuda._COMPILE, "cpu", False)
+    ref = run()                                                                   # the eager ops
     monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
-    monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
-    # Inductor's on-disk caches do not key CPU code by ATen's CPU capability: code cached by a run under another
-    # capability can crash this one, so this test compiles into a cache folder of its own.
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     out = run()
-    if fast_cuda.STATUS["inductor"] != "ok":
-        pytest.skip(f"Inductor cannot compile here: {fast_cuda.STATUS['inductor']}")
+    assert fast_cuda.STATUS["inductor"] == "ok" and fast_cuda.STATUS["grouped_mm"] == "ok", fast_cuda.STATUS
     ran = {f.__name__ for f, _ in fast_cuda._GRAPHS}
     assert {"_rms", "router_fast", "_grouped", "_combine_residual_norm", "_dense_residual_norm",
             "_qk_norm_rope"} <= ran, ran
@@ -164,15 +154,13 @@ def test_a_compile_failure_is_recorded_and_the_eager_ops_serve_from_then_on(monk
     assert calls == ["_rms"] and fast_cuda.served()["inductor"].startswith("AssertionError")
 
 
-def test_more_graphs_of_one_op_than_dynamos_limit_still_compile(monkeypatch, tmp_path):
+def test_more_graphs_of_one_op_than_dynamos_limit_still_compile(monkeypatch, cpu_compile):
     """Compiling forced for CPU tensors: RMSNorm over 2-D and 3-D rows, one row and several, in bf16, fp16 and fp32
     (12 graphs, beyond Dynamo's 8 per code object) all compile, each variant its own copy of the function; control:
     with every call on one copy, the ninth graph fails (fullgraph) and the failure is recorded. Dynamo's limit is
     held at its default of 8 here: a library may raise it for the process (transformers' chunked prefill sets 64).
-    Skipped where Inductor cannot compile here."""
+    Skipped where Inductor cannot compile here (conftest's cpu_compile)."""
     import torch._dynamo.config
-    monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))                 # as in the test above
 
     def run_all() -> str:
         monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
@@ -184,8 +172,6 @@ def test_more_graphs_of_one_op_than_dynamos_limit_still_compile(monkeypatch, tmp
         return fast_cuda.STATUS["inductor"]
     with torch._dynamo.config.patch(recompile_limit=8):
         state = run_all()
-        if state != "ok" and "RecompileLimit" not in state:
-            pytest.skip(f"Inductor cannot compile here: {state}")
         assert state == "ok" and len(fast_cuda._GRAPHS) == 12, (state, len(fast_cuda._GRAPHS))
         one = fast_cuda.compiled
         monkeypatch.setattr(fast_cuda, "compiled", lambda fn, variant=(): one(fn, ()))
@@ -198,20 +184,12 @@ def _entries(g) -> int:
     return len(_debug_get_cache_entry_list(g._torchdynamo_orig_callable.__code__))
 
 
-def _compiled_here(state: str) -> bool:
-    """Whether Inductor compiled here, or refused a graph for Dynamo's reasons (what the tests below catch)."""
-    return state == "ok" or any(s in state for s in ("Constraint", "RecompileLimit"))
-
-
-def test_one_graph_serves_every_row_count_and_other_sizes_stay_static(monkeypatch, tmp_path):
+def test_one_graph_serves_every_row_count_and_other_sizes_stay_static(monkeypatch, cpu_compile, cpu_grouped):
     """Compiling forced for CPU tensors: the grouped route and RMSNorm over 7, 33 and 120 rows each compile one
     graph (one copy, whose Dynamo cache holds one entry: the row count is dynamic), one row a copy of its own; a
     width not seen before gets a copy of its own (the widths are static: keyed, not guarded): 8 copies of one graph
     each for 2 widths. Control: without the row count marked dynamic, each row count compiles a graph of its own.
-    Skipped where Inductor or the reference _grouped_mm cannot run here."""
-    monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
-    monkeypatch.setitem(fast_cuda._STATE, "cpu_grouped", True)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))                 # as in the tests above
+    Skipped where Inductor or the reference _grouped_mm cannot run here (conftest's cpu_compile, cpu_grouped)."""
 
     def graphs(widths=(24,)) -> dict:
         monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
@@ -222,8 +200,7 @@ def test_one_graph_serves_every_row_count_and_other_sizes_stay_static(monkeypatc
                 h, idx, wg, wu, wd = _experts(H=H, M=M)
                 fast_cuda.moe_experts(h, idx, wg, wu, wd)
                 fast_fused.rmsnorm(h, torch.ones(H, dtype=h.dtype), 1e-6)
-        if fast_cuda.STATUS["grouped_mm"] != "ok" or not _compiled_here(fast_cuda.STATUS["inductor"]):
-            pytest.skip(f"compiled grouped route on CPU tensors: {fast_cuda.STATUS}")
+        assert fast_cuda.STATUS["grouped_mm"] == "ok", fast_cuda.STATUS
         return {(f.__name__, v[2], v[3][0][4]): _entries(g) for (f, v), g in fast_cuda._GRAPHS.items()}
     got = graphs((24, 40))
     assert fast_cuda.STATUS["inductor"] == "ok" and len(fast_cuda._GRAPHS) == 8, (fast_cuda.STATUS, got)
@@ -235,15 +212,14 @@ def test_one_graph_serves_every_row_count_and_other_sizes_stay_static(monkeypatc
     assert got[("_grouped", False, (24,))] == 3 and got[("_rms", False, (24,))] == 3, got     # control
 
 
-def test_a_weight_as_long_as_the_row_count_is_not_tied_to_it(monkeypatch, tmp_path):
+def test_a_weight_as_long_as_the_row_count_is_not_tied_to_it(monkeypatch, cpu_compile):
     """Compiling forced for CPU tensors: RMSNorm and the q/k norms with RoPE over as many rows as their weights
     have elements (64 rows of width 64; 128 rows of heads of 128) compile (their weights stay static), and a later
     call of 7 rows runs the same graph (one copy each, one graph in it); the caller's tensors carry no mark
     afterwards, and a tensor named a row tensor without the row count is refused (ValueError). Planted fault: the
     weight's size marked dynamic as the rows' is, which ties it to the row count (Dynamo refuses the graph: the
-    failure is recorded and the eager ops serve)."""
-    monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))                 # as in the tests above
+    failure is recorded and the eager ops serve). Skipped where Inductor cannot compile here (conftest's
+    cpu_compile)."""
     seen = []
 
     def run(rms_rows=(0,), counts=(64, 7)) -> str:
@@ -259,8 +235,6 @@ def test_a_weight_as_long_as_the_row_count_is_not_tied_to_it(monkeypatch, tmp_pa
             fast_fused.qk_norm_rope(q, k, w, w, 1e-6, torch.arange(M), 1e4)
         return fast_cuda.STATUS["inductor"]
     state = run()
-    if not _compiled_here(state):
-        pytest.skip(f"Inductor cannot compile here: {state}")
     assert state == "ok" and [_entries(g) for g in fast_cuda._GRAPHS.values()] == [1, 1], (state, fast_cuda._GRAPHS)
     assert not any(hasattr(t, "_dynamo_dynamic_indices") for t in seen)
     with pytest.raises(ValueError, match="argument 1 of shape"):
@@ -268,16 +242,13 @@ def test_a_weight_as_long_as_the_row_count_is_not_tied_to_it(monkeypatch, tmp_pa
     assert "Constraint" in run(rms_rows=(0, 1), counts=(64,))                       # planted fault
 
 
-def test_grouped_route_computes_each_pairs_expert(monkeypatch):
+def test_grouped_route_computes_each_pairs_expert(monkeypatch, cpu_grouped):
     """Through torch's reference _grouped_mm on CPU tensors: every (row, slot) pair gets its own expert's SwiGLU
     (close to the per-pair loop: the reference may group the products differently); a planted fault (the sort's
-    order reversed within a group boundary) is caught."""
-    monkeypatch.setitem(fast_cuda._STATE, "cpu_grouped", True)
+    order reversed within a group boundary) is caught. Skipped where this torch has no CPU _grouped_mm (conftest's
+    cpu_grouped)."""
     h, idx, wg, wu, wd = _experts()
-    try:
-        y = fast_cuda.moe_experts(h, idx, wg, wu, wd)
-    except (RuntimeError, NotImplementedError) as e:   # a torch whose _grouped_mm has no CPU path
-        pytest.skip(f"torch._grouped_mm on CPU: {e}")
+    y = fast_cuda.moe_experts(h, idx, wg, wu, wd)
     ref = _loop(h, idx, wg, wu, wd)
     assert y.shape == ref.shape and y.dtype == torch.bfloat16
     assert torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-3)

@@ -324,24 +324,17 @@ def test_bench_offload_script_runs_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
-def test_fast_set_compiled_offload_changes_no_byte(tiny_weights, prompt, monkeypatch, tmp_path):
+def test_fast_set_compiled_offload_changes_no_byte(tiny_weights, prompt, monkeypatch, cpu_compile, cpu_grouped):
     """The fast set as it runs on CUDA, here on CPU tensors (its graphs compiled: fast_cuda._COMPILE["cpu"]; its
     grouped experts through torch's reference _grouped_mm: _STATE["cpu_grouped"]; tests only): the deep path with
     offloaded experts, one expert at a time (expert ring) or the prompt's layers staged whole and the decode rows'
     experts one by one (layer ring), gives the resident run's bytes (all experts grouped): an expert run alone
     computes SiLU * up in the compiled code of the grouped route. Planted fault: that expert's SiLU * up run
     eagerly (rounded twice), in the resident run too (its shared expert): both offloaded runs then differ from it.
-    Skipped where Inductor or the reference _grouped_mm cannot run here."""
+    Skipped where Inductor or the reference _grouped_mm cannot run here (conftest's cpu_compile, cpu_grouped)."""
     from exactness.kernels import experts, fast_cuda, fast_fused
-    monkeypatch.setitem(fast_cuda._STATE, "cpu_grouped", True)
-    monkeypatch.setitem(fast_cuda._COMPILE, "cpu", True)
-    monkeypatch.setattr(fast_cuda, "_GRAPHS", {})
-    for k in fast_cuda.STATUS:
-        monkeypatch.setitem(fast_cuda.STATUS, k, "untried")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # test_fast_cuda's compile tests say why
     ref = _run(tiny_weights, prompt.ids, "fast", "deep")
-    if fast_cuda.STATUS["inductor"] != "ok" or fast_cuda.STATUS["grouped_mm"] != "ok":
-        pytest.skip(f"compiled fast set on CPU tensors: {fast_cuda.STATUS}")
+    assert fast_cuda.STATUS["inductor"] == "ok" and fast_cuda.STATUS["grouped_mm"] == "ok", fast_cuda.STATUS
 
     def offloaded(layer_slots):
         store = ExpertStore(tiny_weights, "offload", ring_slots=2, layer_slots=layer_slots)
